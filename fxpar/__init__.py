@@ -1,0 +1,30 @@
+"""fxpar: an auto-parallelizing compiler for PyTorch training (see DESIGN.md).
+
+>>> import fxpar
+>>> mesh = fxpar.Mesh(fxpar.Cluster.preset("dgx-a100", nodes=2), dp=2, tp=8)
+>>> print(fxpar.reshard_plan("S(0)S(1)", "RR", mesh, (1024, 1024), "float32"))  # doctest: +SKIP
+S(0)S(1) -> S(0)R -> RR  ...
+"""
+
+from fxpar.errors import (
+    CaptureError,
+    ClusterError,
+    CollectiveTimeoutError,
+    FxparError,
+    MeshError,
+    PlanError,
+    ReshardError,
+    SpecError,
+)
+from fxpar.spec import Partial, Placement, Replicate, Shard, Spec
+from fxpar.cluster import Cluster
+from fxpar.mesh import Mesh
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CaptureError", "ClusterError", "CollectiveTimeoutError", "FxparError", "MeshError",
+    "PlanError", "ReshardError", "SpecError",
+    "Partial", "Placement", "Replicate", "Shard", "Spec",
+    "Cluster", "Mesh",
+]

@@ -1,0 +1,43 @@
+"""The fxpar error hierarchy.
+
+Every error fxpar raises on bad input is a subclass of :class:`FxparError` and names what is at
+fault (node, op, spec, constraint or budget), so the same message appears on every rank.
+
+>>> from fxpar.errors import SpecError, FxparError
+>>> issubclass(SpecError, FxparError) and issubclass(SpecError, ValueError)
+True
+"""
+
+from __future__ import annotations
+
+
+class FxparError(Exception):
+    """Base class of every error fxpar raises on purpose."""
+
+
+class CaptureError(FxparError):
+    """No frontend could capture the model; the message names each frontend and its reason."""
+
+
+class SpecError(FxparError, ValueError):
+    """A sharding spec does not fit its tensor or mesh (wrong placement count, dim out of range)."""
+
+
+class MeshError(FxparError, ValueError):
+    """A mesh does not fit its cluster (unknown device ids, sizes that do not multiply out)."""
+
+
+class ClusterError(FxparError, ValueError):
+    """A cluster description is inconsistent or an unknown preset was asked for."""
+
+
+class ReshardError(FxparError):
+    """A redistribution cannot be planned or executed (unsupported reduce op, shape mismatch)."""
+
+
+class PlanError(FxparError):
+    """The planner found no feasible plan (e.g. the memory budget is too small)."""
+
+
+class CollectiveTimeoutError(FxparError):
+    """A multi-process collective did not finish in time (a hang is reported, never waited on)."""

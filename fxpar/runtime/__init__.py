@@ -1,0 +1,1 @@
+"""Run-time pieces of fxpar: collectives, resharding execution, schedules."""

@@ -1,0 +1,228 @@
+"""Sharding specs and layout math.
+
+A :class:`Spec` is mesh-centric, as in ``torch.distributed.tensor``: one placement per mesh
+axis. ``Shard(d)`` splits tensor dim ``d`` across the devices of that axis, ``Replicate()``
+copies the tensor, ``Partial("sum")`` means every device of the axis holds an addend of the
+value. Placements are the ``torch.distributed.tensor`` classes themselves.
+
+Layout rules (identical to DTensor's, so ``DTensor.redistribute`` is a valid oracle):
+
+* Splits follow ``torch.chunk``: a dim of size ``n`` over ``k`` devices gives chunks of
+  ``c = ceil(n / k)``; device ``i`` holds ``[i*c, min((i+1)*c, n))``, so the last shards are
+  smaller and may be empty (``n=5, k=4`` gives sizes 2, 2, 1, 0).
+* One dim sharded over several axes is split **left to right in mesh-axis order**: the
+  outermost (first) axis splits the global dim, each later axis splits the piece the earlier
+  axes left. On a 2×2 mesh ``S(0)S(0)`` puts global block ``2*i + j`` of a dim on device
+  ``(i, j)``.
+
+>>> from fxpar.spec import Spec, Shard, Replicate
+>>> s = Spec.parse("S(0)R")
+>>> s, s.placements
+(S(0)R, (Shard(dim=0), Replicate()))
+>>> s.local_shape((5, 4), mesh_shape=(2, 2), coord=(1, 0))
+(2, 4)
+>>> s.global_slices((5, 4), mesh_shape=(2, 2), coord=(1, 0))
+(slice(3, 5, None), slice(0, 4, None))
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from fxpar.errors import SpecError
+
+__all__ = [
+    "Partial",
+    "Placement",
+    "Replicate",
+    "Shard",
+    "Spec",
+    "chunk_bounds",
+    "placement_str",
+]
+
+_REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+def placement_str(p: Placement) -> str:
+    """Short form of one placement: ``S(0)``, ``R``, ``P(sum)``."""
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    if isinstance(p, Partial):
+        return f"P({p.reduce_op})"
+    raise SpecError(f"unsupported placement {p!r}: fxpar specs use Shard, Replicate, Partial")
+
+
+def chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
+    """``[start, stop)`` of chunk ``index`` when ``size`` is split into ``parts`` like torch.chunk.
+
+    >>> [chunk_bounds(5, 4, i) for i in range(4)]
+    [(0, 2), (2, 4), (4, 5), (5, 5)]
+    """
+    c = -(-size // parts)
+    start = min(size, c * index)
+    return start, min(size, start + c)
+
+
+_TOKEN = re.compile(r"S\((-?\d+)\)|R|P\((\w+)\)")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One placement per mesh axis; frozen and hashable; prints as ``S(0)R``.
+
+    A spec knows nothing of tensor rank until it is checked against a shape
+    (:meth:`check`); all layout functions check first and raise :class:`fxpar.SpecError`
+    (a ``ValueError``) naming the spec and shape when they do not fit.
+    """
+
+    placements: tuple[Placement, ...]
+
+    def __post_init__(self) -> None:
+        ps = tuple(self.placements)
+        for p in ps:
+            placement_str(p)  # rejects foreign placement types
+            if isinstance(p, Partial) and p.reduce_op not in _REDUCE_OPS:
+                raise SpecError(f"Partial reduce op {p.reduce_op!r} not in {_REDUCE_OPS}")
+        object.__setattr__(self, "placements", ps)
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def of(cls, *placements: Placement | str) -> Spec:
+        """``Spec.of(Shard(0), "R")``: placements or their short strings."""
+        out: list[Placement] = []
+        for p in placements:
+            out.extend(cls.parse(p).placements if isinstance(p, str) else (p,))
+        return cls(tuple(out))
+
+    @classmethod
+    def parse(cls, text: str) -> Spec:
+        """Parse the short form: ``Spec.parse("P(sum)S(1)")``."""
+        pos, out = 0, []
+        s = text.replace(" ", "")
+        while pos < len(s):
+            m = _TOKEN.match(s, pos)
+            if m is None:
+                raise SpecError(f"cannot parse spec {text!r} at position {pos}")
+            if m.group(0) == "R":
+                out.append(Replicate())
+            elif m.group(1) is not None:
+                out.append(Shard(int(m.group(1))))
+            else:
+                out.append(Partial(m.group(2)))
+            pos = m.end()
+        return cls(tuple(out))
+
+    @classmethod
+    def replicate(cls, ndim_mesh: int) -> Spec:
+        return cls((Replicate(),) * ndim_mesh)
+
+    # -- printing -----------------------------------------------------------------------
+    def __str__(self) -> str:
+        return "".join(placement_str(p) for p in self.placements)
+
+    __repr__ = __str__
+
+    # -- queries ------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.placements)
+
+    def __getitem__(self, axis: int) -> Placement:
+        return self.placements[axis]
+
+    def __iter__(self):
+        return iter(self.placements)
+
+    def with_axis(self, axis: int, placement: Placement) -> Spec:
+        """The spec with the placement of one mesh axis replaced."""
+        ps = list(self.placements)
+        ps[axis] = placement
+        return Spec(tuple(ps))
+
+    def normalized(self, ndim: int) -> Spec:
+        """Negative shard dims made positive for a tensor of rank ``ndim``."""
+        return Spec(tuple(Shard(p.dim % ndim) if isinstance(p, Shard) and p.dim < 0 else p
+                          for p in self.placements))
+
+    @property
+    def is_replicated(self) -> bool:
+        return all(isinstance(p, Replicate) for p in self.placements)
+
+    @property
+    def has_partial(self) -> bool:
+        return any(isinstance(p, Partial) for p in self.placements)
+
+    def shard_axes(self, dim: int) -> tuple[int, ...]:
+        """Mesh axes that shard tensor dim ``dim``, outermost first (the split order)."""
+        return tuple(i for i, p in enumerate(self.placements) if isinstance(p, Shard) and p.dim == dim)
+
+    def check(self, shape: Sequence[int], mesh_shape: Sequence[int] | None = None) -> None:
+        """Raise :class:`SpecError` if the spec does not fit a tensor of ``shape`` on the mesh."""
+        ndim = len(shape)
+        if mesh_shape is not None and len(mesh_shape) != len(self.placements):
+            raise SpecError(
+                f"spec {self} has {len(self.placements)} placements but the mesh has "
+                f"{len(mesh_shape)} axes {tuple(mesh_shape)} (tensor shape {tuple(shape)})")
+        for axis, p in enumerate(self.placements):
+            if isinstance(p, Shard) and not -ndim <= p.dim < ndim:
+                raise SpecError(
+                    f"spec {self}: mesh axis {axis} shards dim {p.dim}, out of range for "
+                    f"tensor shape {tuple(shape)} (rank {ndim})")
+
+    # -- layout math --------------------------------------------------------------------
+    def global_slices(self, shape: Sequence[int], mesh_shape: Sequence[int],
+                      coord: Sequence[int]) -> tuple[slice, ...]:
+        """The global region held by the device at mesh ``coord``: one slice per tensor dim."""
+        self.check(shape, mesh_shape)
+        spec = self.normalized(len(shape))
+        lo = [0] * len(shape)
+        hi = list(shape)
+        for axis, p in enumerate(spec.placements):
+            if isinstance(p, Shard):
+                a, b = chunk_bounds(hi[p.dim] - lo[p.dim], mesh_shape[axis], coord[axis])
+                lo[p.dim], hi[p.dim] = lo[p.dim] + a, lo[p.dim] + b
+        return tuple(slice(a, b) for a, b in zip(lo, hi))
+
+    def local_shape(self, shape: Sequence[int], mesh_shape: Sequence[int],
+                    coord: Sequence[int]) -> tuple[int, ...]:
+        """Shape of the local tensor on the device at mesh ``coord``."""
+        return tuple(s.stop - s.start for s in self.global_slices(shape, mesh_shape, coord))
+
+    def max_local_shape(self, shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+        """The largest local shape over all devices (the first device's, by chunk rules)."""
+        return self.local_shape(shape, mesh_shape, (0,) * len(mesh_shape))
+
+    def local_numel(self, shape: Sequence[int], mesh_shape: Sequence[int]) -> int:
+        """Elements held by the fullest device: what memory and comm costs are sized by."""
+        n = 1
+        for s in self.max_local_shape(shape, mesh_shape):
+            n *= s
+        return n
+
+    def is_even(self, shape: Sequence[int], mesh_shape: Sequence[int]) -> bool:
+        """True when every device holds the same local shape (no padding needed)."""
+        self.check(shape, mesh_shape)
+        spec = self.normalized(len(shape))
+        sizes = list(shape)
+        for axis, p in enumerate(spec.placements):
+            if isinstance(p, Shard):
+                if sizes[p.dim] % mesh_shape[axis]:
+                    return False
+                sizes[p.dim] //= mesh_shape[axis]
+        return True
+
+
+def as_spec(x: Spec | str | Iterable[Placement]) -> Spec:
+    """Accept a Spec, its short string, or a sequence of placements."""
+    if isinstance(x, Spec):
+        return x
+    if isinstance(x, str):
+        return Spec.parse(x)
+    return Spec(tuple(x))

@@ -1,0 +1,174 @@
+"""Test support: a pool of live ``torch.distributed`` ranks that run functions on demand.
+
+Starting a process and importing torch costs seconds, so tests keep ``N`` spawned ranks alive
+(each in a real gloo group over a ``FileStore``) and send them work:
+
+>>> from fxpar.testing import WorkerPool          # doctest: +SKIP
+>>> with WorkerPool(4) as pool:                    # doctest: +SKIP
+...     pool.run(my_module_level_fn, 3)            # -> [result of rank 0, ..., rank 3]
+
+``fn`` must be picklable (a module-level function). Every call has a deadline: if a rank
+raises, the others get a short grace period and then the pool is torn down and the error is
+re-raised with every rank's traceback; if the deadline passes (a hung collective), the ranks
+are killed and :class:`fxpar.CollectiveTimeoutError` is raised. A torn-down pool restarts on
+its next call, so one hang fails one test, never the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from fxpar.errors import CollectiveTimeoutError, FxparError
+
+__all__ = ["WorkerPool", "WorkerError"]
+
+
+class WorkerError(FxparError):
+    """A function raised on one or more ranks of a :class:`WorkerPool`."""
+
+
+def _worker_main(rank: int, world: int, store_path: str, backend: str, tasks, results,
+                 pg_timeout_s: float) -> None:
+    import torch
+    import torch.distributed as dist
+
+    # Ranks share 2 cores on CI: one intra-op thread each keeps them from thrashing.
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        store = dist.FileStore(store_path, world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=pg_timeout_s))
+        results.put((rank, "ready", None))
+    except BaseException:  # report, then exit
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        call_id, fn, args, kwargs = task
+        try:
+            out = fn(*args, **kwargs)
+            results.put((rank, call_id, ("ok", out)))
+        except BaseException:
+            results.put((rank, call_id, ("error", traceback.format_exc())))
+    dist.destroy_process_group()
+
+
+class WorkerPool:
+    """``world_size`` spawned ranks in one process group (gloo by default)."""
+
+    def __init__(self, world_size: int, backend: str = "gloo", timeout: float = 120.0,
+                 start_timeout: float = 120.0) -> None:
+        self.world_size = world_size
+        self.backend = backend
+        self.timeout = timeout
+        self.start_timeout = start_timeout
+        self._procs: list = []
+        self._calls = 0
+
+    # -- lifecycle ----------------------------------------------------------------------
+    def start(self) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._tmp = tempfile.TemporaryDirectory(prefix="fxpar-pool-")
+        store = os.path.join(self._tmp.name, "store")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._procs = [
+            ctx.Process(target=_worker_main, daemon=True,
+                        args=(r, self.world_size, store, self.backend, self._tasks[r],
+                              self._results, self.timeout))
+            for r in range(self.world_size)]
+        for p in self._procs:
+            p.start()
+        deadline = time.monotonic() + self.start_timeout
+        ready, errors = set(), []
+        while len(ready) + len(errors) < self.world_size:
+            try:
+                rank, kind, payload = self._results.get(timeout=max(0.1, deadline - time.monotonic()))
+            except queue.Empty:
+                self.close(force=True)
+                raise CollectiveTimeoutError(
+                    f"WorkerPool({self.world_size}): ranks {sorted(set(range(self.world_size)) - ready)} "
+                    f"did not join the process group within {self.start_timeout:.0f} s") from None
+            (ready.add(rank) if kind == "ready" else errors.append(f"rank {rank}:\n{payload}"))
+        if errors:
+            if len(errors) + len(out) < self.world_size:
+                self.close(force=True)  # the silent ranks may be stuck in a collective
+            raise WorkerError("WorkerPool failed to start:\n" + "\n".join(errors))
+
+    def close(self, force: bool = False) -> None:
+        if not self._procs:
+            return
+        if not force:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+        self._procs = []
+        self._tmp.cleanup()
+
+    def __enter__(self) -> WorkerPool:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    # -- work ---------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], *args, timeout: float | None = None,
+            grace: float = 5.0, **kwargs) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results ordered by rank."""
+        if not self.alive:
+            self.close(force=True)
+            self.start()
+        self._calls += 1
+        call_id = self._calls
+        for q in self._tasks:
+            q.put((call_id, fn, args, kwargs))
+        limit = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        out: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        name = getattr(fn, "__qualname__", repr(fn))
+        while len(out) + len(errors) < self.world_size:
+            left = deadline - time.monotonic()
+            if errors:
+                left = min(left, grace)
+            try:
+                rank, cid, (kind, payload) = self._results.get(timeout=max(0.05, left))
+            except queue.Empty:
+                missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
+                self.close(force=True)
+                if errors:
+                    break
+                raise CollectiveTimeoutError(
+                    f"{name} did not finish on ranks {missing} within {limit:.0f} s "
+                    f"(a hung collective?); the worker pool was killed") from None
+            if cid != call_id:
+                continue  # a late answer from a call that already failed
+            (out.__setitem__ if kind == "ok" else errors.__setitem__)(rank, payload)
+        if errors:
+            if len(errors) + len(out) < self.world_size:
+                self.close(force=True)  # the silent ranks may be stuck in a collective
+            raise WorkerError(f"{name} raised on ranks {sorted(errors)}:\n" +
+                              "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+        return [out[r] for r in range(self.world_size)]

@@ -1,0 +1,46 @@
+"""The worker pool itself: results by rank, errors with tracebacks, hangs become timeouts."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fxpar.errors import CollectiveTimeoutError
+from fxpar.testing import WorkerError
+
+
+def _allreduce_rank():
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return dist.get_rank(), t.item()
+
+
+def _fail_on_one():
+    if dist.get_rank() == 1:
+        raise RuntimeError("boom on rank 1")
+    dist.barrier()  # rank 1 never arrives: the others hang until the pool kills them
+
+
+def _hang():
+    if dist.get_rank() == 0:
+        dist.barrier()
+
+
+@pytest.mark.timeout(120)
+def test_results_ordered_by_rank(pools):
+    assert pools(3).run(_allreduce_rank) == [(0, 3.0), (1, 3.0), (2, 3.0)]
+
+
+@pytest.mark.timeout(120)
+def test_error_names_rank_and_pool_recovers(pools):
+    pool = pools(3)
+    with pytest.raises(WorkerError, match=r"ranks \[1\][\s\S]*boom on rank 1"):
+        pool.run(_fail_on_one, grace=1.0)
+    assert pool.run(_allreduce_rank)[2] == (2, 3.0)
+
+
+@pytest.mark.timeout(120)
+def test_hang_becomes_timeout(pools):
+    pool = pools(3)
+    with pytest.raises(CollectiveTimeoutError, match="_hang"):
+        pool.run(_hang, timeout=3)
+    assert pool.run(_allreduce_rank)[0] == (0, 3.0)
