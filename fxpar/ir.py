@@ -1,0 +1,258 @@
+"""Node-meta keys and IR helpers: the single place where fxpar's graph metadata is defined.
+
+Every pass reads and writes metadata on ``torch.fx`` nodes (``node.meta[KEY]``) and on the graph
+module (``gm.meta[KEY]``) only through the key constants below, so a grep for a constant finds
+every producer and consumer. A pass that needs a new key adds it here, with a line in the tables.
+
+Node keys (``node.meta[...]``)
+
+==================  ============================================================================
+``VAL``             ``"val"`` (torch's own key). The node's value as fake tensors: a
+                    ``FakeTensor`` for a tensor-valued node, a tuple/list of them for a multi-output
+                    node (``aten.split``, ``aten.topk``), the Python value for nodes producing
+                    ``None``/ints/floats, and on the ``output`` node the structure of the output
+                    values. Set on EVERY node by :func:`fxpar.capture.capture`. Shapes are static.
+``PARAM``           ``"fxpar_param"``: :class:`ParamInfo` on the node that holds a parameter or
+                    buffer (an export placeholder, or a ``get_attr`` under symbolic_trace).
+``INPUT``           ``"fxpar_input"``: :class:`InputInfo` on each user-input placeholder.
+``CONSTANT``        ``"fxpar_constant"``: the name (str) of a tensor constant held by the graph
+                    module itself (``get_attr``), e.g. a plain tensor attribute of the model or a
+                    tensor created in ``forward``; not a parameter or buffer.
+``MODULE_PARAMS``   ``"fxpar_module_params"``: tuple of the FQNs of parameters/buffers used inside
+                    a ``call_module`` node (symbolic_trace only; export never emits call_module).
+``NN_MODULE_STACK`` ``"nn_module_stack"`` (torch's key, export only): ordered dict of the modules
+                    the node was traced under, ``{key: (fqn, module type)}``; use it to group nodes
+                    by layer.
+``STACK_TRACE``     ``"stack_trace"`` (torch's key): the user source line that produced the node.
+==================  ============================================================================
+
+Graph-module keys (``gm.meta[...]``)
+
+==============  ================================================================================
+``PARAMS``      ``"fxpar_params"``: ordered ``dict[FQN, ParamInfo]`` of every parameter and
+                buffer of the model (tied aliases collapsed to the first name, as
+                ``named_parameters()`` does), in placeholder order for export graphs.
+``INPUTS``      ``"fxpar_inputs"``: tuple of :class:`InputInfo`, one per user-input placeholder,
+                in placeholder order.
+``OUTPUTS``     ``"fxpar_outputs"``: tuple of :class:`OutputInfo`, one per flat output of an
+                export graph (user outputs, and buffer mutations under ``decompose=True``).
+``IN_SPEC``     ``"fxpar_in_spec"``: pytree spec of ``(args, kwargs)``; the flat user inputs of
+                an export graph are ``tree_flatten_spec((args, kwargs), IN_SPEC)``.
+``OUT_SPEC``    ``"fxpar_out_spec"``: pytree spec that rebuilds the model's output (e.g. a
+                transformers ``ModelOutput``) from the flat user outputs.
+``FRONTEND``    ``"fxpar_frontend"``: which frontend produced the graph: ``"export(non-strict)"``,
+                ``"export(strict)"`` (both ATen-level) or ``"symbolic_trace"`` (torch-level).
+==============  ================================================================================
+
+>>> import torch, fxpar.ir as ir
+>>> from fxpar.capture import capture
+>>> gm = capture(torch.nn.Linear(4, 3), (torch.randn(2, 4),))
+>>> ir.params(gm)["weight"]
+ParamInfo(fqn='weight', kind='param', shape=(3, 4), dtype=torch.float32, node_name='p_weight', \
+requires_grad=True, persistent=True, aliases=())
+>>> [i.name for i in ir.user_inputs(gm)]
+['input']
+>>> out = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default)
+>>> ir.tensor_meta(out)
+TensorMeta(shape=(2, 3), dtype=torch.float32)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+
+__all__ = [
+    "VAL",
+    "PARAM",
+    "INPUT",
+    "CONSTANT",
+    "MODULE_PARAMS",
+    "NN_MODULE_STACK",
+    "STACK_TRACE",
+    "PARAMS",
+    "INPUTS",
+    "OUTPUTS",
+    "IN_SPEC",
+    "OUT_SPEC",
+    "FRONTEND",
+    "ParamInfo",
+    "InputInfo",
+    "OutputInfo",
+    "TensorMeta",
+    "params",
+    "user_inputs",
+    "outputs",
+    "param_nodes",
+    "input_nodes",
+    "is_param",
+    "val",
+    "tensor_meta",
+    "tensor_metas",
+    "missing_vals",
+]
+
+# --- node keys -----------------------------------------------------------------------------------
+VAL = "val"
+PARAM = "fxpar_param"
+INPUT = "fxpar_input"
+CONSTANT = "fxpar_constant"
+MODULE_PARAMS = "fxpar_module_params"
+NN_MODULE_STACK = "nn_module_stack"
+STACK_TRACE = "stack_trace"
+
+# --- graph-module keys ---------------------------------------------------------------------------
+PARAMS = "fxpar_params"
+INPUTS = "fxpar_inputs"
+OUTPUTS = "fxpar_outputs"
+IN_SPEC = "fxpar_in_spec"
+OUT_SPEC = "fxpar_out_spec"
+FRONTEND = "fxpar_frontend"
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return math.prod(int(s) for s in shape)
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape and dtype of one tensor value (what cost models and strategies need)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        return _numel(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """A parameter or buffer of the captured model, identified by its fully qualified name.
+
+    ``kind`` is ``"param"`` or ``"buffer"``; ``node_name`` is the graph node that carries it (the
+    placeholder under export, the first ``get_attr``/``call_module`` user under symbolic_trace,
+    ``None`` if the graph never touches it). ``aliases`` lists other FQNs bound to the same tensor
+    (tied weights such as GPT-2's ``lm_head.weight``); they share this one node.
+    """
+
+    fqn: str
+    kind: Literal["param", "buffer"]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    node_name: str | None
+    requires_grad: bool
+    persistent: bool = True
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return _numel(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class InputInfo:
+    """One flat user input: ``name`` is the placeholder's source name (``"input_ids"``), ``path``
+    the pytree key path into ``(args, kwargs)`` (``"[1]['input_ids']"``). Tensor inputs have
+    ``shape``/``dtype``; non-tensor inputs (ints, ``None``) have ``value`` and were specialized
+    into the graph."""
+
+    name: str
+    path: str
+    node_name: str
+    shape: tuple[int, ...] | None
+    dtype: torch.dtype | None
+    value: Any = None
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.shape is not None
+
+
+@dataclass(frozen=True)
+class OutputInfo:
+    """One flat output of an export graph: ``kind`` is ``"user"`` (part of the model's output,
+    rebuilt with ``OUT_SPEC``), ``"buffer_mutation"`` (new value of buffer ``target``, only in
+    functionalized graphs from ``decompose=True``) or ``"input_mutation"`` (new value of the user
+    input named ``target``)."""
+
+    index: int
+    kind: Literal["user", "buffer_mutation", "input_mutation"]
+    target: str | None = None
+
+
+# --- helpers -------------------------------------------------------------------------------------
+def params(gm: fx.GraphModule, kind: str | None = None) -> dict[str, ParamInfo]:
+    """Ordered ``{fqn: ParamInfo}`` of the captured model; ``kind="param"``/``"buffer"`` filters."""
+    infos: Mapping[str, ParamInfo] = gm.meta.get(PARAMS, {})
+    return {k: v for k, v in infos.items() if kind is None or v.kind == kind}
+
+
+def user_inputs(gm: fx.GraphModule) -> tuple[InputInfo, ...]:
+    """The user inputs of a captured graph, in placeholder order."""
+    return tuple(gm.meta.get(INPUTS, ()))
+
+
+def outputs(gm: fx.GraphModule) -> tuple[OutputInfo, ...]:
+    """The flat outputs of an export graph (empty for symbolic_trace graphs)."""
+    return tuple(gm.meta.get(OUTPUTS, ()))
+
+
+def param_nodes(gm: fx.GraphModule) -> dict[str, fx.Node]:
+    """``{fqn: node}`` for every node that carries a parameter or buffer (``PARAM``)."""
+    return {n.meta[PARAM].fqn: n for n in gm.graph.nodes if PARAM in n.meta}
+
+
+def input_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """The user-input placeholders, in order."""
+    return [n for n in gm.graph.nodes if INPUT in n.meta]
+
+
+def is_param(node: fx.Node) -> bool:
+    """True if ``node`` is the node that holds a parameter or buffer."""
+    return PARAM in node.meta
+
+
+def val(node: fx.Node) -> Any:
+    """``node.meta["val"]``; raises ``KeyError`` naming the node when it is missing."""
+    try:
+        return node.meta[VAL]
+    except KeyError:
+        raise KeyError(f"node {node.name} ({node.op} {node.target}) has no meta[{VAL!r}]") from None
+
+
+def _as_tensor_meta(v: Any) -> TensorMeta | None:
+    if isinstance(v, torch.Tensor):
+        return TensorMeta(tuple(int(s) for s in v.shape), v.dtype)
+    return None
+
+
+def tensor_meta(node: fx.Node) -> TensorMeta | None:
+    """Shape and dtype of a single-tensor node; ``None`` if its value is not one tensor."""
+    return _as_tensor_meta(val(node))
+
+
+def tensor_metas(node: fx.Node) -> tuple[TensorMeta | None, ...]:
+    """One entry per output of the node (a 1-tuple for a single value); ``None`` for non-tensors."""
+    v = val(node)
+    if isinstance(v, (tuple, list)):
+        return tuple(_as_tensor_meta(x) for x in v)
+    return (_as_tensor_meta(v),)
+
+
+def missing_vals(gm: fx.GraphModule) -> list[str]:
+    """Names of nodes without ``meta["val"]`` (a verify step asserts this is empty)."""
+    return [n.name for n in gm.graph.nodes if VAL not in n.meta]

@@ -1,0 +1,1 @@
+"""Per-op sharding strategy rules, one file per op family (issue: planner)."""
