@@ -132,6 +132,7 @@ def capture(
     if _on_meta(model):
         # Fake propagation refuses to mix devices: meta weights need meta inputs.
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    args, kwargs = _unalias_inputs(args, kwargs)
 
     order = FRONTENDS if frontend == "auto" else (frontend,)
     failures: dict[str, BaseException] = {}
@@ -173,8 +174,9 @@ def run_captured(gm: fx.GraphModule, model: torch.nn.Module, *args: Any, **kwarg
     user: list[Any] = []
     for info, value in zip(ir.outputs(gm), flat_out, strict=True):
         if info.kind == "buffer_mutation":
-            with torch.no_grad():
-                state[info.target].copy_(value)
+            # Through .data: an in-place update must not bump the version counter autograd
+            # checks (the functional batch-norm saved the old buffer), as eager BN does not.
+            state[info.target].data.copy_(value)
         elif info.kind == "user":
             user.append(value)
     return pytree.tree_unflatten(user, gm.meta[ir.OUT_SPEC])
@@ -187,6 +189,9 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, *, strict: bool,
     guard = contextlib.nullcontext() if strict else _pytree_outputs(model)
     with guard:
         ep = torch.export.export(model, args, kwargs, strict=strict)
+    # Inline grad-mode regions first: run_decompositions would inline them WITHOUT the detach
+    # that keeps their outputs out of autograd.
+    _inline_set_grad_regions(ep.graph_module)
     if decompose:
         ep = ep.run_decompositions()
     return _from_exported(ep, model, "export(strict)" if strict else "export(non-strict)")
@@ -269,7 +274,6 @@ def _from_exported(ep: torch.export.ExportedProgram, model: torch.nn.Module,
         else:
             raise CaptureError(f"{frontend}: unsupported graph output kind {spec.kind.name}")
 
-    _inline_set_grad_regions(gm)
     for n in graph.find_nodes(op="call_function",
                               target=torch.ops.aten._assert_tensor_metadata.default):
         # Checks of the example inputs' dtype/device; the fake values already carry that.
@@ -324,6 +328,8 @@ def _inline_set_grad_regions(gm: fx.GraphModule) -> None:
     grad = _grad_carrying(gm)
     for node in nodes:
         enabled, sub_node, *operands = node.args
+        if enabled:
+            continue  # grad re-enabled inside a no_grad region: keep the scope, rare
         sub = getattr(gm, sub_node.target)
         users = list(node.users)
         if (not isinstance(sub, fx.GraphModule)
@@ -355,6 +361,7 @@ def _inline_set_grad_regions(gm: fx.GraphModule) -> None:
         if not sub_node.users:
             graph.erase_node(sub_node)
     gm.delete_all_unused_submodules()
+    gm.recompile()
 
 
 def _grad_carrying(gm: fx.GraphModule) -> set[fx.Node]:
@@ -512,6 +519,20 @@ def _symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.Gra
 
 
 # --- shared helpers ------------------------------------------------------------------------------
+def _unalias_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Clone a tensor passed twice (``labels=input_ids``): export would bind both placeholders to
+    one fake tensor and the graph would read the wrong one when they differ at run time."""
+    seen: set[int] = set()
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        if id(t) in seen:
+            return t.clone()
+        seen.add(id(t))
+        return t
+
+    return pytree.tree_map_only(torch.Tensor, fresh, (args, kwargs))
+
+
 def _on_meta(model: torch.nn.Module) -> bool:
     t = next(itertools.chain(model.parameters(), model.buffers()), None)
     return t is not None and t.is_meta

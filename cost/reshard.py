@@ -1,0 +1,97 @@
+"""Cost of one resharding step on one mesh axis (pure functions, no process group).
+
+A step changes the placement of one mesh axis (see :mod:`fxpar.reshard` for which changes are
+legal). Its bytes come from the **current** local shape, taken on the fullest device
+(:meth:`fxpar.spec.Spec.local_numel`, device 0 by chunk rules) times the dtype's item size; its
+time from the ring formulas of :func:`fxpar.cost.comm.axis_collective_time` (every group of the
+axis runs at once, the slowest sets the time), or from the device memory bandwidth ``B_mem``
+for the local steps:
+
+==================  =================  =================================  ===========================
+kind                placement change   ``nbytes`` (per device, fullest)   time
+==================  =================  =================================  ===========================
+``all_gather``      S(d) → R           input shard (source local)         ``(G−1)·(α + m/β)``
+``reduce_scatter``  P → S(d)           full buffer (source local)         ``(G−1)·(α + m/(G·β))``
+``all_reduce``      P → R              full buffer (source local)         ``2(G−1)·(α + m/(G·β))``
+``all_to_all``      S(d) → S(d')       full buffer (source local)         ``(G−1)·(α + m/(G·β))``
+``chunk``           R → S(d)           kept shard (destination local)     ``2·m / B_mem`` (read+write)
+``to_partial``      R → P(op)          zero-filled buffer (``sum`` only)  ``m / B_mem``; 0 for avg/max/min
+``rescale``         P(sum) ↔ P(avg)    full buffer                        ``2·m / B_mem``
+==================  =================  =================================  ===========================
+
+On a mesh axis of size 1 every step is free (the layouts coincide).
+
+>>> import torch
+>>> from fxpar import Cluster, Mesh, Spec
+>>> mesh = Mesh(Cluster.preset("dgx-a100"), dp=2, tp=4)
+>>> nbytes, t = step_cost("all_gather", Spec.parse("S(0)S(1)"), Spec.parse("S(0)R"), mesh, 1,
+...                       (1024, 1024), torch.float32)
+>>> nbytes                     # (1024/2)·(1024/4) float32 elements on each device
+524288
+>>> round(t * 1e6, 2)          # 3·(3 µs + 512 KiB / 300 GB/s)
+14.24
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fxpar.cost.comm import axis_collective_time
+
+__all__ = ["STEP_KINDS", "COLLECTIVE_KINDS", "LOCAL_KINDS", "step_bytes", "step_time", "step_cost"]
+
+#: Steps that talk over the mesh axis (priced by the ring formulas).
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+#: Steps that only touch local memory (priced by the memory bandwidth).
+LOCAL_KINDS = ("chunk", "to_partial", "rescale")
+STEP_KINDS = COLLECTIVE_KINDS + LOCAL_KINDS
+
+
+def _itemsize(dtype) -> int:
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else int(dtype)
+
+
+def step_bytes(kind: str, src, dst, mesh_shape: Sequence[int], axis: int, shape: Sequence[int],
+               dtype: torch.dtype | int) -> int:
+    """Bytes one step moves or writes per device (fullest device), per the table above.
+
+    ``dtype`` is a ``torch.dtype`` or an item size in bytes.
+    """
+    if kind not in STEP_KINDS:
+        raise ValueError(f"unknown reshard step kind {kind!r}; known: {STEP_KINDS}")
+    size = _itemsize(dtype)
+    if kind == "chunk":
+        return dst.local_numel(shape, mesh_shape) * size
+    if kind == "to_partial":
+        # Only Partial(sum) writes anything: the devices off axis-coordinate 0 zero their copy.
+        op = dst[axis].reduce_op
+        return src.local_numel(shape, mesh_shape) * size if op == "sum" and mesh_shape[axis] > 1 else 0
+    return src.local_numel(shape, mesh_shape) * size
+
+
+def step_time(kind: str, nbytes: float, mesh, axis: int) -> float:
+    """Seconds for a step of ``kind`` moving ``nbytes`` (see :func:`step_bytes`) on mesh axis
+    ``axis`` of ``mesh`` (an :class:`fxpar.Mesh`)."""
+    if mesh.shape[axis] == 1:
+        return 0.0
+    if kind in COLLECTIVE_KINDS:
+        return axis_collective_time(kind, nbytes, mesh, axis)
+    bw = mesh.cluster.memory_bandwidth
+    if kind in ("chunk", "rescale"):
+        return 2.0 * nbytes / bw
+    if kind == "to_partial":
+        return nbytes / bw
+    raise ValueError(f"unknown reshard step kind {kind!r}; known: {STEP_KINDS}")
+
+
+def step_cost(kind: str, src, dst, mesh, axis: int, shape: Sequence[int],
+              dtype: torch.dtype | int) -> tuple[int, float]:
+    """``(nbytes, seconds)`` of one step from spec ``src`` to spec ``dst`` on ``axis``.
+
+    ``src`` and ``dst`` are :class:`fxpar.spec.Spec` that differ only on ``axis``; legality is
+    the planner's business (:func:`fxpar.reshard.step_kind`), this function only prices.
+    """
+    nbytes = step_bytes(kind, src, dst, mesh.shape, axis, shape, dtype)
+    return nbytes, step_time(kind, nbytes, mesh, axis)

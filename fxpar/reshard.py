@@ -1,0 +1,276 @@
+"""Resharding planner: the cheapest sequence of one-axis steps from one spec to another.
+
+:func:`reshard_plan` runs Dijkstra over specs (states) of a tensor on a mesh. A step changes the
+placement of **one** mesh axis ``i``; with ``G`` the size of axis ``i``:
+
+==========================  ==================  ==============================================
+placement on axis ``i``     kind                what every device does
+==========================  ==================  ==============================================
+``S(d) → R``                ``all_gather``      gathers the ``G`` pieces of dim ``d``
+``S(d) → S(e)``             ``all_to_all``      gives away dim ``e``'s chunks, gets dim ``d``'s
+``P(op) → R``               ``all_reduce``      reduces the ``G`` addends (sum, avg, max, min)
+``P(sum|avg) → S(d)``       ``reduce_scatter``  reduces and keeps its chunk of dim ``d``
+``R → S(d)``                ``chunk``           keeps its chunk of dim ``d`` (local copy)
+``R → P(sum)``              ``to_partial``      coordinate 0 keeps the value, the others zeros
+``R → P(avg|max|min)``      ``to_partial``      keeps the value (avg/max/min of copies is it)
+``P(sum) ↔ P(avg)``         ``rescale``         multiplies (sum → avg) or divides by ``G``
+==========================  ==================  ==============================================
+
+**Which steps are legal, and why.** A dim sharded over several axes is split left to right
+(outer axis first, :mod:`fxpar.spec`, as in DTensor): the piece a device holds for dim ``d`` is
+chunk ``c_j`` of chunk ``c_i`` of ... along the axes ``i < j`` that shard ``d``. Gathering,
+chunking, reduce-scattering or all-to-all-ing dim ``d`` on axis ``i`` is a contiguous operation
+on the local tensor only if **no later axis ``j > i`` shards ``d``**: otherwise the data a
+device would need is held by other devices in an interleaved order (``S(0)S(0) → RS(0)`` is not
+an all-gather on axis 0). Those steps are forbidden; the search goes through the innermost axis
+first instead (``S(0)S(0) → S(0)R → RR``), and every pair of specs stays reachable (gather every
+axis from the last to the first, then chunk from the first to the last). Partial(max/min) is
+only all-reduced (no reduce-scatter, as in DTensor); ``S → P`` has no direct step (go through
+``R``). States mixing reduce ops are allowed only when they commute: one op everywhere, or only
+``sum`` and ``avg`` (both linear); ``P(sum)P(max)`` is ambiguous and raises :class:`ReshardError`.
+
+**Cost** of a step: :func:`fxpar.cost.reshard.step_cost` (ring formulas on the local bytes of
+the fullest device). Ties are broken by the number of steps, then by the sequence of
+intermediate specs as strings, so every rank computes the identical plan. Plans are cached by
+``(src, dst, mesh, shape, dtype)``.
+
+>>> from fxpar import Cluster, Mesh
+>>> mesh = Mesh(Cluster.preset("perlmutter", nodes=2), dp=2, tp=4)   # dp crosses nodes
+>>> plan = reshard_plan("S(0)S(1)", "RR", mesh, (1024, 1024), "float32")
+>>> print(plan)
+S(0)S(1) -> RS(1) -> RR
+>>> print(plan.describe())  # doctest: +NORMALIZE_WHITESPACE
+reshard S(0)S(1) -> RR of float32[1024, 1024] on Mesh(dp=2, tp=4 on devices 0..7): 2 steps, 48.5 us
+  #  step               collective  axis    bytes  time
+  1  S(0)S(1) -> RS(1)  all_gather  dp     524288  29 us
+  2  RS(1) -> RR        all_gather  tp    1048576  19.5 us
+>>> print(reshard_plan("P(sum)R", "S(0)R", mesh, (1024, 1024)))  # reduce-scatter 1/4 over dp
+P(sum)R -> P(sum)S(1) -> S(0)S(1) -> S(0)R
+"""
+
+from __future__ import annotations
+
+import functools
+import heapq
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fxpar.cost.reshard import step_cost
+from fxpar.errors import ReshardError, SpecError
+from fxpar.spec import Partial, Placement, Replicate, Shard, Spec, as_spec
+
+__all__ = ["ReshardPlan", "ReshardStep", "reshard_plan", "step_kind", "as_dtype"]
+
+_LINEAR_OPS = frozenset({"sum", "avg"})
+
+
+@dataclass(frozen=True)
+class ReshardStep:
+    """One step of a plan: ``kind`` on mesh axis ``axis`` (named ``axis_name``) turns spec
+    ``src`` into ``dst``, moving ``nbytes`` per device (fullest device) in ``time`` seconds."""
+
+    kind: str
+    axis: int
+    axis_name: str
+    src: Spec
+    dst: Spec
+    nbytes: int
+    time: float
+
+    def __str__(self) -> str:
+        return f"{self.src} -> {self.dst}: {self.kind} on {self.axis_name} ({_fmt_time(self.time)})"
+
+
+@dataclass(frozen=True, repr=False)
+class ReshardPlan:
+    """The cheapest ordered steps from ``src`` to ``dst`` for a tensor of ``shape``/``dtype``
+    on ``mesh``; ``time`` is the sum of the steps' times. ``str(plan)`` is the chain of specs
+    (``S(0)S(1) -> S(0)R -> RR``); :meth:`describe` a table of the steps."""
+
+    src: Spec
+    dst: Spec
+    mesh: object  # fxpar.Mesh
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    steps: tuple[ReshardStep, ...]
+    time: float
+
+    @property
+    def specs(self) -> tuple[Spec, ...]:
+        """Every spec along the way, ``src`` first and ``dst`` last."""
+        return (self.src,) + tuple(s.dst for s in self.steps)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes moved over the network per device (collective steps only)."""
+        return sum(s.nbytes for s in self.steps if s.kind not in ("chunk", "to_partial", "rescale"))
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __str__(self) -> str:
+        return " -> ".join(str(s) for s in self.specs)
+
+    def __repr__(self) -> str:
+        return (f"ReshardPlan({self}, shape={self.shape}, {_dtype_name(self.dtype)}, "
+                f"time={_fmt_time(self.time)})")
+
+    def describe(self) -> str:
+        """A table: one row per step with its collective, mesh axis name, bytes and time."""
+        head = (f"reshard {self.src} -> {self.dst} of {_dtype_name(self.dtype)}"
+                f"{list(self.shape)} on {self.mesh!r}: {len(self.steps)} step"
+                f"{'' if len(self.steps) == 1 else 's'}, {_fmt_time(self.time)}")
+        if not self.steps:
+            return head + " (nothing to do)"
+        rows = [("#", "step", "collective", "axis", "bytes", "time")]
+        for k, s in enumerate(self.steps, 1):
+            rows.append((str(k), f"{s.src} -> {s.dst}", s.kind, s.axis_name, str(s.nbytes),
+                         _fmt_time(s.time)))
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = ["  " + "  ".join(v.rjust(w) if c in (0, 4) else v.ljust(w)
+                                  for c, (v, w) in enumerate(zip(r, widths))).rstrip()
+                 for r in rows]
+        return "\n".join([head] + lines)
+
+
+def _fmt_time(t: float) -> str:
+    if t == 0:
+        return "0 s"
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
+        if t >= scale:
+            return f"{t / scale:.3g} {unit}"
+    return f"{t / 1e-9:.3g} ns"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``torch.float32``, ``"float32"`` or ``"torch.float32"`` → ``torch.float32``."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str):
+        d = getattr(torch, dtype.removeprefix("torch."), None)
+        if isinstance(d, torch.dtype):
+            return d
+    raise ReshardError(f"unknown dtype {dtype!r}: give a torch.dtype or its name, e.g. 'float32'")
+
+
+# -- transitions --------------------------------------------------------------------------
+def _later_shards(spec: Spec, axis: int, dim: int) -> bool:
+    return any(isinstance(p, Shard) and p.dim == dim for p in spec.placements[axis + 1:])
+
+
+def _ambiguous_partials(spec: Spec) -> bool:
+    ops = {p.reduce_op for p in spec.placements if isinstance(p, Partial)}
+    return len(ops) > 1 and not ops <= _LINEAR_OPS
+
+
+def step_kind(spec: Spec, axis: int, new: Placement) -> str | None:
+    """The kind of the step that sets ``spec``'s placement on ``axis`` to ``new``, or ``None``
+    if that is not a legal single step (see the module docstring). ``spec`` must be
+    normalized (non-negative shard dims)."""
+    cur = spec[axis]
+    if cur == new:
+        return None
+    if isinstance(cur, Shard):
+        if _later_shards(spec, axis, cur.dim):
+            return None  # dim cur.dim is split further by a later axis: not contiguous here
+        if isinstance(new, Replicate):
+            return "all_gather"
+        if isinstance(new, Shard):
+            return None if _later_shards(spec, axis, new.dim) else "all_to_all"
+        return None  # S -> P: go through R
+    if isinstance(cur, Replicate):
+        if isinstance(new, Shard):
+            return None if _later_shards(spec, axis, new.dim) else "chunk"
+        return "to_partial"
+    # cur is Partial
+    if isinstance(new, Replicate):
+        return "all_reduce"
+    if isinstance(new, Shard):
+        if cur.reduce_op not in _LINEAR_OPS or _later_shards(spec, axis, new.dim):
+            return None
+        return "reduce_scatter"
+    if {cur.reduce_op, new.reduce_op} == _LINEAR_OPS:
+        return "rescale"
+    return None
+
+
+def _candidates(ndim: int, ops: Sequence[str]) -> tuple[Placement, ...]:
+    return tuple(Shard(d) for d in range(ndim)) + (Replicate(),) + tuple(Partial(o) for o in ops)
+
+
+def _moves(spec: Spec, ndim: int, ops: Sequence[str]) -> Iterable[tuple[str, int, Spec]]:
+    """Every legal one-axis step out of ``spec``: ``(kind, axis, next_spec)``."""
+    cands = _candidates(ndim, ops)
+    for axis in range(len(spec)):
+        for p in cands:
+            kind = step_kind(spec, axis, p)
+            if kind is None:
+                continue
+            nxt = spec.with_axis(axis, p)
+            if not _ambiguous_partials(nxt):
+                yield kind, axis, nxt
+
+
+# -- validation ---------------------------------------------------------------------------
+def _validate(spec, role: str, shape: tuple[int, ...], mesh) -> Spec:
+    try:
+        s = as_spec(spec)
+        s.check(shape, mesh.shape)
+    except SpecError as e:
+        raise SpecError(f"reshard {role} spec: {e} (mesh {mesh!r})") from None
+    s = s.normalized(len(shape))
+    if _ambiguous_partials(s):
+        axes = {mesh.axis_names[i]: p.reduce_op for i, p in enumerate(s) if isinstance(p, Partial)}
+        raise ReshardError(
+            f"reshard {role} spec {s} mixes reduce ops that do not commute on mesh axes {axes} "
+            f"(tensor shape {shape}): only one op, or only sum and avg, can be partial at once")
+    return s
+
+
+def reshard_plan(src: Spec | str, dst: Spec | str, mesh, shape: Sequence[int],
+                 dtype: torch.dtype | str = torch.float32) -> ReshardPlan:
+    """The cheapest plan turning a tensor of ``shape``/``dtype`` laid out as ``src`` on
+    ``mesh`` (an :class:`fxpar.Mesh`) into layout ``dst``.
+
+    Specs may be :class:`Spec` or strings (``"S(0)R"``); both are checked against ``shape``
+    and ``mesh`` (:class:`SpecError` naming the spec, shape and mesh). Same ``src`` and
+    ``dst`` give an empty plan of time 0. Raises :class:`ReshardError` for specs that mix
+    non-commuting reduce ops.
+    """
+    shape = tuple(int(s) for s in shape)
+    dt = as_dtype(dtype)
+    s = _validate(src, "source", shape, mesh)
+    d = _validate(dst, "destination", shape, mesh)
+    return _plan(s, d, mesh, shape, dt)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(src: Spec, dst: Spec, mesh, shape: tuple[int, ...], dtype: torch.dtype) -> ReshardPlan:
+    ndim = len(shape)
+    ops = sorted({p.reduce_op for p in src.placements + dst.placements if isinstance(p, Partial)})
+    tie = itertools.count()  # never decides: (cost, steps, path) keys are unique per path
+    # Heap entries: (cost, n_steps, path as spec strings, tie, spec, steps).
+    heap = [(0.0, 0, (str(src),), next(tie), src, ())]
+    done: set[Spec] = set()
+    while heap:
+        cost, n, path, _, spec, steps = heapq.heappop(heap)
+        if spec in done:
+            continue
+        done.add(spec)
+        if spec == dst:
+            return ReshardPlan(src, dst, mesh, shape, dtype, steps, cost)
+        for kind, axis, nxt in _moves(spec, ndim, ops):
+            if nxt in done:
+                continue
+            nbytes, t = step_cost(kind, spec, nxt, mesh, axis, shape, dtype)
+            step = ReshardStep(kind, axis, mesh.axis_names[axis], spec, nxt, nbytes, t)
+            heapq.heappush(heap, (cost + t, n + 1, path + (str(nxt),), next(tie), nxt, steps + (step,)))
+    # Unreachable by construction (gather all, then chunk all); kept as a guard.
+    raise ReshardError(f"no resharding path from {src} to {dst} for shape {shape} on {mesh!r}")
