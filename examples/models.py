@@ -89,10 +89,9 @@ class GPT(nn.Module):
         self.head = nn.Linear(d_model, vocab, bias=False)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        t = idx.shape[1]
-        if t > self.seq_len:
-            raise ValueError(f"sequence length {t} exceeds seq_len={self.seq_len}")
-        pos = torch.arange(t, device=idx.device)
+        # No Python check on the length: it keeps the model symbolic_trace-able; a sequence
+        # longer than seq_len fails in the position-embedding lookup.
+        pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)
         for block in self.blocks:
             x = block(x)

@@ -19,6 +19,9 @@ from fxpar.errors import (
 from fxpar.spec import Partial, Placement, Replicate, Shard, Spec
 from fxpar.cluster import Cluster
 from fxpar.mesh import Mesh
+from fxpar import ir
+from fxpar.capture import capture, run_captured
+from fxpar.ir import InputInfo, OutputInfo, ParamInfo, TensorMeta
 
 __version__ = "0.1.0"
 
@@ -27,4 +30,5 @@ __all__ = [
     "PlanError", "ReshardError", "SpecError",
     "Partial", "Placement", "Replicate", "Shard", "Spec",
     "Cluster", "Mesh",
+    "ir", "capture", "run_captured", "InputInfo", "OutputInfo", "ParamInfo", "TensorMeta",
 ]

@@ -19,6 +19,10 @@ Contract of :func:`capture`
   ``named_parameters()`` names it, with the other names in ``ParamInfo.aliases``.
 * The model's mode is respected: capture a training graph from a model in ``train()`` mode
   (dropout appears as ``aten.dropout``), an inference graph from ``eval()``.
+* :func:`run_captured` runs a capture on real tensors with a model's parameters and buffers bound
+  by FQN and returns the model's own output structure: the single-device reference.
+* A tensor passed twice (``labels=input_ids``) is cloned first, so the two placeholders stay
+  distinct; the model is never modified (apart from a temporary wrapper, see below).
 
 Frontends
 
@@ -35,9 +39,12 @@ inlined (outputs that could carry a gradient get an ``aten.detach`` so autograd 
 and ``aten._assert_tensor_metadata`` checks are dropped. Output leaves no frontend can hold
 (transformers' ``DynamicCache`` from ``use_cache=True``) are replaced by ``None`` with a warning.
 
-``decompose=True`` additionally runs ``ep.run_decompositions()``: core ATen only (``aten.linear``
-becomes ``aten.t`` + ``aten.addmm``/``aten.mm``), functionalized, so buffer updates become extra
-outputs (``OutputInfo.kind == "buffer_mutation"``).
+``decompose=True`` additionally runs ``ep.run_decompositions()``: core ATen (``aten.linear``
+becomes ``aten.permute`` + ``aten.addmm``, ``aten.layer_norm`` its native form), functionalized,
+so in-place buffer/input updates become extra leading outputs (``OutputInfo.kind`` is
+``"buffer_mutation"``/``"input_mutation"``). ``aten.detach`` is kept (core ATen would lower it
+to ``aten.alias`` and lose the stop-gradient). Decomposing a Llama-7B-shaped model takes about
+3-4x as long as capturing it (benchmarks/capture.py).
 
 ``export_strict``: ``torch.export.export(strict=True)`` (TorchDynamo); same graph form, slower,
 tried by ``auto`` when non-strict tracing fails.
@@ -162,23 +169,31 @@ def run_captured(gm: fx.GraphModule, model: torch.nn.Module, *args: Any, **kwarg
     (``decompose=True``) graph are written back into ``model``'s buffers. The reference
     single-device execution of a capture, used by numerics tests.
     """
-    if gm.meta.get(ir.FRONTEND) == "symbolic_trace":
-        return gm(*args, **kwargs)  # the graph module owns (shares) the model's submodules
     state = dict(itertools.chain(model.named_parameters(remove_duplicate=False),
                                  model.named_buffers(remove_duplicate=False)))
+    if gm.meta.get(ir.FRONTEND) == "symbolic_trace":
+        # The graph module shares the traced model's submodules; swap in ``model``'s tensors
+        # (same FQNs) so both frontends run on the weights passed here.
+        own = itertools.chain(gm.named_parameters(remove_duplicate=False),
+                              gm.named_buffers(remove_duplicate=False))
+        bound = {name: state[name] for name, _ in own if name in state}
+        return torch.func.functional_call(gm, bound, args, kwargs)
     flat_params = [state[n.meta[ir.PARAM].fqn] for n in gm.graph.find_nodes(op="placeholder")
                    if ir.PARAM in n.meta]
     in_spec = gm.meta[ir.IN_SPEC]
     flat_inputs = _flatten_inputs(args, kwargs, in_spec)
     flat_out = gm(*flat_params, *flat_inputs)
+    by_input = {i.name: x for i, x in zip(ir.user_inputs(gm), flat_inputs, strict=True)}
     user: list[Any] = []
     for info, value in zip(ir.outputs(gm), flat_out, strict=True):
-        if info.kind == "buffer_mutation":
-            # Through .data: an in-place update must not bump the version counter autograd
-            # checks (the functional batch-norm saved the old buffer), as eager BN does not.
-            state[info.target].data.copy_(value)
-        elif info.kind == "user":
+        if info.kind == "user":
             user.append(value)
+        else:
+            # Write-backs of a functionalized graph, through .data: they must not bump the
+            # version counter autograd checks (the functional batch-norm saved the old buffer),
+            # just as eager batch-norm's in-place update does not.
+            dst = state[info.target] if info.kind == "buffer_mutation" else by_input[info.target]
+            dst.data.copy_(value)
     return pytree.tree_unflatten(user, gm.meta[ir.OUT_SPEC])
 
 
@@ -193,7 +208,15 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, *, strict: bool,
     # that keeps their outputs out of autograd.
     _inline_set_grad_regions(ep.graph_module)
     if decompose:
-        ep = ep.run_decompositions()
+        # Keep aten.detach: core ATen lowers it to aten.alias, which would let gradients through
+        # the no_grad regions inlined above.
+        table = torch.export.default_decompositions()
+        table.pop(torch.ops.aten.detach.default, None)
+        _views_to_reshapes(ep.graph_module)
+        ep.graph_module.recompile()  # decompositions re-trace the module's code
+        with warnings.catch_warnings():  # torch-internal deprecation noise from copying specs
+            warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
+            ep = ep.run_decompositions(table)
     return _from_exported(ep, model, "export(strict)" if strict else "export(non-strict)")
 
 
@@ -298,14 +321,14 @@ def _constants_to_attrs(gm: fx.GraphModule, constants: list[tuple[fx.Node, str, 
     if not constants:
         return
     graph = gm.graph
-    last_ph = list(graph.find_nodes(op="placeholder"))[-1]
+    body = next(n for n in graph.nodes if n.op != "placeholder")  # placeholders stay first
     for node, target, value in constants:
         attr = node.name
         if isinstance(value, torch.Tensor):
             gm.register_buffer(attr, value, persistent=False)
         else:
             setattr(gm, attr, value)
-        with graph.inserting_after(last_ph):
+        with graph.inserting_before(body):
             new = graph.get_attr(attr)
         new.meta.update(node.meta)
         new.meta[ir.CONSTANT] = target
@@ -325,7 +348,6 @@ def _inline_set_grad_regions(gm: fx.GraphModule) -> None:
     nodes = graph.find_nodes(op="call_function", target=hop)
     if not nodes:
         return
-    grad = _grad_carrying(gm)
     for node in nodes:
         enabled, sub_node, *operands = node.args
         if enabled:
@@ -346,8 +368,9 @@ def _inline_set_grad_regions(gm: fx.GraphModule) -> None:
                     results = map_arg(sn.args[0], lambda n: env[n])
                     continue
                 env[sn] = graph.node_copy(sn, lambda n: env[n])
-            needs_detach = not enabled and any(
-                isinstance(o, fx.Node) and o in grad for o in operands)
+        # Recomputed per region: earlier inlining created new nodes.
+        grad = _grad_carrying(gm)
+        needs_detach = any(isinstance(o, fx.Node) and o in grad for o in operands)
         for u in users:
             r = results[u.args[1]]
             if needs_detach and isinstance(r, fx.Node) and isinstance(r.meta.get(ir.VAL), torch.Tensor):
@@ -361,7 +384,18 @@ def _inline_set_grad_regions(gm: fx.GraphModule) -> None:
         if not sub_node.users:
             graph.erase_node(sub_node)
     gm.delete_all_unused_submodules()
-    gm.recompile()
+
+
+def _views_to_reshapes(gm: fx.GraphModule) -> None:
+    """Turn ``aten.view`` into ``aten.reshape`` before decomposing.
+
+    Decomposed ops may produce other strides than the training-IR ops they replace (the math
+    decomposition of ``aten.scaled_dot_product_attention`` does), so a ``.contiguous()`` that was
+    a no-op at trace time is missing and a later ``view`` fails (HF GPT-2 with dropout off).
+    ``reshape`` is a view whenever ``view`` would succeed, so this changes nothing else.
+    """
+    for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
+        n.target = torch.ops.aten.reshape.default
 
 
 def _grad_carrying(gm: fx.GraphModule) -> set[fx.Node]:
@@ -465,8 +499,15 @@ def _symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.Gra
     concrete = {k: v for k, v in values.items() if not isinstance(v, torch.Tensor)}
     gm = fx.symbolic_trace(model, concrete_args=concrete or None)
 
+    class _Prop(FakeTensorProp):
+        def run_node(self, n: fx.Node) -> Any:
+            result = super().run_node(n)
+            if ir.VAL not in n.meta:  # FakeTensorProp keeps only tensors/numbers; keep None,
+                n.meta[ir.VAL] = result  # torch.device, ... as the Python value
+            return result
+
     mode = FakeTensorMode(allow_non_fake_inputs=True)  # real weights are fakified, never run
-    FakeTensorProp(gm, mode).propagate(*values.values())
+    _Prop(gm, mode).propagate(*values.values())
 
     canon, aliases = _canonical_names(model)
     tensors = dict(_unique_state(model))
@@ -506,8 +547,6 @@ def _symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.Gra
                 n.meta[ir.CONSTANT] = n.target
         if n.op == "output":
             n.meta[ir.VAL] = map_arg(n.args[0], lambda a: a.meta[ir.VAL])
-        elif ir.VAL not in n.meta:
-            n.meta[ir.VAL] = None  # nodes producing None/objects (torch._assert, ...)
 
     gm.meta[ir.PARAMS] = infos
     gm.meta[ir.INPUTS] = tuple(inputs)

@@ -78,7 +78,7 @@ def cmd_demo(args) -> None:
     gm = fxpar.capture(model, (idx, idx))
 
     print("== 1. captured graph (torch.export, non-strict, fake tensors; meta-device weights) ==")
-    print(ir.format_graph(gm))
+    print(ir.format_graph(gm, params=False))
     params = ir.params(gm)
     total = sum(p.numel for p in params.values())
     print(f"\n{len(params)} parameters, {total:,} elements; e.g.")

@@ -95,6 +95,7 @@ __all__ = [
     "tensor_meta",
     "tensor_metas",
     "missing_vals",
+    "format_graph",
 ]
 
 # --- node keys -----------------------------------------------------------------------------------
@@ -256,3 +257,62 @@ def tensor_metas(node: fx.Node) -> tuple[TensorMeta | None, ...]:
 def missing_vals(gm: fx.GraphModule) -> list[str]:
     """Names of nodes without ``meta["val"]`` (a verify step asserts this is empty)."""
     return [n.name for n in gm.graph.nodes if VAL not in n.meta]
+
+
+_SHORT_DTYPE = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16", torch.float64: "f64",
+                torch.int64: "i64", torch.int32: "i32", torch.bool: "b8", torch.uint8: "u8"}
+
+
+def _fmt_val(v: Any) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"{_SHORT_DTYPE.get(v.dtype, str(v.dtype).removeprefix('torch.'))}{list(v.shape)}"
+    if isinstance(v, (tuple, list)):
+        return "(" + ", ".join(_fmt_val(x) for x in v) + ")"
+    return repr(v)
+
+
+def _fmt_arg(a: Any) -> str:
+    if isinstance(a, fx.Node):
+        return a.name
+    if isinstance(a, (tuple, list)):
+        return "[" + ", ".join(_fmt_arg(x) for x in a) + "]"
+    return repr(a)
+
+
+def format_graph(gm: fx.GraphModule, *, max_nodes: int | None = None, params: bool = True) -> str:
+    """One line per node: ``name = op(args)  : dtype[shape]``, parameters named by FQN.
+
+    The readable form a person checks a capture or a pass against (``print_readable`` shows the
+    generated Python instead)::
+
+        p_fc_weight param fc.weight  : f32[3, 4]
+        p_fc_bias   param fc.bias  : f32[3]
+        input       input input  : f32[2, 4]
+        linear      aten.linear(input, p_fc_weight, p_fc_bias)  : f32[2, 3]
+        output      output(linear)
+
+    ``params=False`` leaves out the parameter and buffer nodes; ``max_nodes`` elides the middle.
+    """
+    lines = []
+    nodes = [n for n in gm.graph.nodes if params or PARAM not in n.meta]
+    width = max((len(n.name) for n in nodes), default=0) + 1
+    shown = nodes if max_nodes is None or len(nodes) <= max_nodes else nodes[:max_nodes - 1] + nodes[-1:]
+    for n in shown:
+        if n is nodes[-1] and len(shown) < len(nodes):
+            lines.append(f"  ... {len(nodes) - len(shown)} more nodes ...")
+        if n.op == "placeholder" or n.op == "get_attr":
+            kind = "param" if PARAM in n.meta and n.meta[PARAM].kind == "param" else \
+                "buffer" if PARAM in n.meta else "input" if INPUT in n.meta else n.op
+            what = n.meta[PARAM].fqn if PARAM in n.meta else (n.meta[INPUT].name if INPUT in n.meta else n.target)
+            body = f"{kind} {what}"
+        elif n.op == "output":
+            body = f"output({_fmt_arg(n.args[0])})"
+        else:
+            target = n.target
+            name = f"aten.{target._overloadpacket.__name__}" if isinstance(target, torch._ops.OpOverload) \
+                and target.namespace == "aten" else getattr(target, "__name__", str(target))
+            args = ", ".join([_fmt_arg(a) for a in n.args] + [f"{k}={_fmt_arg(v)}" for k, v in n.kwargs.items()])
+            body = f"{name}({args})"
+        shape = "" if n.op == "output" or VAL not in n.meta else f"  : {_fmt_val(n.meta[VAL])}"
+        lines.append(f"{n.name:<{width}} {body}{shape}")
+    return "\n".join(lines)

@@ -251,26 +251,68 @@ def reshard_plan(src: Spec | str, dst: Spec | str, mesh, shape: Sequence[int],
     return _plan(s, d, mesh, shape, dt)
 
 
+class _Graph:
+    """The state graph of one ``(mesh, shape, dtype, reduce ops)``: specs interned as ints
+    (hashing a Spec hashes its placements in Python: slow), each state's outgoing steps with
+    their costs computed on first visit and kept, so plans for many pairs of specs of the same
+    tensor share them."""
+
+    def __init__(self, mesh, shape: tuple[int, ...], dtype: torch.dtype, ops: tuple[str, ...]):
+        self.mesh, self.shape, self.dtype, self.ops = mesh, shape, dtype, ops
+        self.ids: dict[Spec, int] = {}
+        self.names: list[str] = []
+        self.specs: list[Spec] = []
+        self._out: list[tuple | None] = []
+
+    def id(self, spec: Spec) -> int:
+        i = self.ids.get(spec)
+        if i is None:
+            i = self.ids[spec] = len(self.specs)
+            self.specs.append(spec)
+            self.names.append(str(spec))
+            self._out.append(None)
+        return i
+
+    def out(self, i: int) -> tuple[tuple[float, int, ReshardStep], ...]:
+        """``(time, next state id, step)`` for every legal step out of state ``i``."""
+        got = self._out[i]
+        if got is None:
+            spec, edges = self.specs[i], []
+            for kind, axis, nxt in _moves(spec, len(self.shape), self.ops):
+                nbytes, t = step_cost(kind, spec, nxt, self.mesh, axis, self.shape, self.dtype)
+                step = ReshardStep(kind, axis, self.mesh.axis_names[axis], spec, nxt, nbytes, t)
+                edges.append((t, self.id(nxt), step))
+            got = self._out[i] = tuple(edges)
+        return got
+
+
+@functools.lru_cache(maxsize=64)
+def _graph(mesh, shape: tuple[int, ...], dtype: torch.dtype, ops: tuple[str, ...]) -> _Graph:
+    return _Graph(mesh, shape, dtype, ops)
+
+
 @functools.lru_cache(maxsize=4096)
 def _plan(src: Spec, dst: Spec, mesh, shape: tuple[int, ...], dtype: torch.dtype) -> ReshardPlan:
-    ndim = len(shape)
-    ops = sorted({p.reduce_op for p in src.placements + dst.placements if isinstance(p, Partial)})
-    tie = itertools.count()  # never decides: (cost, steps, path) keys are unique per path
-    # Heap entries: (cost, n_steps, path as spec strings, tie, spec, steps).
-    heap = [(0.0, 0, (str(src),), next(tie), src, ())]
-    done: set[Spec] = set()
+    # Partial states use only the reduce ops of src and dst: another op is never cheaper
+    # (R -> P -> S costs a reduce-scatter where R -> S is a local chunk).
+    ops = tuple(sorted({p.reduce_op for p in src.placements + dst.placements if isinstance(p, Partial)}))
+    g = _graph(mesh, shape, dtype, ops)
+    start, goal = g.id(src), g.id(dst)
+    names = g.names
+    # Heap entries: (cost, n_steps, path as spec strings, state, steps). The key
+    # (cost, n_steps, path) is unique per path and only grows along a path, so Dijkstra settles
+    # each state with its smallest key: the same plan on every rank.
+    heap = [(0.0, 0, (names[start],), start, ())]
+    done: set[int] = set()
     while heap:
-        cost, n, path, _, spec, steps = heapq.heappop(heap)
-        if spec in done:
+        cost, n, path, i, steps = heapq.heappop(heap)
+        if i in done:
             continue
-        done.add(spec)
-        if spec == dst:
+        done.add(i)
+        if i == goal:
             return ReshardPlan(src, dst, mesh, shape, dtype, steps, cost)
-        for kind, axis, nxt in _moves(spec, ndim, ops):
-            if nxt in done:
-                continue
-            nbytes, t = step_cost(kind, spec, nxt, mesh, axis, shape, dtype)
-            step = ReshardStep(kind, axis, mesh.axis_names[axis], spec, nxt, nbytes, t)
-            heapq.heappush(heap, (cost + t, n + 1, path + (str(nxt),), next(tie), nxt, steps + (step,)))
+        for t, j, step in g.out(i):
+            if j not in done:
+                heapq.heappush(heap, (cost + t, n + 1, path + (names[j],), j, steps + (step,)))
     # Unreachable by construction (gather all, then chunk all); kept as a guard.
     raise ReshardError(f"no resharding path from {src} to {dst} for shape {shape} on {mesh!r}")

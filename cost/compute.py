@@ -1,0 +1,886 @@
+"""Compute cost: FLOPs and bytes moved per ATen op, forward and backward, and roofline time.
+
+Pure functions of shapes and dtypes. :func:`node_cost` reads a node's fake-tensor meta
+(``node.meta["val"]``), :func:`op_cost` takes shapes directly (e.g. the *local* shapes of a
+sharded strategy), :func:`graph_cost` sums a whole graph, propagating which tensors need a
+gradient from the parameters.
+
+Counting rules (a FLOP is one multiply or one add, Megatron-LM Appendix):
+
+===============  ============================================================  =======================
+family           forward FLOPs                                                 backward FLOPs
+===============  ============================================================  =======================
+matmul           ``2·M·K·N`` (× batch) for mm/bmm/addmm/baddbmm/matmul/         ``2·M·K·N`` per operand
+                 linear/einsum; bias adds not counted (< 1/(2K) of the GEMM)   that needs a gradient
+attention        SDPA (all variants): ``2·B·H·L·S·(E + Ev)`` (QKᵀ and PV);      ``2×`` forward (dQ, dK,
+                 the causal mask does not halve it (Megatron, AMSP fn. 2)      dV, dP), per operand
+convolution      ``2·N·C_out·(C_in/groups)·Πk·Π(out spatial)``                 same per operand
+embedding        0 (a gather)                                                  ``numel(out)`` (scatter-add)
+norms            ``5·numel`` (layer/group/batch/RMS norm)                      ``2×`` forward
+softmax, loss    ``5·numel`` (softmax, log-softmax, cross-entropy)             ``4·numel``
+pointwise        ``numel(out)``                                                ``numel(out)`` per input
+                                                                               needing a gradient
+reductions       ``numel(input)``                                              ``numel(input)``
+views, shapes    0 FLOPs, 0 bytes (aliases of their input)                     0
+copies           0 FLOPs, read + write bytes                                   same bytes
+===============  ============================================================  =======================
+
+Bytes moved: forward reads every tensor input and writes every output; backward, per input
+that needs a gradient, reads the output gradient and the saved operands and writes the input
+gradient (for a matmul that is ``2×`` the forward bytes). SDPA is priced as a fused
+(flash) kernel: the ``L×S`` score matrix never reaches memory. Ops without a rule count bytes
+only (forward; backward bytes = forward bytes when an input needs a gradient) and are listed in
+:attr:`GraphCost.unknown_ops`; nothing here raises on an unknown op.
+
+Megatron-LM's FLOP formula (PTD-P §5.1 eq. 3 and Appendix) counts GEMMs only (attention
+scores included); :attr:`GraphCost.gemm_flops` counts the same way, and for a GPT equals
+``72·B·s·l·h²·(1 + s/(6h) + V/(12·l·h))`` (no recomputation) and, recomputing the transformer
+layers, ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))``.
+
+>>> import torch
+>>> from fxpar.cost.compute import op_cost, TensorArg
+>>> x = TensorArg((8, 512, 1024), torch.bfloat16, requires_grad=True)
+>>> w = TensorArg((4096, 1024), torch.bfloat16, requires_grad=True)
+>>> c = op_cost(torch.ops.aten.linear.default, (x, w), out=TensorArg((8, 512, 4096), torch.bfloat16))
+>>> c.fwd_flops == 2 * 8 * 512 * 1024 * 4096, c.bwd_flops == 2 * c.fwd_flops, c.kind
+(True, True, 'matmul')
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+__all__ = [
+    "TensorArg",
+    "OpCost",
+    "GraphCost",
+    "GEMM_KINDS",
+    "op_cost",
+    "node_cost",
+    "graph_cost",
+    "roofline_time",
+    "op_time",
+    "register_rule",
+    "op_name",
+    "grad_flags",
+    "VIEW_OPS",
+]
+
+_VAL = "val"
+_PARAM = "fxpar_param"  # fxpar.ir.PARAM; the literal avoids an import cycle with capture
+
+#: Kinds whose FLOPs Megatron-LM counts (its formula considers GEMMs only).
+GEMM_KINDS = ("matmul", "attention", "conv")
+
+
+# --------------------------------------------------------------------------------------------
+# value types
+# --------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TensorArg:
+    """Shape, dtype and gradient flag of one tensor argument of an op.
+
+    ``requires_grad`` defaults to "floating point" (training: every float activation carries
+    a gradient) when left as ``None``; ``contiguous`` decides whether ``contiguous``/``reshape``
+    copy.
+    """
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype = torch.float32
+    requires_grad: bool | None = None
+    contiguous: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "shape", tuple(_as_int(s) for s in self.shape))
+        if self.requires_grad is None:
+            object.__setattr__(self, "requires_grad", bool(self.dtype.is_floating_point or self.dtype.is_complex))
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    @property
+    def is_float(self) -> bool:
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+    @classmethod
+    def of(cls, v: Any, requires_grad: bool | None = None) -> TensorArg | None:
+        """From a (fake) tensor or anything with ``shape``/``dtype`` (e.g. ``fxpar.ir.TensorMeta``)."""
+        if isinstance(v, torch.Tensor):
+            try:
+                contig = bool(v.is_contiguous())
+            except Exception:  # noqa: BLE001 - symbolic strides
+                contig = True
+            return cls(tuple(v.shape), v.dtype, requires_grad, contig)
+        if hasattr(v, "shape") and hasattr(v, "dtype") and isinstance(getattr(v, "dtype"), torch.dtype):
+            rg = requires_grad if requires_grad is not None else getattr(v, "requires_grad", None)
+            return cls(tuple(v.shape), v.dtype, rg)
+        return None
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """FLOPs and bytes of one op, forward and backward; ``kind`` is its family (see the table
+    in the module docstring); ``known`` is False for ops priced by bytes only."""
+
+    fwd_flops: float = 0.0
+    bwd_flops: float = 0.0
+    fwd_bytes: float = 0.0
+    bwd_bytes: float = 0.0
+    kind: str = "other"
+    known: bool = True
+
+    @property
+    def flops(self) -> float:
+        return self.fwd_flops + self.bwd_flops
+
+    @property
+    def nbytes(self) -> float:
+        return self.fwd_bytes + self.bwd_bytes
+
+    def scaled(self, f: float) -> OpCost:
+        """All four numbers times ``f`` (e.g. ``1/shards`` for an evenly split op)."""
+        return OpCost(self.fwd_flops * f, self.bwd_flops * f, self.fwd_bytes * f, self.bwd_bytes * f,
+                      self.kind, self.known)
+
+    def __add__(self, other: OpCost) -> OpCost:
+        kind = self.kind if self.kind == other.kind else "mixed"
+        return OpCost(self.fwd_flops + other.fwd_flops, self.bwd_flops + other.bwd_flops,
+                      self.fwd_bytes + other.fwd_bytes, self.bwd_bytes + other.bwd_bytes,
+                      kind, self.known and other.known)
+
+
+ZERO = OpCost(kind="view")
+
+
+@dataclass
+class GraphCost:
+    """Totals over a graph. ``recompute_*`` is the extra forward of recomputed nodes;
+    ``by_kind`` sums per op family; ``per_node`` maps node names to their :class:`OpCost`;
+    ``unknown_ops`` lists the targets priced by bytes only."""
+
+    fwd_flops: float = 0.0
+    bwd_flops: float = 0.0
+    fwd_bytes: float = 0.0
+    bwd_bytes: float = 0.0
+    recompute_flops: float = 0.0
+    recompute_bytes: float = 0.0
+    gemm_fwd_flops: float = 0.0
+    gemm_bwd_flops: float = 0.0
+    gemm_recompute_flops: float = 0.0
+    by_kind: dict[str, OpCost] = field(default_factory=dict)
+    per_node: dict[str, OpCost] = field(default_factory=dict)
+    unknown_ops: tuple[str, ...] = ()
+
+    @property
+    def total_flops(self) -> float:
+        """Forward + backward + recomputed forward FLOPs of every op."""
+        return self.fwd_flops + self.bwd_flops + self.recompute_flops
+
+    @property
+    def total_bytes(self) -> float:
+        return self.fwd_bytes + self.bwd_bytes + self.recompute_bytes
+
+    @property
+    def gemm_flops(self) -> float:
+        """GEMM FLOPs (matmul, attention, convolution) forward + backward + recompute: what
+        Megatron-LM's formula counts."""
+        return self.gemm_fwd_flops + self.gemm_bwd_flops + self.gemm_recompute_flops
+
+    def time(self, cluster, efficiency: float = 0.5, memory_efficiency: float = 0.8) -> float:
+        """Sum of per-op roofline times (forward, backward and recompute)."""
+        t = 0.0
+        for name, c in self.per_node.items():
+            f, b = op_time(c, cluster, efficiency, memory_efficiency)
+            t += f + b
+        return t + roofline_time(self.recompute_flops, self.recompute_bytes, cluster, efficiency,
+                                 memory_efficiency)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers
+# --------------------------------------------------------------------------------------------
+def _as_int(s: Any) -> int:
+    try:
+        return int(s)
+    except Exception:  # noqa: BLE001 - an unbacked SymInt: use its hint
+        hint = getattr(getattr(s, "node", None), "hint", None)
+        return int(hint) if hint is not None else 1
+
+
+def _tensors(x: Any) -> list[TensorArg]:
+    """Every TensorArg inside nested args."""
+    if isinstance(x, TensorArg):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for e in x for t in _tensors(e)]
+    if isinstance(x, Mapping):
+        return [t for e in x.values() for t in _tensors(e)]
+    return []
+
+
+def _nbytes(ts: Iterable[TensorArg | None]) -> float:
+    return float(sum(t.nbytes for t in ts if t is not None))
+
+
+def _rg(t: TensorArg | None) -> bool:
+    return bool(t is not None and t.requires_grad and t.is_float)
+
+
+def _arg(args: Sequence, kwargs: Mapping, i: int, name: str, default: Any = None) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[i] if len(args) > i else default
+
+
+def _out_list(out: Any) -> list[TensorArg]:
+    return _tensors(out)
+
+
+# --------------------------------------------------------------------------------------------
+# rules: (args, kwargs, out) -> OpCost, with TensorArg in place of tensors
+# --------------------------------------------------------------------------------------------
+Rule = Callable[[Sequence, Mapping, Any], OpCost]
+_RULES: dict[str, Rule] = {}
+
+
+def register_rule(*names: str) -> Callable[[Rule], Rule]:
+    """Register a cost rule under ATen packet names (``"mm"``) or overload names
+    (``"add.Tensor"``); the same name also matches torch-level callables and methods
+    (``torch.matmul``, ``F.linear``, ``Tensor.view``) of symbolic_trace graphs."""
+    def deco(fn: Rule) -> Rule:
+        for n in names:
+            _RULES[n] = fn
+        return fn
+    return deco
+
+
+def _gemm(flops: float, operands: Sequence[TensorArg | None], out: Any, kind: str = "matmul") -> OpCost:
+    """Forward ``flops``; backward ``flops`` per operand needing a gradient; bytes: forward
+    reads operands and writes the output, backward per operand reads dY and the other operand
+    and writes the gradient."""
+    outs = _out_list(out)
+    ob = _nbytes(outs)
+    ops = [t for t in operands if t is not None]
+    fwd_bytes = _nbytes(ops) + ob
+    bwd_flops = 0.0
+    bwd_bytes = 0.0
+    for i, t in enumerate(ops):
+        if _rg(t):
+            bwd_flops += flops
+            others = [o for j, o in enumerate(ops) if j != i]
+            bwd_bytes += ob + _nbytes(others) + t.nbytes
+    return OpCost(flops, bwd_flops, fwd_bytes, bwd_bytes, kind)
+
+
+@register_rule("mm")
+def _mm(args, kwargs, out):
+    a, b = args[0], args[1]
+    m, k = a.shape
+    n = b.shape[-1]
+    return _gemm(2.0 * m * k * n, (a, b), out)
+
+
+@register_rule("addmm")
+def _addmm(args, kwargs, out):
+    bias, a, b = args[0], args[1], args[2]
+    m, k = a.shape
+    n = b.shape[-1]
+    c = _gemm(2.0 * m * k * n, (a, b), out)
+    # The bias is read once forward; its gradient (a column sum) is not counted as FLOPs.
+    return OpCost(c.fwd_flops, c.bwd_flops, c.fwd_bytes + bias.nbytes, c.bwd_bytes, "matmul")
+
+
+@register_rule("bmm")
+def _bmm(args, kwargs, out):
+    a, b = args[0], args[1]
+    bsz, m, k = a.shape
+    n = b.shape[-1]
+    return _gemm(2.0 * bsz * m * k * n, (a, b), out)
+
+
+@register_rule("baddbmm", "addbmm")
+def _baddbmm(args, kwargs, out):
+    c0, a, b = args[0], args[1], args[2]
+    bsz, m, k = a.shape
+    n = b.shape[-1]
+    c = _gemm(2.0 * bsz * m * k * n, (a, b), out)
+    return OpCost(c.fwd_flops, c.bwd_flops, c.fwd_bytes + c0.nbytes, c.bwd_bytes, "matmul")
+
+
+def _matmul_flops(a: tuple[int, ...], b: tuple[int, ...]) -> float:
+    """``torch.matmul`` semantics: 1-d operands are promoted, batch dims broadcast."""
+    if len(a) == 1 and len(b) == 1:
+        return 2.0 * a[0]
+    if len(a) == 1:
+        a = (1,) + a
+    if len(b) == 1:
+        b = b + (1,)
+    m, k = a[-2], a[-1]
+    n = b[-1]
+    batch = torch.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2]))
+    return 2.0 * math.prod(batch) * m * k * n
+
+
+@register_rule("matmul", "dot", "vdot", "mv", "inner")
+def _matmul(args, kwargs, out):
+    a, b = args[0], args[1]
+    return _gemm(_matmul_flops(a.shape, b.shape), (a, b), out)
+
+
+@register_rule("linear")
+def _linear(args, kwargs, out):
+    x, w = args[0], _arg(args, kwargs, 1, "weight")
+    bias = _arg(args, kwargs, 2, "bias")
+    n, k = (w.shape if len(w.shape) == 2 else (1, w.shape[0]))
+    flops = 2.0 * math.prod(x.shape[:-1]) * k * n
+    c = _gemm(flops, (x, w), out)
+    bb = bias.nbytes if isinstance(bias, TensorArg) else 0.0
+    return OpCost(c.fwd_flops, c.bwd_flops, c.fwd_bytes + bb, c.bwd_bytes + (bb if _rg(bias) else 0.0), "matmul")
+
+
+@register_rule("einsum")
+def _einsum(args, kwargs, out):
+    """``2·numel(out)·Π(contracted index sizes)`` (exact for two operands)."""
+    eq = args[0].replace(" ", "")
+    ops = _tensors(args[1:])
+    lhs, arrow, rhs = eq.partition("->")
+    terms = lhs.split(",")
+    letters = [c for c in lhs if c.isalpha()]
+    if not arrow:  # implicit output: the letters used once
+        rhs = "".join(sorted(c for c in set(letters) if letters.count(c) == 1))
+    sizes: dict[str, int] = {}
+    for term, t in zip(terms, ops):
+        head, _, tail = term.partition("...")
+        dims = list(t.shape[:len(head)]) + (list(t.shape[len(t.shape) - len(tail):]) if tail else [])
+        for c, s in zip(head + tail, dims):
+            sizes[c] = max(sizes.get(c, 1), int(s))
+    outs = _out_list(out)
+    n_out = outs[0].numel if outs else math.prod(sizes.get(c, 1) for c in rhs)
+    contracted = math.prod(sizes[c] for c in set(sizes) - set(rhs))
+    return _gemm(2.0 * n_out * contracted, ops, out)
+
+
+def _sdpa(args, kwargs, out):
+    q, k, v = args[0], args[1], args[2]
+    *batch, L, E = q.shape
+    S = k.shape[-2]
+    Ev = v.shape[-1]
+    bh = math.prod(batch)
+    qk = 2.0 * bh * L * S * E
+    pv = 2.0 * bh * L * S * Ev
+    outs = _out_list(out)
+    o = outs[0] if outs else TensorArg(tuple(batch) + (L, Ev), q.dtype)
+    mask = _arg(args, kwargs, 3, "attn_mask")
+    extra = [t for t in outs[1:2]]  # logsumexp
+    fwd_bytes = q.nbytes + k.nbytes + v.nbytes + o.nbytes + _nbytes(extra)
+    if isinstance(mask, TensorArg):
+        fwd_bytes += mask.nbytes
+    # Backward: dP = dO·Vᵀ and dV = Pᵀ·dO (PV part), dQ = dS·K and dK = dSᵀ·Q (QKᵀ part).
+    bwd = 0.0
+    if _rg(q) or _rg(k):
+        bwd += pv  # dP
+    if _rg(v):
+        bwd += pv
+    if _rg(q):
+        bwd += qk
+    if _rg(k):
+        bwd += qk
+    grads = sum(t.nbytes for t in (q, k, v) if _rg(t))
+    bwd_bytes = (q.nbytes + k.nbytes + v.nbytes + 2 * o.nbytes + _nbytes(extra) + grads) if bwd else 0.0
+    return OpCost(qk + pv, bwd, fwd_bytes, bwd_bytes, "attention")
+
+
+for _n in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+           "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+           "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math",
+           "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
+           "_efficient_attention_forward"):
+    register_rule(_n)(_sdpa)
+
+
+def _conv(x: TensorArg, w: TensorArg, out: Any, transposed: bool, groups: int, bias) -> OpCost:
+    outs = _out_list(out)
+    y = outs[0]
+    n = x.shape[0]
+    # torch.utils.flop_counter convention: batch × Πweight × Π(spatial of out, or of x if transposed)
+    spatial = (x.shape[2:] if transposed else y.shape[2:])
+    flops = 2.0 * n * math.prod(w.shape) * math.prod(spatial)
+    c = _gemm(flops, (x, w), out, kind="conv")
+    bb = bias.nbytes if isinstance(bias, TensorArg) else 0.0
+    return OpCost(c.fwd_flops, c.bwd_flops, c.fwd_bytes + bb, c.bwd_bytes, "conv")
+
+
+@register_rule("convolution", "_convolution", "convolution_overrideable", "cudnn_convolution",
+               "mkldnn_convolution")
+def _convolution(args, kwargs, out):
+    x, w, bias = args[0], args[1], _arg(args, kwargs, 2, "bias")
+    transposed = bool(_arg(args, kwargs, 6, "transposed", False))
+    groups = int(_arg(args, kwargs, 8, "groups", 1))
+    return _conv(x, w, out, transposed, groups, bias)
+
+
+@register_rule("conv1d", "conv2d", "conv3d")
+def _convnd(args, kwargs, out):
+    x, w, bias = args[0], args[1], _arg(args, kwargs, 2, "bias")
+    return _conv(x, w, out, False, int(_arg(args, kwargs, 6, "groups", 1)), bias)
+
+
+@register_rule("conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
+def _convtnd(args, kwargs, out):
+    x, w, bias = args[0], args[1], _arg(args, kwargs, 2, "bias")
+    return _conv(x, w, out, True, int(_arg(args, kwargs, 6, "groups", 1)), bias)
+
+
+@register_rule("embedding", "embedding_bag", "_embedding_bag")
+def _embedding(args, kwargs, out):
+    ts = _tensors(args[:2])
+    weight = next((t for t in ts if t.is_float), ts[0])
+    idx = next((t for t in ts if not t.is_float), None)
+    y = _out_list(out)[0]
+    fwd_bytes = 2.0 * y.nbytes + (idx.nbytes if idx else 0.0)  # gather rows + write
+    if _rg(weight):  # dense scatter-add into a zeroed (V, h) gradient
+        return OpCost(0.0, float(y.numel), fwd_bytes, y.nbytes + (idx.nbytes if idx else 0.0) + weight.nbytes,
+                      "embedding")
+    return OpCost(0.0, 0.0, fwd_bytes, 0.0, "embedding")
+
+
+def _family(fwd_per_elem: float, bwd_per_elem: float, kind: str, saved_reads: int = 1) -> Rule:
+    """Ops costing a fixed number of FLOPs per element of their first input."""
+    def rule(args, kwargs, out):
+        ts = _tensors(args)
+        x = ts[0]
+        outs = _out_list(out)
+        fwd_bytes = _nbytes(ts) + _nbytes(outs)
+        if not any(_rg(t) for t in ts):
+            return OpCost(fwd_per_elem * x.numel, 0.0, fwd_bytes, 0.0, kind)
+        # backward: read dY and the saved input(s), write dX (and small parameter grads)
+        y0 = outs[0].nbytes if outs else x.nbytes
+        bwd_bytes = y0 + saved_reads * x.nbytes + sum(t.nbytes for t in ts if _rg(t))
+        return OpCost(fwd_per_elem * x.numel, bwd_per_elem * x.numel, fwd_bytes, bwd_bytes, kind)
+    return rule
+
+
+_norm = _family(5.0, 10.0, "norm")
+for _n in ("layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "batch_norm",
+           "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
+           "_native_batch_norm_legit_no_training", "cudnn_batch_norm", "miopen_batch_norm",
+           "instance_norm", "rms_norm", "_fused_rms_norm", "local_response_norm", "normalize"):
+    register_rule(_n)(_norm)
+
+_softmax = _family(5.0, 4.0, "softmax")
+for _n in ("softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "cross_entropy",
+           "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d", "nll_loss2d_forward",
+           "nll_loss_nd", "binary_cross_entropy", "binary_cross_entropy_with_logits", "mse_loss",
+           "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div"):
+    register_rule(_n)(_softmax)
+
+
+def _pointwise(args, kwargs, out):
+    ts = _tensors(args) + _tensors(kwargs)
+    outs = _out_list(out)
+    n = float(outs[0].numel) if outs else float(max((t.numel for t in ts), default=0))
+    fwd_bytes = _nbytes(ts) + _nbytes(outs)
+    needing = [t for t in ts if _rg(t)]
+    if not needing or (outs and not outs[0].is_float):
+        return OpCost(n, 0.0, fwd_bytes, 0.0, "pointwise")
+    ob = outs[0].nbytes if outs else 0.0
+    bwd_bytes = ob + _nbytes(ts) + _nbytes(needing)  # read dY and saved operands, write grads
+    return OpCost(n, n * len(needing), fwd_bytes, bwd_bytes, "pointwise")
+
+
+POINTWISE_OPS = (
+    "add", "add_", "sub", "sub_", "rsub", "mul", "mul_", "div", "div_", "true_divide", "floor_divide",
+    "remainder", "fmod", "pow", "neg", "abs", "sign", "sgn", "exp", "exp2", "expm1", "log", "log2",
+    "log10", "log1p", "sqrt", "rsqrt", "reciprocal", "sin", "cos", "tan", "tanh", "sinh", "cosh",
+    "asin", "acos", "atan", "atan2", "sigmoid", "logit", "erf", "erfc", "erfinv", "relu", "relu_",
+    "relu6", "leaky_relu", "gelu", "gelu_", "silu", "silu_", "mish", "elu", "selu", "celu", "softplus",
+    "hardtanh", "hardswish", "hardsigmoid", "glu", "threshold", "clamp", "clamp_min", "clamp_max",
+    "clip", "minimum", "maximum", "fmin", "fmax", "where", "masked_fill", "masked_fill_", "lerp",
+    "addcmul", "addcdiv", "floor", "ceil", "round", "trunc", "frac", "square", "eq", "ne", "lt", "le",
+    "gt", "ge", "logical_and", "logical_or", "logical_not", "logical_xor", "bitwise_and",
+    "bitwise_or", "bitwise_not", "bitwise_xor", "isnan", "isinf", "isfinite", "nan_to_num", "tril",
+    "triu", "xlogy", "hypot", "copysign", "iadd", "imul", "isub", "itruediv", "truediv", "floordiv",
+    "mod", "gelu_backward", "threshold_backward", "sigmoid_backward", "tanh_backward",
+    "silu_backward", "hardtanh_backward", "relu_backward", "scalar_tensor_mul",
+)
+for _n in POINTWISE_OPS:
+    register_rule(_n)(_pointwise)
+
+
+@register_rule("dropout", "native_dropout", "feature_dropout", "alpha_dropout", "bernoulli", "dropout_")
+def _dropout(args, kwargs, out):
+    x = _tensors(args)[0]
+    mask = x.numel  # one bool per element
+    fwd_bytes = 2.0 * x.nbytes + mask
+    if _rg(x):
+        return OpCost(2.0 * x.numel, float(x.numel), fwd_bytes, 2.0 * x.nbytes + mask, "pointwise")
+    return OpCost(2.0 * x.numel, 0.0, fwd_bytes, 0.0, "pointwise")
+
+
+def _reduction(args, kwargs, out):
+    ts = _tensors(args)
+    x = ts[0]
+    outs = _out_list(out)
+    fwd_bytes = x.nbytes + _nbytes(outs)
+    if _rg(x) and outs and outs[0].is_float:
+        return OpCost(float(x.numel), float(x.numel), fwd_bytes, _nbytes(outs[:1]) + x.nbytes, "reduction")
+    return OpCost(float(x.numel), 0.0, fwd_bytes, 0.0, "reduction")
+
+
+REDUCTION_OPS = ("sum", "mean", "amax", "amin", "max", "min", "aminmax", "var", "std", "var_mean",
+                 "std_mean", "prod", "norm", "linalg_vector_norm", "logsumexp", "argmax", "argmin",
+                 "any", "all", "cumsum", "cumprod", "topk", "sort", "argsort", "count_nonzero",
+                 "nansum", "nanmean", "median", "mode", "kthvalue", "frobenius_norm")
+for _n in REDUCTION_OPS:
+    register_rule(_n)(_reduction)
+
+
+def _copy(args, kwargs, out):
+    ts = _tensors(args)
+    outs = _out_list(out)
+    ob = _nbytes(outs)
+    n_in, n_out = sum(t.numel for t in ts), sum(t.numel for t in outs)
+    if n_in <= n_out:  # copies, casts, concatenations, repeats: every input element is read
+        read = _nbytes(ts)
+    else:  # gathers, slicing copies, pooling windows: as many elements read as written
+        read = n_out * (_nbytes(ts) / n_in if n_in else 0.0)
+    if any(_rg(t) for t in ts) and outs and outs[0].is_float:
+        return OpCost(0.0, 0.0, read + ob, read + ob, "copy")
+    return OpCost(0.0, 0.0, read + ob, 0.0, "copy")
+
+
+COPY_OPS = ("clone", "_to_copy", "copy", "copy_", "to", "type_as", "cat", "concat", "concatenate",
+            "stack", "hstack", "vstack", "index_select", "gather", "scatter", "scatter_add",
+            "scatter_reduce", "index", "index_put", "index_put_", "index_add", "index_copy",
+            "constant_pad_nd", "pad", "reflection_pad1d", "reflection_pad2d", "replication_pad2d",
+            "repeat", "repeat_interleave", "tile", "flip", "roll", "masked_select", "masked_scatter",
+            "slice_scatter", "select_scatter", "diagonal_scatter", "as_strided_scatter",
+            "embedding_dense_backward", "float", "half", "bfloat16", "double", "upsample_nearest2d",
+            "upsample_bilinear2d", "max_pool2d", "max_pool2d_with_indices", "avg_pool2d",
+            "adaptive_avg_pool2d", "_adaptive_avg_pool2d", "max_pool1d", "avg_pool1d",
+            "max_pool3d", "avg_pool3d", "pixel_shuffle", "im2col", "col2im", "interpolate",
+            "split_copy", "view_copy", "permute_copy", "transpose_copy", "expand_copy")
+for _n in COPY_OPS:
+    register_rule(_n)(_copy)
+
+
+@register_rule("contiguous", "reshape", "flatten", "_reshape_alias_copy")
+def _maybe_copy(args, kwargs, out):
+    x = _tensors(args)[0]
+    if x.contiguous:
+        return ZERO  # already dense: a view
+    return _copy(args, kwargs, out)
+
+
+def _creation(args, kwargs, out):
+    return OpCost(0.0, 0.0, _nbytes(_out_list(out)), 0.0, "creation")
+
+
+CREATION_OPS = ("zeros", "ones", "full", "empty", "empty_strided", "empty_like", "zeros_like",
+                "ones_like", "full_like", "arange", "linspace", "logspace", "eye", "scalar_tensor",
+                "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
+                "new_zeros", "new_ones", "new_full", "new_empty", "new_empty_strided", "tensor",
+                "lift_fresh_copy", "_local_scalar_dense", "fill", "fill_", "zero_", "normal",
+                "uniform", "uniform_", "normal_")
+for _n in CREATION_OPS:
+    register_rule(_n)(_creation)
+
+#: Ops that return an alias of (part of) an input: no FLOPs, no bytes, no memory.
+VIEW_OPS = frozenset((
+    "view", "_unsafe_view", "view_as", "_reshape_alias", "permute", "transpose", "t", "T", "mT",
+    "numpy_T", "expand", "expand_as", "squeeze", "unsqueeze", "slice", "select", "split",
+    "split_with_sizes", "unsafe_split", "chunk", "tensor_split", "unbind", "as_strided", "alias",
+    "detach", "detach_", "narrow", "unflatten", "diagonal", "movedim", "moveaxis", "swapaxes",
+    "swapdims", "unfold", "real", "imag", "view_as_real", "view_as_complex", "getitem", "lift_fresh",
+    "size", "sym_size", "stride", "sym_stride", "dim", "numel", "sym_numel", "storage_offset",
+    "sym_storage_offset", "_assert_async", "_assert_scalar", "_assert_tensor_metadata",
+    "sym_constrain_range", "sym_constrain_range_for_size", "_functional_assert_async",
+    "_functional_sym_constrain_range", "_set_grad_enabled", "set_grad_enabled", "contiguous_format",
+    "item", "dtype", "device", "shape", "requires_grad_", "_enter_autocast", "_exit_autocast",
+    "wait_tensor", "record_stream", "type", "sym_sum", "sym_max", "sym_min", "sym_not", "sym_float",
+    "sym_int", "sym_ite", "sym_sqrt", "mul_sym", "floordiv_sym", "truediv_sym",
+))
+for _n in VIEW_OPS:
+    _RULES[_n] = lambda args, kwargs, out: ZERO
+
+#: Ops whose outputs never carry a gradient (comparisons, index math, creation).
+NON_DIFFERENTIABLE = frozenset(CREATION_OPS) | frozenset((
+    "eq", "ne", "lt", "le", "gt", "ge", "argmax", "argmin", "any", "all", "logical_and", "logical_or",
+    "logical_not", "logical_xor", "isnan", "isinf", "isfinite", "sign", "floor", "ceil", "round",
+    "trunc", "detach", "detach_", "count_nonzero", "bitwise_and", "bitwise_or", "bitwise_not",
+    "bitwise_xor", "sym_size", "size", "randint", "zeros_like", "ones_like", "full_like", "empty_like",
+))
+
+
+# --------------------------------------------------------------------------------------------
+# lookup
+# --------------------------------------------------------------------------------------------
+def op_name(target: Any) -> str:
+    """Short name used to find a rule: ``aten.mm.default`` → ``"mm"``; ``torch.matmul`` →
+    ``"matmul"``; ``operator.add`` → ``"add"``; a method name stays as it is."""
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket.__name__
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target.__name__
+    if target is operator.getitem:
+        return "getitem"
+    return getattr(target, "__name__", str(target))
+
+
+def _full_name(target: Any) -> str | None:
+    if isinstance(target, torch._ops.OpOverload):
+        return f"{target.overloadpacket.__name__}.{target._overloadname}"
+    return None
+
+
+def _rule_for(target: Any) -> Rule | None:
+    full = _full_name(target)
+    if full is not None and full in _RULES:
+        return _RULES[full]
+    name = op_name(target)
+    rule = _RULES.get(name)
+    if rule is None and name.endswith("_") and not name.endswith("__"):
+        rule = _RULES.get(name[:-1])  # in-place variants
+    if rule is None and name.startswith("__") and name.endswith("__"):
+        rule = _RULES.get(name.strip("_"))  # Tensor.__add__ and friends
+    return rule
+
+
+def _unknown(args, kwargs, out) -> OpCost:
+    ts = _tensors(args) + _tensors(kwargs)
+    fwd = _nbytes(ts) + _nbytes(_out_list(out))
+    return OpCost(0.0, 0.0, fwd, fwd if any(_rg(t) for t in ts) else 0.0, "unknown", known=False)
+
+
+def op_cost(target: Any, args: Sequence = (), kwargs: Mapping | None = None, out: Any = None) -> OpCost:
+    """Cost of one op call given :class:`TensorArg` in place of tensors (local or global shapes).
+
+    ``target`` is an ATen overload (``torch.ops.aten.mm.default``), a torch-level callable or a
+    method name. Never raises: an op without a rule, or whose rule fails on odd arguments,
+    is priced by bytes only with ``known=False``.
+
+    >>> import torch
+    >>> a = TensorArg((64, 32)); b = TensorArg((32, 16))
+    >>> op_cost(torch.ops.aten.mm.default, (a, b), out=TensorArg((64, 16))).fwd_flops
+    65536.0
+    >>> op_cost(torch.ops.aten.view.default, (a, [2048]), out=TensorArg((2048,))).fwd_bytes
+    0.0
+    >>> op_cost("my_custom_op", (a,), out=TensorArg((64, 32))).known
+    False
+    """
+    kwargs = dict(kwargs or {})
+    rule = _rule_for(target)
+    if rule is None:
+        return _unknown(args, kwargs, out)
+    try:
+        return rule(args, kwargs, out)
+    except Exception:  # noqa: BLE001 - odd argument forms: bytes only, never crash
+        return _unknown(args, kwargs, out)
+
+
+# --------------------------------------------------------------------------------------------
+# nodes and graphs
+# --------------------------------------------------------------------------------------------
+def _val(node: fx.Node) -> Any:
+    return node.meta.get(_VAL, node.meta.get("example_value"))
+
+
+def _to_args(x: Any, grad: Callable[[fx.Node], bool | None]) -> Any:
+    """Replace nodes in args by TensorArg (or their Python value)."""
+    if isinstance(x, fx.Node):
+        v = _val(x)
+        if isinstance(v, torch.Tensor):
+            return TensorArg.of(v, grad(x))
+        if isinstance(v, (list, tuple)) and v and all(isinstance(e, torch.Tensor) for e in v):
+            return type(v)(TensorArg.of(e, grad(x)) for e in v)
+        return v
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_args(e, grad) for e in x)
+    if isinstance(x, dict):
+        return {k: _to_args(e, grad) for k, e in x.items()}
+    return x
+
+
+def _out_meta(node: fx.Node) -> Any:
+    v = _val(node)
+    if isinstance(v, torch.Tensor):
+        return TensorArg.of(v, False)
+    if isinstance(v, (list, tuple)):
+        return tuple(TensorArg.of(e, False) if isinstance(e, torch.Tensor) else None for e in v)
+    return None
+
+
+def _node_target(node: fx.Node, gm: fx.GraphModule | None) -> Any:
+    if node.op == "call_module" and gm is not None:
+        mod = gm.get_submodule(node.target)
+        return {torch.nn.Linear: "linear", torch.nn.Embedding: "embedding",
+                torch.nn.LayerNorm: "layer_norm", torch.nn.Conv1d: "conv1d", torch.nn.Conv2d: "conv2d",
+                torch.nn.Conv3d: "conv3d", torch.nn.GELU: "gelu", torch.nn.ReLU: "relu",
+                torch.nn.Dropout: "dropout", torch.nn.Softmax: "softmax"}.get(type(mod), type(mod).__name__)
+    return node.target
+
+
+def _module_args(node: fx.Node, gm: fx.GraphModule, args: tuple) -> tuple:
+    """Make a call_module's args look like its functional form (append the parameters)."""
+    mod = gm.get_submodule(node.target)
+    extra = []
+    for pname in ("weight", "bias"):
+        p = getattr(mod, pname, None)
+        if isinstance(p, torch.Tensor):
+            extra.append(TensorArg(tuple(p.shape), p.dtype, p.requires_grad))
+    if isinstance(mod, torch.nn.Embedding):
+        return (extra[0],) + tuple(args)
+    if isinstance(mod, torch.nn.LayerNorm):
+        return tuple(args) + (list(mod.normalized_shape),) + tuple(extra)
+    return tuple(args) + tuple(extra)
+
+
+def node_cost(node: fx.Node, *, requires_grad: Mapping[fx.Node, bool] | Callable[[fx.Node], bool] | None = None,
+              gm: fx.GraphModule | None = None) -> OpCost:
+    """Cost of one node from its fake-tensor meta (``node.meta["val"]``).
+
+    ``requires_grad`` says which input nodes carry a gradient (a mapping or a predicate); by
+    default every floating-point input does. Placeholders, ``get_attr`` and ``output`` nodes
+    cost nothing; ``call_module`` of common leaf modules is understood when ``gm`` is given.
+    """
+    if node.op in ("placeholder", "get_attr", "output"):
+        return ZERO
+    if requires_grad is None:
+        grad = lambda n: None  # noqa: E731 - TensorArg default: floating point needs a gradient
+    elif callable(requires_grad):
+        grad = requires_grad
+    else:
+        grad = lambda n: bool(requires_grad.get(n, False))  # noqa: E731
+    args = _to_args(tuple(node.args), grad)
+    kwargs = _to_args(dict(node.kwargs), grad)
+    target = _node_target(node, gm)
+    if node.op == "call_module" and gm is not None:
+        args = _module_args(node, gm, args)
+    if node.op == "call_method" and args and not isinstance(args[0], TensorArg):
+        return ZERO
+    return op_cost(target, args, kwargs, _out_meta(node))
+
+
+def _is_param_node(n: fx.Node) -> bool:
+    info = n.meta.get(_PARAM)
+    if info is not None:
+        return bool(getattr(info, "requires_grad", True)) and getattr(info, "kind", "param") == "param"
+    v = _val(n)
+    return isinstance(v, torch.Tensor) and bool(v.requires_grad)
+
+
+def grad_flags(gm: fx.GraphModule, extra: Iterable[fx.Node] | Callable[[fx.Node], bool] = ()) -> dict[fx.Node, bool]:
+    """Which nodes carry a gradient: parameters (``fxpar_param`` meta, or a fake value with
+    ``requires_grad``), nodes in ``extra``, and every floating-point result of a
+    differentiable op with such an input."""
+    pred = extra if callable(extra) else (lambda n, s=set(extra): n in s)
+    out: dict[fx.Node, bool] = {}
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr"):
+            out[n] = _is_param_node(n) or bool(pred(n))
+            continue
+        if n.op == "output":
+            continue
+        v = _val(n)
+        floats = (isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex)) or \
+            (isinstance(v, (list, tuple)) and any(isinstance(e, torch.Tensor) and e.dtype.is_floating_point for e in v))
+        name = op_name(_node_target(n, gm)) if n.op != "call_module" else "module"
+        out[n] = bool(floats and name not in NON_DIFFERENTIABLE
+                      and any(out.get(a, False) for a in n.all_input_nodes)) or bool(pred(n))
+        if n.op == "call_module" and floats:
+            mod = gm.get_submodule(n.target)
+            if any(p.requires_grad for p in mod.parameters()):
+                out[n] = True
+    return out
+
+
+def graph_cost(gm: fx.GraphModule, *, training: bool = True,
+               recompute: bool | Callable[[fx.Node], bool] = False,
+               requires_grad: Iterable[fx.Node] | Callable[[fx.Node], bool] = ()) -> GraphCost:
+    """Sum :func:`node_cost` over a forward graph.
+
+    * ``training``: include backward costs (gradients flow from the parameters; add nodes with
+      ``requires_grad`` for inputs that need one); ``False`` prices the graph as is (use it
+      for a graph that already contains its backward).
+    * ``recompute``: ``True`` re-runs every op's forward before the backward (full activation
+      checkpointing); a predicate recomputes only the nodes it selects (e.g. the transformer
+      layers, as Megatron-LM does).
+
+    >>> import torch
+    >>> gm = torch.export.export(torch.nn.Linear(64, 32), (torch.randn(8, 64),)).graph_module
+    >>> c = graph_cost(gm)
+    >>> c.fwd_flops, c.bwd_flops  # no grad for the input: only dW
+    (32768.0, 32768.0)
+    """
+    flags = grad_flags(gm, requires_grad) if training else {}
+    gc = GraphCost()
+    unknown: dict[str, None] = {}
+    pred = recompute if callable(recompute) else (lambda n: bool(recompute))
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "get_attr", "output"):
+            continue
+        c = node_cost(n, requires_grad=flags if training else (lambda _n: False), gm=gm)
+        if not training:
+            c = OpCost(c.fwd_flops, 0.0, c.fwd_bytes, 0.0, c.kind, c.known)
+        gc.per_node[n.name] = c
+        gc.fwd_flops += c.fwd_flops
+        gc.bwd_flops += c.bwd_flops
+        gc.fwd_bytes += c.fwd_bytes
+        gc.bwd_bytes += c.bwd_bytes
+        is_gemm = c.kind in GEMM_KINDS
+        if is_gemm:
+            gc.gemm_fwd_flops += c.fwd_flops
+            gc.gemm_bwd_flops += c.bwd_flops
+        if training and pred(n):
+            gc.recompute_flops += c.fwd_flops
+            gc.recompute_bytes += c.fwd_bytes
+            if is_gemm:
+                gc.gemm_recompute_flops += c.fwd_flops
+        gc.by_kind[c.kind] = gc.by_kind.get(c.kind, OpCost(kind=c.kind)) + c
+        if not c.known:
+            unknown[str(n.target)] = None
+    gc.unknown_ops = tuple(unknown)
+    return gc
+
+
+# --------------------------------------------------------------------------------------------
+# time
+# --------------------------------------------------------------------------------------------
+def roofline_time(flops: float, nbytes: float, cluster, efficiency: float = 0.5,
+                  memory_efficiency: float = 0.8) -> float:
+    """Roofline: ``max(flops / (peak·efficiency), bytes / (memory_bandwidth·memory_efficiency))``.
+
+    The default compute efficiency 0.5 is what Megatron-LM reaches end to end (44–52% of peak,
+    PTD-P Table 1); pass a measured value where one exists.
+
+    >>> from fxpar import Cluster
+    >>> c = Cluster.preset("dgx-a100")                       # 312 TFLOP/s, 2039 GB/s
+    >>> round(roofline_time(312e12, 0, c, efficiency=1.0), 6)
+    1.0
+    >>> round(roofline_time(0, 2039e9, c, memory_efficiency=1.0), 6)
+    1.0
+    """
+    if flops <= 0 and nbytes <= 0:
+        return 0.0
+    return max(flops / (cluster.peak_flops * efficiency),
+               nbytes / (cluster.memory_bandwidth * memory_efficiency))
+
+
+def op_time(cost: OpCost, cluster, efficiency: float = 0.5, memory_efficiency: float = 0.8) -> tuple[float, float]:
+    """``(forward, backward)`` roofline seconds of one op."""
+    return (roofline_time(cost.fwd_flops, cost.fwd_bytes, cluster, efficiency, memory_efficiency),
+            roofline_time(cost.bwd_flops, cost.bwd_bytes, cluster, efficiency, memory_efficiency))

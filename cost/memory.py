@@ -1,0 +1,391 @@
+"""Memory cost: tensor bytes under a spec, model states under sharding, activations from
+liveness, and the peak memory of a pipeline stage (pure functions).
+
+**Model states** (AMSP §IV-D; ZeRO's ``K``): bytes per parameter of parameters P, gradients G
+and optimizer states OS, each divided by its own sharding factor:
+
+=========================  ======  ======  =========================================
+optimizer, precision       P       G       OS
+=========================  ======  ======  =========================================
+Adam, mixed (bf16/fp16)    2       2       12 (fp32 master copy, m, v)
+Adam, fp32                 4       4       8 (m, v)
+SGD+momentum, mixed        2       2       8 (fp32 master copy, momentum)
+SGD+momentum, fp32         4       4       4 (momentum)
+SGD, mixed / fp32          2 / 4   2 / 4   4 (master copy) / 0
+=========================  ======  ======  =========================================
+
+so mixed-precision Adam gives AMSP's ``2Φ/s_p + 2Φ/s_g + 12Φ/s_os``.
+
+**Activations**: the tensors an op saves for its backward (its inputs for a matmul, its output
+for a softmax, a bit mask for dropout, ...) stay live from the forward to the backward; all
+other intermediates die after their last forward use. :func:`activation_memory` walks a
+forward graph in order with that liveness (views share their base's storage, parameters are
+model states and not counted) and reports what one microbatch holds at the end of the
+forward and the peak on the way.
+
+**Pipeline stages**: a stage holds the activations of every microbatch in flight
+(:func:`fxpar.cost.pipeline.in_flight_microbatches`; 1F1B: stage ``s`` of ``p`` keeps
+``p−s``, Megatron-LM §2.2.1). With recomputation (Megatron-LM §3.5) a stage stashes only its
+input per microbatch and rebuilds one microbatch's activations at a time, for one extra
+forward.
+
+>>> from fxpar.cost.memory import model_state_bytes
+>>> ms = model_state_bytes(7e9, s_os=8)          # Adam, mixed precision, OS over 8 devices
+>>> round(ms.total / 1e9, 1), round(ms.optimizer / 1e9, 1)
+(38.5, 10.5)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxpar.cost.compute import VIEW_OPS, _is_param_node, _node_target, _val, grad_flags, op_name
+from fxpar.cost.pipeline import in_flight_microbatches
+
+__all__ = [
+    "dtype_bytes",
+    "tensor_bytes",
+    "ModelStateBytes",
+    "STATE_BYTES_PER_PARAM",
+    "model_state_bytes",
+    "ActivationMemory",
+    "activation_memory",
+    "stage_peak_memory",
+    "in_flight_microbatches",
+]
+
+
+def dtype_bytes(dtype: torch.dtype | str) -> int:
+    """Bytes per element: ``dtype_bytes(torch.bfloat16) == dtype_bytes("bfloat16") == 2``."""
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype.itemsize
+
+
+def tensor_bytes(shape: Sequence[int], dtype: torch.dtype | str = torch.float32, spec=None,
+                 mesh_shape: Sequence[int] | None = None) -> int:
+    """Bytes of a tensor, or of its largest local shard under ``spec`` on a mesh of
+    ``mesh_shape`` (uneven shards as ``torch.chunk``; Partial and Replicate do not shrink it).
+
+    >>> from fxpar.spec import Spec
+    >>> tensor_bytes((1024, 1024), "bfloat16")
+    2097152
+    >>> tensor_bytes((1024, 1024), "bfloat16", Spec.parse("S(0)R"), (4, 2))
+    524288
+    >>> tensor_bytes((5, 4), "float32", "S(0)", (4,))      # chunks of 2, 2, 1, 0 rows
+    32
+    """
+    if spec is None:
+        return math.prod(int(s) for s in shape) * dtype_bytes(dtype)
+    if mesh_shape is None:
+        raise ValueError("tensor_bytes: a spec needs the mesh_shape it applies to")
+    from fxpar.spec import as_spec
+
+    return as_spec(spec).local_numel(tuple(shape), tuple(mesh_shape)) * dtype_bytes(dtype)
+
+
+#: Bytes per parameter ``(P, G, OS)`` by ``(optimizer, precision)``; see the module table.
+STATE_BYTES_PER_PARAM: dict[tuple[str, str], tuple[int, int, int]] = {
+    ("adam", "mixed"): (2, 2, 12),
+    ("adam", "fp32"): (4, 4, 8),
+    ("sgd_momentum", "mixed"): (2, 2, 8),
+    ("sgd_momentum", "fp32"): (4, 4, 4),
+    ("sgd", "mixed"): (2, 2, 4),
+    ("sgd", "fp32"): (4, 4, 0),
+}
+_OPT_ALIASES = {"adamw": "adam", "adam": "adam", "sgd": "sgd", "momentum": "sgd_momentum",
+                "sgd_momentum": "sgd_momentum"}
+_PREC_ALIASES = {"mixed": "mixed", "bf16": "mixed", "fp16": "mixed", "amp": "mixed",
+                 "fp32": "fp32", "float32": "fp32"}
+
+
+@dataclass(frozen=True)
+class ModelStateBytes:
+    """Per-device bytes of parameters, gradients and optimizer states."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+
+def model_state_bytes(num_params: float, *, optimizer: str = "adam", precision: str = "mixed",
+                      s_p: int = 1, s_g: int = 1, s_os: int = 1) -> ModelStateBytes:
+    """Model-state bytes per device with sharding factors ``s_p, s_g, s_os`` (AMSP §IV-D):
+    ``k_P·Φ/s_p + k_G·Φ/s_g + k_OS·Φ/s_os`` with ``k`` from :data:`STATE_BYTES_PER_PARAM`.
+    ZeRO-1/2/3 are ``(1,1,N)``, ``(1,N,N)``, ``(N,N,N)``.
+
+    >>> round(model_state_bytes(1e9).total / 1e9)              # 16 bytes/param unsharded
+    16
+    >>> model_state_bytes(1e9, optimizer="sgd", precision="fp32").optimizer
+    0.0
+    >>> round(model_state_bytes(1e9, s_p=8, s_g=8, s_os=8).total / 1e9)   # ZeRO-3 on 8
+    2
+    """
+    key = (_OPT_ALIASES.get(optimizer.lower(), optimizer.lower()),
+           _PREC_ALIASES.get(precision.lower(), precision.lower()))
+    if key not in STATE_BYTES_PER_PARAM:
+        raise ValueError(f"unknown optimizer/precision {optimizer!r}/{precision!r}; known: "
+                         f"{sorted(STATE_BYTES_PER_PARAM)}")
+    kp, kg, kos = STATE_BYTES_PER_PARAM[key]
+    for name, s in (("s_p", s_p), ("s_g", s_g), ("s_os", s_os)):
+        if s < 1:
+            raise ValueError(f"{name} must be >= 1, got {s}")
+    return ModelStateBytes(kp * num_params / s_p, kg * num_params / s_g, kos * num_params / s_os)
+
+
+# --------------------------------------------------------------------------------------------
+# activations
+# --------------------------------------------------------------------------------------------
+# What each op saves for its backward, when its output needs a gradient:
+#   "partners": every tensor input whose partner operand needs a gradient (matmul, mul, conv)
+#   "output":   its output (softmax, tanh, sigmoid, exp, relu, rsqrt, sqrt)
+#   "input0":   its first input (gelu, silu, norms, reductions that need the input)
+#   "qkvo":     q, k, v and the output (fused attention), plus the logsumexp
+#   "nothing":  no tensor (add/sub/neg, sum/mean, copies, views)
+#   "indices":  its integer inputs (embedding, gather, index)
+_SAVES: dict[str, str] = {}
+for _n in ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "einsum", "mul", "div", "dot",
+           "mv", "convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+           "conv_transpose2d", "conv_transpose3d", "true_divide", "addcmul", "addcdiv", "where"):
+    _SAVES[_n] = "partners"
+for _n in ("softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "tanh",
+           "sigmoid", "exp", "relu", "rsqrt", "sqrt", "reciprocal", "elu", "hardtanh", "relu6"):
+    _SAVES[_n] = "output"
+for _n in ("gelu", "silu", "mish", "softplus", "log", "log1p", "log2", "pow", "sin", "cos", "erf",
+           "abs", "clamp", "clamp_min", "clamp_max", "leaky_relu", "hardswish", "hardsigmoid",
+           "square", "layer_norm", "native_layer_norm", "group_norm", "native_group_norm",
+           "batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+           "_native_batch_norm_legit_functional", "rms_norm", "_fused_rms_norm", "instance_norm",
+           "amax", "amin", "max", "min", "var", "std", "var_mean", "std_mean", "norm",
+           "linalg_vector_norm", "logsumexp", "prod", "cross_entropy", "cross_entropy_loss",
+           "nll_loss", "nll_loss_forward", "mse_loss", "l1_loss", "smooth_l1_loss", "glu",
+           "max_pool2d", "max_pool2d_with_indices", "cumprod", "atan2", "maximum", "minimum"):
+    _SAVES[_n] = "input0"
+for _n in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+           "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+           "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math",
+           "_scaled_dot_product_fused_attention_overrideable"):
+    _SAVES[_n] = "qkvo"
+for _n in ("embedding", "gather", "index", "index_select", "masked_fill", "scatter", "scatter_add"):
+    _SAVES[_n] = "indices"
+for _n in ("add", "sub", "rsub", "neg", "sum", "mean", "clone", "_to_copy", "to", "cat", "stack",
+           "constant_pad_nd", "pad", "repeat", "flip", "roll", "contiguous", "reshape", "flatten",
+           "expand", "tril", "triu", "zeros_like", "ones_like", "full_like", "cumsum", "iadd",
+           "copy", "copy_", "type_as", "float", "half", "bfloat16", "slice_scatter"):
+    _SAVES[_n] = "nothing"
+# Extra bytes an op saves besides its tensors: dropout's mask (1 byte/elem), norm statistics
+# (2 fp32 per row), attention's logsumexp (1 fp32 per query row) are added per node below.
+_MASK_OPS = frozenset(("dropout", "native_dropout", "feature_dropout", "alpha_dropout"))
+
+
+def _first_tensor_node(n: fx.Node) -> fx.Node | None:
+    for a in n.all_input_nodes:
+        if isinstance(_val(a), (torch.Tensor, list, tuple)):
+            return a
+    return None
+
+
+def _nbytes_val(v) -> int:
+    if isinstance(v, torch.Tensor):
+        return int(math.prod(int(s) for s in v.shape)) * v.dtype.itemsize
+    return 0
+
+
+@dataclass(frozen=True)
+class ActivationMemory:
+    """Activation bytes of one microbatch through a forward graph.
+
+    * ``saved_bytes``: held from the forward to the backward (what each in-flight microbatch
+      costs a pipeline stage);
+    * ``peak_forward_bytes``: the most live at once during the forward (saved + temporaries);
+    * ``peak_bytes``: also covering the backward: ``saved + max(dY + dX)`` over the ops;
+    * ``input_bytes``: the graph's activation inputs (what recomputation stashes);
+    * ``saved``: names of the nodes whose storage is saved.
+    """
+
+    saved_bytes: int
+    peak_forward_bytes: int
+    peak_bytes: int
+    input_bytes: int
+    saved: tuple[str, ...]
+
+    @property
+    def transient_bytes(self) -> int:
+        """What the peak adds on top of the saved activations."""
+        return max(0, self.peak_bytes - self.saved_bytes)
+
+
+def activation_memory(gm: fx.GraphModule, *,
+                      requires_grad: Iterable[fx.Node] | Callable[[fx.Node], bool] = ()) -> ActivationMemory:
+    """Liveness of the tensors of a forward graph during training (see module docstring).
+
+    Views alias their base (``view``, ``transpose``, ``split`` ... cost nothing); a saved view
+    keeps its whole base alive. Parameters and buffers are model states, not activations.
+    Ops without a rule save all their tensor inputs (conservative).
+
+    >>> import torch
+    >>> mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    >>> gm = torch.export.export(mlp, (torch.randn(8, 64),)).graph_module
+    >>> am = activation_memory(gm)
+    >>> am.saved_bytes == 4 * (8 * 64 + 8 * 256)   # x for dW1, relu output (for dW2 and relu')
+    True
+    """
+    flags = grad_flags(gm, requires_grad)
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    root: dict[fx.Node, fx.Node] = {}
+    is_param: dict[fx.Node, bool] = {}
+    for n in nodes:
+        if n.op in ("placeholder", "get_attr"):
+            root[n] = n
+            is_param[n] = n.op == "get_attr" or _is_param_node(n) or _is_buffer(n)
+            continue
+        if n.op == "output":
+            continue
+        name = op_name(_node_target(n, gm)) if n.op != "call_module" else "module"
+        src = _first_tensor_node(n)
+        alias = name in VIEW_OPS or (name in ("contiguous", "reshape", "flatten") and src is not None
+                                     and _is_contig(src))
+        if name == "getitem" and src is not None and isinstance(_val(src), (list, tuple)):
+            # an element of a multi-output op: its own storage, unless the op is a view (split)
+            src_name = op_name(_node_target(src, gm)) if src.op != "call_module" else "module"
+            alias = src_name in VIEW_OPS
+        root[n] = root[src] if alias and src is not None else n
+        is_param[n] = is_param.get(root[n], False) if alias else False
+
+    # forward last use of every storage root (uses of aliases count)
+    last_use: dict[fx.Node, int] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            r = root.get(a, a)
+            last_use[r] = max(last_use.get(r, -1), index[n])
+    out_node = nodes[-1] if nodes and nodes[-1].op == "output" else None
+    # saved storage
+    saved: dict[fx.Node, None] = {}
+    extra: int = 0
+    backward_transient = 0
+    for n in nodes:
+        if n.op in ("placeholder", "get_attr", "output") or not flags.get(n, False):
+            continue
+        name = op_name(_node_target(n, gm)) if n.op != "call_module" else "module"
+        if name in VIEW_OPS:
+            continue
+        kind = _SAVES.get(name)
+        ins = [a for a in n.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+        if kind is None and name in _MASK_OPS:
+            extra += sum(math.prod(int(s) for s in _val(a).shape) for a in ins[:1])  # bool mask
+            kind = "nothing"
+        if kind is None:
+            kind = "partners" if n.op == "call_module" else "all"
+        chosen: list[fx.Node] = []
+        if kind == "all":
+            chosen = ins
+        elif kind == "partners":
+            for a in ins:
+                if any(flags.get(b, False) for b in ins if b is not a) or not _val(a).dtype.is_floating_point:
+                    chosen.append(a)
+        elif kind == "output":
+            chosen = [n]
+        elif kind == "input0":
+            chosen = ins[:1]
+            if "norm" in name:  # mean and rstd (or the batch statistics): 2 fp32 per row
+                x = _val(ins[0])
+                rows = math.prod(int(s) for s in x.shape[:-1]) if x.dim() else 1
+                extra += 2 * 4 * rows
+        elif kind == "qkvo":
+            chosen = ins[:3] + [n]
+            q = _val(ins[0])
+            extra += 4 * math.prod(int(s) for s in q.shape[:-1])  # logsumexp, fp32
+        elif kind == "indices":
+            chosen = [a for a in ins if not _val(a).dtype.is_floating_point]
+        for a in chosen:
+            r = root.get(a, a)
+            if not is_param.get(r, False):
+                saved[r] = None
+        # backward of this op: dY plus the gradients of its inputs live at once
+        v = _val(n)
+        dy = _nbytes_val(v) if isinstance(v, torch.Tensor) else sum(_nbytes_val(e) for e in v or ())
+        dx = sum(_nbytes_val(_val(a)) for a in ins if flags.get(a, False) and not is_param.get(root.get(a, a), False))
+        backward_transient = max(backward_transient, dy + dx)
+
+    def size(r: fx.Node) -> int:
+        return _nbytes_val(_val(r))
+
+    saved_bytes = sum(size(r) for r in saved) + extra
+    # forward walk: a root is live from its definition to its last use, or to the end if saved
+    outputs = set()
+    if out_node is not None:
+        for a in out_node.all_input_nodes:
+            outputs.add(root.get(a, a))
+    live: dict[fx.Node, int] = {}
+    peak = 0
+    input_bytes = 0
+    for n in nodes:
+        if n.op == "output":
+            break
+        r = root.get(n, n)
+        if r is n and not is_param.get(n, False):
+            live[n] = size(n)
+            if n.op == "placeholder":
+                input_bytes += size(n)
+        peak = max(peak, sum(live.values()))
+        for a in set(n.all_input_nodes) | {n}:
+            ra = root.get(a, a)
+            if ra in live and ra not in saved and ra not in outputs and last_use.get(ra, -1) <= index[n]:
+                del live[ra]
+    peak_fwd = max(peak, saved_bytes)
+    return ActivationMemory(int(saved_bytes), int(peak_fwd), int(max(peak_fwd, saved_bytes + backward_transient)),
+                            int(input_bytes), tuple(r.name for r in saved))
+
+
+def _is_buffer(n: fx.Node) -> bool:
+    info = n.meta.get("fxpar_param")
+    return info is not None and getattr(info, "kind", None) == "buffer"
+
+
+def _is_contig(n: fx.Node) -> bool:
+    v = _val(n)
+    try:
+        return bool(v.is_contiguous())
+    except Exception:  # noqa: BLE001
+        return True
+
+
+def stage_peak_memory(model_state: float, activation: ActivationMemory | float, in_flight: float, *,
+                      recompute: bool = False, input_bytes: float | None = None,
+                      transient_bytes: float | None = None) -> float:
+    """Peak bytes of one pipeline stage (Megatron-LM §2.2 and §3.5):
+
+    * no recomputation: ``model_state + in_flight·A + transient``;
+    * recomputation: ``model_state + in_flight·A_input + A + transient`` (only the stage input
+      is stashed per microbatch; one microbatch's activations ``A`` are rebuilt for its
+      backward, at the cost of one extra forward).
+
+    ``activation`` is an :class:`ActivationMemory` (its ``saved_bytes``, ``input_bytes`` and
+    ``transient_bytes`` are used) or the saved bytes of one microbatch.
+
+    >>> stage_peak_memory(10e9, 1e9, in_flight=4)                  # 1F1B, stage 0 of 4
+    14000000000.0
+    >>> stage_peak_memory(10e9, 1e9, in_flight=4, recompute=True, input_bytes=0.05e9)
+    11200000000.0
+    """
+    if isinstance(activation, ActivationMemory):
+        a = float(activation.saved_bytes)
+        a_in = float(activation.input_bytes if input_bytes is None else input_bytes)
+        tr = float(activation.transient_bytes if transient_bytes is None else transient_bytes)
+    else:
+        a = float(activation)
+        a_in = float(input_bytes or 0.0)
+        tr = float(transient_bytes or 0.0)
+    if recompute:
+        return model_state + in_flight * a_in + a + tr
+    return model_state + in_flight * a + tr

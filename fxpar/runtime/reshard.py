@@ -1,0 +1,356 @@
+"""Execute a resharding plan on a live process group, with local (per-rank) tensors.
+
+:func:`execute` runs each :class:`fxpar.reshard.ReshardStep` of a plan over the process group
+of the step's mesh axis (``DeviceMesh.get_group(axis)``) with the functional collectives
+``torch.ops._c10d_functional.*`` (the ops fxpar's emitted graphs use) followed by
+``wait_tensor``. Every rank of the mesh must call it with the same plan.
+
+Uneven shards (``torch.chunk`` rules: chunks of ``c = ceil(n/G)``, the last ones smaller or
+empty) are padded to ``c`` before the collective and trimmed after. Because only the trailing
+chunks are short, the real data of the ``G`` padded blocks laid end to end is a prefix of
+length ``n``: one ``narrow`` trims it. A group whose padded buffers are empty skips the
+collective (every member of that group sees the same padded shapes, so they agree).
+
+:func:`execute_many` runs many plans at once and coalesces their collectives (one per mesh
+axis, kind, op and dtype per round).
+
+Step semantics on mesh axis ``i`` of size ``G`` (coordinate ``k`` on it):
+
+* ``all_gather`` S(d)→R: pad dim d to ``c``, all-gather along a new leading dim, concatenate
+  the blocks along d, keep the first ``n``.
+* ``reduce_scatter`` P→S(d): pad dim d to ``G·c``, stack the ``G`` chunks, reduce-scatter
+  (sum or avg), keep this rank's ``chunk_bounds(n, G, k)`` length.
+* ``all_reduce`` P→R: all-reduce with the placement's op (sum, avg, max, min).
+* ``all_to_all`` S(d)→S(e): pad d to ``c_d`` and e to ``G·c_e``, send chunk ``g`` of e to rank
+  ``g``, concatenate what arrives along d, trim d to ``n_d`` and e to this rank's chunk.
+* ``chunk`` R→S(d): keep ``chunk_bounds(n, G, k)`` of dim d (a copy, so the full buffer can be
+  freed).
+* ``to_partial`` R→P: sum: coordinate 0 keeps the value, the others hold zeros;
+  avg/max/min: every rank keeps the value.
+* ``rescale`` P(sum)→P(avg): ×G; P(avg)→P(sum): ÷G.
+
+gloo in torch 2.13 supports every collective used here on CPU (all-gather into a tensor,
+reduce-scatter of a tensor incl. avg, all-reduce incl. avg, equal-split all-to-all), so no
+emulation is needed.
+
+>>> import torch
+>>> from fxpar.spec import Spec
+>>> full = torch.arange(10.).reshape(5, 2)
+>>> distribute(full, Spec.parse("S(0)R"), (2, 2), (1, 0))
+tensor([[6., 7.],
+        [8., 9.]])
+>>> parts = {c: distribute(full, Spec.parse("S(0)P(sum)"), (2, 2), c) for c in [(0, 0), (0, 1), (1, 0), (1, 1)]}
+>>> parts[(0, 1)].abs().sum().item(), torch.equal(assemble(parts, "S(0)P(sum)", (2, 2), (5, 2)), full)
+(0.0, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fxpar.errors import ReshardError
+from fxpar.spec import Partial, Replicate, Shard, Spec, as_spec, chunk_bounds
+
+__all__ = ["execute", "execute_many", "execute_step", "distribute", "assemble"]
+
+_DEVICE_MESHES: dict = {}
+
+
+# -- mesh helpers --------------------------------------------------------------------------
+def _mesh_shape(mesh) -> tuple[int, ...]:
+    if isinstance(mesh, (tuple, list)):
+        return tuple(int(s) for s in mesh)
+    shape = mesh.shape
+    return tuple(int(s) for s in (shape() if callable(shape) else shape))
+
+
+def _as_device_mesh(mesh):
+    """A ``DeviceMesh`` for an fxpar ``Mesh`` (made once per mesh and world group: making one
+    is collective) or the ``DeviceMesh`` itself."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(mesh, DeviceMesh):
+        return mesh
+    from fxpar.mesh import Mesh
+
+    if not isinstance(mesh, Mesh):
+        raise ReshardError(f"execute needs a torch DeviceMesh or an fxpar Mesh, got {type(mesh).__name__}")
+    import torch.distributed as dist
+
+    key = (mesh, id(dist.group.WORLD))
+    if key not in _DEVICE_MESHES:
+        _DEVICE_MESHES[key] = mesh.to_device_mesh()
+    return _DEVICE_MESHES[key]
+
+
+# -- pure layout helpers -------------------------------------------------------------------
+def distribute(full: torch.Tensor, spec: Spec | str, mesh, coord: Sequence[int]) -> torch.Tensor:
+    """The local tensor of the device at ``coord`` for a tensor whose global value is ``full``
+    (pure slicing per :meth:`Spec.global_slices`; a contiguous copy). On a ``Partial`` axis
+    the value is split as ``to_partial`` does: for sum, coordinate 0 of that axis holds it and
+    the others zeros; for avg/max/min every coordinate holds it. ``mesh`` is an fxpar Mesh, a
+    DeviceMesh or a mesh shape tuple."""
+    spec = as_spec(spec)
+    mesh_shape = _mesh_shape(mesh)
+    local = full[spec.global_slices(tuple(full.shape), mesh_shape, coord)].clone()
+    for axis, p in enumerate(spec):
+        if isinstance(p, Partial) and p.reduce_op == "sum" and coord[axis] != 0:
+            local.zero_()
+    return local
+
+
+def assemble(locals_: Mapping[tuple[int, ...], torch.Tensor], spec: Spec | str, mesh,
+             shape: Sequence[int]) -> torch.Tensor:
+    """Inverse of :func:`distribute` (for tests): the global value from every device's local
+    tensor (``{coord: tensor}``). Partial axes are reduced with their op (innermost axis
+    first), replicated axes read at coordinate 0, shards written to their global slices."""
+    spec = as_spec(spec)
+    mesh_shape = _mesh_shape(mesh)
+    shape = tuple(shape)
+    red = {c: t for c, t in locals_.items()}
+    for axis in reversed(range(len(spec))):
+        p = spec[axis]
+        if not isinstance(p, Partial):
+            continue
+        out = {}
+        for c, t in red.items():
+            if c[axis] != 0:
+                continue
+            group = [red[c[:axis] + (k,) + c[axis + 1:]] for k in range(mesh_shape[axis])]
+            stacked = torch.stack(group)
+            op = p.reduce_op
+            out[c] = (stacked.sum(0) if op == "sum" else stacked.mean(0) if op == "avg"
+                      else stacked.amax(0) if op == "max" else stacked.amin(0))
+        red = out
+    first = next(iter(locals_.values()))
+    full = torch.zeros(shape, dtype=first.dtype)
+    plain = Spec(tuple(Replicate() if isinstance(p, Partial) else p for p in spec))
+    for c, t in red.items():
+        full[plain.global_slices(shape, mesh_shape, c)] = t
+    return full
+
+
+def _pad(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """``x`` zero-padded at the end of ``dim`` to ``size`` (``x`` itself if already that size)."""
+    if x.shape[dim] == size:
+        return x
+    shape = list(x.shape)
+    shape[dim] = size
+    out = x.new_zeros(shape)
+    out.narrow(dim, 0, x.shape[dim]).copy_(x)
+    return out
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+# -- steps -----------------------------------------------------------------------------------
+_F = None
+
+
+def _ops():
+    global _F
+    if _F is None:
+        import torch.distributed  # noqa: F401  (registers the _c10d_functional ops)
+
+        _F = torch.ops._c10d_functional
+    return _F
+
+
+@dataclass
+class _Comm:
+    """A collective one step needs: ``data`` is flat ``(m,)`` for all_gather / all_reduce and
+    ``(G, m)`` (block ``g`` for member ``g``) for reduce_scatter / all_to_all; ``finish``
+    turns what comes back into the new local tensor: ``(G, m)`` gathered blocks, ``(m,)``
+    reduced buffer, ``(m,)`` own reduced block, ``(G, m)`` received blocks respectively."""
+
+    kind: str
+    axis: int
+    op: str | None
+    data: torch.Tensor
+    finish: Callable[[torch.Tensor], torch.Tensor]
+
+
+def _start(step, local: torch.Tensor, mesh_shape: tuple[int, ...], shape: Sequence[int],
+           coord: Sequence[int]) -> torch.Tensor | _Comm:
+    """The new local tensor for a local step, or the :class:`_Comm` a collective step needs."""
+    i = step.axis
+    G = mesh_shape[i]
+    src_p, dst_p = step.src[i], step.dst[i]
+    kind = step.kind
+    if G == 1 and kind != "rescale":
+        return local  # a size-1 axis: every layout on it is the same tensor
+    if kind == "chunk":
+        d = dst_p.dim
+        a, b = chunk_bounds(local.shape[d], G, coord[i])
+        return local.narrow(d, a, b - a).clone()  # a copy: the full buffer can go
+    if kind == "to_partial":
+        return torch.zeros_like(local) if dst_p.reduce_op == "sum" and coord[i] != 0 else local
+    if kind == "rescale":
+        return local * G if dst_p.reduce_op == "avg" else local / G
+    # The destination's local shape gives every size needed (dim pieces and this rank's chunk).
+    out_shape = step.dst.local_shape(shape, mesh_shape, coord)
+
+    if kind == "all_reduce":
+        x = local.contiguous()
+        return _Comm(kind, i, src_p.reduce_op, x.view(-1), lambda r: r.view(x.shape))
+
+    if kind == "all_gather":
+        # Pad to the first (largest) chunk; the G padded blocks end to end hold the n real
+        # entries as a prefix, because only trailing chunks are short.
+        d, n = src_p.dim, out_shape[src_p.dim]
+        x = _pad(local, d, _ceil(n, G)).contiguous()
+
+        def finish_ag(r):
+            return torch.cat(r.reshape(G, *x.shape).unbind(0), dim=d).narrow(d, 0, n)
+        return _Comm(kind, i, None, x.view(-1), finish_ag)
+
+    if kind == "reduce_scatter":
+        d = dst_p.dim
+        c = _ceil(local.shape[d], G)
+        blocks = torch.stack(_pad(local, d, G * c).split(c, dim=d))  # (G, chunk)
+        b = blocks.shape[1:]
+        return _Comm(kind, i, src_p.reduce_op, blocks.view(G, b.numel()),
+                     lambda r: r.view(b).narrow(d, 0, out_shape[d]))
+
+    if kind == "all_to_all":
+        # S(d) -> S(e): chunk g of dim e goes to member g; what arrives from member g is its
+        # piece of dim d, so the pieces concatenate along d.
+        d, e = src_p.dim, dst_p.dim
+        n_d = out_shape[d]
+        c_e = _ceil(local.shape[e], G)
+        x = _pad(_pad(local, d, _ceil(n_d, G)), e, G * c_e)
+        blocks = torch.stack(x.split(c_e, dim=e))
+        b = blocks.shape[1:]
+
+        def finish_a2a(r):
+            got = torch.cat(r.reshape(G, *b).unbind(0), dim=d)
+            return got.narrow(d, 0, n_d).narrow(e, 0, out_shape[e])
+        return _Comm(kind, i, None, blocks.view(G, b.numel()), finish_a2a)
+
+    raise ReshardError(f"unknown reshard step kind {kind!r} ({step})")
+
+
+def _run_comms(comms: Sequence[_Comm], device_mesh, mesh_shape) -> list[torch.Tensor]:
+    """Run the collectives of one round, coalesced: one collective per (axis, kind, op,
+    dtype), launched all before any is waited on. Every member of an axis group has the same
+    requests with the same sizes (padded shapes do not depend on the coordinate along that
+    axis), so the groups are the same on every member and in the same (sorted) order; a
+    group with nothing to send is skipped by all its members alike."""
+    f = _ops()
+    groups: dict[tuple, list[int]] = {}
+    for k, c in enumerate(comms):
+        groups.setdefault((c.axis, c.kind, c.op or "", str(c.data.dtype)), []).append(k)
+    out: list = [None] * len(comms)
+    waiting = []
+    for key in sorted(groups):
+        axis, kind, op, _ = key
+        idx = groups[key]
+        G = mesh_shape[axis]
+        sizes = [comms[k].data.shape[-1] for k in idx]
+        total = sum(sizes)
+        if total == 0:
+            for k in idx:
+                d = comms[k].data
+                out[k] = comms[k].finish(d.new_empty((G, 0) if kind in ("all_gather", "all_to_all") else (0,)))
+            continue
+        parts = [comms[k].data for k in idx]
+        buf = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        name = device_mesh.get_group(axis).group_name
+        if kind == "all_reduce":
+            h = f.all_reduce(buf, op, name)
+        elif kind == "all_gather":
+            h = f.all_gather_into_tensor(buf, G, name)
+        elif kind == "reduce_scatter":
+            h = f.reduce_scatter_tensor(buf.reshape(-1), op, G, name)
+        else:
+            h = f.all_to_all_single(buf.reshape(-1), [total] * G, [total] * G, name)
+        waiting.append((kind, G, idx, sizes, h))
+    for kind, G, idx, sizes, h in waiting:
+        r = f.wait_tensor(h)
+        if kind in ("all_gather", "all_to_all"):
+            r = r.view(G, -1)
+        off = 0
+        for k, m in zip(idx, sizes):
+            out[k] = comms[k].finish(r[..., off:off + m])
+            off += m
+    return out
+
+
+# -- execution -----------------------------------------------------------------------------
+def _run_round(items: list, device_mesh, mesh_shape) -> list[torch.Tensor]:
+    """``items`` are the results of :func:`_start`; returns the new local tensors."""
+    comm_at = [k for k, x in enumerate(items) if isinstance(x, _Comm)]
+    if comm_at:
+        done = _run_comms([items[k] for k in comm_at], device_mesh, mesh_shape)
+        items = list(items)
+        for k, t in zip(comm_at, done):
+            items[k] = t
+    return items
+
+
+def execute_step(step, local: torch.Tensor, device_mesh, shape: Sequence[int],
+                 coord: Sequence[int]) -> torch.Tensor:
+    """Run one :class:`~fxpar.reshard.ReshardStep` on this rank's ``local`` tensor; ``coord``
+    is this rank's mesh coordinate and ``shape`` the global shape. Returns the new local."""
+    mesh_shape = _mesh_shape(device_mesh)
+    return _run_round([_start(step, local, mesh_shape, shape, coord)], device_mesh, mesh_shape)[0]
+
+
+def _prepare(plan, local: torch.Tensor, mesh_shape, coord) -> None:
+    if mesh_shape != tuple(plan.mesh.shape):
+        raise ReshardError(f"plan {plan} is for mesh shape {tuple(plan.mesh.shape)} "
+                           f"({plan.mesh!r}) but the device mesh has shape {mesh_shape}")
+    want = plan.src.local_shape(plan.shape, mesh_shape, coord)
+    if tuple(local.shape) != want:
+        raise ReshardError(
+            f"plan {plan}: local tensor of shape {tuple(local.shape)} at mesh coordinate {coord} "
+            f"but spec {plan.src} of global shape {plan.shape} gives {want}")
+
+
+def _coord(dm, what) -> tuple[int, ...]:
+    coord = dm.get_coordinate()
+    if coord is None:
+        raise ReshardError(f"this rank is not in the device mesh {dm} of {what}")
+    return tuple(coord)
+
+
+def execute(plan, local: torch.Tensor, mesh) -> torch.Tensor:
+    """Run ``plan`` (a :class:`fxpar.reshard.ReshardPlan`) on this rank's ``local`` tensor and
+    return the new local tensor. ``mesh`` is the ``DeviceMesh`` of the plan's mesh, or the
+    fxpar ``Mesh`` itself (its ``DeviceMesh`` is made once and cached; making it is
+    collective). Collective over the mesh: every rank calls it with the same plan.
+
+    Raises :class:`ReshardError` if the mesh shape differs from the plan's or ``local`` does
+    not have this rank's local shape under ``plan.src``. The plan's dtype only priced it; any
+    dtype runs (avg and rescale need a floating dtype).
+    """
+    return execute_many([plan], [local], mesh)[0]
+
+
+def execute_many(plans: Sequence, locals_: Sequence[torch.Tensor], mesh) -> list[torch.Tensor]:
+    """Run several independent plans on the same mesh together; return their new local
+    tensors in order. Round ``k`` runs step ``k`` of every plan that has one, and the
+    collectives of a round are **coalesced**: one collective per (mesh axis, kind, reduce op,
+    dtype) over the concatenated buffers of all plans, all launched before any is waited on
+    (as FSDP gathers a flat parameter: one latency instead of one per tensor). Every rank
+    must pass the same plans in the same order. Same checks as :func:`execute`.
+    """
+    if len(plans) != len(locals_):
+        raise ReshardError(f"execute_many: {len(plans)} plans but {len(locals_)} local tensors")
+    dm = _as_device_mesh(mesh)
+    mesh_shape, coord = _mesh_shape(dm), _coord(dm, "execute_many")
+    for plan, local in zip(plans, locals_):
+        _prepare(plan, local, mesh_shape, coord)
+    cur = list(locals_)
+    for k in range(max((len(p.steps) for p in plans), default=0)):
+        live = [j for j, p in enumerate(plans) if k < len(p.steps)]
+        new = _run_round([_start(plans[j].steps[k], cur[j], mesh_shape, plans[j].shape, coord)
+                          for j in live], dm, mesh_shape)
+        for j, t in zip(live, new):
+            cur[j] = t
+    return cur

@@ -1,0 +1,234 @@
+"""CP-SAT model of the reduced strategy problem, the solve driver and the min-peak program.
+
+The only module of fxpar that imports OR-Tools.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from fxpar.errors import PlanError
+from fxpar.solver.heuristic import feasible, greedy
+from fxpar.solver.problem import Solution, StrategyProblem, fmt_bytes
+from fxpar.solver.reduce import ALL_REDUCTIONS, Reduced, choose_scale, reduce_problem
+
+__all__ = ["solve", "min_peak_memory", "EDGE_ENCODINGS"]
+
+#: ``marginal``: Alpa's e_kl with both marginal sums (tight LP, |D_a|·|D_b| booleans per edge);
+#: ``clause``: y_kl ≥ x_ak + x_bl - 1 only where the reparametrised cost is non-zero;
+#: ``table``: index variables and one AddAllowedAssignments((i_a, i_b, z)) per edge.
+EDGE_ENCODINGS = ("marginal", "clause", "table")
+DEFAULT_EDGE_ENCODING = "marginal"
+
+_STATUS = {cp_model.OPTIMAL: "OPTIMAL", cp_model.FEASIBLE: "FEASIBLE",
+           cp_model.INFEASIBLE: "INFEASIBLE", cp_model.MODEL_INVALID: "MODEL_INVALID",
+           cp_model.UNKNOWN: "UNKNOWN"}
+
+
+class _Model:
+    """x[c][v] booleans with exactly-one per class, plus whatever the objective needs."""
+
+    def __init__(self, red: Reduced) -> None:
+        self.red = red
+        self.m = cp_model.CpModel()
+        self.x = []
+        for c, n in enumerate(red.dom):
+            xs = [self.m.new_bool_var(f"x{c}_{v}") for v in range(n)]
+            self.m.add_exactly_one(xs)
+            self.x.append(xs)
+        for a, b in red.equal:  # ties kept as constraints (ties reduction off)
+            for v in range(red.dom[a]):
+                self.m.add(self.x[a][v] == self.x[b][v])
+
+    def lin(self, c: int, vec: np.ndarray):
+        return sum(int(w) * self.x[c][v] for v, w in enumerate(vec) if w)
+
+    def add_cost_objective(self, encoding: str) -> None:
+        red, m, x = self.red, self.m, self.x
+        terms = [self.lin(c, vec) for c, vec in enumerate(red.cost)]
+        for e, (a, b, r) in enumerate(red.edges):
+            na, nb = r.shape
+            if encoding == "marginal":
+                ev = [[m.new_bool_var(f"e{e}_{k}_{l}") for l in range(nb)] for k in range(na)]
+                for k in range(na):
+                    m.add(sum(ev[k]) == x[a][k])
+                for l in range(nb):
+                    m.add(sum(ev[k][l] for k in range(na)) == x[b][l])
+                terms.append(sum(int(r[k, l]) * ev[k][l]
+                                 for k in range(na) for l in range(nb) if r[k, l]))
+            elif encoding == "clause":
+                for k, l in zip(*np.nonzero(r)):
+                    y = m.new_bool_var(f"y{e}_{k}_{l}")
+                    m.add_bool_or([x[a][k].Not(), x[b][l].Not(), y])
+                    terms.append(int(r[k, l]) * y)
+            elif encoding == "table":
+                ia, ib = self.index_var(a), self.index_var(b)
+                z = m.new_int_var(0, int(r.max()), f"z{e}")
+                m.add_allowed_assignments(
+                    [ia, ib, z], [(k, l, int(r[k, l])) for k in range(na) for l in range(nb)])
+                terms.append(z)
+            else:
+                raise PlanError(f"unknown edge encoding {encoding!r}; one of {EDGE_ENCODINGS}")
+        m.minimize(sum(terms))
+
+    def index_var(self, c: int):
+        if not hasattr(self, "_idx"):
+            self._idx = {}
+        if c not in self._idx:
+            v = self.m.new_int_var(0, self.red.dom[c] - 1, f"i{c}")
+            self.m.add_map_domain(v, self.x[c])
+            self._idx[c] = v
+        return self._idx[c]
+
+    def add_memory(self, budget: int) -> None:
+        for const, terms, _ in self.red.points:
+            self.m.add(sum(self.lin(c, v) for c, v in terms) <= budget - const)
+
+    def solver(self, time_limit, workers, seed, det_time_limit, log, params=None):
+        s = cp_model.CpSolver()
+        # Measured (benchmarks/solver.py): with the default level 1 the single worker's LP
+        # stays empty and the search branches blindly; the full local-polytope LP up front
+        # proves the tied 8B model optimal 5-10x faster.
+        s.parameters.linearization_level = 2
+        s.parameters.add_lp_constraints_lazily = False
+        s.parameters.num_workers = workers
+        s.parameters.random_seed = seed
+        if workers > 1:  # deterministic whatever the worker count (sat_parameters.proto)
+            s.parameters.interleave_search = True
+        if time_limit is not None:
+            s.parameters.max_time_in_seconds = float(time_limit)
+        if det_time_limit is not None:
+            s.parameters.max_deterministic_time = float(det_time_limit)
+        s.parameters.log_search_progress = bool(log)
+        for k, v in (params or {}).items():
+            setattr(s.parameters, k, v)
+        return s
+
+    def values(self, s: cp_model.CpSolver) -> list[int]:
+        return [int(np.argmax([s.boolean_value(v) for v in xs])) for xs in self.x]
+
+
+def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
+          det_time_limit: float | None = None, workers: int = 1, seed: int = 0,
+          reductions: Collection[str] = ALL_REDUCTIONS, edge_encoding: str | None = None,
+          scale: float | None = None, log: bool = False, hint: bool = True,
+          params: dict | None = None) -> Solution:
+    """Optimal (or, under a time limit, best found) strategy per node of ``problem``.
+
+    Deterministic: the model is built in a canonical order and CP-SAT runs with a fixed
+    ``seed`` on one worker (``workers > 1`` switches on ``interleave_search``, documented as
+    deterministic for any worker count). A wall-clock ``time_limit`` that cuts the search
+    short returns ``status="FEASIBLE"`` with its ``gap`` and is the one source of run-to-run
+    variation; ``det_time_limit`` (CP-SAT deterministic seconds) is the reproducible limit.
+
+    Raises :class:`PlanError` if the memory budget cannot be met (naming the budget, the
+    smallest achievable peak and the liveness point that binds there) or if no feasible
+    assignment was found before the time limit.
+
+    >>> p = StrategyProblem(cost=[[1.0, 2.0], [3.0, 0.5]], edges={(0, 1): [[0, 4], [4, 0]]},
+    ...                     names=["mm", "relu"])
+    >>> s = solve(p)
+    >>> s.choice, s.objective, s.status, s["relu"]
+    ((1, 1), 2.5, 'OPTIMAL', 1)
+    """
+    t0 = time.perf_counter()
+    encoding = edge_encoding or DEFAULT_EDGE_ENCODING
+    scale = choose_scale(problem) if scale is None else scale
+    red = reduce_problem(problem, scale=scale, reductions=reductions)
+    t_reduce = time.perf_counter() - t0
+    stats = dict(red.stats, encoding=encoding, reduce_s=t_reduce)
+
+    if red.budget is not None and any(const > red.budget for const, _, _ in red.points):
+        _raise_memory(problem, scale, time_limit, workers, seed, reductions)
+
+    if not red.dom:  # the reductions decided everything
+        x: list[int] = []
+        status, bound_units = "OPTIMAL", 0
+        stats["solve_s"] = 0.0
+    else:
+        model = _Model(red)
+        model.add_cost_objective(encoding)
+        if red.budget is not None:
+            model.add_memory(red.budget)
+        x0 = greedy(red) if hint else None
+        if x0 is not None:
+            for c, xs in enumerate(model.x):
+                for v, var in enumerate(xs):
+                    model.m.add_hint(var, v == x0[c])
+        s = model.solver(time_limit, workers, seed, det_time_limit, log, params)
+        t1 = time.perf_counter()
+        code = s.solve(model.m)
+        stats["solve_s"] = time.perf_counter() - t1
+        stats["build_s"] = t1 - t0 - t_reduce
+        stats["branches"] = s.num_branches
+        status = _STATUS.get(code, str(code))
+        bound_units = int(np.floor(s.best_objective_bound + 1e-9))
+        if status == "INFEASIBLE":
+            _raise_memory(problem, scale, time_limit, workers, seed, reductions)
+        if status in ("OPTIMAL", "FEASIBLE"):
+            x = model.values(s)
+        elif x0 is not None and feasible(red, x0):  # stopped before CP-SAT's first solution
+            x, status = x0, "FEASIBLE"
+            bound_units = min(bound_units, red.value(x0))
+        else:
+            raise PlanError(f"no feasible strategy assignment found ({status}) within "
+                            f"time_limit={time_limit} s, det_time_limit={det_time_limit}")
+    choice = red.decode(x)
+    units = red.value(x)
+    nc, ec, peaks = problem.evaluate(choice)
+    obj = nc + ec
+    if status == "OPTIMAL":
+        gap, bound = 0.0, obj
+    else:
+        bound = min(obj, red.offset + bound_units / scale)
+        gap = (obj - bound) / obj if obj > 0 else 0.0
+    stats["objective_units"] = units
+    return Solution(problem.names, choice, obj, nc, ec, peaks, status, bound, gap,
+                    time.perf_counter() - t0, stats)
+
+
+def min_peak_memory(problem: StrategyProblem, *, time_limit: float | None = 30.0,
+                    workers: int = 1, seed: int = 0,
+                    reductions: Collection[str] = ALL_REDUCTIONS) -> tuple[int, int, bool, tuple]:
+    """Smallest achievable ``max_t`` footprint, ignoring cost: ``(peak, point, optimal,
+    choice)`` where ``point`` is the liveness point attaining it (-1 without points); if the
+    time limit stops the search, ``peak`` is the proven lower bound and ``optimal`` False."""
+    scale = choose_scale(problem)
+    red = reduce_problem(problem, scale=scale, reductions=reductions, budget_aware=False)
+    if not red.points:
+        x = [0] * len(red.dom)
+        return 0, -1, True, red.decode(x)
+    lo = max(const for const, _, _ in red.points)
+    hi = max(const + sum(int(v.max()) for _, v in terms) for const, terms, _ in red.points)
+    model = _Model(red)
+    peak = model.m.new_int_var(lo, hi, "peak")
+    for const, terms, _ in red.points:
+        model.m.add(sum(model.lin(c, v) for c, v in terms) + const <= peak)
+    model.m.minimize(peak)
+    s = model.solver(time_limit, workers, seed, None, False)
+    code = s.solve(model.m)
+    if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return int(s.best_objective_bound), -1, False, ()
+    choice = red.decode(model.values(s))
+    peaks = problem.evaluate(choice)[2]
+    t = int(np.argmax(peaks))
+    if code == cp_model.OPTIMAL:
+        return int(peaks[t]), t, True, choice
+    return int(np.ceil(s.best_objective_bound)), t, False, choice
+
+
+def _raise_memory(problem, scale, time_limit, workers, seed, reductions):
+    peak, t, optimal, _ = min_peak_memory(problem, time_limit=time_limit, workers=workers,
+                                          seed=seed, reductions=reductions)
+    where = ""
+    if t >= 0:
+        live = [problem.names[i] for i in problem.live[t]]
+        shown = ", ".join(live[:5]) + (f", ... ({len(live)} nodes)" if len(live) > 5 else "")
+        where = f" at liveness point {problem.live_names[t]!r} (live: {shown})"
+    what = "the smallest achievable peak is" if optimal else "the peak is at least"
+    raise PlanError(f"memory budget {fmt_bytes(problem.budget)} ({problem.budget} B) cannot be "
+                    f"met: {what} {fmt_bytes(peak)} ({peak} B){where}")

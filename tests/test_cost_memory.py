@@ -1,0 +1,133 @@
+"""fxpar.cost.memory: tensor bytes under specs, model states (AMSP §IV-D, LLaMA-7B shapes),
+activation liveness checked against autograd's own saved tensors, stage peak memory."""
+
+import pytest
+import torch
+from torch import nn
+
+from fxpar.cost.amsp import Sharding, model_state_memory
+from fxpar.cost.memory import (
+    ActivationMemory,
+    activation_memory,
+    dtype_bytes,
+    model_state_bytes,
+    stage_peak_memory,
+    tensor_bytes,
+)
+from fxpar.cost.pipeline import in_flight_microbatches
+from fxpar.spec import Spec
+from test_cost_compute import TinyGPT  # noqa: E402  (sibling test module, prepend import mode)
+
+# LLaMA-7B (AMSP Table II / §III-C): 32 layers, h = 4096, FFN 11008, vocab 32000, untied head.
+H, FFN, L, V = 4096, 11008, 32, 32000
+LLAMA7B_PHI = L * (4 * H * H + 3 * H * FFN + 2 * H) + 2 * V * H + H  # = 6,738,415,616
+
+
+def test_tensor_bytes():
+    assert dtype_bytes("bfloat16") == 2 and dtype_bytes(torch.float32) == 4
+    assert tensor_bytes((4096, 4096), "bfloat16") == 2 * 4096**2
+    # S(0) over 8 then S(1) over 2: one device holds (512, 2048)
+    assert tensor_bytes((4096, 4096), "bfloat16", Spec.parse("S(0)S(1)"), (8, 2)) == 2 * 512 * 2048
+    # Partial and Replicate keep the full shape; uneven S(0): ceil(10/4) = 3 rows
+    assert tensor_bytes((10, 3), "float32", "P(sum)R", (2, 2)) == 4 * 30
+    assert tensor_bytes((10, 3), "float32", "S(0)", (4,)) == 4 * 9
+    with pytest.raises(ValueError, match="mesh_shape"):
+        tensor_bytes((4,), "float32", "S(0)")
+
+
+@pytest.mark.parametrize("opt, prec, per_param", [
+    ("adam", "mixed", 16), ("adam", "fp32", 16), ("sgd_momentum", "mixed", 12),
+    ("sgd_momentum", "fp32", 12), ("sgd", "mixed", 8), ("sgd", "fp32", 8), ("adamw", "bf16", 16),
+])
+def test_model_state_bytes_per_param(opt, prec, per_param):
+    assert model_state_bytes(1000, optimizer=opt, precision=prec).total == per_param * 1000
+
+
+def test_llama7b_parameter_count_matches_transformers():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=H, intermediate_size=FFN, num_hidden_layers=L, num_attention_heads=32,
+                      num_key_value_heads=32, vocab_size=V, tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    assert sum(p.numel() for p in model.parameters()) == LLAMA7B_PHI == 6_738_415_616
+
+
+@pytest.mark.parametrize("sh, bytes_by_hand", [
+    # AMSP's LLaMA-7B choice (Table IV, §III-C): s_p = s_g = 1, s_os = 8: 2Φ + 2Φ + 12Φ/8
+    (Sharding((1, 1), (1, 1), (8, 1)), 2 * LLAMA7B_PHI + 2 * LLAMA7B_PHI + 12 * LLAMA7B_PHI / 8),
+    # plain data parallelism: 16Φ
+    (Sharding(), 16 * LLAMA7B_PHI),
+    # ZeRO-3 on 1024 GPUs: 16Φ/1024
+    (Sharding((8, 128), (8, 128), (8, 128)), 16 * LLAMA7B_PHI / 1024),
+    # MiCS on one node: 16Φ/8
+    (Sharding((8, 1), (8, 1), (8, 1)), 16 * LLAMA7B_PHI / 8),
+])
+def test_amsp_memory_llama7b(sh, bytes_by_hand):
+    assert model_state_memory(LLAMA7B_PHI, sh) == pytest.approx(bytes_by_hand)
+    ms = model_state_bytes(LLAMA7B_PHI, s_p=sh.s_p, s_g=sh.s_g, s_os=sh.s_os)
+    assert ms.total == pytest.approx(bytes_by_hand)
+
+
+def test_amsp_llama7b_numbers():
+    """5.5Φ = 37.06 GB with (1, 1, 8): fits one 80 GB A800 with room for activations; plain
+    data parallelism (107.8 GB) does not."""
+    assert model_state_memory(LLAMA7B_PHI, Sharding(os=(8, 1))) / 1e9 == pytest.approx(37.06, abs=0.01)
+    assert model_state_memory(LLAMA7B_PHI, Sharding()) / 1e9 == pytest.approx(107.81, abs=0.01)
+    assert model_state_memory(LLAMA7B_PHI, Sharding(), "fp32") == 16 * LLAMA7B_PHI
+
+
+def _autograd_saved_bytes(model, *args):
+    """Bytes of the distinct non-parameter storages autograd saves for backward."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
+            seen[s.data_ptr()] = s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(*args)
+    del out
+    return sum(seen.values())
+
+
+def test_activation_memory_matches_autograd_on_gpt():
+    """Export on CPU fake tensors (their strides are the CPU kernels'), then compare with what
+    autograd really saves: embeddings' indices, layer-norm inputs and statistics, QKV (one
+    storage for q, k, v), attention output and logsumexp, GELU input, MLP activations."""
+    torch.manual_seed(0)
+    B, s, l, h, Vv = 2, 32, 2, 64, 500
+    model = TinyGPT(Vv, s, h, 4, l)
+    idx = torch.randint(0, Vv, (B, s))
+    gm = torch.export.export(model, (idx,), strict=False).graph_module
+    am = activation_memory(gm)
+    assert am.saved_bytes == _autograd_saved_bytes(model, idx)
+    assert am.peak_forward_bytes >= am.saved_bytes and am.peak_bytes >= am.peak_forward_bytes
+    assert am.input_bytes == B * s * 8  # the int64 tokens
+
+
+def test_activation_memory_matches_autograd_on_mlp():
+    model = nn.Sequential(nn.Linear(32, 128), nn.GELU(), nn.Linear(128, 128), nn.ReLU(), nn.Linear(128, 8),
+                          nn.LayerNorm(8))
+    x = torch.randn(16, 32)
+    gm = torch.export.export(model, (x,)).graph_module
+    am = activation_memory(gm)
+    assert am.saved_bytes == _autograd_saved_bytes(model, x)
+    # by hand: x (dW1), gelu input, gelu output (dW2), relu output (relu' and dW3), LN input + stats
+    assert am.saved_bytes == 4 * (16 * 32 + 16 * 128 + 16 * 128 + 16 * 128 + 16 * 8 + 2 * 16)
+
+
+def test_stage_peak_memory_1f1b_and_recompute():
+    """1F1B: stage s of p keeps p−s microbatches (Megatron-LM §2.2.1)."""
+    am = ActivationMemory(saved_bytes=100, peak_forward_bytes=120, peak_bytes=130, input_bytes=10, saved=())
+    p, m = 4, 8
+    peaks = [stage_peak_memory(1000, am, in_flight_microbatches("1f1b", s, p, m)) for s in range(p)]
+    assert peaks == [1000 + (p - s) * 100 + 30 for s in range(p)]
+    # recomputation stashes inputs only, and rebuilds one microbatch's activations
+    assert stage_peak_memory(1000, am, 4, recompute=True) == 1000 + 4 * 10 + 100 + 30
+    assert stage_peak_memory(1000, am, 4, recompute=True) < peaks[0]
+    gp = stage_peak_memory(1000, am, in_flight_microbatches("gpipe", 0, p, m))
+    assert gp == 1000 + m * 100 + 30
