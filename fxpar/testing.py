@@ -103,8 +103,7 @@ class WorkerPool:
                     f"did not join the process group within {self.start_timeout:.0f} s") from None
             (ready.add(rank) if kind == "ready" else errors.append(f"rank {rank}:\n{payload}"))
         if errors:
-            if len(errors) + len(out) < self.world_size:
-                self.close(force=True)  # the silent ranks may be stuck in a collective
+            self.close(force=True)
             raise WorkerError("WorkerPool failed to start:\n" + "\n".join(errors))
 
     def close(self, force: bool = False) -> None:

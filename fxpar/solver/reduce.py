@@ -171,7 +171,9 @@ class _Reducer:
         self.fixed: dict[int, int] = {}
         self.stats = {"nodes": p.n, "strategies": int(sum(c.size for c in p.cost)),
                       "edges": len(p.edges), "points": len(p.live), "merged": 0, "pruned": 0,
-                      "fixed": 0, "separable_edges": 0}
+                      "fixed": 0, "separable_edges": 0,
+                      "tied": p.n - len(self.members) if "ties" in use else 0,
+                      "points_kept": len(self.points)}
 
     # -- bookkeeping -------------------------------------------------------------------------
 

@@ -1,0 +1,394 @@
+"""fxpar.solver: the CP-SAT optimum equals brute force; every reduction keeps it; solves are
+deterministic across processes; infeasible budgets and time limits report what they must.
+
+CP-SAT runs with one worker throughout (the default); problems are tiny (3-7 nodes) except the
+time-limit one, which is stopped by a deterministic-time limit.
+"""
+
+from __future__ import annotations
+
+import doctest
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fxpar.errors import FxparError, PlanError
+from fxpar.solver import (
+    ALL_REDUCTIONS,
+    StrategyProblem,
+    brute_force,
+    min_peak_memory,
+    reduce_problem,
+    solve,
+)
+
+GiB, MiB = 2**30, 2**20
+
+
+# --- random problems -------------------------------------------------------------------------
+
+def random_problem(seed: int) -> StrategyProblem:
+    """3-7 nodes, 1-4 strategies, a random DAG, memory points with budgets from tight to
+    infeasible, pins and ties. Odd seeds are *structured*: strategies are layouts under a
+    metric resharding cost, some nodes are free layout-preserving followers (views), some
+    strategies are duplicated or dominated and some edges separable, so that every reduction
+    has something to do. Costs are multiples of 1/8 so equal costs are exactly equal."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(3, 8))
+    structured = seed % 2 == 1
+    q = 0.125
+    if structured:
+        nl = int(rng.integers(2, 5))
+        where = rng.integers(0, 4, size=(nl, 2))
+        metric = np.abs(where[:, None] - where[None]).sum(-1) * q  # L1: triangle inequality
+        lays, cost, mem = [], [], []
+        edges: dict[tuple[int, int], np.ndarray] = {}
+        for i in range(n):
+            src = int(rng.integers(0, i)) if i else None
+            if src is not None and rng.random() < 0.4:          # follower: a view of src
+                lays.append(list(lays[src]))
+                cost.append([0.0] * len(lays[src]))
+                mem.append([0] * len(lays[src]))
+            else:
+                s = list(rng.integers(0, nl, size=int(rng.integers(1, 5))))
+                lays.append(s)
+                cost.append(list(rng.integers(0, 6, size=len(s)) * q))
+                mem.append(list(rng.integers(0, 4, size=len(s)) * MiB))
+            if src is not None:
+                w = float(rng.integers(1, 3))
+                edges[(src, i)] = w * metric[np.ix_(lays[src], lays[i])]
+                if i > 1 and rng.random() < 0.3:                 # a second producer
+                    a = int(rng.integers(0, i))
+                    if a != src:
+                        edges[(a, i)] = metric[np.ix_(lays[a], lays[i])]
+        sizes = [len(s) for s in lays]
+    else:
+        sizes = [int(rng.integers(1, 5)) for _ in range(n)]
+        cost = [list(rng.integers(0, 9, size=s) * q) for s in sizes]
+        mem = [list(rng.integers(0, 5, size=s) * MiB) for s in sizes]
+        edges = {}
+        for j in range(1, n):
+            for i in range(j):
+                if rng.random() < 0.4:
+                    r = rng.integers(0, 5, size=(sizes[i], sizes[j])) * q
+                    if rng.random() < 0.3:                       # separable: a_k + b_l
+                        r = (rng.integers(0, 3, size=(sizes[i], 1))
+                             + rng.integers(0, 3, size=(1, sizes[j]))) * q
+                    edges[(i, j)] = r
+        for i in range(n):                                       # a duplicated strategy
+            if sizes[i] > 1 and rng.random() < 0.3:
+                k = int(rng.integers(0, sizes[i] - 1))
+                cost[i][-1], mem[i][-1] = cost[i][k], mem[i][k]
+                for (a, b), r in edges.items():
+                    if a == i:
+                        r[-1, :] = r[k, :]
+                    if b == i:
+                        r[:, -1] = r[:, k]
+    live, live_const = [], []
+    for _ in range(int(rng.integers(0, 4))):
+        live.append(sorted(set(rng.choice(n, size=int(rng.integers(1, n + 1)),
+                                          replace=False).tolist())))
+        live_const.append(int(rng.integers(0, 2)) * MiB)
+    pins = {}
+    for i in range(n):
+        if rng.random() < 0.15:
+            pins[i] = rng.choice(sizes[i], size=int(rng.integers(1, sizes[i] + 1)),
+                                 replace=False).tolist()
+    ties = []
+    by_size: dict[int, list[int]] = {}
+    for i, s in enumerate(sizes):
+        by_size.setdefault(s, []).append(i)
+    for g in by_size.values():
+        if len(g) > 1 and rng.random() < 0.4:
+            ties.append(rng.choice(g, size=int(rng.integers(2, len(g) + 1)),
+                                   replace=False).tolist())
+    budget = None
+    if live and rng.random() < 0.85:
+        budget = int(rng.integers(0, 3 * n)) * MiB
+    return StrategyProblem(cost=cost, mem=mem, edges=edges, live=live, live_const=live_const,
+                           budget=budget, pins=pins, ties=ties)
+
+
+def oracle(p: StrategyProblem):
+    try:
+        return brute_force(p)
+    except PlanError:
+        return None
+
+
+def check_against(p: StrategyProblem, best, **kw):
+    """solve() agrees with the brute-force optimum ``best`` (None: infeasible)."""
+    if best is None:
+        with pytest.raises(PlanError, match="memory budget|pins leave no common"):
+            solve(p, **kw)
+        return None
+    s = solve(p, **kw)
+    assert s.status == "OPTIMAL" and s.gap == 0.0
+    assert p.violations(s.choice) == []
+    assert s.objective == pytest.approx(best.objective, rel=1e-9, abs=1e-12)
+    nc, ec, peaks = p.evaluate(s.choice)
+    assert (s.node_cost, s.edge_cost, s.peak_mem) == (nc, ec, peaks)
+    return s
+
+
+# --- correctness against brute force ---------------------------------------------------------
+
+def test_ilp_equals_brute_force_on_random_problems():
+    infeasible = 0
+    for seed in range(120):
+        p = random_problem(seed)
+        best = oracle(p)
+        infeasible += best is None
+        check_against(p, best)
+    assert 5 <= infeasible <= 60  # both outcomes are exercised
+
+
+REDUCTION_FIRED = {
+    "ties": lambda st: st["tied"] > 0,
+    "prune": lambda st: st["pruned"] > 0,
+    "merge": lambda st: st["merged"] > 0,
+    "edges": lambda st: st["separable_edges"] > 0,
+    "points": lambda st: st["class_points"] < st["points"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALL_REDUCTIONS))
+def test_each_reduction_keeps_the_optimum(name):
+    """With only this reduction, and with all but this one: the brute-force optimum."""
+    fired = 0
+    for seed in range(200, 260):
+        p = random_problem(seed)
+        best = oracle(p)
+        for red in ({name}, ALL_REDUCTIONS - {name}):
+            s = check_against(p, best, reductions=red)
+            if s is not None and name in red:
+                fired += REDUCTION_FIRED[name](s.stats)
+    assert fired >= 3, f"reduction {name!r} never applied: the test would prove nothing"
+
+
+def test_reduced_problem_has_the_same_optimum_by_enumeration():
+    """Enumerate the reduced class problem itself (not via CP-SAT) and decode."""
+    for seed in range(300, 330):
+        p = random_problem(seed)
+        best = oracle(p)
+        if best is None:
+            continue
+        red = reduce_problem(p)
+        grid = [range(d) for d in red.dom]
+        import itertools
+
+        from fxpar.solver.heuristic import feasible
+        vals = [(red.value(list(x)), x) for x in itertools.product(*grid)
+                if feasible(red, list(x))]
+        _, x = min(vals)
+        choice = red.decode(list(x))
+        assert p.violations(choice) == []
+        assert sum(p.evaluate(choice)[:2]) == pytest.approx(best.objective, rel=1e-9, abs=1e-12)
+
+
+# --- reductions on hand-made graphs ----------------------------------------------------------
+
+def metric(n: int) -> np.ndarray:
+    return np.abs(np.arange(n)[:, None] - np.arange(n)[None]).astype(float)
+
+
+def test_views_merge_and_a_follower_that_can_pay_to_switch_does_not():
+    """mm -> view -> t -> relu -> out under a metric resharding cost: the free,
+    layout-preserving view merges into its producer (v*(u) = u, by the triangle inequality);
+    relu, cheaper when sharded and between two neighbours, is not forced by either."""
+    from fxpar.solver.reduce import _Reducer
+
+    d = metric(3)
+    p = StrategyProblem(
+        names=["mm", "view", "t", "relu", "out"],
+        cost=[[1.0, 1.0, 1.0], [0, 0, 0], [0, 0, 0], [1.0, 0.25, 0.25], [0.5, 0.5, 0.0]],
+        edges={("mm", "view"): d, ("view", "t"): d, ("t", "relu"): d, ("relu", "out"): d / 2},
+        pins={"out": [0, 2]})
+    r = _Reducer(p, 1.0, frozenset({"merge"}), True, 0.0)
+    assert r._merge(p.index("view")) == p.index("mm")
+    assert r._merge(p.index("relu")) is None
+    # on a tree without memory points, leaf merges alone decide everything (dynamic programming)
+    red = reduce_problem(p, reductions={"merge"})
+    assert red.stats["merged"] == 4 and red.stats["classes"] == 1
+    assert solve(p).objective == solve(p, reductions=()).objective == brute_force(p).objective
+
+
+def test_dominated_and_duplicate_strategies_are_pruned():
+    # strategy 1 is strategy 0 again; strategy 2 costs more, uses more memory, reshards worse
+    p = StrategyProblem(cost=[[1.0, 1.0, 2.0], [0.5, 0.5]], mem=[[10, 10, 20], [5, 1]],
+                        edges=[(0, 1, [[0, 1], [0, 1], [2, 3]])], live=[{0, 1}], budget=1000)
+    red = reduce_problem(p)
+    assert red.stats["pruned"] >= 2
+    assert solve(p).choice == (0, 0) == brute_force(p).choice
+
+
+def test_ties_share_variables_and_keep_cross_block_edges():
+    """Four identical 3-node blocks in a chain: the tied problem has 3 classes, the edges
+    between blocks still count, and the optimum equals brute force with the tie constraints."""
+    blocks, nb = 4, 3
+    cost, edges, names = [], {}, []
+    for b in range(blocks):
+        for k in range(nb):
+            i = b * nb + k
+            names.append(f"b{b}.n{k}")
+            cost.append([0.5 * ((k + s) % 3) for s in range(3)])
+            if i:
+                edges[(i - 1, i)] = metric(3) * (1 + (k == 0))
+    ties = [[b * nb + k for b in range(blocks)] for k in range(nb)]
+    p = StrategyProblem(cost=cost, edges=edges, ties=ties, names=names)
+    s = solve(p, reductions=ALL_REDUCTIONS - {"merge", "prune"})
+    assert s.stats["classes"] == nb
+    assert s.objective == pytest.approx(brute_force(p).objective)
+    assert all(s.choice[g[0]] == s.choice[i] for g in ties for i in g)
+    assert solve(p, reductions=ALL_REDUCTIONS - {"ties"}).objective == pytest.approx(s.objective)
+
+
+def test_pins_by_name():
+    p = StrategyProblem(names=["x", "y"], cost=[[0.0, 1.0], [0.0, 1.0]],
+                        edges={("x", "y"): [[0, 5], [5, 0]]}, pins={"y": [1]})
+    assert solve(p).choice == (1, 1)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(cost=[[1.0], [1.0, 2.0]], ties=[[0, 1]]),                 # tie across sizes
+    dict(cost=[[1.0, 2.0]], pins={0: [2]}),                         # pin out of range
+    dict(cost=[[1.0, 2.0], [1.0]], edges={(0, 1): [[1.0]]}),        # matrix shape
+    dict(cost=[[-1.0]]),                                            # negative cost
+    dict(cost=[[1.0, 2.0], [1.0, 2.0]], pins={0: [0], 1: [1]}, ties=[[0, 1]]),  # empty domain
+])
+def test_bad_problems_raise_plan_error(bad):
+    with pytest.raises(PlanError):
+        solve(StrategyProblem(**bad))
+    assert issubclass(PlanError, FxparError)
+
+
+# --- memory ----------------------------------------------------------------------------------
+
+def test_infeasible_budget_names_budget_smallest_peak_and_point():
+    # per point alone each fits 2.5 GiB, but not together: fwd wants x=0, bwd wants x=1
+    p = StrategyProblem(
+        names=["x", "y", "z"], cost=[[0.0, 1.0], [0.0, 1.0], [0.0]],
+        mem=[[1 * GiB, 3 * GiB], [3 * GiB, 1 * GiB], [512 * MiB]],
+        live=[{"x", "z"}, {"y", "z"}], live_names=["fwd", "bwd"], ties=[["x", "y"]],
+        budget=2.5 * GiB)
+    with pytest.raises(PlanError) as e:
+        solve(p)
+    msg = str(e.value)
+    assert "2.50 GiB" in msg and "3.50 GiB" in msg, msg
+    assert "'fwd'" in msg or "'bwd'" in msg
+    peak, t, optimal, _ = min_peak_memory(p)
+    assert (peak, optimal) == (int(3.5 * GiB), True) and t in (0, 1)
+    # the lower bound alone already exceeds the budget: caught before CP-SAT
+    p2 = StrategyProblem(cost=[[0.0, 0.0]], mem=[[3 * GiB, 2 * GiB]], live=[{0}],
+                         live_const=[512 * MiB], budget=2 * GiB, live_names=["peak"])
+    with pytest.raises(PlanError, match=r"2\.00 GiB.*2\.50 GiB.*'peak'"):
+        solve(p2)
+
+
+def test_budget_changes_the_choice():
+    p = StrategyProblem(cost=[[1.0, 3.0]], mem=[[8 * GiB, 2 * GiB]], live=[{0}])
+    assert solve(p).choice == (0,)
+    tight = StrategyProblem(cost=[[1.0, 3.0]], mem=[[8 * GiB, 2 * GiB]], live=[{0}],
+                            budget=4 * GiB)
+    s = solve(tight)
+    assert s.choice == (1,) and s.peak_mem == (2 * GiB,)
+
+
+# --- determinism -----------------------------------------------------------------------------
+
+def symmetric_problem(n: int = 40, k: int = 5, seed: int = 7) -> dict:
+    """A chain with many equal-cost optima (costs from {0, 1}), as plain JSON data."""
+    rng = np.random.default_rng(seed)
+    cost = rng.integers(0, 2, size=(n, k)).astype(float).tolist()
+    edges = [[i, i + 1, (rng.integers(0, 2, size=(k, k)) * 0.5).tolist()] for i in range(n - 1)]
+    edges += [[i, i + 3, (rng.integers(0, 2, size=(k, k)) * 0.5).tolist()]
+              for i in range(0, n - 3, 4)]
+    mem = rng.integers(1, 4, size=(n, k)).tolist()
+    live = [list(range(i, min(n, i + 10))) for i in range(0, n, 5)]
+    return dict(cost=cost, mem=mem, edges=edges, live=live, budget=int(2.2 * 10),
+                ties=[[i, i + 20] for i in range(0, 20, 3)])
+
+
+def build(d: dict, reverse: bool = False) -> StrategyProblem:
+    edges = [(a, b, r) for a, b, r in d["edges"]]
+    if reverse:  # the dict filled in the opposite order must not matter
+        edges = {(a, b): r for a, b, r in reversed(edges)}
+    return StrategyProblem(cost=d["cost"], mem=d["mem"], edges=edges,
+                           live=[list(reversed(s)) if reverse else s for s in d["live"]],
+                           budget=d["budget"], ties=d["ties"])
+
+
+SUBPROCESS = """
+import json, sys, types
+# import fxpar.solver without fxpar/__init__ (which imports torch): 3 s saved per process
+pkg = types.ModuleType("fxpar"); pkg.__path__ = [sys.argv[1]]; sys.modules["fxpar"] = pkg
+sys.path.insert(0, sys.argv[2])
+from test_solver import build
+from fxpar.solver import solve
+d = json.load(sys.stdin)
+print(json.dumps([list(solve(build(d, reverse=True)).choice), list(solve(build(d)).choice)]))
+"""
+
+
+def test_deterministic_across_processes_and_insertion_orders():
+    import fxpar
+
+    d = symmetric_problem()
+    here = solve(build(d))
+    assert here.status == "OPTIMAL"
+    assert solve(build(d, reverse=True)).choice == here.choice == solve(build(d)).choice
+    env = dict(os.environ, PYTHONHASHSEED="12345")
+    out = subprocess.run(
+        [sys.executable, "-c", SUBPROCESS, str(Path(fxpar.__file__).parent),
+         str(Path(__file__).parent)],
+        input=json.dumps(d), capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr
+    there = json.loads(out.stdout)
+    assert there == [list(here.choice), list(here.choice)]
+
+
+# --- time limits -----------------------------------------------------------------------------
+
+def grid_problem(side: int = 12, k: int = 5, seed: int = 3) -> StrategyProblem:
+    """A frustrated grid (random dense edge matrices): NP-hard, far from solved in 0.05 s."""
+    rng = np.random.default_rng(seed)
+    idx = lambda r, c: r * side + c  # noqa: E731
+    edges = {}
+    for r in range(side):
+        for c in range(side):
+            for rr, cc in ((r + 1, c), (r, c + 1)):
+                if rr < side and cc < side:
+                    edges[(idx(r, c), idx(rr, cc))] = rng.random((k, k))
+    return StrategyProblem(cost=rng.random((side * side, k)) * 0.5, edges=edges)
+
+
+def test_time_limit_returns_feasible_with_gap():
+    p = grid_problem()
+    s = solve(p, det_time_limit=0.05, time_limit=20)
+    assert s.status == "FEASIBLE"
+    assert 0.0 < s.gap <= 1.0 and s.bound <= s.objective
+    assert s.objective == pytest.approx(sum(p.evaluate(s.choice)[:2]))
+    # stopped before CP-SAT's first solution: the greedy assignment comes back
+    s0 = solve(p, det_time_limit=0.0, time_limit=20)
+    assert s0.status == "FEASIBLE" and s0.objective >= s.objective - 1e-9
+
+
+def test_solution_prints_and_indexes_by_name():
+    p = StrategyProblem(names=["a", "b"], cost=[[1.0, 0.0], [0.0, 1.0]],
+                        edges={("a", "b"): [[0, 1], [1, 0]]})
+    s = solve(p)
+    assert s["a"] in (0, 1) and str(s).startswith("OPTIMAL 1 s")
+
+
+def test_docstring_examples():
+    import fxpar.solver as pkg
+    from fxpar.solver import ilp, problem, reduce
+
+    for mod in (pkg, problem, reduce, ilp):
+        res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
+        assert res.failed == 0, mod.__name__
