@@ -34,6 +34,7 @@ On a mesh axis of size 1 every step is free (the layouts coincide).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -71,13 +72,20 @@ def step_bytes(kind: str, src, dst, mesh_shape: Sequence[int], axis: int, shape:
     return src.local_numel(shape, mesh_shape) * size
 
 
+@functools.lru_cache(maxsize=65536)
+def _axis_time(kind: str, nbytes: float, mesh, axis: int) -> float:
+    # A search prices the same (collective, size, axis) many times; each call walks every
+    # group of the axis (linear in the mesh size).
+    return axis_collective_time(kind, nbytes, mesh, axis)
+
+
 def step_time(kind: str, nbytes: float, mesh, axis: int) -> float:
     """Seconds for a step of ``kind`` moving ``nbytes`` (see :func:`step_bytes`) on mesh axis
     ``axis`` of ``mesh`` (an :class:`fxpar.Mesh`)."""
     if mesh.shape[axis] == 1:
         return 0.0
     if kind in COLLECTIVE_KINDS:
-        return axis_collective_time(kind, nbytes, mesh, axis)
+        return _axis_time(kind, nbytes, mesh, axis)
     bw = mesh.cluster.memory_bandwidth
     if kind in ("chunk", "rescale"):
         return 2.0 * nbytes / bw

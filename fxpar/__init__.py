@@ -2,8 +2,8 @@
 
 >>> import fxpar
 >>> mesh = fxpar.Mesh(fxpar.Cluster.preset("dgx-a100", nodes=2), dp=2, tp=8)
->>> print(fxpar.reshard_plan("S(0)S(1)", "RR", mesh, (1024, 1024), "float32"))  # doctest: +SKIP
-S(0)S(1) -> S(0)R -> RR  ...
+>>> print(fxpar.reshard_plan("S(0)S(1)", "RR", mesh, (1024, 1024), "float32"))
+S(0)S(1) -> RS(1) -> RR
 """
 
 from fxpar.errors import (
@@ -22,6 +22,7 @@ from fxpar.mesh import Mesh
 from fxpar import ir
 from fxpar.capture import capture, run_captured
 from fxpar.ir import InputInfo, OutputInfo, ParamInfo, TensorMeta
+from fxpar.reshard import ReshardPlan, ReshardStep, reshard_plan
 
 __version__ = "0.1.0"
 
@@ -31,4 +32,5 @@ __all__ = [
     "Partial", "Placement", "Replicate", "Shard", "Spec",
     "Cluster", "Mesh",
     "ir", "capture", "run_captured", "InputInfo", "OutputInfo", "ParamInfo", "TensorMeta",
+    "reshard_plan", "ReshardPlan", "ReshardStep",
 ]

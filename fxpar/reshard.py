@@ -25,7 +25,7 @@ device would need is held by other devices in an interleaved order (``S(0)S(0) �
 an all-gather on axis 0). Those steps are forbidden; the search goes through the innermost axis
 first instead (``S(0)S(0) → S(0)R → RR``), and every pair of specs stays reachable (gather every
 axis from the last to the first, then chunk from the first to the last). Partial(max/min) is
-only all-reduced (no reduce-scatter, as in DTensor); ``S → P`` has no direct step (go through
+only all-reduced, then chunked (no reduce-scatter); ``S → P`` has no direct step (go through
 ``R``). States mixing reduce ops are allowed only when they commute: one op everywhere, or only
 ``sum`` and ``avg`` (both linear); ``P(sum)P(max)`` is ambiguous and raises :class:`ReshardError`.
 
@@ -44,7 +44,8 @@ reshard S(0)S(1) -> RR of float32[1024, 1024] on Mesh(dp=2, tp=4 on devices 0..7
   #  step               collective  axis    bytes  time
   1  S(0)S(1) -> RS(1)  all_gather  dp     524288  29 us
   2  RS(1) -> RR        all_gather  tp    1048576  19.5 us
->>> print(reshard_plan("P(sum)R", "S(0)R", mesh, (1024, 1024)))  # reduce-scatter 1/4 over dp
+>>> # chunk over tp (local), reduce-scatter a quarter over the slow dp, gather over tp
+>>> print(reshard_plan("P(sum)R", "S(0)R", mesh, (1024, 1024)))
 P(sum)R -> P(sum)S(1) -> S(0)S(1) -> S(0)R
 """
 
@@ -52,7 +53,6 @@ from __future__ import annotations
 
 import functools
 import heapq
-import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -286,7 +286,7 @@ class _Graph:
         return got
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=256)
 def _graph(mesh, shape: tuple[int, ...], dtype: torch.dtype, ops: tuple[str, ...]) -> _Graph:
     return _Graph(mesh, shape, dtype, ops)
 

@@ -129,6 +129,31 @@ def test_forbidden_steps_keep_nesting(mesh):
     assert str(reshard_plan("S(0)S(0)", "RR", mesh, (64, 64))).endswith("-> RR")
 
 
+def test_step_cost_formulas(mesh):
+    shape, f32 = (64, 32), torch.float32
+    S = Spec.parse
+    full = 64 * 32 * 4
+    cases = [  # kind, src, dst, axis, expected bytes, collective or None
+        ("all_gather", S("S(0)S(1)"), S("S(0)R"), 1, full // 8, "all_gather"),
+        ("reduce_scatter", S("P(sum)R"), S("S(1)R"), 0, full, "reduce_scatter"),
+        ("all_reduce", S("RP(avg)"), S("RR"), 1, full, "all_reduce"),
+        ("all_to_all", S("S(0)S(1)"), S("S(0)S(0)"), 1, full // 8, "all_to_all"),
+        ("chunk", S("RR"), S("RS(0)"), 1, full // 4, None),
+        ("to_partial", S("RR"), S("P(sum)R"), 0, full, None),
+        ("to_partial", S("RR"), S("P(max)R"), 0, 0, None),
+        ("rescale", S("P(sum)R"), S("P(avg)R"), 0, full, None),
+    ]
+    bw = mesh.cluster.memory_bandwidth
+    for kind, a, b, axis, nbytes, coll in cases:
+        got_bytes, t = step_cost(kind, a, b, mesh, axis, shape, f32)
+        assert got_bytes == nbytes, kind
+        if coll:
+            assert t == axis_collective_time(coll, nbytes, mesh, axis)
+        else:
+            assert t == pytest.approx({"chunk": 2, "to_partial": 1, "rescale": 2}[kind] * nbytes / bw)
+    assert step_cost("chunk", S("RR"), S("RS(0)"), mesh, 1, shape, 2)[0] == full // 8  # item size
+
+
 # -- optimality and determinism --------------------------------------------------------------
 def _graph(mesh, shape, dtype, placements):
     """Every legal step between specs made of ``placements``, with its time."""
@@ -316,3 +341,19 @@ def test_sampled_pairs_3d_mesh_and_other_ops_by_emulation():
         pairs += [tuple(rng.sample(sp, 2)) for _ in range(60)]
     for n, (src, dst) in enumerate(pairs):
         check_plan_by_emulation(reshard_plan(src, dst, mesh, shape), value, seed=n)
+
+
+def test_distribute_assemble_round_trip_and_replica_check():
+    value = torch.arange(1.0, 36.0).reshape(7, 5)
+    mesh_shape = (2, 3)
+    coords = list(itertools.product(range(2), range(3)))
+    for spec in specs_over((Shard(0), Shard(1), Replicate(), Partial("sum"), Partial("max")), 2):
+        if len({p.reduce_op for p in spec if isinstance(p, Partial)}) > 1:
+            continue
+        parts = {c: distribute(value, spec, mesh_shape, c) for c in coords}
+        assert all(tuple(t.shape) == spec.local_shape(value.shape, mesh_shape, c) for c, t in parts.items())
+        assert torch.equal(assemble(parts, spec, mesh_shape, value.shape), value), spec
+    parts = {c: distribute(value, "RS(0)", mesh_shape, c) for c in coords}
+    parts[(1, 2)] = parts[(1, 2)] + 1
+    with pytest.raises(ReshardError, match=r"RS\(0\).*\(0, 2\) and \(1, 2\)"):
+        assemble(parts, "RS(0)", mesh_shape, value.shape)

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from fxpar.errors import ReshardError
-from fxpar.spec import Partial, Replicate, Shard, Spec, as_spec, chunk_bounds
+from fxpar.spec import Partial, Replicate, Spec, as_spec, chunk_bounds
 
 __all__ = ["execute", "execute_many", "execute_step", "distribute", "assemble"]
 
@@ -105,31 +105,38 @@ def distribute(full: torch.Tensor, spec: Spec | str, mesh, coord: Sequence[int])
 def assemble(locals_: Mapping[tuple[int, ...], torch.Tensor], spec: Spec | str, mesh,
              shape: Sequence[int]) -> torch.Tensor:
     """Inverse of :func:`distribute` (for tests): the global value from every device's local
-    tensor (``{coord: tensor}``). Partial axes are reduced with their op (innermost axis
-    first), replicated axes read at coordinate 0, shards written to their global slices."""
+    tensor (``{coord: tensor}``). Partial axes are reduced with their op (the innermost axis
+    first; mixed ops must commute), then every piece is written to its global slice. Devices
+    that hold the same region (replicas) must agree exactly, else :class:`ReshardError`."""
     spec = as_spec(spec)
     mesh_shape = _mesh_shape(mesh)
     shape = tuple(shape)
-    red = {c: t for c, t in locals_.items()}
+    red = dict(locals_)
     for axis in reversed(range(len(spec))):
         p = spec[axis]
         if not isinstance(p, Partial):
             continue
         out = {}
-        for c, t in red.items():
-            if c[axis] != 0:
-                continue
-            group = [red[c[:axis] + (k,) + c[axis + 1:]] for k in range(mesh_shape[axis])]
-            stacked = torch.stack(group)
-            op = p.reduce_op
-            out[c] = (stacked.sum(0) if op == "sum" else stacked.mean(0) if op == "avg"
-                      else stacked.amax(0) if op == "max" else stacked.amin(0))
+        for c in red:
+            if c[axis] == 0:
+                st = torch.stack([red[c[:axis] + (k,) + c[axis + 1:]] for k in range(mesh_shape[axis])])
+                op = p.reduce_op
+                out[c] = (st.sum(0) if op == "sum" else st.mean(0) if op == "avg"
+                          else st.amax(0) if op == "max" else st.amin(0))
         red = out
-    first = next(iter(locals_.values()))
-    full = torch.zeros(shape, dtype=first.dtype)
+    full = next(iter(locals_.values())).new_zeros(shape)
     plain = Spec(tuple(Replicate() if isinstance(p, Partial) else p for p in spec))
+    seen: dict[tuple, tuple] = {}
     for c, t in red.items():
-        full[plain.global_slices(shape, mesh_shape, c)] = t
+        sl = plain.global_slices(shape, mesh_shape, c)
+        key = tuple((s.start, s.stop) for s in sl)
+        if key in seen:
+            if not torch.equal(seen[key][1], t):
+                raise ReshardError(f"assemble {spec} of shape {shape}: devices {seen[key][0]} and {c} "
+                                   f"hold the same region {key} with different values")
+            continue
+        seen[key] = (c, t)
+        full[sl] = t
     return full
 
 

@@ -1,4 +1,118 @@
-"""placeholder"""
+r"""Strategy selection: one strategy per node, minimum time, within memory (Alpa's ILP, reduced).
+
+The only package of fxpar that imports OR-Tools (in :mod:`fxpar.solver.ilp`). The planner
+builds a :class:`StrategyProblem` and calls :func:`solve`; nothing here knows about graphs,
+ops or specs.
+
+The program
+-----------
+Nodes ``i``, strategies ``k ∈ S_i`` with cost ``c_ik`` (s) and memory ``m_ik`` (B); edges
+``(i, j) ∈ E`` with resharding costs ``R^ij_kl`` (s); liveness points ``t`` with live sets
+``L_t`` and constants ``b_t`` (B); budget ``M``; pins ``P_i ⊆ S_i``; tie groups ``g``::
+
+    min   Σ_i Σ_k c_ik x_ik  +  Σ_(i,j)∈E Σ_k,l R^ij_kl e^ij_kl
+    s.t.  Σ_k x_ik = 1                                  every node i
+          x_ik = 0                                      k ∉ P_i
+          x_ik = x_jk                                   i, j in one tie group
+          Σ_l e^ij_kl = x_ik,   Σ_k e^ij_kl = x_jl      every edge, k, l
+          b_t + Σ_(i∈L_t) Σ_k m_ik x_ik ≤ M             every liveness point t
+          x, e ∈ {0, 1}
+
+What CP-SAT sees is the same program over the *classes* left by the reductions below, with
+costs in integer units: ``scale = 2^⌊log2(2^40 / U)⌋`` units per second where
+``U = Σ_i max_k c_ik + Σ_E max R`` bounds every objective value, so no sum exceeds ``2^40``
+(int64 is far away) and a rounded term is off by at most ``2^-41 U``. Memory stays in whole
+bytes. The objective a :class:`Solution` reports is recomputed in float from the original
+problem.
+
+Reductions (each keeps the optimum; tested against brute force)
+----------------------------------------------------------------
+A *class* is a set of nodes sharing one variable ``x_c ∈ D_c``; member ``i`` reads its
+strategy as ``f_i(x_c)``. Class costs, edges and memory are sums over members.
+
+``ties``
+    A tie group is one class: the 32 copies of a Llama block's ``q_proj`` share one variable,
+    their costs add, an edge inside a class becomes a node cost ``R_{f_i(v) f_j(v)}``, and the
+    32 parallel edges between two classes become one edge with the summed matrix (the edges
+    between consecutive blocks keep their own cost: they are edges between two classes).
+``edges``
+    Reparametrisation ``R_kl = a_k + b_l + r_kl`` (``a`` row minima, ``b`` column minima of
+    ``R - a``), ``a`` and ``b`` moved into node costs. ``r ≥ 0`` has a zero in every row and
+    column; a separable edge (row- or column-constant, ``a_k + b_l``) leaves ``r = 0`` and is
+    dropped. Exact: it adds the same constant to every assignment's cost per value.
+``prune``
+    Dead-end elimination (Goldstein): value ``u`` of class ``c`` goes if some other ``v``
+    has ``c_u - c_v + Σ_(d∈N(c)) min_w (R^cd_uw - R^cd_vw) ≥ 0`` and ``m_tu ≥ m_tv`` at
+    every point: switching ``u → v`` never costs more, whatever the neighbours pick, and
+    frees memory. It covers plain dominance (≥ cost, ≥ memory, ≥ every edge row) and
+    duplicates (the higher index goes). A class left with one value is folded into the
+    constant, its neighbours' costs and the points' constants.
+``merge``
+    Follower merging (conditional dead-end elimination): class ``j`` joins neighbour ``p`` if
+    for every value ``u`` of ``p`` some ``v*(u)`` of ``j`` satisfies, for every ``v``,
+    ``c_v - c_v* + R^pj_uv - R^pj_uv* + Σ_(n∈N(j)∖p) min_w (R^jn_vw - R^jn_v*w) ≥ 0`` and
+    ``m_tv ≥ m_tv*``: given ``x_p = u`` the choice ``v*(u)`` is optimal whatever else is
+    picked, so ``x_j = v*(x_p)`` loses nothing. ``p`` gains ``c_v*(u) + R^pj_u,v*(u)``,
+    ``j``'s other edges become ``p``'s with rows ``v*(u)``, ``j``'s memory joins ``p``'s.
+    A view or layout-preserving op under a resharding cost that obeys the triangle
+    inequality (a shortest-path planner's) passes with ``v*(u) = u``; an op whose sharded
+    variants are cheaper does not (switching layout there can pay). A leaf (one neighbour,
+    no memory trade-off) always passes: on a tree without memory the reductions alone are
+    dynamic programming.
+``points``
+    A point whose worst case fits the budget cannot bind; a point whose live set is a
+    subset of another's with no larger constant, or (over classes) is termwise ≤ another,
+    is implied; points equal over class variables (repeated blocks) are one.
+
+Costs stay float64 through the reductions; the dominance tests allow a slack of
+``1e-12·U`` for float round-off (a shortest-path metric has ``AR = RS + AG`` only in exact
+arithmetic), so an applied reduction can lose at most that much.
+
+Edge encoding and CP-SAT settings (``benchmarks/solver.py``; 2-core machine)
+----------------------------------------------------------------------------
+After reparametrisation only edges with ``r ≠ 0`` remain. Encodings: ``marginal`` (Alpa's
+``e`` with both marginal sums: the local-polytope LP), ``clause`` (``y_kl ≥ x_ak + x_bl - 1``
+only where ``r_kl > 0``: fewer variables, weak LP) and ``table``
+(``AddAllowedAssignments((i_a, i_b, z))`` on index variables). ``marginal`` is the default: it
+proves the reduced models fastest; ``clause`` is the slowest by far. CP-SAT runs with
+``linearization_level=2`` and ``add_lp_constraints_lazily=False``: with the defaults the
+single worker's LP stays empty and the search branches blindly (10x slower on the tied
+Llama-3-8B model). A greedy assignment (iterated conditional modes, then memory repair)
+is the hint, and the answer of last resort if a time limit stops CP-SAT before its first
+solution.
+
+Determinism
+-----------
+The problem is canonicalised on construction (sorted edges, points, pins, ties) and the
+reductions and model are built in that order; CP-SAT runs one worker with a fixed seed
+(``workers > 1`` turns on ``interleave_search``, documented as deterministic for any worker
+count). So equal inputs give equal solutions in any process, including among equal-cost
+optima. A wall-clock ``time_limit`` that cuts the search short is the one source of
+variation; ``det_time_limit`` is the reproducible limit.
+
+Example
+-------
+>>> from fxpar.solver import StrategyProblem, solve
+>>> # a matmul (replicated / column-sharded / row-sharded) feeding a relu (R or S)
+>>> p = StrategyProblem(
+...     names=["mm", "relu"],
+...     cost=[[4.0, 1.0, 1.0], [0.5, 0.25]],
+...     mem=[[4 << 30, 1 << 30, 1 << 30], [1 << 30, 256 << 20]],
+...     edges={("mm", "relu"): [[0.0, 0.0], [0.5, 0.0], [1.0, 1.0]]},
+...     live=[{"mm", "relu"}], live_names=["peak"], budget=3 << 30)
+>>> s = solve(p)
+>>> print(s)
+OPTIMAL 1.25 s (nodes 1.25 + edges 0), gap 0.00%, peak 1.25 GiB, ... ms: mm=1, relu=1
+>>> s["mm"], s.peak_mem
+(1, (1342177280,))
+"""
+
 from fxpar.solver.problem import Solution, StrategyProblem, brute_force, fmt_bytes
 from fxpar.solver.reduce import ALL_REDUCTIONS, Reduced, choose_scale, reduce_problem
 from fxpar.solver.ilp import EDGE_ENCODINGS, min_peak_memory, solve
+
+__all__ = [
+    "StrategyProblem", "Solution", "solve", "min_peak_memory", "brute_force",
+    "reduce_problem", "Reduced", "choose_scale", "ALL_REDUCTIONS", "EDGE_ENCODINGS",
+    "fmt_bytes",
+]

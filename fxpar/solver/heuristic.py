@@ -43,24 +43,53 @@ def feasible(red: Reduced, x: list[int]) -> bool:
     return red.budget is None or not red.points or bool((_loads(red, x) <= red.budget).all())
 
 
+def _groups(red: Reduced) -> list[list[int]]:
+    """Classes that must take equal values (ties kept as constraints), else singletons."""
+    parent = list(range(len(red.dom)))
+
+    def find(c: int) -> int:
+        while parent[c] != c:
+            c = parent[c]
+        return c
+
+    for a, b in red.equal:
+        ra, rb = find(a), find(b)
+        if ra != rb:
+            parent[max(ra, rb)] = min(ra, rb)
+    out: dict[int, list[int]] = {}
+    for c in range(len(red.dom)):
+        out.setdefault(find(c), []).append(c)
+    return list(out.values())
+
+
 def greedy(red: Reduced, sweeps: int = 20) -> list[int]:
     """A good, usually feasible, assignment of class values (see the module docstring)."""
     nb = _neighbours(red)
-    n = len(red.dom)
-    x = [int(np.argmin(c)) for c in red.cost]
+    groups = _groups(red)
+    x = [0] * len(red.dom)
+    for g in groups:
+        v = int(np.argmin(sum(red.cost[c] for c in g)))
+        for c in g:
+            x[c] = v
+
+    def local(g: list[int]) -> np.ndarray:
+        return sum(_local(red, nb, x, c) for c in g)
+
     for _ in range(sweeps):
         changed = False
-        for c in range(n):
-            loc = _local(red, nb, x, c)
+        for g in groups:
+            loc = local(g)
             v = int(np.argmin(loc))
-            if loc[v] < loc[x[c]]:
-                x[c], changed = v, True
+            if loc[v] < loc[x[g[0]]]:
+                changed = True
+                for c in g:
+                    x[c] = v
         if not changed:
             break
     if red.budget is None or not red.points:
         return x
     # per class: (point index, vector) of its memory terms
-    terms: list[list[tuple[int, np.ndarray]]] = [[] for _ in range(n)]
+    terms: list[list[tuple[int, np.ndarray]]] = [[] for _ in red.dom]
     for t, (_, ts, _) in enumerate(red.points):
         for c, v in ts:
             terms[c].append((t, v))
@@ -69,21 +98,23 @@ def greedy(red: Reduced, sweeps: int = 20) -> list[int]:
         if (over <= 0).all():
             break
         best = None
-        for c in range(n):
-            if not terms[c]:
+        for g in groups:
+            if not any(terms[c] for c in g):
                 continue
             # bytes freed at over-budget points, capped by how far over each one is
+            # (approximate for a group: each member capped separately)
             freed = sum(np.minimum(np.maximum(v[x[c]] - v, 0), max(int(over[t]), 0))
-                        for t, v in terms[c])
+                        for c in g for t, v in terms[c])
             if not np.any(freed > 0):
                 continue
-            loc = _local(red, nb, x, c)
-            score = freed / (np.maximum(loc - loc[x[c]], 0.0) + 1.0)
+            loc = local(g)
+            score = freed / (np.maximum(loc - loc[x[g[0]]], 0.0) + 1.0)
             score[freed <= 0] = -1.0
             v = int(np.argmax(score))
             if best is None or score[v] > best[0]:
-                best = (float(score[v]), c, v)
+                best = (float(score[v]), g, v)
         if best is None:
             break
-        x[best[1]] = best[2]
+        for c in best[1]:
+            x[c] = best[2]
     return x

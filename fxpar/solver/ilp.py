@@ -143,7 +143,7 @@ def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
     stats = dict(red.stats, encoding=encoding, reduce_s=t_reduce)
 
     if red.budget is not None and any(const > red.budget for const, _, _ in red.points):
-        _raise_memory(problem, scale, time_limit, workers, seed, reductions)
+        _raise_memory(problem, time_limit, workers, seed, reductions)
 
     if not red.dom:  # the reductions decided everything
         x: list[int] = []
@@ -168,9 +168,12 @@ def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
         status = _STATUS.get(code, str(code))
         bound_units = int(np.floor(s.best_objective_bound + 1e-9))
         if status == "INFEASIBLE":
-            _raise_memory(problem, scale, time_limit, workers, seed, reductions)
+            _raise_memory(problem, time_limit, workers, seed, reductions)
         if status in ("OPTIMAL", "FEASIBLE"):
             x = model.values(s)
+            if status == "FEASIBLE" and x0 is not None and feasible(red, x0) \
+                    and red.value(x0) < red.value(x):
+                x = x0  # CP-SAT was stopped before it got back to its hint
         elif x0 is not None and feasible(red, x0):  # stopped before CP-SAT's first solution
             x, status = x0, "FEASIBLE"
             bound_units = min(bound_units, red.value(x0))
@@ -221,7 +224,7 @@ def min_peak_memory(problem: StrategyProblem, *, time_limit: float | None = 30.0
     return int(np.ceil(s.best_objective_bound)), t, False, choice
 
 
-def _raise_memory(problem, scale, time_limit, workers, seed, reductions):
+def _raise_memory(problem, time_limit, workers, seed, reductions):
     peak, t, optimal, _ = min_peak_memory(problem, time_limit=time_limit, workers=workers,
                                           seed=seed, reductions=reductions)
     where = ""

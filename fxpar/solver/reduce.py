@@ -36,7 +36,8 @@ _POINT_DOMINANCE_CANDIDATES = 16
 
 
 def _upper_bound(problem: StrategyProblem) -> float:
-    return sum(float(c.max()) for c in problem.cost) + sum(float(r.max()) for _, _, r in problem.edges)
+    return (sum(float(c.max()) for c in problem.cost)
+            + sum(float(r.max()) for _, _, r in problem.edges))
 
 
 def choose_scale(problem: StrategyProblem, bits: int = 40) -> float:
@@ -96,7 +97,6 @@ class _Reducer:
                  budget_aware: bool, tol: float) -> None:
         self.p, self.use, self.tol = p, use, tol
         self.budget = p.budget if budget_aware else None
-        icost = p.cost
 
         # --- classes: union of tie groups (or singletons + equality constraints) -----------
         parent = list(range(p.n))
@@ -137,7 +137,7 @@ class _Reducer:
                 c = root if "ties" in use else i
                 cls_of[i] = c
                 self.members[c][i] = f.copy()
-                self.cost[c] = self.cost[c] + icost[i][f]
+                self.cost[c] = self.cost[c] + p.cost[i][f]
             if "ties" not in use and len(g) > 1:
                 # ties kept as x_c == x_d constraints: no reduction may touch these classes
                 self.locked.update(g)
@@ -160,12 +160,11 @@ class _Reducer:
         # --- edges ---------------------------------------------------------------------------
         for a, b, r in p.edges:
             ca, cb = cls_of[a], cls_of[b]
-            ir = r
             fa, fb = self.members[ca][a], self.members[cb][b]
             if ca == cb:  # same variable on both ends: a node cost of the class
-                self.cost[ca] = self.cost[ca] + ir[fa, fb]
+                self.cost[ca] = self.cost[ca] + r[fa, fb]
             else:
-                self._add_edge(ca, cb, ir[np.ix_(fa, fb)])
+                self._add_edge(ca, cb, r[np.ix_(fa, fb)])
         self._md: dict[int, np.ndarray] = {}
         self.offset = 0.0
         self.fixed: dict[int, int] = {}
@@ -181,10 +180,10 @@ class _Reducer:
         p = self.p
         if self.budget is not None:
             # a point whose worst case fits the budget can never bind
-            def worst(t):
-                return p.live_const[t] + sum(int(p.mem[i][list(p.allowed(i))].max())
-                                             for i in p.live[t])
-            pts = [t for t in pts if worst(t) > self.budget]
+            most = np.array([int(p.mem[i][list(p.allowed(i))].max()) for i in range(p.n)]
+                            + [0], dtype=np.int64)
+            pts = [t for t in pts if p.live_const[t] + int(most[list(p.live[t]) or [-1]].sum())
+                   > self.budget]
         order = sorted(pts, key=lambda t: (-len(p.live[t]), -p.live_const[t], t))
         kept: list[int] = []
         sets: list[frozenset[int]] = []
@@ -358,9 +357,6 @@ class _Reducer:
             for c in sorted(self.members):
                 if c in self.members:
                     self._reparam(c)
-        for c in sorted(self.members):  # reparam may leave singletons only via pins: none
-            if c in self.members and self.cost[c].size == 1:
-                self._fix(c)
         active = sorted(self.members)
         new = {c: k for k, c in enumerate(active)}
         # shift each class cost to min 0 (the constant goes to the offset), then round to units
@@ -403,6 +399,8 @@ class _Reducer:
                 if const + sum(int(v.max()) for _, v in terms) <= self.budget:
                     continue  # cannot bind
             key = (const, tuple((c, v.tobytes()) for c, v in terms))
+            if "points" not in self.use:
+                key = (t,)
             if key not in out:  # ties make many points identical over class variables
                 out[key] = (const, terms, t)
         pts = list(out.values())
