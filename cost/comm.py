@@ -168,24 +168,32 @@ def group_bandwidth(group: Sequence[int], cluster, *, concurrent: Sequence[Seque
     if group_level(group, cluster) == "intra":
         return cluster.intra_node_bandwidth
     conc = [tuple(g) for g in concurrent] if concurrent is not None else [group]
+    return _shared_beta(group, cluster, _level_loads(conc, cluster, collective), collective)
+
+
+def _level_loads(concurrent: Sequence[tuple[int, ...]], cluster, collective: str | None):
+    """``[(domain key, link bandwidth, load per domain)]`` for the node level and, with leaf
+    switches, the switch level: ring crossings, or all-to-all egress in units of ``m``."""
     levels = [(cluster.node_of, cluster.inter_node_bandwidth)]
     if cluster.nodes_per_switch is not None and cluster.inter_switch_bandwidth is not None:
         levels.append((cluster.switch_of, cluster.inter_switch_bandwidth))
+    count = _a2a_egress if collective == "all_to_all" else _ring_loads
+    return [(key, bw, count(concurrent, key)) for key, bw in levels]
+
+
+def _shared_beta(group: tuple[int, ...], cluster, loads, collective: str | None) -> float:
+    """β of one multi-node group given the loads of every level (see :func:`group_bandwidth`)."""
     beta = cluster.intra_node_bandwidth
-    if collective == "all_to_all":
-        g = len(group)
-        for key, bw in levels:
-            doms = {key(d) for d in group}
-            if len(doms) > 1:
-                egress = _a2a_egress(conc, key)
-                worst = max(egress[d] for d in doms)
-                beta = min(beta, bw * ((g - 1) / g) / worst)
-        return beta
-    for key, bw in levels:
+    g = len(group)
+    for key, bw, load in loads:
         doms = {key(d) for d in group}
-        if len(doms) > 1:
-            load = _ring_loads(conc, key)
-            beta = min(beta, bw / max(1, max(load[d] for d in doms)))
+        if len(doms) <= 1:
+            continue
+        worst = max(load[d] for d in doms)
+        if collective == "all_to_all":
+            beta = min(beta, bw * ((g - 1) / g) / worst)
+        else:
+            beta = min(beta, bw / max(1, worst))
     return beta
 
 
@@ -207,6 +215,12 @@ def _link(collective: str, group: tuple[int, ...], cluster, concurrent, placemen
     alpha = group_latency(group, cluster, placement_aware=placement_aware)
     beta = group_bandwidth(group, cluster, concurrent=concurrent, placement_aware=placement_aware,
                            collective=collective)
+    return _calibrated(collective, group, cluster, alpha, beta, placement_aware)
+
+
+def _calibrated(collective: str, group: tuple[int, ...], cluster, alpha: float, beta: float,
+                placement_aware: bool) -> tuple[float, float]:
+    """Replace the nominal ``(α, β)`` by the cluster's measured profile where it has one."""
     if cluster.profile.entries:
         if placement_aware:
             level = group_level(group, cluster)
@@ -247,7 +261,17 @@ def collective_time(collective: str, nbytes: float, group: Sequence[int], cluste
 def _axis_links(collective: str, mesh, axis: int, placement_aware: bool):
     """Distinct ``(α, β)`` over the groups of one mesh axis (all run concurrently)."""
     groups = mesh.groups(axis)
-    links = {_link(collective, g, mesh.cluster, groups, placement_aware) for g in groups}
+    cluster = mesh.cluster
+    if not placement_aware or all(group_level(g, cluster) == "intra" for g in groups):
+        links = {_link(collective, g, cluster, groups, placement_aware) for g in groups}
+    else:
+        # Loads are counted once for the whole axis, not once per group (linear, not quadratic).
+        loads = _level_loads(groups, cluster, collective)
+        links = set()
+        for g in groups:
+            beta = (cluster.intra_node_bandwidth if group_level(g, cluster) == "intra"
+                    else _shared_beta(g, cluster, loads, collective))
+            links.add(_calibrated(collective, g, cluster, group_latency(g, cluster), beta, True))
     return tuple(sorted(links))
 
 
