@@ -116,20 +116,15 @@ OUT_SPEC = "fxpar_out_spec"
 FRONTEND = "fxpar_frontend"
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    return math.prod(int(s) for s in shape)
-
-
-@dataclass(frozen=True)
-class TensorMeta:
-    """Shape and dtype of one tensor value (what cost models and strategies need)."""
+class _Sized:
+    """``numel`` and ``nbytes`` of anything with ``shape`` and ``dtype``."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype
 
     @property
     def numel(self) -> int:
-        return _numel(self.shape)
+        return math.prod(int(s) for s in self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -137,7 +132,15 @@ class TensorMeta:
 
 
 @dataclass(frozen=True)
-class ParamInfo:
+class TensorMeta(_Sized):
+    """Shape and dtype of one tensor value (what cost models and strategies need)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class ParamInfo(_Sized):
     """A parameter or buffer of the captured model, identified by its fully qualified name.
 
     ``kind`` is ``"param"`` or ``"buffer"``; ``node_name`` is the graph node that carries it (the
@@ -154,14 +157,6 @@ class ParamInfo:
     requires_grad: bool
     persistent: bool = True
     aliases: tuple[str, ...] = ()
-
-    @property
-    def numel(self) -> int:
-        return _numel(self.shape)
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
 
 
 @dataclass(frozen=True)

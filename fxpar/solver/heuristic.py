@@ -93,28 +93,34 @@ def greedy(red: Reduced, sweeps: int = 20) -> list[int]:
     for t, (_, ts, _) in enumerate(red.points):
         for c, v in ts:
             terms[c].append((t, v))
-    for _ in range(sum(red.dom)):
+    heavy = [g for g in groups if any(terms[c] for c in g)]
+    for _ in range(64):  # rounds; each applies a batch of the best moves
         over = _loads(red, x) - red.budget
         if (over <= 0).all():
             break
-        best = None
-        for g in groups:
-            if not any(terms[c] for c in g):
-                continue
-            # bytes freed at over-budget points, capped by how far over each one is
-            # (approximate for a group: each member capped separately)
-            freed = sum(np.minimum(np.maximum(v[x[c]] - v, 0), max(int(over[t]), 0))
-                        for c in g for t, v in terms[c])
+        cap = np.maximum(over, 0)
+        moves = []
+        for g in heavy:
+            delta = np.zeros((len(red.points), red.dom[g[0]]), dtype=np.int64)  # bytes freed
+            for c in g:
+                for t, v in terms[c]:
+                    delta[t] += v[x[c]] - v
+            freed = np.minimum(np.maximum(delta, 0), cap[:, None]).sum(axis=0)
             if not np.any(freed > 0):
                 continue
             loc = local(g)
             score = freed / (np.maximum(loc - loc[x[g[0]]], 0.0) + 1.0)
             score[freed <= 0] = -1.0
             v = int(np.argmax(score))
-            if best is None or score[v] > best[0]:
-                best = (float(score[v]), g, v)
-        if best is None:
+            moves.append((-float(score[v]), g[0], g, v, delta[:, v]))
+        if not moves:
             break
-        for c in best[1]:
-            x[c] = best[2]
+        # best ratio first, until the estimated overage at every point is gone
+        need = over.copy()
+        for _, _, g, v, d in sorted(moves, key=lambda m: m[:2]):
+            for c in g:
+                x[c] = v
+            need -= d
+            if (need <= 0).all():
+                break
     return x
