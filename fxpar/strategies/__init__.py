@@ -1,1 +1,84 @@
-"""Per-op sharding strategy rules, one file per op family (issue: planner)."""
+"""Per-op sharding strategy rules, one file per op family; :func:`strategies_for` is the entry.
+
+``strategies_for(node, mesh)`` returns every candidate :class:`Strategy` of a graph node on an
+N-d mesh: the input specs it requires (``Strategy.inputs[i]`` for ``node.all_input_nodes[i]``,
+``None`` for a non-tensor input) and the output specs it produces (one per tensor output). The
+all-replicate strategy is always first; the order is deterministic; no duplicates.
+
+* placeholders / ``get_attr``: every spec of ``{R, S(d)}`` per axis that fits the shape;
+* ops with a rule (:func:`fxpar.strategies.base.rule_for`, or any ATen op tagged pointwise):
+  the rule's one-axis choices expanded over the mesh (:func:`fxpar.strategies.base.expand`);
+* ops without a rule: ONE all-replicate strategy with ``unsharded=True``.
+
+>>> import torch
+>>> from fxpar import Cluster, Mesh
+>>> from fxpar.capture import capture
+>>> from examples.models import MLP
+>>> gm = capture(MLP(8, 16, 4), (torch.randn(2, 8),))
+>>> lin = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.linear.default)
+>>> for s in strategies_for(lin, Mesh(Cluster.local(2), tp=2)):
+...     print(s)
+R: R, R, R -> R
+dp: S(0), R, R -> S(0)
+row: S(1), S(1), P(sum) -> P(sum)
+col: R, S(0), S(0) -> S(1)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from fxpar.strategies import (attention, conv, embedding, losses, matmul, moe, norms,  # noqa: F401
+                              pointwise, reductions, views)
+from fxpar.strategies.base import (AxisStrategy, Strategy, expand, input_shapes, out_shapes, register,
+                                   rule_for, tensor_shape)
+
+__all__ = ["strategies_for", "is_unsharded", "AxisStrategy", "Strategy", "register", "rule_for",
+           "expand", "placeholder_strategies", "unsharded_strategy", "input_shapes"]
+
+
+def _rule(node: fx.Node):
+    rule = rule_for(node.target)
+    if rule is None and isinstance(node.target, torch._ops.OpOverload) \
+            and torch.Tag.pointwise in node.target.tags:
+        rule = pointwise.pointwise_rule
+    return rule
+
+
+def unsharded_strategy(node: fx.Node, mesh_ndim: int) -> Strategy:
+    """The fallback: every tensor input and output replicated, flagged ``unsharded``."""
+    from fxpar.spec import Spec
+
+    rep = Spec.replicate(mesh_ndim)
+    ins = tuple(None if s is None else rep for s in input_shapes(node))
+    return Strategy(ins, tuple(rep for _ in out_shapes(node)), name="unsharded", unsharded=True)
+
+
+def placeholder_strategies(node: fx.Node, mesh) -> list[Strategy]:
+    """Every ``{R, S(d)}``-per-axis spec that fits the value's shape (the planner pins)."""
+    shp = tensor_shape(node)
+    if shp is None:
+        return [Strategy((), (), name="const")]
+    choices = [AxisStrategy((), (torch.distributed.tensor.Shard(d),), name=f"S{d}") for d in range(len(shp))]
+    return expand(node, choices, mesh.shape, mesh.axis_names)
+
+
+def strategies_for(node: fx.Node, mesh) -> list[Strategy]:
+    """Every candidate strategy of ``node`` on ``mesh`` (at least one); see the module doc."""
+    if node.op == "output":
+        raise ValueError("strategies_for: the output node has no strategies")
+    if node.op in ("placeholder", "get_attr"):
+        return placeholder_strategies(node, mesh)
+    rule = _rule(node) if node.op == "call_function" else None
+    if rule is None:
+        return [unsharded_strategy(node, mesh.ndim)]
+    out = expand(node, rule(node) or (), mesh.shape, mesh.axis_names)
+    return out or [unsharded_strategy(node, mesh.ndim)]
+
+
+def is_unsharded(node: fx.Node) -> bool:
+    """True when no rule covers ``node`` (its only strategy is the replicated fallback)."""
+    if node.op in ("placeholder", "get_attr", "output"):
+        return False
+    return node.op != "call_function" or _rule(node) is None

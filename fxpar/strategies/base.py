@@ -29,7 +29,8 @@ from torch.distributed.tensor.placement_types import Placement
 
 from fxpar.spec import Spec, as_spec, placement_str
 
-__all__ = ["AxisStrategy", "Strategy", "register", "rule_for", "RULES"]
+__all__ = ["AxisStrategy", "Strategy", "register", "rule_for", "RULES", "expand", "bound",
+           "choice", "tensor_shape", "out_shapes", "R", "P", "S"]
 
 
 def _placement(p: Placement | str | None) -> Placement | None:
@@ -46,6 +47,11 @@ class AxisStrategy:
 
     inputs: tuple[Placement | None, ...]
     outputs: tuple[Placement, ...]
+    #: short label shown by explain() (``"col"``, ``"row"``, ``"dp"``, ``"vocab"``)
+    name: str = ""
+    #: the local computation is exact only when every sharded tensor is split evenly
+    #: (merging views, mean over a sharded dim -> P(avg), grouped-query heads)
+    even: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(_placement(p) for p in self.inputs))
@@ -102,3 +108,236 @@ def rule_for(target) -> Callable | None:
         return RULES[target]
     packet = getattr(target, "overloadpacket", None)
     return RULES.get(packet) if packet is not None else None
+
+
+# --- helpers for rules -------------------------------------------------------------------------
+import itertools  # noqa: E402
+from collections.abc import Iterable, Sequence  # noqa: E402
+
+import torch  # noqa: E402
+import torch.fx as fx  # noqa: E402
+from torch.distributed.tensor import Partial, Replicate, Shard  # noqa: E402
+
+R = Replicate()
+
+
+def S(d: int) -> Shard:
+    return Shard(d)
+
+
+def P(op: str = "sum") -> Partial:
+    return Partial(op)
+
+
+def _is_tensor(v) -> bool:
+    return isinstance(v, torch.Tensor)
+
+
+def tensor_shape(x) -> tuple[int, ...] | None:
+    """Global shape of a node's (single) tensor value, ``None`` when it is not a tensor."""
+    if isinstance(x, fx.Node):
+        x = x.meta.get("val")
+    return tuple(int(s) for s in x.shape) if _is_tensor(x) else None
+
+
+def out_shapes(node: fx.Node) -> list[tuple[int, ...]]:
+    """Shapes of the tensor outputs of ``node`` in order (one per ``Strategy.outputs`` entry)."""
+    v = node.meta.get("val")
+    if isinstance(v, (tuple, list)):
+        return [tensor_shape(x) for x in v if _is_tensor(x)]
+    return [tensor_shape(v)] if _is_tensor(v) else []
+
+
+def input_shapes(node: fx.Node) -> list[tuple[int, ...] | None]:
+    """Global shape per ``node.all_input_nodes`` entry (``None`` for non-tensors). A ``getitem`` of
+    a multi-output producer sees the selected element (its input spec is that element's)."""
+    import operator
+
+    if node.target is operator.getitem and node.all_input_nodes:
+        v = node.args[0].meta.get("val")
+        if isinstance(v, (tuple, list)) and isinstance(node.args[1], int) and node.args[1] < len(v):
+            return [tensor_shape(v[node.args[1]])]
+    return [tensor_shape(n) for n in node.all_input_nodes]
+
+
+def out_index(node: fx.Node, element: int) -> int | None:
+    """Position in ``Strategy.outputs`` of element ``element`` of a multi-output value."""
+    v = node.meta.get("val")
+    if not isinstance(v, (tuple, list)):
+        return None
+    if element < 0 or element >= len(v) or not _is_tensor(v[element]):
+        return None
+    return sum(1 for x in v[:element] if _is_tensor(x))
+
+
+def bound(node: fx.Node) -> dict:
+    """Arguments of a call by schema name (positional and keyword), defaults filled in.
+
+    Without a schema (``operator.getitem``) the keys are the positional indices.
+    """
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return dict(enumerate(node.args)) | dict(node.kwargs)
+    out = {}
+    for i, a in enumerate(schema.arguments):
+        if i < len(node.args) and not a.kwarg_only:
+            out[a.name] = node.args[i]
+        elif a.name in node.kwargs:
+            out[a.name] = node.kwargs[a.name]
+        elif a.has_default_value():
+            out[a.name] = a.default_value
+        else:
+            out[a.name] = None
+    return out
+
+
+def _occurrences(node: fx.Node) -> list[tuple[object, int | None, fx.Node]]:
+    """Every Node occurrence in the call: (argument name, list index or None, node)."""
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments if not a.kwarg_only] if schema is not None else None
+    occ = []
+
+    def walk(key, v):
+        if isinstance(v, fx.Node):
+            occ.append((key, None, v))
+        elif isinstance(v, (list, tuple)):
+            for j, x in enumerate(v):
+                if isinstance(x, fx.Node):
+                    occ.append((key, j, x))
+
+    for i, a in enumerate(node.args):
+        walk(names[i] if names is not None and i < len(names) else i, a)
+    for k, a in node.kwargs.items():
+        walk(k, a)
+    return occ
+
+
+def choice(node: fx.Node, placements: dict, outputs: Sequence[Placement], name: str = "",
+           even: bool = False) -> AxisStrategy | None:
+    """Build the AxisStrategy of ``node`` from placements keyed by argument name.
+
+    ``placements[arg]`` is a placement, or a list of them for a list argument (``cat``'s
+    ``tensors``, ``index``'s ``indices``). Tensor arguments not named are Replicate. When the same
+    node feeds two arguments with different placements the choice is impossible: ``None``.
+    """
+    per: dict[fx.Node, Placement] = {}
+    for key, j, n in _occurrences(node):
+        if tensor_shape(n) is None:
+            continue
+        p = placements.get(key, R)
+        if j is not None and isinstance(p, (list, tuple)):
+            p = p[j] if p[j] is not None else R
+        p = R if p is None else p
+        if n in per and per[n] != p:
+            return None
+        per[n] = p
+    ins = tuple(per.get(n) if tensor_shape(n) is not None else None for n in node.all_input_nodes)
+    return AxisStrategy(ins, tuple(outputs), name=name, even=even)
+
+
+# --- expansion over an N-d mesh --------------------------------------------------------------------
+def _norm(p, shp):
+    if isinstance(p, Shard) and p.dim < 0 and shp is not None:
+        return Shard(p.dim % len(shp))
+    return p
+
+
+def _pieces_ok(n: int, ks: Sequence[int]) -> bool:
+    """No empty shard when a dim of size ``n`` is split over axes of sizes ``ks`` in order."""
+    pieces = [n]
+    for k in ks:
+        nxt = []
+        for m in pieces:
+            c = -(-m // k)
+            if c * (k - 1) >= m:  # the last chunk would be empty
+                return False
+            nxt += [min(c, m - c * i) for i in range(k)]
+        pieces = nxt
+    return True
+
+
+def _even(n: int, ks: Sequence[int]) -> bool:
+    for k in ks:
+        if n % k:
+            return False
+        n //= k
+    return True
+
+
+def expand(node: fx.Node, choices: Iterable[AxisStrategy | None], mesh_shape: Sequence[int],
+           axis_names: Sequence[str] | None = None) -> list[Strategy]:
+    """N-d strategies from one-axis choices: the product over mesh axes, kept when valid.
+
+    Kept when (1) shard dims exist, (2) no device would hold an empty shard (dim size too small
+    for the axes sharding it), (3) a dim of a tensor sharded by several axes is sharded by the
+    SAME one-axis choice on each, so every tensor nests those axes left to right alike (choices
+    that differ would split matching dims in different orders), (4) ``even`` choices see even
+    splits of every sharded tensor. Axes of size 1 only replicate. The all-replicate strategy
+    always comes first; duplicates are dropped; the order is deterministic.
+    """
+    in_shapes = input_shapes(node)
+    o_shapes = out_shapes(node)
+    shapes = in_shapes + o_shapes
+    names = tuple(axis_names) if axis_names is not None else tuple(f"a{i}" for i in range(len(mesh_shape)))
+    rep = AxisStrategy(tuple(None if s is None else R for s in in_shapes), tuple(R for _ in o_shapes), name="R")
+
+    seen, clean = set(), [rep]
+    for c in choices:
+        if c is None:
+            continue
+        if len(c.inputs) != len(in_shapes) or len(c.outputs) != len(o_shapes):
+            raise ValueError(f"rule for {node.target} returned {c!r} for {len(in_shapes)} inputs, "
+                             f"{len(o_shapes)} outputs")
+        pls = tuple(_norm(p, s) for p, s in zip(c.inputs + c.outputs, shapes))
+        if any(isinstance(p, Shard) and not 0 <= p.dim < len(s) for p, s in zip(pls, shapes) if p is not None):
+            continue
+        c = AxisStrategy(pls[:len(in_shapes)], pls[len(in_shapes):], name=c.name, even=c.even)
+        key = (c.inputs, c.outputs)
+        if key in seen or key == (rep.inputs, rep.outputs):
+            continue
+        seen.add(key)
+        clean.append(c)
+
+    def ok1(c: AxisStrategy, k: int) -> bool:
+        for p, s in zip(c.inputs + c.outputs, shapes):
+            if isinstance(p, Shard) and not _pieces_ok(s[p.dim], (k,)):
+                return False
+        return True
+
+    per_axis = [[rep] if k == 1 else [c for c in clean if ok1(c, k)] for k in mesh_shape]
+    out, keys = [], set()
+    for combo in itertools.product(*per_axis):
+        good = True
+        needs_even = any(c.even for c in combo)
+        for t, s in enumerate(shapes):
+            if s is None:
+                continue
+            by_dim: dict[int, list[int]] = {}
+            for a, c in enumerate(combo):
+                p = c.inputs[t] if t < len(in_shapes) else c.outputs[t - len(in_shapes)]
+                if isinstance(p, Shard):
+                    by_dim.setdefault(p.dim, []).append(a)
+            for d, axes in by_dim.items():
+                ks = [mesh_shape[a] for a in axes]
+                if len(axes) > 1 and (any(combo[a] != combo[axes[0]] for a in axes) or not _pieces_ok(s[d], ks)):
+                    good = False
+                if needs_even and not _even(s[d], ks):
+                    good = False
+            if not good:
+                break
+        if not good:
+            continue
+        ins = tuple(None if s is None else Spec(tuple(c.inputs[i] for c in combo)) for i, s in enumerate(in_shapes))
+        outs = tuple(Spec(tuple(c.outputs[i] for c in combo)) for i in range(len(o_shapes)))
+        if (ins, outs) in keys:
+            continue
+        keys.add((ins, outs))
+        out.append(Strategy(ins, outs, name=_name(combo, names)))
+    return out
+
+
+def _name(combo: Sequence[AxisStrategy], names: Sequence[str]) -> str:
+    if len(combo) == 1:
+        return combo[0].name or "R"
+    parts = [f"{n}:{c.name or '?'}" for n, c in zip(names, combo) if c.name != "R"]
+    return " ".join(parts) or "R"

@@ -1,0 +1,64 @@
+"""Scaled dot-product attention and its ``_scaled_dot_product_*_attention`` variants.
+
+``q[B, H, L, E], k[B, Hk, S, E], v[B, Hk, S, Ev] -> out[B, H, L, Ev]``; an ``attn_mask``
+broadcast to ``[B, H, L, S]`` follows (sharded where its dim is not a broadcast 1).
+
+* ``dp``: B sharded in all;  ``heads``: H and Hk sharded (even splits when Hk != H, so each
+  device's query heads keep their own key/value group);
+* ``seq``: L of q (and mask) sharded, k/v replicated; only without ``is_causal`` (the local
+  causal mask would be aligned to the local rows, which is wrong);
+* never E (the head dim is contracted) or S (the softmax runs over it).
+
+Extra outputs of the variants (logsumexp ``[B, H, L]``) shard like the output on B, H, L; scalar
+RNG seeds/offsets stay replicated. ``sdpa(q, k, v, is_causal=True)`` on one axis::
+
+    R: R, R, R -> R      dp: S(0), S(0), S(0) -> S(0)      heads: S(1), S(1), S(1) -> S(1)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxpar.strategies.base import R, S, bound, choice, out_shapes, register, tensor_shape
+
+aten = torch.ops.aten
+
+_VARIANTS = [aten.scaled_dot_product_attention]
+for _n in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+           "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+           "_scaled_dot_product_attention_math"):
+    if hasattr(aten, _n):
+        _VARIANTS.append(getattr(aten, _n))
+
+
+def _mask_pl(mask, dim):
+    """Placement of a [B,H,L,S]-broadcast mask when dim ``dim`` of the 4-d product is sharded."""
+    if mask is None:
+        return None
+    i = dim - (4 - len(mask))
+    return S(i) if i >= 0 and mask[i] > 1 else R
+
+
+@register(*_VARIANTS)
+def sdpa_rule(node):
+    b = bound(node)
+    q, k = tensor_shape(b["query"]), tensor_shape(b["key"])
+    if len(q) != 4 or len(k) != 4:
+        return  # unbatched / extra batch dims: replicate only
+    mkey = "attn_mask" if "attn_mask" in b else "attn_bias" if "attn_bias" in b else None
+    mask = tensor_shape(b[mkey]) if mkey and b.get(mkey) is not None else None
+    outs = out_shapes(node)
+
+    def outs_for(d):
+        return [S(d) if len(o) >= 3 and o[d] == q[d] else R for o in outs]
+
+    def pls(pq, pkv, d):
+        p = {"query": pq, "key": pkv, "value": pkv}
+        if mask is not None:
+            p[mkey] = _mask_pl(mask, d)
+        return p
+
+    yield choice(node, pls(S(0), S(0), 0), outs_for(0), "dp")
+    yield choice(node, pls(S(1), S(1), 1), outs_for(1), "heads", even=q[1] != k[1])
+    if not b.get("is_causal", False):
+        yield choice(node, pls(S(2), R, 2), outs_for(2), "seq")

@@ -1,0 +1,87 @@
+"""Reductions (sum, mean, amax, amin, argmax, argmin, histc), softmax/log_softmax, cumsum, sort,
+topk and other ops along one dim.
+
+Sharding a kept dim shards the output; sharding a reduced dim leaves each device a partial
+result: ``sum`` -> ``P(sum)``, ``mean`` -> ``P(avg)`` (exact only for even shards, so flagged
+``even``), ``amax`` -> ``P(max)``, ``amin`` -> ``P(min)``; ``histc`` counts add up -> ``P(sum)``.
+``sum`` and ``mean`` are linear: a ``P(sum)`` input gives ``P(sum)``. ``argmax``, ``softmax``,
+``sort``, ``topk``, ``cumsum`` need their dim whole. ``sum(x[4,6], [1])``::
+
+    R: R -> R      S0: S(0) -> S(0)      red1: S(1) -> P(sum)      P: P(sum) -> P(sum)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxpar.strategies.base import P, S, bound, choice, out_shapes, register, tensor_shape
+
+aten = torch.ops.aten
+
+_REDUCE = {aten.sum: "sum", aten.mean: "avg", aten.amax: "max", aten.amin: "min", aten.nansum: "sum"}
+
+
+@register(*_REDUCE)
+def reduce_rule(node):
+    b = bound(node)
+    a = tensor_shape(b["self"])
+    op = _REDUCE[node.target.overloadpacket]
+    dims = b.get("dim")
+    if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+        dims = list(range(len(a)))
+    dims = {d % max(len(a), 1) for d in ([dims] if isinstance(dims, int) else dims)}
+    keep = bool(b.get("keepdim", False))
+    for d in range(len(a)):
+        if d in dims:
+            yield choice(node, {"self": S(d)}, [P(op)], f"red{d}", even=op == "avg")
+        else:
+            od = d if keep else d - sum(1 for r in dims if r < d)
+            yield choice(node, {"self": S(d)}, [S(od)], f"S{od}")
+    if op in ("sum", "avg"):
+        yield choice(node, {"self": P()}, [P()], "P")
+
+
+def along_dim_rule(node, key="self", dim_key="dim"):
+    """Ops needing one dim whole; other dims map 1:1 to every output (same rank)."""
+    b = bound(node)
+    a = tensor_shape(b[key])
+    dim = b.get(dim_key)
+    if dim is None:
+        return
+    dim %= max(len(a), 1)
+    outs = out_shapes(node)
+    for d in range(len(a)):
+        if d == dim:
+            continue
+        if any(len(o) != len(a) or o[d] != a[d] for o in outs):
+            continue
+        yield choice(node, {key: S(d)}, [S(d)] * len(outs), f"S{d}")
+
+
+@register(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, aten.cumsum, aten.cumprod,
+          aten.sort, aten.topk, aten.diff, aten.logsumexp, aten.special_log_softmax)
+def softmax_rule(node):
+    yield from along_dim_rule(node, "self" if "self" in bound(node) else "input")
+    if node.target.overloadpacket is aten.cumsum:
+        yield choice(node, {"self": P()}, [P()], "P")
+
+
+@register(aten.argmax, aten.argmin)
+def argmax_rule(node):
+    b = bound(node)
+    if b.get("dim") is None:
+        return
+    a = tensor_shape(b["self"])
+    dim = b["dim"] % len(a)
+    keep = bool(b.get("keepdim"))
+    for d in range(len(a)):
+        if d != dim:
+            od = d if keep or d < dim else d - 1
+            yield choice(node, {"self": S(d)}, [S(od)], f"S{od}")
+
+
+@register(aten.histc)
+def histc_rule(node):
+    a = tensor_shape(bound(node)["self"])
+    for d in range(len(a)):  # counts over disjoint shards add up
+        yield choice(node, {"self": S(d)}, [P()], f"red{d}")

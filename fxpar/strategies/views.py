@@ -1,0 +1,217 @@
+"""View-like and data-movement ops: reshape family, transpose/permute, expand, split/cat/stack,
+slice/select/index_select, getitem.
+
+Each rule states a **dimension map**: which input dim becomes which output dim. The runtime runs
+the same op on local tensors, so size arguments (``view``, ``reshape``, ``expand``,
+``new_*``) must be **localized** by a later pass: replace them by the output's local shape
+(``Spec.local_shape`` of the node's output spec); split sizes, slice bounds and indices are
+only used along unsharded dims and stay as they are.
+
+Reshape (``view``, ``reshape``, ``_unsafe_view``, ``flatten``, ``unflatten``, ``squeeze``,
+``unsqueeze``): input and output dims are grouped into runs of equal element count; in each
+group only the outermost non-1 input dim and the outermost non-1 output dim may be sharded,
+together. A 1:1 group allows uneven shards; a merge/split group needs even splits (then a
+device's contiguous block of the group is the same block in both layouts). ``view(x[4,6], [24])``::
+
+    R: R -> R      S0: S(0) -> S(0) (even)      P: P(sum) -> P(sum)
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fxpar.strategies.base import (P, R, S, AxisStrategy, bound, choice, out_shapes, register,
+                                   tensor_shape)
+
+aten = torch.ops.aten
+
+
+def reshape_groups(a, b):
+    """Groups ``(in dims, out dims)`` of equal element count, in order; ``None`` if sizes are 0.
+
+    >>> reshape_groups((2, 3, 4), (6, 4))
+    [([0, 1], [0]), ([2], [1])]
+    """
+    if 0 in a or 0 in b:
+        return None
+    i = j = 0
+    out = []
+    while i < len(a) and j < len(b):
+        pa, pb, gi, gj = a[i], b[j], [i], [j]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb:
+                if i >= len(a):
+                    return None
+                pa *= a[i]
+                gi.append(i)
+                i += 1
+            else:
+                if j >= len(b):
+                    return None
+                pb *= b[j]
+                gj.append(j)
+                j += 1
+        out.append((gi, gj))
+    return out
+
+
+def _first_non1(dims, shape):
+    nz = [d for d in dims if shape[d] > 1]
+    return nz
+
+
+@register(aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten, aten.squeeze,
+          aten.unsqueeze, aten.squeeze_, aten.unsqueeze_, aten.view_copy, aten._reshape_alias)
+def reshape_rule(node: fx.Node):
+    b = bound(node)
+    x = b.get("self", b.get("input"))
+    key = "self" if "self" in b else "input"
+    a, o = tensor_shape(x), tensor_shape(node)
+    for gi, gj in reshape_groups(a, o) or []:
+        ni, nj = _first_non1(gi, a), _first_non1(gj, o)
+        if not ni or not nj:
+            continue
+        yield choice(node, {key: S(ni[0])}, [S(nj[0])], f"S{nj[0]}", even=not (len(ni) == len(nj) == 1))
+    yield choice(node, {key: P()}, [P()], "P")
+
+
+@register(aten.transpose, aten.t, aten.permute, aten.swapaxes, aten.transpose_)
+def permute_rule(node: fx.Node):
+    b = bound(node)
+    a = tensor_shape(b["self"])
+    n = len(a)
+    perm = list(range(n))
+    if "dims" in b:
+        perm = [d % n for d in b["dims"]]
+    elif n == 2 or ("dim0" in b and b.get("dim0") is not None) or ("axis0" in b):
+        d0 = b.get("dim0", b.get("axis0", 0)) % max(n, 1)
+        d1 = b.get("dim1", b.get("axis1", 1)) % max(n, 1)
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+    for d, src in enumerate(perm):
+        yield choice(node, {"self": S(src)}, [S(d)], f"S{d}")
+    yield choice(node, {"self": P()}, [P()], "P")
+
+
+@register(aten.expand, aten.expand_copy)
+def expand_rule(node: fx.Node):
+    a, o = tensor_shape(bound(node)["self"]), tensor_shape(node)
+    off = len(o) - len(a)
+    for d in range(len(o)):
+        i = d - off
+        if i >= 0 and a[i] == o[d]:
+            yield choice(node, {"self": S(i)}, [S(d)], f"S{d}")
+        else:  # a broadcast dim: each device expands its replica to its local size
+            yield choice(node, {"self": R}, [S(d)], f"S{d}")
+    yield choice(node, {"self": P()}, [P()], "P")
+
+
+@register(aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, aten.unsafe_split,
+          aten.tensor_split)
+def split_rule(node: fx.Node):
+    b = bound(node)
+    a = tensor_shape(b["self"])
+    dim = b.get("dim", 0) % len(a)
+    outs = out_shapes(node)
+    drop = node.target.overloadpacket is aten.unbind
+    for d in range(len(a)):
+        if d == dim:
+            continue
+        od = d - 1 if drop and d > dim else d
+        yield choice(node, {"self": S(d)}, [S(od)] * len(outs), f"S{od}")
+    yield choice(node, {"self": P()}, [P()] * len(outs), "P")
+
+
+@register(aten.cat, aten.concat, aten.stack)
+def cat_rule(node: fx.Node):
+    b = bound(node)
+    ts = b["tensors"]
+    shapes = [tensor_shape(t) for t in ts]
+    o = tensor_shape(node)
+    stack = node.target.overloadpacket is aten.stack
+    r = len(shapes[0]) if shapes else 0
+    if not shapes or any(s is None or len(s) != r for s in shapes):
+        return  # legacy empty 1-d operands: replicate only
+    dim = b.get("dim", 0) % (r + 1 if stack else r)
+    for d in range(r):
+        if d == dim and not stack:
+            continue
+        od = d + 1 if stack and d >= dim else d
+        if any(s[d] != o[od] for s in shapes):
+            continue
+        yield choice(node, {"tensors": [S(d)] * len(ts)}, [S(od)], f"S{od}")
+    yield choice(node, {"tensors": [P()] * len(ts)}, [P()], "P")
+
+
+@register(aten.slice, aten.narrow, aten.slice_copy)
+def slice_rule(node: fx.Node):
+    b = bound(node)
+    a, o = tensor_shape(b["self"]), tensor_shape(node)
+    dim = b.get("dim", 0) % len(a)
+    for d in range(len(a)):
+        if d == dim and a[d] != o[d]:  # a real slice along a sharded dim needs global offsets
+            continue
+        yield choice(node, {"self": S(d)}, [S(d)], f"S{d}")
+    yield choice(node, {"self": P()}, [P()], "P")
+
+
+@register(aten.select)
+def select_rule(node: fx.Node):
+    b = bound(node)
+    a = tensor_shape(b["self"])
+    dim = b["dim"] % len(a)
+    for d in range(len(a)):
+        if d != dim:
+            od = d - (d > dim)
+            yield choice(node, {"self": S(d)}, [S(od)], f"S{od}")
+    yield choice(node, {"self": P()}, [P()], "P")
+
+
+@register(aten.index_select)
+def index_select_rule(node: fx.Node):
+    b = bound(node)
+    a = tensor_shape(b["self"])
+    dim = b["dim"] % len(a)
+    for d in range(len(a)):
+        if d != dim:
+            yield choice(node, {"self": S(d), "index": R}, [S(d)], f"S{d}")
+    yield choice(node, {"self": R, "index": S(0)}, [S(dim)], f"S{dim}(idx)")
+    yield choice(node, {"self": P(), "index": R}, [P()], "P")
+
+
+@register(operator.getitem)
+def getitem_rule(node: fx.Node):
+    """Pass-through: the element of the producer's output is what flows."""
+    if tensor_shape(node) is None:
+        return
+    o = tensor_shape(node)
+    for d in range(len(o)):
+        yield AxisStrategy((S(d),), (S(d),), name=f"S{d}")
+    for op in ("sum", "avg", "max"):
+        yield AxisStrategy((P(op),), (P(op),), name=f"P{op}" if op != "sum" else "P")
+
+
+@register(aten.alias, aten.detach, aten.contiguous, aten.clone, aten.lift_fresh_copy)
+def identity_rule(node: fx.Node):
+    b = bound(node)
+    o = tensor_shape(node)
+    if o is None:
+        return
+    for d in range(len(o)):
+        yield choice(node, {"self": S(d)}, [S(d)], f"S{d}")
+    yield choice(node, {"self": P()}, [P()], "P")
+
+
+@register(aten.pad, aten.constant_pad_nd)
+def pad_rule(node: fx.Node):
+    """Only dims without padding may be sharded (padding is at the global edges)."""
+    b = bound(node)
+    a = tensor_shape(b["self"])
+    pad = list(b["pad"])
+    padded = {len(a) - 1 - i // 2 for i, p in enumerate(pad) if p}
+    for d in range(len(a)):
+        if d not in padded:
+            yield choice(node, {"self": S(d)}, [S(d)], f"S{d}")
