@@ -8,9 +8,10 @@ partial sum (16 layouts). Matmuls have 16 strategies (per axis: data, column, ro
 replicated), pointwise ops 9 (no partial sums), views 16 (free, layout-preserving). Resharding
 costs are shortest paths over single-axis ring collectives (AxoNN eq. 1-3), so they obey the
 triangle inequality as a real resharding planner's do; compute costs come from FLOP counts;
-memory from parameters (16 B/param, mixed-precision Adam) and saved activations; liveness points at every layer boundary of the
-forward pass; the budget sits half-way between the smallest footprint and the footprint of the
-unconstrained optimum, so it binds. The layers' nodes are tied (identical blocks).
+memory from parameters (16 B/param, mixed-precision Adam) and saved activations; liveness
+points at every layer boundary of the forward pass; the budget sits half-way between the
+smallest footprint and the footprint of the unconstrained optimum, so it binds. The layers'
+nodes are tied (identical blocks).
 
 Rows: Llama-3-8B-shaped (L=32, mesh 8x8) and GPT-3-175B-shaped (L=96, mesh 128x8), each solved
 with all reductions and each edge encoding, without follower merging, without merging and

@@ -8,6 +8,7 @@ time-limit one, which is stopped by a deterministic-time limit.
 from __future__ import annotations
 
 import doctest
+import itertools
 import json
 import os
 import subprocess
@@ -26,6 +27,7 @@ from fxpar.solver import (
     reduce_problem,
     solve,
 )
+from fxpar.solver.heuristic import feasible
 
 GiB, MiB = 2**30, 2**20
 
@@ -180,9 +182,6 @@ def test_reduced_problem_has_the_same_optimum_by_enumeration():
             continue
         red = reduce_problem(p)
         grid = [range(d) for d in red.dom]
-        import itertools
-
-        from fxpar.solver.heuristic import feasible
         vals = [(red.value(list(x)), x) for x in itertools.product(*grid)
                 if feasible(red, list(x))]
         _, x = min(vals)
@@ -376,6 +375,10 @@ def test_time_limit_returns_feasible_with_gap():
     # stopped before CP-SAT's first solution: the greedy assignment comes back
     s0 = solve(p, det_time_limit=0.0, time_limit=20)
     assert s0.status == "FEASIBLE" and s0.objective >= s.objective - 1e-9
+    # ... and it keeps ties kept as constraints and the memory budget
+    q = build(symmetric_problem())
+    s1 = solve(q, det_time_limit=0.0, reductions=ALL_REDUCTIONS - {"ties"})
+    assert s1.status == "FEASIBLE" and q.violations(s1.choice) == []
 
 
 def test_solution_prints_and_indexes_by_name():

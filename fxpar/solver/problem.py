@@ -5,7 +5,6 @@ Nothing here imports OR-Tools; :mod:`fxpar.solver.ilp` does the solving.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -34,8 +33,8 @@ def _ro(a: np.ndarray) -> np.ndarray:
 class StrategyProblem:
     """Pick one strategy per node to minimise ``Σ node cost + Σ edge resharding cost``.
 
-    Contract (all indices are node positions ``0..N-1``; a name may be used instead in ``pins``
-    and ``ties``):
+    Contract (nodes are positions ``0..N-1``; a node's name may stand for it in ``edges``,
+    ``live``, ``pins`` and ``ties``):
 
     - ``cost[i][k]``: seconds (finite, ≥ 0) of node ``i`` under strategy ``k``;
     - ``mem[i][k]``: bytes node ``i`` keeps under strategy ``k`` (rounded to whole bytes);

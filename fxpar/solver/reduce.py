@@ -438,8 +438,8 @@ def reduce_problem(problem: StrategyProblem, *, scale: float | None = None,
 
     ``tolerance`` (a fraction of the objective bound ``U``, see :func:`choose_scale`) is how
     much worse a dominating value may look in the dominance tests, to absorb float round-off;
-    each applied reduction may cost at most that much. ``budget_aware=False`` keeps points that cannot bind under the budget
-    (used for the min-peak program)."""
+    each applied reduction may cost at most that much. ``budget_aware=False`` keeps points
+    that cannot bind under the budget (used for the min-peak program)."""
     use = frozenset(reductions)
     if not use <= ALL_REDUCTIONS:
         raise PlanError(f"unknown reductions {sorted(use - ALL_REDUCTIONS)}")
