@@ -23,6 +23,9 @@ from fxpar import ir
 from fxpar.capture import capture, run_captured
 from fxpar.ir import InputInfo, OutputInfo, ParamInfo, TensorMeta
 from fxpar.reshard import ReshardPlan, ReshardStep, reshard_plan
+from fxpar.plan import EdgePlan, NodePlan, Plan, StepCost
+from fxpar.planner import PlannerOptions, plan_graph
+from fxpar.api import EmitNotImplementedError, Planned, compile, plan
 
 __version__ = "0.1.0"
 
@@ -33,4 +36,6 @@ __all__ = [
     "Cluster", "Mesh",
     "ir", "capture", "run_captured", "InputInfo", "OutputInfo", "ParamInfo", "TensorMeta",
     "reshard_plan", "ReshardPlan", "ReshardStep",
+    "Plan", "NodePlan", "EdgePlan", "StepCost", "PlannerOptions", "plan_graph",
+    "plan", "compile", "Planned", "EmitNotImplementedError",
 ]

@@ -272,7 +272,8 @@ def expand(node: fx.Node, choices: Iterable[AxisStrategy | None], mesh_shape: Se
     for the axes sharding it), (3) a dim of a tensor sharded by several axes is sharded by the
     SAME one-axis choice on each, so every tensor nests those axes left to right alike (choices
     that differ would split matching dims in different orders), (4) ``even`` choices see even
-    splits of every sharded tensor. Axes of size 1 only replicate. The all-replicate strategy
+    splits of every sharded tensor, (5) one tensor is not partial under reduce ops that do not
+commute (``P(sum)P(max)``). Axes of size 1 only replicate. The all-replicate strategy
     always comes first; duplicates are dropped; the order is deterministic.
     """
     in_shapes = input_shapes(node)
@@ -317,6 +318,12 @@ def expand(node: fx.Node, choices: Iterable[AxisStrategy | None], mesh_shape: Se
                 p = c.inputs[t] if t < len(in_shapes) else c.outputs[t - len(in_shapes)]
                 if isinstance(p, Shard):
                     by_dim.setdefault(p.dim, []).append(a)
+            ops = {p.reduce_op for c in combo
+                   for p in (c.inputs[t] if t < len(in_shapes) else c.outputs[t - len(in_shapes)],)
+                   if isinstance(p, Partial)}
+            if len(ops) > 1 and not ops <= {"sum", "avg"}:
+                good = False  # partial sums and maxima on one tensor do not commute (see reshard)
+                break
             for d, axes in by_dim.items():
                 ks = [mesh_shape[a] for a in axes]
                 if len(axes) > 1 and (any(combo[a] != combo[axes[0]] for a in axes) or not _pieces_ok(s[d], ks)):

@@ -1,0 +1,288 @@
+"""Public entry points of planning: :func:`plan` and :func:`compile` (``emit=False`` for now).
+
+``fxpar.plan(model, cluster, example_inputs=...)`` captures the model (fake tensors, no real
+weights), builds the strategy problem on one or several candidate meshes, solves it and
+returns a :class:`Planned` (``.plan``, ``.graph``, ``.explain()``).
+
+Plans (``plan=``), all scored by the one cost model of :mod:`fxpar.planner`:
+
+* ``"auto"``: free choice per node; mesh given, or the best of ``(dp=N)``, ``(dp=N/t, tp=t)``
+  for ``t`` = 2, 4, ... ≤ devices per node, and AxoNN's best ``(data, z, y, x)`` grid;
+* ``"dp"``: mesh ``(dp=N)``; user inputs and the outputs of linear layers ``S(0)`` on every
+  axis, every parameter ``R``;
+* ``"zero3"``: as ``dp`` but every parameter stored ``S(0)`` on every axis: the planner then
+  prices the all-gather before use, its repeat in backward and the gradient reduce-scatter;
+* ``"megatron"``: mesh ``(dp, tp)``, ``tp`` = devices per node (innermost); inputs ``S(0)`` on
+  ``dp``; the weights of linear layers are column (``S(0)`` on ``tp``) or row (``S(1)`` on
+  ``tp``), alternating along the data path (row iff its input depends on a column output), replicated on ``dp``; linear outputs ``S(-1)`` (column)
+  or ``P(sum)`` (row) on ``tp``;
+* ``"axonn"``: mesh ``(data, z, y, x)`` from :func:`fxpar.cost.axonn.rank_configs`; inputs
+  ``S(0)`` on ``data`` and ``z``; linear weights ``(out, in)`` are ``y: S(1), x: S(0)``
+  (column positions) or transposed ``y: S(0), x: S(1)`` (row positions), ``R`` on ``data`` and ``z``. Deviation: AxoNN keeps
+  the weight sharded over ``z`` and all-gathers it (``t_AG,z + t_RS,z``); under fxpar's
+  left-to-right split order that layout needs extra steps, so ``z`` holds it replicated and
+  pays the gradient all-reduce (ring: ``t_AR = t_AG + t_RS``, the same time; more memory).
+
+Baseline parameters that are not linear weights (embeddings, norms, biases) are left to the
+solver. With a ``mesh=`` given, a baseline's pins are made for that mesh (last axis = ``tp``
+/ ``x``).
+
+>>> import torch, fxpar
+>>> from examples.models import MLP
+>>> p = fxpar.api.plan(MLP(8, 16, 4), fxpar.Cluster.preset("dgx-a100"),
+...                    example_inputs=(torch.randn(2, 8),), mesh={"dp": 8})
+>>> p.plan.kind, p.plan.mesh["shape"]
+('auto', (8,))
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.errors import FxparError, PlanError
+from fxpar.mesh import Mesh
+from fxpar.plan import BASELINES, PLAN_KINDS, Plan
+from fxpar.planner import PlannerOptions, plan_graph
+from fxpar.spec import Spec
+
+__all__ = ["plan", "compile", "Planned", "EmitNotImplementedError", "baseline_pins",
+           "candidate_meshes", "baseline_mesh"]
+
+_LINEAR = ("linear", "mm", "addmm", "matmul")
+
+
+class EmitNotImplementedError(FxparError, NotImplementedError):
+    """``compile(..., emit=True)``: the rewrite/emit passes and runtime are a pending issue."""
+
+
+@dataclass(frozen=True)
+class Planned:
+    """Result of planning: the :class:`Plan`, the captured graph, and every mesh tried."""
+
+    plan: Plan
+    graph: fx.GraphModule
+    tried: tuple[tuple[str, float], ...] = ()
+
+    def explain(self) -> str:
+        return self.plan.explain()
+
+
+# ---------------------------------------------------------------------------------------------
+# meshes and pins
+# ---------------------------------------------------------------------------------------------
+def _pow2_upto(n: int) -> list[int]:
+    out, t = [], 2
+    while t <= n:
+        out.append(t)
+        t *= 2
+    return out
+
+
+def _graph_dims(gm: fx.GraphModule) -> tuple[int, int, int, int]:
+    """(n_layers, hidden, tokens, batch) guessed from the graph for AxoNN's ranking."""
+    ins = [n for n in ir.input_nodes(gm) if isinstance(n.meta.get(ir.VAL), torch.Tensor)]
+    shape = tuple(ins[0].meta[ir.VAL].shape) if ins else (1,)
+    batch = int(shape[0]) if shape else 1
+    tokens = int(torch.Size(shape[:2]).numel()) if len(shape) >= 2 and not ins[0].meta[ir.VAL].dtype.is_floating_point else batch * (int(shape[1]) if len(shape) > 2 else 1)
+    ws = _linear_weights(gm)
+    hidden = int(ws[0].meta[ir.VAL].shape[1]) if ws else 1
+    from fxpar.planner import layer_of
+    reps = {layer_of(n) for n in gm.graph.nodes if "." in layer_of(n) and layer_of(n).rsplit(".", 1)[1].isdigit()}
+    return max(1, len(reps)), hidden, max(1, tokens), max(1, batch)
+
+
+def baseline_mesh(kind: str, gm: fx.GraphModule, cluster) -> Mesh:
+    """The mesh a baseline runs on when none is given (module docstring)."""
+    n = cluster.num_devices
+    if kind in ("dp", "zero3"):
+        return Mesh(cluster, dp=n)
+    if kind == "megatron":
+        t = min(cluster.devices_per_node, n)
+        return Mesh(cluster, dp=n // t, tp=t)
+    if kind == "axonn":
+        from fxpar.cost.axonn import rank_configs
+
+        L, h, tokens, batch = _graph_dims(gm)
+        cfgs = rank_configs(n, cluster, n_layers=L, h=h, tokens=tokens, batch=batch) or \
+            rank_configs(n, cluster, n_layers=L, h=h, tokens=tokens)
+        c = cfgs[0]
+        return Mesh(cluster, data=c.Gdata, z=c.Gz, y=c.Gy, x=c.Gx)
+    raise PlanError(f"unknown plan {kind!r}; one of {PLAN_KINDS}")
+
+
+def candidate_meshes(gm: fx.GraphModule, cluster) -> list[Mesh]:
+    """Meshes tried by ``plan="auto"`` without ``mesh=``: 1D dp, (dp, tp) with tp a power of
+    two ≤ devices per node, and AxoNN's best 4D grid; duplicates removed, order fixed."""
+    n = cluster.num_devices
+    out = [Mesh(cluster, dp=n)]
+    for t in _pow2_upto(min(cluster.devices_per_node, n)):
+        if n % t == 0:
+            out.append(Mesh(cluster, dp=n // t, tp=t))
+    if n >= 8:
+        ax = baseline_mesh("axonn", gm, cluster)
+        if sum(s > 1 for s in ax.shape) > 2:
+            out.append(ax)
+    return out
+
+
+def _linear_nodes(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    """``(linear node, its 2-D parameter weight)`` pairs in graph order."""
+    ws = set(_linear_weights(gm))
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.all_input_nodes:
+            w = next((a for a in n.all_input_nodes if a in ws), None)
+            name = getattr(getattr(n.target, "overloadpacket", None), "__name__", "")
+            if w is not None and name in _LINEAR and isinstance(n.meta.get(ir.VAL), torch.Tensor):
+                out.append((n, w))
+    return out
+
+
+def _col_flags(gm: fx.GraphModule) -> dict[fx.Node, bool]:
+    """``{weight: True for column, False for row}``: a linear is row-parallel iff one of its
+    inputs depends on a column-parallel output through non-linear ops (q/k/v, gate/up are
+    column; o_proj, down_proj are row), so col/row alternate along the data path."""
+    lin = dict((n, w) for n, w in _linear_nodes(gm))
+    flag: dict[fx.Node, bool] = {}
+    out: dict[fx.Node, bool] = {}
+    for n in gm.graph.nodes:
+        carried = any(flag.get(a, False) for a in n.all_input_nodes)
+        if n in lin:
+            col = not carried
+            out.setdefault(lin[n], col)
+            flag[n] = col
+        else:
+            flag[n] = carried
+    return out
+
+
+def _linear_weights(gm: fx.GraphModule) -> list[fx.Node]:
+    """Parameter nodes used as the weight of a linear/mm, in order of first use."""
+    seen: list[fx.Node] = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = getattr(getattr(n.target, "overloadpacket", None), "__name__", str(n.target))
+        if name not in _LINEAR:
+            continue
+        w = n.args[1] if name != "addmm" else n.args[2]
+        if isinstance(w, fx.Node) and ir.PARAM in w.meta and w not in seen:
+            meta = w.meta.get(ir.VAL)
+            if isinstance(meta, torch.Tensor) and meta.ndim == 2:
+                seen.append(w)
+    return seen
+
+
+def baseline_pins(kind: str, gm: fx.GraphModule, mesh: Mesh) -> dict[str, Spec]:
+    """Pins that force baseline ``kind`` on ``mesh`` (module docstring)."""
+    nd = mesh.ndim
+    names = list(mesh.axis_names)
+    params = ir.params(gm, "param")
+    R, S0, S1 = "R", "S(0)", "S(1)"
+
+    def spec(**by_axis) -> Spec:
+        return Spec.parse("".join(by_axis.get(a, R) for a in names))
+
+    lin = _linear_nodes(gm)
+    if kind in ("dp", "zero3"):
+        pins: dict[str, Spec] = {"input": Spec.parse(S0 * nd)}
+        for node, _ in lin:
+            pins[node.name] = Spec.parse(S0 * nd)
+        for fqn, info in params.items():
+            if info.node_name is None:
+                continue
+            if kind == "dp" or not info.shape:
+                pins[fqn] = Spec.parse(R * nd)
+            else:
+                pins[fqn] = Spec.parse(S0 * nd)
+        return pins
+    if kind == "megatron":
+        tp = names[-1]
+        pins = {"input": spec(**{a: S0 for a in names[:-1]})}
+        col = _col_flags(gm)
+        for w, c in col.items():
+            pins[w.meta[ir.PARAM].fqn] = spec(**{tp: S0 if c else S1})
+        for node, w in lin:
+            out_dim = node.meta[ir.VAL].ndim - 1
+            pins[node.name] = spec(**{a: S0 for a in names[:-1]},
+                                   **{tp: f"S({out_dim})" if col[w] else "P(sum)"})
+        return pins
+    if kind == "axonn":
+        if nd < 3:
+            raise PlanError(f"axonn needs a mesh with (z, y, x) axes, got {mesh!r}")
+        y, x = names[-2], names[-1]
+        pins = {"input": spec(**{a: S0 for a in names[:-2]})}
+        for w, c in _col_flags(gm).items():
+            pins[w.meta[ir.PARAM].fqn] = spec(**({y: S1, x: S0} if c else {y: S0, x: S1}))
+        return pins
+    raise PlanError(f"unknown baseline {kind!r}; one of {BASELINES}")
+
+
+# ---------------------------------------------------------------------------------------------
+# entry points
+# ---------------------------------------------------------------------------------------------
+def _as_mesh(mesh, cluster) -> Mesh | None:
+    if mesh is None or isinstance(mesh, Mesh):
+        return mesh
+    return Mesh(cluster, dict(mesh))
+
+
+def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.Tensor = (),
+         example_kwargs: Mapping[str, Any] | None = None, *, mesh=None, plan: str = "auto",
+         pins: Mapping[str, object] | None = None, memory_budget: float | None = None,
+         time_limit: float | None = 60.0, options: PlannerOptions | None = None,
+         strategies: Callable | None = None, graph: fx.GraphModule | None = None) -> Planned:
+    """Capture ``model`` and plan it on ``cluster`` (module docstring for ``plan=`` kinds).
+
+    ``mesh``: a :class:`Mesh` or ``{"dp": 2, "tp": 4}``; ``None`` picks one. ``pins`` add to
+    a baseline's own pins. ``graph``: an already captured graph (skips capture).
+    Raises :class:`PlanError` when no plan fits ``memory_budget`` (default device memory).
+    """
+    from fxpar.capture import capture
+
+    if plan not in PLAN_KINDS:
+        raise PlanError(f"unknown plan {plan!r}; one of {PLAN_KINDS}")
+    gm = graph if graph is not None else capture(model, example_inputs, example_kwargs)
+    opts = options or PlannerOptions()
+    kw = {k: v for k, v in (("memory_budget", memory_budget), ("time_limit", time_limit))}
+    opts = PlannerOptions(**{**{f: getattr(opts, f) for f in opts.__dataclass_fields__},
+                             **{k: v for k, v in kw.items() if v is not None or k == "time_limit"}})
+    m = _as_mesh(mesh, cluster)
+    meshes = [m] if m is not None else (candidate_meshes(gm, cluster) if plan == "auto"
+                                         else [baseline_mesh(plan, gm, cluster)])
+    best, tried, errors = None, [], []
+    for msh in meshes:
+        all_pins = dict(baseline_pins(plan, gm, msh)) if plan != "auto" else {}
+        all_pins.update(pins or {})
+        try:
+            p = plan_graph(gm, msh, pins=all_pins, options=opts, strategies=strategies, kind=plan)
+        except PlanError as e:
+            if len(meshes) == 1:
+                raise
+            errors.append(f"{msh!r}: {e}")
+            continue
+        tried.append((repr(msh), p.time))
+        if best is None or p.time < best.time:
+            best = p
+    if best is None:
+        raise PlanError(f"no {plan} plan on any candidate mesh: " + "; ".join(errors))
+    return Planned(best, gm, tuple(tried))
+
+
+def compile(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.Tensor = (),
+            example_kwargs: Mapping[str, Any] | None = None, *, emit: bool = False,
+            **kwargs) -> Planned:
+    """Plan ``model`` (as :func:`plan`); ``emit=True`` (per-rank graphs) is not available yet
+    and raises :class:`EmitNotImplementedError` before any work is done."""
+    if emit:
+        raise EmitNotImplementedError(
+            "fxpar.compile(emit=True): the rewrite passes, emit and runtime are a pending issue; "
+            "use emit=False (planning only) or fxpar.plan(...)")
+    return plan(model, cluster, example_inputs, example_kwargs, **kwargs)

@@ -1,0 +1,270 @@
+"""Plan: every decision of the intra-op planner and its cost breakdown; explain(); JSON; hash.
+
+A :class:`Plan` is frozen, plain data (strings and numbers) so it round-trips through JSON
+exactly and hashes stably (``Plan.hash`` = sha256 of the canonical JSON of everything but
+``stats``, which holds wall-clock timings):
+
+- ``mesh``: axis names, shape, device ids and the cluster (``Cluster.to_dict()``);
+- ``nodes``: per graph node (graph order) a :class:`NodePlan`: the chosen strategy printed
+  with its specs (``"col: R, S(0), S(0) -> S(2)"``), its layer, forward/backward compute
+  seconds (roofline on local shapes) and memory bytes per device;
+- ``edges``: per (producer, consumer, direction) the resharding steps (kind, mesh axis,
+  bytes, seconds) actually paid under the chosen strategies (``direction`` is ``fwd`` for
+  the value, ``bwd`` for its gradient; ``consumer == "output"`` is the finalisation of a
+  graph output);
+- ``time``: predicted step time = Σ compute + Σ communication (no overlap modelled);
+- ``memory``: bytes per device at the one liveness point (model states + saved
+  activations), and the budget it was planned under.
+
+Cost breakdowns are derived properties: :meth:`Plan.comm_by` (seconds by collective kind and
+mesh axis), :meth:`Plan.layers` (per-layer compute, comm by axis, memory, main ops).
+
+Example (what :meth:`Plan.explain` prints for a 2-layer MLP on 4 devices, tight memory)::
+
+    plan auto on Mesh(tp=4) [dgx-a100 x1]: step 1.23 ms (compute 1.1 ms, comm 0.13 ms),
+    memory 1.5 GiB / 2 GiB per device, solver OPTIMAL
+      layer  main ops                     compute ms  comm ms (by axis)  memory
+      fc1    linear=col                   0.55        -                  0.75 GiB
+      fc2    linear=row                   0.55        tp 0.13            0.75 GiB
+      total                               1.1         tp 0.13            1.5 GiB
+    communication: all_reduce tp 0.13 ms (1x)
+    unsharded ops (replicate-only fallback): none
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+
+from fxpar.errors import PlanError
+from fxpar.solver.problem import fmt_bytes
+
+__all__ = ["Plan", "NodePlan", "EdgePlan", "StepCost", "BASELINES", "PLAN_KINDS"]
+
+#: Baseline plans priced by the same cost model (see :func:`fxpar.planner.baseline_pins`).
+BASELINES = ("dp", "zero3", "megatron", "axonn")
+PLAN_KINDS = ("auto",) + BASELINES
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One resharding collective: ``kind`` (``all_reduce``, ``all_gather``...) on mesh axis
+    ``axis`` moving ``nbytes`` per device in ``time`` seconds."""
+
+    kind: str
+    axis: str
+    nbytes: int
+    time: float
+
+
+@dataclass(frozen=True)
+class EdgePlan:
+    """Resharding paid on one graph edge in one direction: ``src_spec -> dst_spec``."""
+
+    producer: str
+    consumer: str
+    direction: str  # "fwd" | "bwd"
+    src_spec: str
+    dst_spec: str
+    steps: tuple[StepCost, ...]
+    layer: str
+
+    @property
+    def time(self) -> float:
+        return float(sum(s.time for s in self.steps))
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """The decision for one node: chosen strategy (index ``index`` of ``num_strategies``)."""
+
+    name: str
+    op: str
+    layer: str
+    strategy: str
+    strategy_name: str
+    inputs: tuple[str | None, ...]
+    outputs: tuple[str, ...]
+    unsharded: bool
+    index: int
+    num_strategies: int
+    fwd_time: float
+    bwd_time: float
+    memory: int
+
+    def to_strategy(self):
+        """The chosen :class:`fxpar.strategies.base.Strategy` rebuilt from its specs."""
+        from fxpar.strategies.base import Strategy
+
+        return Strategy(self.inputs, self.outputs, self.strategy_name, self.unsharded)
+
+
+def _fmt_ms(t: float) -> str:
+    return "-" if t == 0 else f"{t * 1e3:.4g}"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A complete intra-op plan (see the module docstring). Build with :func:`fxpar.plan` or
+    :func:`fxpar.planner.plan_graph`; compare, hash, ``to_json``/``from_json``."""
+
+    kind: str
+    mesh: Mapping
+    nodes: tuple[NodePlan, ...]
+    edges: tuple[EdgePlan, ...]
+    time: float
+    compute_fwd: float
+    compute_bwd: float
+    comm: float
+    memory: int
+    budget: int | None
+    status: str
+    options: Mapping = field(default_factory=dict)
+    stats: Mapping = field(default_factory=dict, compare=False)
+
+    # -- lookups -----------------------------------------------------------------------
+    def node(self, name: str) -> NodePlan:
+        for n in self.nodes:
+            if n.name == name:
+                return n
+        raise KeyError(f"plan has no node {name!r}")
+
+    def __getitem__(self, name: str) -> str:
+        """The chosen strategy (printed) of node ``name``."""
+        return self.node(name).strategy
+
+    @property
+    def mesh_str(self) -> str:
+        axes = ", ".join(f"{a}={s}" for a, s in zip(self.mesh["axis_names"], self.mesh["shape"]))
+        c = self.mesh.get("cluster", {})
+        return f"Mesh({axes}) [{c.get('name', '?')} x{c.get('nodes', '?')}]"
+
+    @property
+    def compute(self) -> float:
+        return self.compute_fwd + self.compute_bwd
+
+    def steps(self, kind: str | None = None, axis: str | None = None, direction: str | None = None):
+        """Every paid resharding step ``(edge, step)``, filtered by kind/axis/direction."""
+        return [(e, s) for e in self.edges for s in e.steps
+                if (kind is None or s.kind == kind) and (axis is None or s.axis == axis)
+                and (direction is None or e.direction == direction)]
+
+    def comm_by(self) -> dict[tuple[str, str], float]:
+        """Seconds of communication by ``(collective kind, mesh axis)``, sorted."""
+        acc: dict[tuple[str, str], float] = defaultdict(float)
+        for _, s in self.steps():
+            acc[s.kind, s.axis] += s.time
+        return dict(sorted(acc.items()))
+
+    def layers(self) -> list[dict]:
+        """Per-layer rows in first-appearance order: ``layer``, ``ops`` (main op=strategy
+        names), ``fwd``/``bwd`` compute s, ``comm`` {axis: s}, ``memory`` bytes."""
+        rows: dict[str, dict] = {}
+        for n in self.nodes:
+            r = rows.setdefault(n.layer, dict(layer=n.layer, ops=[], fwd=0.0, bwd=0.0,
+                                              comm=defaultdict(float), memory=0))
+            r["fwd"] += n.fwd_time
+            r["bwd"] += n.bwd_time
+            r["memory"] += n.memory
+            if n.fwd_time + n.bwd_time > 0 and n.op not in ("placeholder", "getitem"):
+                r["ops"].append((n.op, n.strategy_name or ("R" if n.unsharded else "?"),
+                                 n.fwd_time + n.bwd_time))
+        for e in self.edges:
+            r = rows.setdefault(e.layer, dict(layer=e.layer, ops=[], fwd=0.0, bwd=0.0,
+                                              comm=defaultdict(float), memory=0))
+            for s in e.steps:
+                r["comm"][s.axis] += s.time
+        for r in rows.values():
+            r["comm"] = dict(sorted(r["comm"].items()))
+        return list(rows.values())
+
+    @property
+    def unsharded(self) -> list[str]:
+        """Nodes that only had the replicate-only fallback (op without a sharding rule)."""
+        return [f"{n.name} ({n.op})" for n in self.nodes if n.unsharded]
+
+    # -- explain -----------------------------------------------------------------------
+    def explain(self, max_ops: int = 4) -> str:
+        """A readable per-layer table, then totals, communication and the unsharded ops."""
+        head = (f"plan {self.kind} on {self.mesh_str}: step {_fmt_ms(self.time)} ms (compute "
+                f"{_fmt_ms(self.compute)} ms = fwd {_fmt_ms(self.compute_fwd)} + bwd "
+                f"{_fmt_ms(self.compute_bwd)}, comm {_fmt_ms(self.comm)} ms), memory "
+                f"{fmt_bytes(self.memory)}"
+                + (f" / {fmt_bytes(self.budget)}" if self.budget is not None else "")
+                + f" per device, solver {self.status}")
+        table = [("layer", "main ops", "compute ms", "comm ms (by axis)", "memory")]
+        for r in self.layers():
+            ops = sorted(r["ops"], key=lambda o: -o[2])[:max_ops]
+            main = ", ".join(f"{o}={s}" for o, s, _ in ops) or "-"
+            comm = " ".join(f"{a} {_fmt_ms(t)}" for a, t in r["comm"].items() if t > 0) or "-"
+            table.append((r["layer"], main, _fmt_ms(r["fwd"] + r["bwd"]), comm,
+                          fmt_bytes(r["memory"])))
+        axes: dict[str, float] = defaultdict(float)
+        for (k, a), t in self.comm_by().items():
+            axes[a] += t
+        table.append(("total", "", _fmt_ms(self.compute),
+                      " ".join(f"{a} {_fmt_ms(t)}" for a, t in sorted(axes.items()) if t > 0) or "-",
+                      fmt_bytes(self.memory)))
+        widths = [max(len(row[c]) for row in table) for c in range(5)]
+        lines = [head] + ["  " + "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()
+                          for row in table]
+        counts: dict[tuple[str, str], int] = defaultdict(int)
+        for _, s in self.steps():
+            counts[s.kind, s.axis] += 1
+        comm = ", ".join(f"{k} {a} {_fmt_ms(t)} ms ({counts[k, a]}x)"
+                         for (k, a), t in self.comm_by().items() if t > 0)
+        lines.append(f"communication: {comm or 'none'}")
+        un = self.unsharded
+        lines.append(f"unsharded ops (replicate-only fallback): {', '.join(un) if un else 'none'}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return (f"Plan({self.kind} on {self.mesh_str}: {self.time * 1e3:.4g} ms, "
+                f"{fmt_bytes(self.memory)}/device, {len(self.nodes)} nodes)")
+
+    # -- serialisation -----------------------------------------------------------------
+    def to_dict(self, with_stats: bool = True) -> dict:
+        d = asdict(self)
+        d["mesh"] = dict(self.mesh)
+        if not with_stats:
+            d.pop("stats")
+        return d
+
+    def to_json(self, indent: int | None = None) -> str:
+        """JSON text; ``Plan.from_json(p.to_json()) == p``."""
+        return json.dumps(self.to_dict(), sort_keys=True, indent=indent)
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> Plan:
+        try:
+            nodes = tuple(NodePlan(**{**n, "inputs": tuple(n["inputs"]), "outputs": tuple(n["outputs"])})
+                          for n in d["nodes"])
+            edges = tuple(EdgePlan(**{**e, "steps": tuple(StepCost(**s) for s in e["steps"])})
+                          for e in d["edges"])
+            mesh = dict(d["mesh"])
+            mesh["axis_names"] = tuple(mesh["axis_names"])
+            mesh["shape"] = tuple(mesh["shape"])
+            mesh["devices"] = tuple(mesh["devices"])
+            rest = {k: v for k, v in d.items() if k not in ("nodes", "edges", "mesh")}
+            return cls(nodes=nodes, edges=edges, mesh=mesh, **rest)
+        except (KeyError, TypeError) as e:
+            raise PlanError(f"not a valid fxpar plan: {e}") from e
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
+
+    @property
+    def hash(self) -> str:
+        """sha256 of the canonical JSON (sorted keys, no wall-clock stats): stable across runs."""
+        text = json.dumps(self.to_dict(with_stats=False), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def cluster(self):
+        """The :class:`fxpar.Cluster` the plan was made for."""
+        from fxpar.cluster import Cluster
+
+        return Cluster.from_dict(dict(self.mesh["cluster"]))

@@ -1,0 +1,570 @@
+r"""Intra-op planner: captured graph + mesh → :class:`StrategyProblem` → solve → :class:`Plan`.
+
+Problem (Alpa's intra-op pass; the solver's math is in :mod:`fxpar.solver`):
+
+* **nodes**: every graph node except ``output``; candidates ``S_i`` from
+  ``strategies(node, mesh)`` (default :func:`fxpar.strategies.strategies_for`; a node without
+  candidates gets the replicate-only fallback).
+* **node cost** ``c_ik = t_fwd + t_bwd``: :func:`fxpar.cost.compute.op_cost` on the LOCAL shapes
+  (``spec.max_local_shape(global, mesh.shape)`` of each tensor input under strategy ``k`` and of
+  each output), priced by :func:`fxpar.cost.compute.op_time` (roofline on ``mesh.cluster``).
+  Which inputs need a gradient comes from :func:`fxpar.cost.compute.grad_flags`.
+* **edge cost** for producer ``i`` (output ``o``: the ``getitem`` index, else 0) feeding input
+  ``p`` of consumer ``j``::
+
+      R^ij_kl = reshard(out_ik[o] → in_jl[p]).time                                  (forward)
+              + [needs grad] reshard(grad_in(j, l, p) → grad_out(out_ik[o])).time   (backward)
+              + [i is a parameter and the forward reshard is not empty] forward time again
+
+  **Gradient rule** (per mesh axis ``a``; the gradient of a tensor flows consumer → producer):
+  ``grad_out`` (the layout the producer needs its gradient in) maps ``S(d)→S(d)``, ``R→R``,
+  ``P→R`` (each addend's gradient is the full gradient). ``grad_in`` (the layout the
+  consumer's backward produces) maps ``S(d)→S(d)``, ``P→R``, and ``R→P(sum)`` when the
+  consumer's strategy splits its computation along ``a`` (some other input or an output of
+  the strategy is not ``R`` on ``a``: each device then computes a partial gradient), else
+  ``R``. So a parameter stored ``R`` on a ``dp`` axis whose consumer shards the batch on
+  ``dp`` gets a ``P(sum) → R`` all-reduce of its gradient (data-parallel gradient sync), and
+  a parameter stored ``S(0)`` everywhere but consumed ``R`` (ZeRO-3) pays an all-gather
+  forward, the all-gather again in backward (the gathered copy is not kept: memory counts
+  the storage only) and a reduce-scatter of the gradient. Several consumers of one value each
+  pay their own edge (gradient accumulation across consumers is not modelled).
+* **graph outputs**: a value returned by the graph must not stay ``Partial``: producer ``i``
+  pays ``reshard(out_ik → pinned output spec)`` or, unpinned, ``P→R`` on every partial axis.
+* **memory** ``m_ik`` (bytes per device): a parameter placeholder holds its model states
+  (``model_state_bytes(local numel, optimizer, precision)``: Adam mixed precision = 16 B per
+  local element by default); a buffer or user input its local bytes; any other node whose
+  output needs a gradient and is not a view holds its local output bytes (an upper bound of
+  the activations saved for backward). **One liveness point** (whole forward: all model
+  states + all saved activations), so the budget binds the sum; budget =
+  ``memory_budget`` or ``cluster.device_memory``.
+* **repeated layers**: nodes are grouped by the innermost ``nn_module_stack`` entry whose FQN
+  ends in an integer (``blocks.0``, ``model.layers.17``); copies of one template
+  (``blocks.*``) with the same node sequence signature (op + shapes, parameter FQN suffixes)
+  are tied position-wise, so the solver solves one block for all.
+* **pins**: ``{"input": spec, "output": spec, "<param fqn>": spec, "<node name>": spec}``;
+  a pin allows the strategies whose output spec (placeholders) equals it; none → PlanError.
+
+Everything is iterated in graph order and sorted, CP-SAT runs one worker with a fixed seed:
+the same inputs give the same plan in any process.
+
+>>> import torch, fxpar
+>>> from examples.models import MLP
+>>> from fxpar.planner import plan_graph
+>>> gm = fxpar.capture(MLP(8, 16, 4), (torch.randn(2, 8),))
+>>> mesh = fxpar.Mesh(fxpar.Cluster.preset("dgx-a100"), dp=2)
+>>> p = plan_graph(gm, mesh)            # replicate-only until strategies_for has rules
+>>> p.kind, p.status, len(p.nodes)
+('auto', 'OPTIMAL', 8)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.cost.compute import VIEW_OPS, TensorArg, grad_flags, op_cost, op_name, op_time
+from fxpar.cost.memory import model_state_bytes
+from fxpar.errors import PlanError
+from fxpar.plan import EdgePlan, NodePlan, Plan, StepCost
+from fxpar.reshard import reshard_plan
+from fxpar.solver import StrategyProblem, solve
+from fxpar.spec import Partial, Replicate, Shard, Spec, as_spec
+from fxpar.strategies.base import Strategy
+
+__all__ = ["PlannerOptions", "BuiltProblem", "build_problem", "plan_graph", "solution_to_plan",
+           "default_strategies", "grad_out_spec", "grad_in_spec", "layer_of"]
+
+_SUM = Partial("sum")
+_R = Replicate()
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """Knobs of the cost model and solver.
+
+    ``optimizer``/``precision``: model-state bytes per parameter (``adam``/``mixed`` = 16 B,
+    ``adam``/``fp32`` = 16 B, ...; :data:`fxpar.cost.memory.STATE_BYTES_PER_PARAM`);
+    ``efficiency``: fraction of peak FLOP/s reached by compute; ``memory_budget``: bytes per
+    device (default ``cluster.device_memory``); ``time_limit``/``det_time_limit``: CP-SAT
+    limits (the deterministic one is reproducible); ``tie_layers``: tie repeated blocks.
+    """
+
+    optimizer: str = "adam"
+    precision: str = "mixed"
+    efficiency: float = 0.5
+    memory_efficiency: float = 0.8
+    memory_budget: float | None = None
+    time_limit: float | None = 60.0
+    det_time_limit: float | None = None
+    tie_layers: bool = True
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("optimizer", "precision", "efficiency",
+                                                "memory_efficiency", "tie_layers")}
+
+
+# ---------------------------------------------------------------------------------------------
+# strategies
+# ---------------------------------------------------------------------------------------------
+def _n_outputs(node: fx.Node) -> int:
+    v = node.meta.get(ir.VAL)
+    if isinstance(v, (tuple, list)):
+        return sum(isinstance(x, torch.Tensor) for x in v)
+    return 1 if isinstance(v, torch.Tensor) else 0
+
+
+def _replicate(node: fx.Node, mesh) -> Strategy:
+    r = Spec.replicate(mesh.ndim)
+    ins = tuple(r if isinstance(a.meta.get(ir.VAL), (torch.Tensor, tuple, list)) else None
+                for a in node.all_input_nodes)
+    return Strategy(ins, (r,) * max(1, _n_outputs(node)), "R", unsharded=True)
+
+
+def default_strategies() -> Callable:
+    """``fxpar.strategies.strategies_for`` if it exists, else the replicate-only fallback."""
+    try:
+        from fxpar.strategies import strategies_for  # type: ignore[attr-defined]
+
+        return strategies_for
+    except ImportError:
+        return lambda node, mesh: [_replicate(node, mesh)]
+
+
+# ---------------------------------------------------------------------------------------------
+# gradient layouts
+# ---------------------------------------------------------------------------------------------
+def grad_out_spec(spec: Spec) -> Spec:
+    """Layout a producer needs the gradient of a value of layout ``spec`` in: S→S, R→R, P→R.
+
+    >>> grad_out_spec(Spec.parse("P(sum)S(0)"))
+    RS(0)
+    """
+    return Spec(tuple(_R if isinstance(p, Partial) else p for p in spec.placements))
+
+
+def grad_in_spec(strategy: Strategy, p: int) -> Spec:
+    """Layout of the gradient the consumer's backward produces for its input ``p``:
+    S→S, P→R, R→P(sum) on axes where the strategy splits the computation (any other input
+    or output non-R there), else R.
+
+    >>> s = Strategy(("S(0)", "R", "R"), ("S(0)",), "dp")      # x, weight, bias
+    >>> grad_in_spec(s, 1)                                      # weight grad: partial on dp
+    P(sum)
+    """
+    spec = strategy.inputs[p]
+    out = []
+    for a, pl in enumerate(spec.placements):
+        if isinstance(pl, Partial):
+            out.append(_R)
+        elif isinstance(pl, Replicate):
+            split = any(s is not None and q != p and not isinstance(s[a], Replicate)
+                        for q, s in enumerate(strategy.inputs)) or \
+                any(not isinstance(o[a], Replicate) for o in strategy.outputs)
+            out.append(_SUM if split else _R)
+        else:
+            out.append(pl)
+    return Spec(tuple(out))
+
+
+# ---------------------------------------------------------------------------------------------
+# layers
+# ---------------------------------------------------------------------------------------------
+_REPEAT = re.compile(r"^(.*?)\.(\d+)$")
+
+
+def _stack_fqns(node: fx.Node) -> list[str]:
+    st = node.meta.get(ir.NN_MODULE_STACK) or {}
+    out = []
+    for v in st.values():
+        fqn = v[0] if isinstance(v, tuple) else str(v)
+        fqn = re.sub(r"^L\['self'\]\.?", "", fqn)
+        out.append(fqn.replace("._modules['", ".").replace("']", ""))
+    return [f for f in out if f]
+
+
+def _repeat_of(fqns: Sequence[str]) -> str | None:
+    """Innermost module FQN that is ``<prefix>.<int>`` (a repeated layer), else None."""
+    for f in reversed(fqns):
+        parts = f.split(".")
+        for k in range(len(parts) - 1, 0, -1):
+            if parts[k].isdigit():
+                return ".".join(parts[:k + 1])
+    return None
+
+
+def layer_of(node: fx.Node) -> str:
+    """The layer a node belongs to: its repeated block (``blocks.0``), else its top-level
+    module (``fc1``), else ``(params)``/``(inputs)``/``(top)``."""
+    info = node.meta.get(ir.PARAM)
+    if info is not None:
+        fqns = [info.fqn.rsplit(".", 1)[0]] if "." in info.fqn else []
+    else:
+        fqns = _stack_fqns(node)
+    rep = _repeat_of(fqns)
+    if rep is not None:
+        return rep
+    if fqns:
+        return fqns[0].split(".")[0] if info is None else fqns[0].split(".")[0]
+    if node.op == "placeholder":
+        return "(params)" if info is not None else "(inputs)"
+    return "(top)"
+
+
+def _ties(gm: fx.GraphModule, nodes: list[fx.Node], strats: list[list[Strategy]]) -> list[list[int]]:
+    """Position-wise tie groups over copies of a repeated block with equal signatures."""
+    copies: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for i, n in enumerate(nodes):
+        lay = layer_of(n)
+        m = _REPEAT.match(lay)
+        if m:
+            copies[m.group(1)][lay].append(i)
+
+    def sig(i: int, lay: str):
+        n = nodes[i]
+        info = n.meta.get(ir.PARAM)
+        tag = info.fqn[len(lay):] if info is not None else op_name(n.target) if n.op == "call_function" else n.op
+        shapes = tuple(None if t is None else (t.shape, str(t.dtype)) for t in ir.tensor_metas(n))
+        return (tag, shapes, tuple(map(str, strats[i])))
+
+    groups = []
+    for tmpl in sorted(copies):
+        by_sig: dict[tuple, list[list[int]]] = defaultdict(list)
+        for lay in sorted(copies[tmpl], key=lambda s: int(_REPEAT.match(s).group(2))):
+            idx = sorted(copies[tmpl][lay], key=lambda i: (nodes[i].op != "placeholder",
+                         nodes[i].meta[ir.PARAM].fqn[len(lay):] if ir.PARAM in nodes[i].meta else "", i))
+            by_sig[tuple(sig(i, lay) for i in idx)].append(idx)
+        for members in by_sig.values():
+            if len(members) > 1:
+                groups.extend([list(col) for col in zip(*members)])
+    return sorted(groups)
+
+
+# ---------------------------------------------------------------------------------------------
+# building
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class BuiltProblem:
+    """The problem plus what is needed to turn a solution into a :class:`Plan`."""
+
+    problem: StrategyProblem
+    gm: fx.GraphModule
+    mesh: object
+    nodes: list[fx.Node]
+    strategies: list[list[Strategy]]
+    fwd: list[np.ndarray]
+    bwd: list[np.ndarray]
+    edge_info: list[tuple]  # (i, j, p, out_index, needs_grad)
+    outputs: list[tuple[int, int, Spec | None]]  # (i, out_index, pinned spec)
+    options: PlannerOptions
+    build_time: float = 0.0
+    layers: list[str] = field(default_factory=list)
+
+
+def _meta_list(node: fx.Node):
+    return [t for t in ir.tensor_metas(node) if t is not None]
+
+
+def _local(spec: Spec | None, shape, mesh) -> tuple[int, ...]:
+    if spec is None:
+        return tuple(shape)
+    return spec.max_local_shape(shape, mesh.shape)
+
+
+def _tensor_val_of(node: fx.Node, out_idx: int):
+    mets = ir.tensor_metas(node)
+    return mets[out_idx] if out_idx < len(mets) else None
+
+
+def _compute_times(node, strat: Strategy, mesh, flags, opts) -> tuple[float, float]:
+    if node.op != "call_function":
+        return 0.0, 0.0
+    ins = node.all_input_nodes
+    spec_of = {a: strat.inputs[q] if q < len(strat.inputs) else None for q, a in enumerate(ins)}
+
+    def conv(x):
+        if isinstance(x, fx.Node):
+            tm = ir.tensor_meta(x) if isinstance(x.meta.get(ir.VAL), torch.Tensor) else None
+            if tm is None:
+                return x.meta.get(ir.VAL)
+            return TensorArg(_local(spec_of.get(x), tm.shape, mesh), tm.dtype, bool(flags.get(x)))
+        if isinstance(x, (list, tuple)):
+            return type(x)(conv(y) for y in x)
+        return x
+
+    args = tuple(conv(a) for a in node.args)
+    kwargs = {k: conv(v) for k, v in node.kwargs.items()}
+    mets = ir.tensor_metas(node)
+    outs = [TensorArg(_local(strat.outputs[o] if o < len(strat.outputs) else None, t.shape, mesh), t.dtype)
+            for o, t in enumerate(m for m in mets if m is not None)]
+    out = outs[0] if len(mets) == 1 and outs else tuple(outs)
+    c = op_cost(node.target, args, kwargs, out)
+    if not flags.get(node, False):
+        c = type(c)(c.fwd_flops, 0.0, c.fwd_bytes, 0.0, c.kind, c.known)
+    return op_time(c, mesh.cluster, opts.efficiency, opts.memory_efficiency)
+
+
+def _memory(node, strat: Strategy, mesh, flags, opts) -> int:
+    info = node.meta.get(ir.PARAM)
+    mets = ir.tensor_metas(node)
+    if not strat.outputs or not mets or mets[0] is None:
+        return 0
+    if node.op == "placeholder" or node.op == "get_attr":
+        t = mets[0]
+        local = math.prod(_local(strat.outputs[0], t.shape, mesh))
+        if info is not None and info.kind == "param" and info.requires_grad:
+            return int(model_state_bytes(local, optimizer=opts.optimizer, precision=opts.precision).total)
+        return local * t.dtype.itemsize
+    if not flags.get(node, False) or (node.op == "call_function" and op_name(node.target) in VIEW_OPS):
+        return 0
+    if node.target is __import__("operator").getitem:
+        return 0
+    total = 0
+    for o, t in enumerate(m for m in mets if m is not None):
+        if o < len(strat.outputs) and t.dtype.is_floating_point:
+            total += math.prod(_local(strat.outputs[o], t.shape, mesh)) * t.dtype.itemsize
+    return total
+
+
+def _finalize(spec: Spec, pinned: Spec | None) -> Spec:
+    return pinned if pinned is not None else grad_out_spec(spec)
+
+
+def _match_pins(gm, nodes, strats, pins, mesh) -> tuple[dict[int, list[int]], Spec | None]:
+    """``{node index: allowed strategy indices}`` and the output pin."""
+    out_pin = None
+    allowed: dict[int, list[int]] = {}
+    index = {n.name: i for i, n in enumerate(nodes)}
+    params = {n.meta[ir.PARAM].fqn: n.name for n in nodes if ir.PARAM in n.meta}
+    for n in nodes:
+        if ir.PARAM in n.meta:
+            for a in n.meta[ir.PARAM].aliases:
+                params[a] = n.name
+    inputs = [n.name for n in nodes if ir.INPUT in n.meta and isinstance(n.meta.get(ir.VAL), torch.Tensor)]
+    by_input_name = {n.meta[ir.INPUT].name: n.name for n in nodes if ir.INPUT in n.meta}
+    for key in sorted(pins or {}):
+        spec = as_spec(pins[key])
+        if len(spec) != mesh.ndim:
+            raise PlanError(f"pin {key!r}: spec {spec} has {len(spec)} placements, mesh {mesh!r} "
+                            f"has {mesh.ndim} axes")
+        if key == "output":
+            out_pin = spec
+            continue
+        if key == "input":
+            targets = inputs
+        elif key in params:
+            targets = [params[key]]
+        elif key in by_input_name:
+            targets = [by_input_name[key]]
+        elif key in index:
+            targets = [key]
+        else:
+            raise PlanError(f"pin {key!r}: no parameter, input or node of that name")
+        for name in targets:
+            i = index[name]
+            tm = ir.tensor_metas(nodes[i])
+            nd = len(tm[0].shape) if tm and tm[0] is not None else 0
+            want = spec.normalized(nd) if nd else spec
+            ok = [k for k, s in enumerate(strats[i])
+                  if s.outputs and (s.outputs[0].normalized(nd) if nd else s.outputs[0]) == want]
+            if not ok:
+                have = sorted({str(s.outputs[0]) for s in strats[i] if s.outputs})
+                raise PlanError(f"pin {key!r} -> node {name!r}: no strategy produces spec {spec} "
+                                f"(candidates: {', '.join(have[:12])}{' ...' if len(have) > 12 else ''})")
+            allowed[i] = sorted(set(ok) & set(allowed.get(i, ok)))
+    return allowed, out_pin
+
+
+def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None = None,
+                  options: PlannerOptions | None = None,
+                  strategies: Callable | None = None) -> BuiltProblem:
+    """Build the :class:`StrategyProblem` of ``gm`` on ``mesh`` (module docstring)."""
+    t0 = time.perf_counter()
+    opts = options or PlannerOptions()
+    strategies = strategies or default_strategies()
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    flags = grad_flags(gm)
+    strats: list[list[Strategy]] = []
+    for n in nodes:
+        cand = list(strategies(n, mesh) or [])
+        strats.append(cand if cand else [_replicate(n, mesh)])
+    index = {n: i for i, n in enumerate(nodes)}
+
+    cost, mem, fwd, bwd = [], [], [], []
+    cache: dict[tuple, tuple] = {}
+    for i, n in enumerate(nodes):
+        f = np.zeros(len(strats[i]))
+        b = np.zeros(len(strats[i]))
+        m = np.zeros(len(strats[i]), dtype=np.int64)
+        for k, s in enumerate(strats[i]):
+            key = (n.target, str(n.args), str(n.kwargs), str(s), tuple(ir.tensor_metas(n)),
+                   bool(flags.get(n))) if n.op == "call_function" else None
+            if key is not None and key in cache:
+                f[k], b[k] = cache[key]
+            else:
+                f[k], b[k] = _compute_times(n, s, mesh, flags, opts)
+                if key is not None:
+                    cache[key] = (f[k], b[k])
+            m[k] = _memory(n, s, mesh, flags, opts)
+        fwd.append(f)
+        bwd.append(b)
+        cost.append(f + b)
+        mem.append(m)
+
+    allowed, out_pin = _match_pins(gm, nodes, strats, pins, mesh)
+
+    # graph outputs: a returned value must not stay Partial
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outputs: list[tuple[int, int, Spec | None]] = []
+    for a in out_node.all_input_nodes:
+        if a in index and isinstance(a.meta.get(ir.VAL), torch.Tensor):
+            i = index[a]
+            outputs.append((i, 0, out_pin))
+            tm = ir.tensor_meta(a)
+            for k, s in enumerate(strats[i]):
+                if s.outputs:
+                    cost[i][k] += reshard_plan(s.outputs[0], _finalize(s.outputs[0], out_pin),
+                                               mesh, tm.shape, tm.dtype).time
+
+    # edges
+    edges: dict[tuple[int, int], np.ndarray] = {}
+    edge_info = []
+    import operator
+
+    for j, n in enumerate(nodes):
+        for p, a in enumerate(n.all_input_nodes):
+            if a not in index:
+                continue
+            i = index[a]
+            o = n.args[1] if n.target is operator.getitem and isinstance(n.args[1], int) else 0
+            tm = _tensor_val_of(a, o)
+            if tm is None:
+                continue
+            needs_grad = bool(flags.get(a, False)) and tm.dtype.is_floating_point
+            is_param = ir.PARAM in a.meta
+            edge_info.append((i, j, p, o, needs_grad))
+            R = np.zeros((len(strats[i]), len(strats[j])))
+            memo: dict[tuple, float] = {}
+            for l, sl in enumerate(strats[j]):
+                dst = sl.inputs[p] if p < len(sl.inputs) else None
+                if dst is None:
+                    continue
+                gin = grad_in_spec(sl, p) if needs_grad else None
+                for k, sk in enumerate(strats[i]):
+                    if o >= len(sk.outputs):
+                        continue
+                    src = sk.outputs[o]
+                    key = (src, dst, gin)
+                    if key not in memo:
+                        ft = reshard_plan(src, dst, mesh, tm.shape, tm.dtype).time
+                        t = ft
+                        if needs_grad:
+                            t += reshard_plan(gin, grad_out_spec(src), mesh, tm.shape, tm.dtype).time
+                            if is_param:
+                                t += ft
+                        memo[key] = t
+                    R[k, l] = memo[key]
+            if R.any():
+                edges[i, j] = edges[i, j] + R if (i, j) in edges else R
+
+    ties = _ties(gm, nodes, strats) if opts.tie_layers else []
+    budget = opts.memory_budget if opts.memory_budget is not None else mesh.cluster.device_memory
+    problem = StrategyProblem(
+        cost=cost, mem=mem, edges=edges, live=[list(range(len(nodes)))], live_names=["step"],
+        budget=budget, pins=allowed, ties=ties, names=[n.name for n in nodes])
+    return BuiltProblem(problem, gm, mesh, nodes, strats, fwd, bwd, edge_info, outputs, opts,
+                        time.perf_counter() - t0, [layer_of(n) for n in nodes])
+
+
+# ---------------------------------------------------------------------------------------------
+# solution -> plan
+# ---------------------------------------------------------------------------------------------
+def _steps(plan) -> tuple[StepCost, ...]:
+    return tuple(StepCost(s.kind, s.axis_name, int(s.nbytes), float(s.time)) for s in plan.steps
+                 if s.time > 0 or s.kind not in ("chunk", "to_partial", "rescale"))
+
+
+def solution_to_plan(bp: BuiltProblem, choice: Sequence[int], *, kind: str = "auto",
+                     status: str = "OPTIMAL", stats: Mapping | None = None) -> Plan:
+    """Turn a strategy choice into a :class:`Plan` with the per-edge steps re-derived."""
+    mesh, nodes, strats = bp.mesh, bp.nodes, bp.strategies
+    nps = []
+    for i, n in enumerate(nodes):
+        s = strats[i][choice[i]]
+        op = op_name(n.target) if n.op == "call_function" else n.op
+        nps.append(NodePlan(
+            name=n.name, op=op, layer=bp.layers[i], strategy=str(s), strategy_name=s.name,
+            inputs=tuple(None if x is None else str(x) for x in s.inputs),
+            outputs=tuple(str(x) for x in s.outputs), unsharded=bool(s.unsharded),
+            index=int(choice[i]), num_strategies=len(strats[i]),
+            fwd_time=float(bp.fwd[i][choice[i]]), bwd_time=float(bp.bwd[i][choice[i]]),
+            memory=int(bp.problem.mem[i][choice[i]])))
+    eps = []
+    for i, j, p, o, needs_grad in bp.edge_info:
+        sk, sl = strats[i][choice[i]], strats[j][choice[j]]
+        if p >= len(sl.inputs) or sl.inputs[p] is None or o >= len(sk.outputs):
+            continue
+        tm = _tensor_val_of(nodes[i], o)
+        src, dst = sk.outputs[o], sl.inputs[p]
+        lay = bp.layers[j]
+        fp = reshard_plan(src, dst, mesh, tm.shape, tm.dtype)
+        if fp.steps:
+            eps.append(EdgePlan(nodes[i].name, nodes[j].name, "fwd", str(src), str(dst), _steps(fp), lay))
+        if needs_grad:
+            g, go = grad_in_spec(sl, p), grad_out_spec(src)
+            bpn = reshard_plan(g, go, mesh, tm.shape, tm.dtype)
+            steps = _steps(bpn)
+            if ir.PARAM in nodes[i].meta and fp.steps:
+                steps = _steps(fp) + steps  # re-gather of the parameter for backward
+            if steps:
+                eps.append(EdgePlan(nodes[i].name, nodes[j].name, "bwd", str(g), str(go), steps, lay))
+    for i, o, pin in bp.outputs:
+        s = strats[i][choice[i]].outputs[o]
+        tm = _tensor_val_of(nodes[i], o)
+        fp = reshard_plan(s, _finalize(s, pin), mesh, tm.shape, tm.dtype)
+        if fp.steps:
+            eps.append(EdgePlan(nodes[i].name, "output", "fwd", str(s), str(fp.dst), _steps(fp),
+                                bp.layers[i]))
+    cf = float(sum(n.fwd_time for n in nps))
+    cb = float(sum(n.bwd_time for n in nps))
+    comm = float(sum(e.time for e in eps))
+    memory = int(bp.problem.evaluate(choice)[2][0]) if bp.problem.live else 0
+    c = mesh.cluster
+    mesh_d = dict(axis_names=tuple(mesh.axis_names), shape=tuple(mesh.shape),
+                  devices=tuple(mesh.devices), cluster=c.to_dict())
+    return Plan(kind=kind, mesh=mesh_d, nodes=tuple(nps), edges=tuple(eps), time=cf + cb + comm,
+                compute_fwd=cf, compute_bwd=cb, comm=comm, memory=memory,
+                budget=bp.problem.budget, status=status, options=bp.options.to_dict(),
+                stats=dict(stats or {}))
+
+
+def plan_graph(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None = None,
+               options: PlannerOptions | None = None, strategies: Callable | None = None,
+               kind: str = "auto") -> Plan:
+    """Build, solve (CP-SAT, one worker) and return the :class:`Plan` of ``gm`` on ``mesh``.
+
+    Raises :class:`PlanError` naming the budget when nothing fits in memory.
+    """
+    opts = options or PlannerOptions()
+    bp = build_problem(gm, mesh, pins=pins, options=opts, strategies=strategies)
+    t0 = time.perf_counter()
+    try:
+        sol = solve(bp.problem, time_limit=opts.time_limit, **(
+            {"det_time_limit": opts.det_time_limit} if opts.det_time_limit is not None else {}))
+    except PlanError as e:
+        raise PlanError(f"no {kind} plan on {mesh!r} within the memory budget "
+                        f"{bp.problem.budget} B ({bp.problem.budget / 2**30:.3g} GiB) per device: {e}") from e
+    solve_t = time.perf_counter() - t0
+    stats = dict(build_s=bp.build_time, solve_s=solve_t, objective=sol.objective, gap=sol.gap,
+                 nodes=bp.problem.n, strategies=int(sum(c.size for c in bp.problem.cost)),
+                 edges=len(bp.problem.edges), ties=len(bp.problem.ties))
+    plan = solution_to_plan(bp, sol.choice, kind=kind, status=sol.status, stats=stats)
+    return plan
