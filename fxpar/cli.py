@@ -1,7 +1,7 @@
 """The ``fxpar`` command.
 
 ``fxpar demo``                 capture a small GPT, build a cluster and a mesh, print the
-                               captured graph with shapes and a resharding plan
+                               captured graph with shapes, resharding plans and a parallel plan
 ``fxpar presets``              list the cluster presets
 ``fxpar reshard SRC DST ...``  print the cheapest redistribution between two specs, e.g.
                                ``fxpar reshard "S(0)S(1)" RR --cluster dgx-a100 --nodes 2
@@ -102,6 +102,15 @@ def cmd_demo(args) -> None:
         plan = reshard_plan(src, dst, mesh, shape, torch.bfloat16)
         print(f"\n{src} -> {dst} for a {shape} bf16 tensor:")
         print(plan.describe())
+
+    # A model big enough that sharding pays (a toy one is cheapest fully replicated).
+    print("\n== 4. plan for a GPT (d=1024, 2 layers, batch 32 x 512) on one DGX A100 node, mesh dp=2 x tp=4 ==")
+    with torch.device("meta"):
+        big = models.GPT(8192, 1024, 16, 2, 512)
+    tokens = torch.zeros(32, 512, dtype=torch.long, device="meta")
+    planned = fxpar.plan(big, fxpar.Cluster.preset("dgx-a100"), example_inputs=(tokens, tokens),
+                         mesh={"dp": 2, "tp": 4})
+    print(planned.explain())
 
 
 def main(argv: list[str] | None = None) -> None:
