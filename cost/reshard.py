@@ -41,7 +41,8 @@ import torch
 
 from fxpar.cost.comm import axis_collective_time
 
-__all__ = ["STEP_KINDS", "COLLECTIVE_KINDS", "LOCAL_KINDS", "step_bytes", "step_time", "step_cost"]
+__all__ = ["STEP_KINDS", "COLLECTIVE_KINDS", "LOCAL_KINDS", "step_bytes", "step_time", "step_cost",
+           "max_local_shape", "local_numel"]
 
 #: Steps that talk over the mesh axis (priced by the ring formulas).
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
@@ -54,6 +55,48 @@ def _itemsize(dtype) -> int:
     return dtype.itemsize if isinstance(dtype, torch.dtype) else int(dtype)
 
 
+_SHARD_DIM: dict[type, bool] = {}
+
+
+def _is_shard(p) -> bool:
+    t = type(p)
+    got = _SHARD_DIM.get(t)
+    if got is None:
+        from torch.distributed.tensor import Shard
+
+        got = _SHARD_DIM[t] = isinstance(p, Shard)
+    return got
+
+
+def max_local_shape(spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[int, ...]:
+    """``spec.max_local_shape(shape, mesh_shape)`` (the first device's local shape), without
+    building slices: each shard of a dim of size ``n`` over ``G`` devices keeps
+    ``min(n, ceil(n / G))`` on device 0 (:func:`fxpar.spec.chunk_bounds`). Falls back to the
+    spec's own method (and its errors) for a spec that does not fit ``shape``/``mesh_shape``."""
+    ndim = len(shape)
+    pls = spec.placements
+    if len(pls) != len(mesh_shape):
+        return spec.max_local_shape(shape, mesh_shape)
+    out = list(shape)
+    for axis, p in enumerate(pls):
+        if _is_shard(p):
+            d = p.dim
+            if not -ndim <= d < ndim:
+                return spec.max_local_shape(shape, mesh_shape)
+            d %= ndim
+            n = out[d]
+            out[d] = min(n, -(-n // mesh_shape[axis]))
+    return tuple(out)
+
+
+def local_numel(spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> int:
+    """``spec.local_numel(shape, mesh_shape)``: elements on the fullest device."""
+    n = 1
+    for s in max_local_shape(spec, shape, mesh_shape):
+        n *= s
+    return n
+
+
 def step_bytes(kind: str, src, dst, mesh_shape: Sequence[int], axis: int, shape: Sequence[int],
                dtype: torch.dtype | int) -> int:
     """Bytes one step moves or writes per device (fullest device), per the table above.
@@ -64,12 +107,12 @@ def step_bytes(kind: str, src, dst, mesh_shape: Sequence[int], axis: int, shape:
         raise ValueError(f"unknown reshard step kind {kind!r}; known: {STEP_KINDS}")
     size = _itemsize(dtype)
     if kind == "chunk":
-        return dst.local_numel(shape, mesh_shape) * size
+        return local_numel(dst, shape, mesh_shape) * size
     if kind == "to_partial":
         # Only Partial(sum) writes anything: the devices off axis-coordinate 0 zero their copy.
         op = dst[axis].reduce_op
-        return src.local_numel(shape, mesh_shape) * size if op == "sum" and mesh_shape[axis] > 1 else 0
-    return src.local_numel(shape, mesh_shape) * size
+        return local_numel(src, shape, mesh_shape) * size if op == "sum" and mesh_shape[axis] > 1 else 0
+    return local_numel(src, shape, mesh_shape) * size
 
 
 @functools.lru_cache(maxsize=65536)

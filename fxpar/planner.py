@@ -73,9 +73,10 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.cost.compute import VIEW_OPS, TensorArg, grad_flags, op_cost, op_name, op_time
 from fxpar.cost.memory import model_state_bytes
+from fxpar.cost.reshard import max_local_shape
 from fxpar.errors import PlanError
 from fxpar.plan import EdgePlan, NodePlan, Plan, StepCost
-from fxpar.reshard import reshard_plan
+from fxpar.reshard import reshard_cost_table, reshard_costs, reshard_plan
 from fxpar.solver import StrategyProblem, solve
 from fxpar.spec import Partial, Replicate, Shard, Spec, as_spec
 from fxpar.strategies.base import Strategy
@@ -228,12 +229,18 @@ def _ties(gm: fx.GraphModule, nodes: list[fx.Node], strats: list[list[Strategy]]
         if m:
             copies[m.group(1)][lay].append(i)
 
+    strs: dict[int, tuple] = {}  # id(strategy list) -> (list, its strings): lists are shared
+
     def sig(i: int, lay: str):
         n = nodes[i]
         info = n.meta.get(ir.PARAM)
         tag = info.fqn[len(lay):] if info is not None else op_name(n.target) if n.op == "call_function" else n.op
         shapes = tuple(None if t is None else (t.shape, str(t.dtype)) for t in ir.tensor_metas(n))
-        return (tag, shapes, tuple(map(str, strats[i])))
+        lst = strats[i]
+        key = id(lst)
+        if key not in strs:
+            strs[key] = (lst, tuple(map(str, lst)))
+        return (tag, shapes, strs[key][1])
 
     groups = []
     for tmpl in sorted(copies):
@@ -276,7 +283,7 @@ def _meta_list(node: fx.Node):
 def _local(spec: Spec | None, shape, mesh) -> tuple[int, ...]:
     if spec is None:
         return tuple(shape)
-    return spec.max_local_shape(shape, mesh.shape)
+    return max_local_shape(spec, shape, mesh.shape)
 
 
 def _tensor_val_of(node: fx.Node, out_idx: int):
@@ -334,6 +341,50 @@ def _memory(node, strat: Strategy, mesh, flags, opts) -> int:
     return total
 
 
+def _default_rules():
+    try:
+        from fxpar.strategies import strategies_for  # type: ignore[attr-defined]
+
+        return strategies_for
+    except ImportError:
+        return None
+
+
+def _node_key(node: fx.Node, flags) -> tuple | None:
+    """Everything the default rules, the compute-cost and the memory model read of a node:
+    op and target, the arguments (input nodes by position, other values by ``repr``), the
+    metas of the node and of every input, gradient flags, parameter kind. ``None`` when an
+    argument is not hashable as such (then the node is not shared)."""
+    ins = node.all_input_nodes
+    pos = {a: q for q, a in enumerate(ins)}
+
+    def conv(x):
+        if isinstance(x, fx.Node):
+            return ("@", pos[x])
+        if isinstance(x, (list, tuple)):
+            return (type(x).__name__,) + tuple(conv(y) for y in x)
+        if isinstance(x, dict):
+            return ("dict",) + tuple((k, conv(v)) for k, v in sorted(x.items()))
+        if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device,
+                                       torch.memory_format, torch.layout)):
+            return (type(x).__name__, repr(x))
+        raise TypeError
+
+    try:
+        args = conv(node.args)
+        kwargs = conv(dict(node.kwargs))
+    except TypeError:
+        return None
+    info = node.meta.get(ir.PARAM)
+    return (node.op, node.target, args, kwargs, tuple(ir.tensor_metas(node)),
+            tuple(tuple(ir.tensor_metas(a)) for a in ins),
+            tuple(None if isinstance(a.meta.get(ir.VAL), (torch.Tensor, tuple, list))
+                  else repr(a.meta.get(ir.VAL)) for a in ins),
+            bool(flags.get(node)), tuple(bool(flags.get(a)) for a in ins),
+            None if info is None else (info.kind, bool(info.requires_grad)),
+            ir.INPUT in node.meta, ir.PARAM in node.meta)
+
+
 def _finalize(spec: Spec, pinned: Spec | None) -> Spec:
     return pinned if pinned is not None else grad_out_spec(spec)
 
@@ -383,6 +434,100 @@ def _match_pins(gm, nodes, strats, pins, mesh) -> tuple[dict[int, list[int]], Sp
     return allowed, out_pin
 
 
+class _EdgePricer:
+    """Edge matrices ``R[k, l]`` (module docstring) priced per DISTINCT pair of specs.
+
+    A strategy list has many strategies but few distinct specs per tensor (a 4-D mesh linear
+    has 624 strategies and ~60 output specs), so each edge prices the distinct producer
+    output specs against the distinct consumer input specs (and the distinct gradient pairs)
+    with :func:`fxpar.reshard.reshard_costs` (one single-source search per source spec) and
+    expands the small matrices by index. Specs are interned to ints once per strategy list;
+    a whole matrix is memoized by content (interned ids, shape, dtype, flags), so the tied
+    copies of a repeated block reuse the first copy's matrices. Every entry is the same float
+    sum as the pairwise formula ``ft + bt + ft`` (same order of additions).
+    """
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self._ids: dict[Spec, int] = {}
+        self._specs: list[Spec] = []
+        self._gout: list[int] = []            # id -> id of grad_out_spec(spec)
+        self._src: dict[tuple[int, int], np.ndarray] = {}       # (id(list), o) -> ids, -1 none
+        self._dst: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._keep: list = []                 # keeps the strategy lists alive (ids above)
+        self._mats: dict[tuple, np.ndarray | None] = {}
+
+    def _id(self, spec: Spec) -> int:
+        i = self._ids.get(spec)
+        if i is None:
+            i = self._ids[spec] = len(self._specs)
+            self._specs.append(spec)
+            self._gout.append(-1)
+        return i
+
+    def _gout_id(self, i: int) -> int:
+        g = self._gout[i]
+        if g < 0:
+            g = self._gout[i] = self._id(grad_out_spec(self._specs[i]))
+        return g
+
+    def _src_ids(self, strats: list[Strategy], o: int) -> np.ndarray:
+        key = (id(strats), o)
+        got = self._src.get(key)
+        if got is None:
+            self._keep.append(strats)
+            got = self._src[key] = np.array(
+                [self._id(s.outputs[o]) if o < len(s.outputs) else -1 for s in strats], np.int64)
+        return got
+
+    def _dst_ids(self, strats: list[Strategy], p: int, needs_grad: bool) -> tuple[np.ndarray, np.ndarray]:
+        key = (id(strats), p, needs_grad)
+        got = self._dst.get(key)
+        if got is None:
+            self._keep.append(strats)
+            dst, gin = [], []
+            for s in strats:
+                d = s.inputs[p] if p < len(s.inputs) else None
+                dst.append(-1 if d is None else self._id(d))
+                gin.append(self._id(grad_in_spec(s, p)) if needs_grad and d is not None else -1)
+            got = self._dst[key] = (np.array(dst, np.int64), np.array(gin, np.int64))
+        return got
+
+    def _table(self, srcs: np.ndarray, dsts: np.ndarray, shape, dtype) -> np.ndarray:
+        """``T[a, b]`` = reshard time from spec id ``srcs[a]`` to spec id ``dsts[b]``."""
+        return reshard_cost_table([self._specs[s] for s in srcs], [self._specs[d] for d in dsts],
+                                  self.mesh, shape, dtype)
+
+    def matrix(self, si: list[Strategy], o: int, sj: list[Strategy], p: int, shape, dtype,
+               needs_grad: bool, is_param: bool) -> np.ndarray | None:
+        """``R`` of the edge (output ``o`` of a node with strategies ``si`` → input ``p`` of a
+        node with strategies ``sj``), or ``None`` when it is all zeros."""
+        src = self._src_ids(si, o)
+        dst, gin = self._dst_ids(sj, p, needs_grad)
+        key = (src.tobytes(), dst.tobytes(), gin.tobytes(), shape, dtype, needs_grad, is_param)
+        if key in self._mats:
+            return self._mats[key]
+        rows, cols = src >= 0, dst >= 0
+        us, si_ = np.unique(src[rows], return_inverse=True)
+        ud, dj = np.unique(dst[cols], return_inverse=True)
+        R = np.zeros((len(si), len(sj)))
+        if len(us) and len(ud):
+            F = self._table(us, ud, shape, dtype)[np.ix_(si_, dj)]
+            Rs = F
+            if needs_grad:
+                ug, gj = np.unique(gin[cols], return_inverse=True)
+                go = np.array([self._gout_id(int(x)) for x in us], np.int64)
+                ugo, gk = np.unique(go, return_inverse=True)
+                B = self._table(ug, ugo, shape, dtype)          # [gin, grad_out]
+                Rs = F + B[np.ix_(gj, gk[si_])].T
+                if is_param:
+                    Rs = Rs + F
+            R[np.ix_(rows, cols)] = Rs
+        out = R if R.any() else None
+        self._mats[key] = out
+        return out
+
+
 def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None = None,
                   options: PlannerOptions | None = None,
                   strategies: Callable | None = None) -> BuiltProblem:
@@ -392,21 +537,34 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
     strategies = strategies or default_strategies()
     nodes = [n for n in gm.graph.nodes if n.op != "output"]
     flags = grad_flags(gm)
+    # Nodes with equal keys (_node_key: op, arguments, input/output metas, gradient flags,
+    # parameter kind) get the same strategy list object and cost/memory vectors: the copies
+    # of a repeated block are computed once. Only for the default rules, which read nothing
+    # else of a node; a user's ``strategies`` callable is called on every node.
+    share = strategies is _default_rules()
+    by_key: dict[tuple, tuple] = {}
     strats: list[list[Strategy]] = []
-    for n in nodes:
-        cand = list(strategies(n, mesh) or [])
-        strats.append(cand if cand else [_replicate(n, mesh)])
-    index = {n: i for i, n in enumerate(nodes)}
-
     cost, mem, fwd, bwd = [], [], [], []
     cache: dict[tuple, tuple] = {}
     for i, n in enumerate(nodes):
+        nkey = _node_key(n, flags) if share else None
+        if nkey is not None and nkey in by_key:
+            lst, f, b, m = by_key[nkey]
+            strats.append(lst)
+            fwd.append(f)
+            bwd.append(b)
+            cost.append(f + b)
+            mem.append(m)
+            continue
+        cand = list(strategies(n, mesh) or [])
+        strats.append(cand if cand else [_replicate(n, mesh)])
         f = np.zeros(len(strats[i]))
         b = np.zeros(len(strats[i]))
         m = np.zeros(len(strats[i]), dtype=np.int64)
+        base = (n.target, str(n.args), str(n.kwargs), tuple(ir.tensor_metas(n)),
+                bool(flags.get(n))) if n.op == "call_function" else None
         for k, s in enumerate(strats[i]):
-            key = (n.target, str(n.args), str(n.kwargs), str(s), tuple(ir.tensor_metas(n)),
-                   bool(flags.get(n))) if n.op == "call_function" else None
+            key = base + (str(s),) if base is not None else None
             if key is not None and key in cache:
                 f[k], b[k] = cache[key]
             else:
@@ -414,10 +572,15 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
                 if key is not None:
                     cache[key] = (f[k], b[k])
             m[k] = _memory(n, s, mesh, flags, opts)
+        for v in (f, b, m):
+            v.setflags(write=False)
+        if nkey is not None:
+            by_key[nkey] = (strats[i], f, b, m)
         fwd.append(f)
         bwd.append(b)
         cost.append(f + b)
         mem.append(m)
+    index = {n: i for i, n in enumerate(nodes)}
 
     allowed, out_pin = _match_pins(gm, nodes, strats, pins, mesh)
 
@@ -429,14 +592,19 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
             i = index[a]
             outputs.append((i, 0, out_pin))
             tm = ir.tensor_meta(a)
+            fin: dict[Spec, float] = {}
             for k, s in enumerate(strats[i]):
                 if s.outputs:
-                    cost[i][k] += reshard_plan(s.outputs[0], _finalize(s.outputs[0], out_pin),
-                                               mesh, tm.shape, tm.dtype).time
+                    src = s.outputs[0]
+                    if src not in fin:
+                        fin[src] = reshard_costs(src, [_finalize(src, out_pin)], mesh, tm.shape,
+                                                 tm.dtype)[0]
+                    cost[i][k] += fin[src]
 
     # edges
     edges: dict[tuple[int, int], np.ndarray] = {}
     edge_info = []
+    pricer = _EdgePricer(mesh)
     import operator
 
     for j, n in enumerate(nodes):
@@ -451,28 +619,9 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
             needs_grad = bool(flags.get(a, False)) and tm.dtype.is_floating_point
             is_param = ir.PARAM in a.meta
             edge_info.append((i, j, p, o, needs_grad))
-            R = np.zeros((len(strats[i]), len(strats[j])))
-            memo: dict[tuple, float] = {}
-            for l, sl in enumerate(strats[j]):
-                dst = sl.inputs[p] if p < len(sl.inputs) else None
-                if dst is None:
-                    continue
-                gin = grad_in_spec(sl, p) if needs_grad else None
-                for k, sk in enumerate(strats[i]):
-                    if o >= len(sk.outputs):
-                        continue
-                    src = sk.outputs[o]
-                    key = (src, dst, gin)
-                    if key not in memo:
-                        ft = reshard_plan(src, dst, mesh, tm.shape, tm.dtype).time
-                        t = ft
-                        if needs_grad:
-                            t += reshard_plan(gin, grad_out_spec(src), mesh, tm.shape, tm.dtype).time
-                            if is_param:
-                                t += ft
-                        memo[key] = t
-                    R[k, l] = memo[key]
-            if R.any():
+            R = pricer.matrix(strats[i], o, strats[j], p, tuple(tm.shape), tm.dtype, needs_grad,
+                              is_param)
+            if R is not None:
                 edges[i, j] = edges[i, j] + R if (i, j) in edges else R
 
     ties = _ties(gm, nodes, strats) if opts.tie_layers else []

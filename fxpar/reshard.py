@@ -34,6 +34,14 @@ the fullest device). Ties are broken by the number of steps, then by the sequenc
 intermediate specs as strings, so every rank computes the identical plan. Plans are cached by
 ``(src, dst, mesh, shape, dtype)``.
 
+**Many destinations at once.** :func:`reshard_costs` answers ``reshard_plan(src, d).time`` for
+every ``d`` of a list with one single-source search per source (the planner prices a whole row
+of an edge matrix with it). The search keeps its frontier: a later query from the same source
+on the same tensor resumes it instead of starting over. The costs are bit-identical to
+:func:`reshard_plan`'s: both settle every state at the minimum over paths of the left-to-right
+sum of step times (float addition of non-negative times is monotone, so the tie-breaking,
+which only chooses among equal-cost paths, never changes the cost).
+
 >>> from fxpar import Cluster, Mesh
 >>> mesh = Mesh(Cluster.preset("perlmutter", nodes=2), dp=2, tp=4)   # dp crosses nodes
 >>> plan = reshard_plan("S(0)S(1)", "RR", mesh, (1024, 1024), "float32")
@@ -56,13 +64,14 @@ import heapq
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fxpar.cost.reshard import step_cost
 from fxpar.errors import ReshardError, SpecError
 from fxpar.spec import Partial, Placement, Replicate, Shard, Spec, as_spec
 
-__all__ = ["ReshardPlan", "ReshardStep", "reshard_plan", "step_kind", "as_dtype"]
+__all__ = ["ReshardPlan", "ReshardStep", "reshard_plan", "reshard_costs", "reshard_cost_table", "step_kind", "as_dtype"]
 
 _LINEAR_OPS = frozenset({"sum", "avg"})
 
@@ -251,6 +260,89 @@ def reshard_plan(src: Spec | str, dst: Spec | str, mesh, shape: Sequence[int],
     return _plan(s, d, mesh, shape, dt)
 
 
+def _ops_of(*specs: Spec) -> tuple[str, ...]:
+    return tuple(sorted({p.reduce_op for s in specs for p in s.placements if isinstance(p, Partial)}))
+
+
+class _Tensor:
+    """Per ``(shape, dtype, mesh)``: validated normalized specs, their reduce ops, and the
+    state graphs by reduce ops (shared with :func:`reshard_plan` through :func:`_graph`)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, mesh):
+        self.shape, self.dtype, self.mesh = shape, dtype, mesh
+        self.checked: dict[tuple, tuple[Spec, frozenset]] = {}
+        self.graphs: dict[tuple[str, ...], _Graph] = {}
+
+    def spec(self, spec, role: str) -> tuple[Spec, frozenset]:
+        key = (spec, role)
+        got = self.checked.get(key)
+        if got is None:
+            s = _validate(spec, role, self.shape, self.mesh)
+            got = self.checked[key] = (s, frozenset(_ops_of(s)))
+        return got
+
+    def graph(self, ops: tuple[str, ...]) -> _Graph:
+        g = self.graphs.get(ops)
+        if g is None:
+            g = self.graphs[ops] = _graph(self.mesh, self.shape, self.dtype, ops)
+        return g
+
+
+@functools.lru_cache(maxsize=256)
+def _tensor(shape: tuple[int, ...], dtype: torch.dtype, mesh) -> _Tensor:
+    return _Tensor(shape, dtype, mesh)
+
+
+def reshard_cost_table(srcs: Sequence[Spec | str], dsts: Sequence[Spec | str], mesh,
+                       shape: Sequence[int], dtype: torch.dtype | str = torch.float32) -> np.ndarray:
+    """``T[a, b] = reshard_plan(srcs[a], dsts[b], mesh, shape, dtype).time`` (float64 array),
+    with one resumable single-source search per source and reduce-op group (module docstring).
+    Specs are validated once each (same errors as :func:`reshard_plan`)."""
+    shape = tuple(int(x) for x in shape)
+    tens = _tensor(shape, as_dtype(dtype), mesh)
+    S = [tens.spec(x, "source") for x in srcs]
+    D = [tens.spec(x, "destination") for x in dsts]
+    by_ops: dict[frozenset, list[int]] = {}
+    for b, (_, ops) in enumerate(D):
+        by_ops.setdefault(ops, []).append(b)
+    T = np.zeros((len(S), len(D)))
+    goal_ids: dict[tuple, np.ndarray] = {}
+    work: dict[tuple[str, ...], list[tuple[int, list[int]]]] = {}
+    for a, (s, s_ops) in enumerate(S):
+        groups: dict[tuple[str, ...], list[int]] = {}
+        for d_ops, bs in by_ops.items():
+            groups.setdefault(tuple(sorted(s_ops | d_ops)), []).extend(bs)
+        for ops, bs in groups.items():
+            work.setdefault(ops, []).append((a, bs))
+    for ops, items in work.items():
+        g = tens.graph(ops)
+        starts = [g.id(S[a][0]) for a, _ in items]
+        rows = g.table(starts)
+        for (a, bs), st in zip(items, starts):
+            ids = goal_ids.get((ops, tuple(bs)))
+            if ids is None:
+                ids = goal_ids[ops, tuple(bs)] = np.array([g.id(D[b][0]) for b in bs], np.int64)
+            row = rows[st]
+            if ids.size and (ids.max() >= row.size or not np.all(np.isfinite(row[ids]))):
+                raise ReshardError(f"no resharding path from {S[a][0]} for shape {shape} on {mesh!r}")
+            T[a, bs] = row[ids]
+    return T
+
+
+def reshard_costs(src: Spec | str, dsts: Sequence[Spec | str], mesh, shape: Sequence[int],
+                  dtype: torch.dtype | str = torch.float32) -> list[float]:
+    """``[reshard_plan(src, d, mesh, shape, dtype).time for d in dsts]``, computed with one
+    single-source search per group of destinations that share reduce ops (module docstring).
+
+    >>> from fxpar import Cluster, Mesh
+    >>> mesh = Mesh(Cluster.preset("perlmutter", nodes=2), dp=2, tp=4)
+    >>> ts = reshard_costs("S(0)S(1)", ["RR", "S(0)S(1)", "S(0)R"], mesh, (1024, 1024))
+    >>> ts == [reshard_plan("S(0)S(1)", d, mesh, (1024, 1024)).time for d in ("RR", "S(0)S(1)", "S(0)R")]
+    True
+    """
+    return reshard_cost_table([src], dsts, mesh, shape, dtype)[0].tolist()
+
+
 class _Graph:
     """The state graph of one ``(mesh, shape, dtype, reduce ops)``: specs interned as ints
     (hashing a Spec hashes its placements in Python: slow), each state's outgoing steps with
@@ -263,6 +355,11 @@ class _Graph:
         self.names: list[str] = []
         self.specs: list[Spec] = []
         self._out: list[tuple | None] = []
+        self._search: dict[int, tuple[dict, dict, list]] = {}  # source -> (settled, best, heap)
+        self._light: list[tuple | None] = []  # state -> ((time, next state), ...)
+        self._closed = 0                        # states 0.._closed-1 are in the edge arrays
+        self._arrays: tuple | None = None       # (U, W, targets, first) for table()
+        self._rows: dict[int, np.ndarray] = {}  # source -> min time to every closed state
 
     def id(self, spec: Spec) -> int:
         i = self.ids.get(spec)
@@ -286,6 +383,111 @@ class _Graph:
         return got
 
 
+    def costs_from(self, start: int, goals: Sequence[int]) -> list[float]:
+        """Minimum time from state ``start`` to each of ``goals``: a Dijkstra from ``start``
+        (heap key ``(cost, state)``; a state is pushed again only at a strictly lower cost)
+        run until every goal is settled, and resumable by later calls."""
+        got = self._search.get(start)
+        if got is None:
+            got = self._search[start] = ({}, {start: 0.0}, [(0.0, start)])
+        done, best, heap = got
+        missing = {g for g in goals if g not in done}
+        pop, push, outs, inf = heapq.heappop, heapq.heappush, self._light, float("inf")
+        while missing:
+            if not heap:
+                raise ReshardError(f"no resharding path from {self.names[start]} to "
+                                   f"{self.names[next(iter(missing))]} for shape {self.shape} "
+                                   f"on {self.mesh!r}")
+            cost, i = pop(heap)
+            if i in done:
+                continue
+            done[i] = cost
+            missing.discard(i)
+            edges = outs[i] if i < len(outs) and outs[i] is not None else self._out_light(i)
+            for t, j in edges:
+                if j not in done:
+                    c = cost + t
+                    if c < best.get(j, inf):
+                        best[j] = c
+                        push(heap, (c, j))
+        if len(done) == len(self.specs) and not heap:
+            got[1].clear()
+        return [done[g] for g in goals]
+
+    def closure(self, starts: Sequence[int]) -> None:
+        """Expand every state reachable from ``starts`` and (re)build the edge arrays
+        ``(U, V, W)`` sorted by target, when new states were reached."""
+        n0 = self._closed
+        todo = [i for i in starts if i >= n0 or not self._in_closure(i)]
+        if not todo and self._arrays is not None:
+            return
+        seen = set(range(n0)) if self._arrays is not None else set()
+        stack = [i for i in starts if i not in seen]
+        seen.update(stack)
+        while stack:
+            i = stack.pop()
+            for _, j, _ in self.out(i):
+                if j not in seen:
+                    seen.add(j)
+                    stack.append(j)
+        n = len(self.specs)
+        U, V, W = [], [], []
+        for i in range(n):
+            if self._out[i] is None:
+                self.out(i)
+            for t, j, _ in self._out[i]:
+                U.append(i)
+                V.append(j)
+                W.append(t)
+        if len(self.specs) != n:   # expanding the stragglers reached new states: once more
+            self._closed = 0
+            self._arrays = None
+            return self.closure(starts)
+        U, V, W = np.array(U, np.int64), np.array(V, np.int64), np.array(W, np.float64)
+        order = np.argsort(V, kind="stable")
+        U, V, W = U[order], V[order], W[order]
+        tgt, first = np.unique(V, return_index=True)
+        self._arrays = (U, W, tgt, first)
+        self._closed = n
+
+    def _in_closure(self, i: int) -> bool:
+        return i < self._closed
+
+    def table(self, starts: Sequence[int]) -> dict[int, np.ndarray]:
+        """Minimum time from each of ``starts`` to every state (rows over state ids): a
+        Bellman-Ford relaxation of all sources at once, ``D[v] = min(D[v], D[u] + w)`` to the
+        fixed point. That fixed point is the minimum over paths of the left-to-right float sum
+        of step times (times are >= 0 and float addition is monotone), i.e. exactly the cost
+        Dijkstra settles, bit for bit (:func:`reshard_plan`)."""
+        need = sorted({i for i in starts if i not in self._rows})
+        if need:
+            self.closure(need)
+            U, W, tgt, first = self._arrays
+            n = self._closed
+            for b in range(0, len(need), 64):
+                blk = need[b:b + 64]
+                D = np.full((len(blk), n), np.inf)
+                D[np.arange(len(blk)), blk] = 0.0
+                while True:
+                    cand = D[:, U] + W
+                    red = np.minimum.reduceat(cand, first, axis=1)
+                    new = np.minimum(D[:, tgt], red)
+                    if np.array_equal(new, D[:, tgt]):
+                        break
+                    D[:, tgt] = new
+                for r, i in enumerate(blk):
+                    self._rows[i] = D[r]
+        return {i: self._rows[i] for i in starts}
+
+    def _out_light(self, i: int) -> tuple[tuple[float, int], ...]:
+        while len(self._light) < len(self.specs):
+            self._light.append(None)
+        got = self._light[i] = tuple((t, j) for t, j, _ in self.out(i))
+        while len(self._light) < len(self.specs):
+            self._light.append(None)
+        return got
+
+
 @functools.lru_cache(maxsize=256)
 def _graph(mesh, shape: tuple[int, ...], dtype: torch.dtype, ops: tuple[str, ...]) -> _Graph:
     return _Graph(mesh, shape, dtype, ops)
@@ -295,7 +497,7 @@ def _graph(mesh, shape: tuple[int, ...], dtype: torch.dtype, ops: tuple[str, ...
 def _plan(src: Spec, dst: Spec, mesh, shape: tuple[int, ...], dtype: torch.dtype) -> ReshardPlan:
     # Partial states use only the reduce ops of src and dst: another op is never cheaper
     # (R -> P -> S costs a reduce-scatter where R -> S is a local chunk).
-    ops = tuple(sorted({p.reduce_op for p in src.placements + dst.placements if isinstance(p, Partial)}))
+    ops = _ops_of(src, dst)
     g = _graph(mesh, shape, dtype, ops)
     start, goal = g.id(src), g.id(dst)
     names = g.names

@@ -238,3 +238,89 @@ def test_gpt20b_auto_not_worse_than_axonn():
     assert auto.time <= ax.time * (1 + 1e-9)
     lin = [n for n in ax.nodes if n.name.endswith("weight") and "qkv" in n.name]
     assert lin and lin[0].outputs == ("RS(1)S(0)",)
+
+
+
+def _pairwise_reference(bp, max_pairs=None):
+    """Edge matrices and output-finalization costs the pairwise way (the original
+    ``build_problem`` loop: one ``reshard_plan`` per (k, l)), for checking the fast path.
+    With ``max_pairs``, an edge with more pairs is checked on that many sampled (k, l) pairs
+    (the rest of its reference matrix is NaN)."""
+    import random
+
+    import numpy as np
+
+    from fxpar.planner import _finalize, _tensor_val_of, grad_out_spec
+    from fxpar.reshard import reshard_plan
+
+    mesh, nodes, strats = bp.mesh, bp.nodes, bp.strategies
+    rng = random.Random(0)
+    edges = []
+    for i, j, p, o, needs_grad in bp.edge_info:
+        tm = _tensor_val_of(nodes[i], o)
+        is_param = ir.PARAM in nodes[i].meta
+        pairs = [(k, l) for k in range(len(strats[i])) for l in range(len(strats[j]))]
+        R = np.zeros((len(strats[i]), len(strats[j])))
+        if max_pairs is not None and len(pairs) > max_pairs:
+            pairs = rng.sample(pairs, max_pairs)
+            R[:] = np.nan
+        for k, l in pairs:
+            sk, sl = strats[i][k], strats[j][l]
+            dst = sl.inputs[p] if p < len(sl.inputs) else None
+            if dst is None or o >= len(sk.outputs):
+                R[k, l] = 0.0
+                continue
+            src = sk.outputs[o]
+            ft = reshard_plan(src, dst, mesh, tm.shape, tm.dtype).time
+            t = ft
+            if needs_grad:
+                t += reshard_plan(grad_in_spec(sl, p), grad_out_spec(src), mesh, tm.shape,
+                                  tm.dtype).time
+                if is_param:
+                    t += ft
+            R[k, l] = t
+        edges.append((i, j, R))
+    cost = [f + b for f, b in zip(bp.fwd, bp.bwd)]
+    for i, o, pin in bp.outputs:
+        tm = _tensor_val_of(nodes[i], o)
+        for k, s in enumerate(strats[i]):
+            if s.outputs:
+                cost[i][k] += reshard_plan(s.outputs[0], _finalize(s.outputs[0], pin), mesh,
+                                           tm.shape, tm.dtype).time
+    return edges, cost
+
+
+@pytest.mark.parametrize("axes,max_pairs", [({"dp": 2, "tp": 2}, None),
+                                            ({"z": 2, "y": 2, "x": 2}, 120)])
+def test_fast_edge_pricing_equals_pairwise_reference(a100, axes, max_pairs):
+    """The distinct-spec / single-source / memoized edge pricing gives bit-identical matrices
+    and node costs to pricing every (k, l) pair with ``reshard_plan`` (the original loop), so
+    the problem, its optimum and the plan are unchanged."""
+    import numpy as np
+
+    from examples.models import GPT
+    from fxpar.planner import _EdgePricer, _tensor_val_of
+    from fxpar.strategies import strategies_for
+
+    with torch.device("meta"):
+        model = GPT(vocab=64, d_model=32, n_heads=2, n_layers=2, seq_len=8)
+    gm = fxpar.capture(model, (torch.zeros(4, 8, dtype=torch.long, device="meta"),))
+    mesh = fxpar.Mesh(a100, axes)
+    for rules in (toy_strategies, strategies_for):
+        bp = build_problem(gm, mesh, strategies=rules)
+        ref, cost = _pairwise_reference(bp, max_pairs)
+        pricer = _EdgePricer(mesh)   # per edge, before summing parallel edges
+        summed = {}
+        for (i, j, p, o, needs_grad), (_, _, R) in zip(bp.edge_info, ref):
+            tm = _tensor_val_of(bp.nodes[i], o)
+            got = pricer.matrix(bp.strategies[i], o, bp.strategies[j], p, tuple(tm.shape),
+                                tm.dtype, needs_grad, ir.PARAM in bp.nodes[i].meta)
+            got = np.zeros_like(R) if got is None else got
+            known = ~np.isnan(R)
+            assert np.array_equal(got[known], R[known]), (bp.nodes[i].name, bp.nodes[j].name)
+            if got.any():
+                summed[i, j] = summed[i, j] + got if (i, j) in summed else got
+        assert {(a, b): r.tolist() for a, b, r in bp.problem.edges} == \
+            {k: r.tolist() for k, r in summed.items()}
+        for i, c in enumerate(cost):
+            assert np.array_equal(bp.problem.cost[i], c), bp.nodes[i].name
