@@ -9,6 +9,9 @@ Rows (targets from the planner issue):
   batch 8 x seq 2048) on 1024 devices (128 ``dgx-h100`` nodes), mesh ``(dp, tp=8)``:
   planning < 60 s;
 * planning-process peak RSS < 4 GB (``ru_maxrss`` after all rows);
+* the issue's repro: tiny GPT (vocab 1024, d 256, 8 heads, 2 layers, seq 128, batch 16) on
+  ``dgx-a100`` x2 (16 devices), ``fxpar.plan`` with auto mesh choice (1-D, 2-D and AxoNN's 4-D
+  grid): the time per candidate mesh (``--small``, or ``--only-small``);
 * predicted step time of ``auto`` against the ``dp``, ``zero3``, ``megatron`` and ``axonn``
   baselines (same cost model, same strategies), each on its own default mesh.
 
@@ -64,7 +67,7 @@ def rss_gb() -> float:
 
 
 def run_row(name, make, cluster, mesh, rules, time_limit, baselines, batch=8, seq=2048):
-    row = {"model": name, "devices": cluster.num_devices, "mesh": mesh}
+    row = {"model": name, "devices": cluster.num_devices, "mesh": mesh, "batch": batch}
     t0 = time.perf_counter()
     model = make()
     ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
@@ -96,6 +99,33 @@ def run_row(name, make, cluster, mesh, rules, time_limit, baselines, batch=8, se
     return row, p
 
 
+def small_gpt_row():
+    from examples.models import GPT
+
+    torch.manual_seed(0)
+    g = GPT(vocab=1024, d_model=256, n_heads=8, n_layers=2, seq_len=128)
+    idx = torch.zeros(16, 128, dtype=torch.long)
+    cluster = fxpar.Cluster.preset("dgx-a100", nodes=2)
+    t0 = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = fxpar.capture(g, (idx, idx))
+    cap = time.perf_counter() - t0
+    from fxpar.api import candidate_meshes
+
+    per_mesh = []
+    for m in candidate_meshes(gm, cluster):
+        t1 = time.perf_counter()
+        p = plan_graph(gm, m, options=PlannerOptions(time_limit=60))
+        per_mesh.append({"mesh": repr(m), "plan_s": time.perf_counter() - t1,
+                         "build_s": p.stats["build_s"], "solve_s": p.stats["solve_s"],
+                         "strategies": p.stats["strategies"], "ms": p.time * 1e3,
+                         "status": p.status})
+    return {"model": "tiny-gpt (2 layers) auto", "devices": cluster.num_devices,
+            "capture_s": cap, "total_s": cap + sum(r["plan_s"] for r in per_mesh),
+            "meshes": per_mesh, "rss_gb": rss_gb()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="2-layer models only")
@@ -104,6 +134,11 @@ def main() -> None:
     ap.add_argument("--no-baselines", action="store_true")
     ap.add_argument("--baselines", default="dp,zero3,megatron,axonn")
     ap.add_argument("--skip-175b", action="store_true")
+    ap.add_argument("--small", action="store_true", help="also the tiny-GPT auto-mesh repro")
+    ap.add_argument("--batch", type=int, default=8,
+                    help="global batch (8: the issue's rows; dp/zero3/axonn need batch >= their "
+                         "data-parallel degree, e.g. 64 on 64 devices)")
+    ap.add_argument("--only-small", action="store_true")
     a = ap.parse_args()
     if a.rules == "toy":
         from test_planner import toy_strategies as rules
@@ -114,15 +149,19 @@ def main() -> None:
     baselines = () if a.no_baselines else tuple(a.baselines.split(","))
     h100_8 = fxpar.Cluster.preset("dgx-h100", nodes=8)
     rows = []
+    small = small_gpt_row() if (a.small or a.only_small) else None
+    if small is not None:
+        print(json.dumps(small, indent=1))
     L1, L2 = (2, 2) if a.quick else (32, 96)
-    r, p = run_row(f"llama3-8b ({L1} layers)", lambda: llama3_8b(L1), h100_8, {"dp": 8, "tp": 8},
-                   rules, a.time_limit, baselines)
-    rows.append(r)
-    print(p.explain(max_ops=3)[:3000])
-    if not a.skip_175b:
+    if not a.only_small:
+        r, p = run_row(f"llama3-8b ({L1} layers)", lambda: llama3_8b(L1), h100_8, {"dp": 8, "tp": 8},
+                       rules, a.time_limit, baselines, batch=a.batch)
+        rows.append(r)
+        print(p.explain(max_ops=3)[:3000])
+    if not a.skip_175b and not a.only_small:
         h100_128 = fxpar.Cluster.preset("dgx-h100", nodes=128)
         r, _ = run_row(f"gpt3-175b ({L2} layers)", lambda: gpt3_175b(L2), h100_128,
-                       {"dp": 128, "tp": 8}, rules, a.time_limit, baselines)
+                       {"dp": 128, "tp": 8}, rules, a.time_limit, baselines, batch=a.batch)
         rows.append(r)
     print(f"\nrules: {rules_name}")
     print(f"{'model':24} {'dev':>5} {'capture':>8} {'build':>7} {'solve':>7} {'total':>7} "
@@ -131,11 +170,11 @@ def main() -> None:
         bl = " ".join(f"{r['baselines_ms'][k].get('ms', float('nan')):11.4g}" for k in baselines)
         print(f"{r['model']:24} {r['devices']:5d} {r['capture_s']:8.2f} {r['build_s']:7.2f} "
               f"{r['solve_s']:7.2f} {r['total_s']:7.2f} {r['auto_ms']:9.4g} {bl}  {r['rss_gb']:.2f}")
-    out = {"rules": rules_name, "quick": a.quick, "time_limit": a.time_limit,
+    out = {"rules": rules_name, "quick": a.quick, "batch": a.batch, "time_limit": a.time_limit,
            "load": os.getloadavg()[0], "cpus": os.cpu_count(), "rows": rows,
-           "peak_rss_gb": rss_gb(),
+           "peak_rss_gb": rss_gb(), "small": small,
            "targets": {"llama3_8b_64dev_s": 15, "gpt3_175b_1024dev_s": 60, "rss_gb": 4}}
-    path = ROOT / "benchmarks" / "results" / "planning.json"
+    path = ROOT / "benchmarks" / "results" / ("planning_small.json" if a.only_small else "planning.json")
     path.write_text(json.dumps(out, indent=1, sort_keys=True))
     print(f"wrote {path}")
 

@@ -376,7 +376,9 @@ def _node_key(node: fx.Node, flags) -> tuple | None:
     except TypeError:
         return None
     info = node.meta.get(ir.PARAM)
-    return (node.op, node.target, args, kwargs, tuple(ir.tensor_metas(node)),
+    # a placeholder's target is its name; nothing reads it (its value and kind decide)
+    target = None if node.op == "placeholder" else node.target
+    return (node.op, target, args, kwargs, tuple(ir.tensor_metas(node)),
             tuple(tuple(ir.tensor_metas(a)) for a in ins),
             tuple(None if isinstance(a.meta.get(ir.VAL), (torch.Tensor, tuple, list))
                   else repr(a.meta.get(ir.VAL)) for a in ins),

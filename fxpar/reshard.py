@@ -34,13 +34,16 @@ the fullest device). Ties are broken by the number of steps, then by the sequenc
 intermediate specs as strings, so every rank computes the identical plan. Plans are cached by
 ``(src, dst, mesh, shape, dtype)``.
 
-**Many destinations at once.** :func:`reshard_costs` answers ``reshard_plan(src, d).time`` for
-every ``d`` of a list with one single-source search per source (the planner prices a whole row
-of an edge matrix with it). The search keeps its frontier: a later query from the same source
-on the same tensor resumes it instead of starting over. The costs are bit-identical to
-:func:`reshard_plan`'s: both settle every state at the minimum over paths of the left-to-right
-sum of step times (float addition of non-negative times is monotone, so the tie-breaking,
-which only chooses among equal-cost paths, never changes the cost).
+**Many pairs at once.** :func:`reshard_cost_table` (and :func:`reshard_costs`, one row of it)
+answers ``reshard_plan(s, d).time`` for every source ``s`` and destination ``d`` of two lists:
+the planner prices a whole edge matrix with it, per distinct pair of specs. It expands the
+state graph of the tensor once (every spec reachable from the sources), then relaxes all
+sources at once with numpy (Bellman-Ford, ``D[v] = min(D[v], D[u] + t_uv)`` to the fixed
+point); the rows are kept per ``(mesh, shape, dtype, reduce ops)``, so later tables from the
+same sources are lookups. The costs are bit-identical to :func:`reshard_plan`'s: both are the
+minimum over paths of the left-to-right float sum of step times (times are ``>= 0`` and float
+addition is monotone, so any label-correcting fixed point and Dijkstra's settled labels agree,
+and the tie-breaking, which only chooses among equal-cost paths, never changes the cost).
 
 >>> from fxpar import Cluster, Mesh
 >>> mesh = Mesh(Cluster.preset("perlmutter", nodes=2), dp=2, tp=4)   # dp crosses nodes
@@ -214,8 +217,8 @@ def _candidates(ndim: int, ops: Sequence[str]) -> tuple[Placement, ...]:
     return tuple(Shard(d) for d in range(ndim)) + (Replicate(),) + tuple(Partial(o) for o in ops)
 
 
-def _moves(spec: Spec, ndim: int, ops: Sequence[str]) -> Iterable[tuple[str, int, Spec]]:
-    """Every legal one-axis step out of ``spec``: ``(kind, axis, next_spec)``."""
+def _moves_slow(spec: Spec, ndim: int, ops: Sequence[str]) -> Iterable[tuple[str, int, Spec]]:
+    """Reference for :func:`_moves` (same steps, same order), written with :func:`step_kind`."""
     cands = _candidates(ndim, ops)
     for axis in range(len(spec)):
         for p in cands:
@@ -225,6 +228,82 @@ def _moves(spec: Spec, ndim: int, ops: Sequence[str]) -> Iterable[tuple[str, int
             nxt = spec.with_axis(axis, p)
             if not _ambiguous_partials(nxt):
                 yield kind, axis, nxt
+
+
+_CODES: dict[type, str] = {}
+
+
+def _code(p) -> tuple:
+    """``("S", dim)``, ``("R",)`` or ``("P", op)``; the class test is cached per type
+    (``isinstance`` on torch placements is slow)."""
+    t = type(p)
+    c = _CODES.get(t)
+    if c is None:
+        c = _CODES[t] = ("S" if isinstance(p, Shard) else "R" if isinstance(p, Replicate)
+                         else "P" if isinstance(p, Partial) else "?")
+    if c == "S":
+        return ("S", p.dim)
+    if c == "P":
+        return ("P", p.reduce_op)
+    return (c,)
+
+
+def _fast_spec(placements: tuple) -> Spec:
+    # placements taken from valid specs and candidates: skip re-validation
+    s = object.__new__(Spec)
+    object.__setattr__(s, "placements", placements)
+    return s
+
+
+def _moves(spec: Spec, ndim: int, ops: Sequence[str]) -> list[tuple[str, int, Spec]]:
+    """Every legal one-axis step out of ``spec``: ``(kind, axis, next_spec)``; the legality of
+    :func:`step_kind` (module docstring), in the order of :func:`_moves_slow`."""
+    cands = _candidates(ndim, ops)
+    ccodes = [_code(p) for p in cands]
+    pls = spec.placements
+    codes = [_code(p) for p in pls]
+    if "?" in {c[0] for c in codes}:
+        return list(_moves_slow(spec, ndim, ops))
+    n = len(pls)
+
+    def later(axis: int, dim: int) -> bool:
+        return any(c[0] == "S" and c[1] == dim for c in codes[axis + 1:])
+
+    out = []
+    for axis in range(n):
+        cur = codes[axis]
+        for p, new in zip(cands, ccodes):
+            if cur == new:
+                continue
+            kind = None
+            if cur[0] == "S":
+                if later(axis, cur[1]):
+                    continue
+                if new[0] == "R":
+                    kind = "all_gather"
+                elif new[0] == "S":
+                    kind = None if later(axis, new[1]) else "all_to_all"
+            elif cur[0] == "R":
+                if new[0] == "S":
+                    kind = None if later(axis, new[1]) else "chunk"
+                else:
+                    kind = "to_partial"
+            else:
+                if new[0] == "R":
+                    kind = "all_reduce"
+                elif new[0] == "S":
+                    kind = None if cur[1] not in _LINEAR_OPS or later(axis, new[1]) else "reduce_scatter"
+                elif {cur[1], new[1]} == _LINEAR_OPS:
+                    kind = "rescale"
+            if kind is None:
+                continue
+            nops = {c[1] for a, c in enumerate(codes) if a != axis and c[0] == "P"}
+            if new[0] == "P":
+                nops.add(new[1])
+            if len(nops) > 1 and not nops <= _LINEAR_OPS:
+                continue
+            out.append((kind, axis, _fast_spec(pls[:axis] + (p,) + pls[axis + 1:])))
+    return out
 
 
 # -- validation ---------------------------------------------------------------------------
@@ -296,7 +375,7 @@ def _tensor(shape: tuple[int, ...], dtype: torch.dtype, mesh) -> _Tensor:
 def reshard_cost_table(srcs: Sequence[Spec | str], dsts: Sequence[Spec | str], mesh,
                        shape: Sequence[int], dtype: torch.dtype | str = torch.float32) -> np.ndarray:
     """``T[a, b] = reshard_plan(srcs[a], dsts[b], mesh, shape, dtype).time`` (float64 array),
-    with one resumable single-source search per source and reduce-op group (module docstring).
+    all sources relaxed at once per reduce-op group (module docstring).
     Specs are validated once each (same errors as :func:`reshard_plan`)."""
     shape = tuple(int(x) for x in shape)
     tens = _tensor(shape, as_dtype(dtype), mesh)
@@ -331,8 +410,8 @@ def reshard_cost_table(srcs: Sequence[Spec | str], dsts: Sequence[Spec | str], m
 
 def reshard_costs(src: Spec | str, dsts: Sequence[Spec | str], mesh, shape: Sequence[int],
                   dtype: torch.dtype | str = torch.float32) -> list[float]:
-    """``[reshard_plan(src, d, mesh, shape, dtype).time for d in dsts]``, computed with one
-    single-source search per group of destinations that share reduce ops (module docstring).
+    """``[reshard_plan(src, d, mesh, shape, dtype).time for d in dsts]``: one row of
+    :func:`reshard_cost_table` (module docstring).
 
     >>> from fxpar import Cluster, Mesh
     >>> mesh = Mesh(Cluster.preset("perlmutter", nodes=2), dp=2, tp=4)
@@ -355,8 +434,6 @@ class _Graph:
         self.names: list[str] = []
         self.specs: list[Spec] = []
         self._out: list[tuple | None] = []
-        self._search: dict[int, tuple[dict, dict, list]] = {}  # source -> (settled, best, heap)
-        self._light: list[tuple | None] = []  # state -> ((time, next state), ...)
         self._closed = 0                        # states 0.._closed-1 are in the edge arrays
         self._arrays: tuple | None = None       # (U, W, targets, first) for table()
         self._rows: dict[int, np.ndarray] = {}  # source -> min time to every closed state
@@ -382,76 +459,30 @@ class _Graph:
             got = self._out[i] = tuple(edges)
         return got
 
-
-    def costs_from(self, start: int, goals: Sequence[int]) -> list[float]:
-        """Minimum time from state ``start`` to each of ``goals``: a Dijkstra from ``start``
-        (heap key ``(cost, state)``; a state is pushed again only at a strictly lower cost)
-        run until every goal is settled, and resumable by later calls."""
-        got = self._search.get(start)
-        if got is None:
-            got = self._search[start] = ({}, {start: 0.0}, [(0.0, start)])
-        done, best, heap = got
-        missing = {g for g in goals if g not in done}
-        pop, push, outs, inf = heapq.heappop, heapq.heappush, self._light, float("inf")
-        while missing:
-            if not heap:
-                raise ReshardError(f"no resharding path from {self.names[start]} to "
-                                   f"{self.names[next(iter(missing))]} for shape {self.shape} "
-                                   f"on {self.mesh!r}")
-            cost, i = pop(heap)
-            if i in done:
-                continue
-            done[i] = cost
-            missing.discard(i)
-            edges = outs[i] if i < len(outs) and outs[i] is not None else self._out_light(i)
-            for t, j in edges:
-                if j not in done:
-                    c = cost + t
-                    if c < best.get(j, inf):
-                        best[j] = c
-                        push(heap, (c, j))
-        if len(done) == len(self.specs) and not heap:
-            got[1].clear()
-        return [done[g] for g in goals]
-
     def closure(self, starts: Sequence[int]) -> None:
-        """Expand every state reachable from ``starts`` and (re)build the edge arrays
-        ``(U, V, W)`` sorted by target, when new states were reached."""
-        n0 = self._closed
-        todo = [i for i in starts if i >= n0 or not self._in_closure(i)]
-        if not todo and self._arrays is not None:
+        """Expand every state reachable from the known states (``starts`` among them) and
+        build the edge arrays ``(U, W, targets, first)`` (edges sorted by target) over them,
+        unless ``starts`` are already in the arrays."""
+        if self._arrays is not None and all(i < self._closed for i in starts):
             return
-        seen = set(range(n0)) if self._arrays is not None else set()
-        stack = [i for i in starts if i not in seen]
-        seen.update(stack)
+        stack = list(range(len(self.specs)))
+        seen = set(stack)
         while stack:
-            i = stack.pop()
-            for _, j, _ in self.out(i):
+            for _, j, _ in self.out(stack.pop()):
                 if j not in seen:
                     seen.add(j)
                     stack.append(j)
-        n = len(self.specs)
         U, V, W = [], [], []
-        for i in range(n):
-            if self._out[i] is None:
-                self.out(i)
+        for i in range(len(self.specs)):
             for t, j, _ in self._out[i]:
                 U.append(i)
                 V.append(j)
                 W.append(t)
-        if len(self.specs) != n:   # expanding the stragglers reached new states: once more
-            self._closed = 0
-            self._arrays = None
-            return self.closure(starts)
         U, V, W = np.array(U, np.int64), np.array(V, np.int64), np.array(W, np.float64)
         order = np.argsort(V, kind="stable")
-        U, V, W = U[order], V[order], W[order]
-        tgt, first = np.unique(V, return_index=True)
-        self._arrays = (U, W, tgt, first)
-        self._closed = n
-
-    def _in_closure(self, i: int) -> bool:
-        return i < self._closed
+        tgt, first = np.unique(V[order], return_index=True)
+        self._arrays = (U[order], W[order], tgt, first)
+        self._closed = len(self.specs)
 
     def table(self, starts: Sequence[int]) -> dict[int, np.ndarray]:
         """Minimum time from each of ``starts`` to every state (rows over state ids): a
@@ -478,14 +509,6 @@ class _Graph:
                 for r, i in enumerate(blk):
                     self._rows[i] = D[r]
         return {i: self._rows[i] for i in starts}
-
-    def _out_light(self, i: int) -> tuple[tuple[float, int], ...]:
-        while len(self._light) < len(self.specs):
-            self._light.append(None)
-        got = self._light[i] = tuple((t, j) for t, j, _ in self.out(i))
-        while len(self._light) < len(self.specs):
-            self._light.append(None)
-        return got
 
 
 @functools.lru_cache(maxsize=256)

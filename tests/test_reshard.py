@@ -357,3 +357,42 @@ def test_distribute_assemble_round_trip_and_replica_check():
     parts[(1, 2)] = parts[(1, 2)] + 1
     with pytest.raises(ReshardError, match=r"RS\(0\).*\(0, 2\) and \(1, 2\)"):
         assemble(parts, "RS(0)", mesh_shape, value.shape)
+
+
+def test_fast_moves_equal_step_kind_moves():
+    """The planner's state expansion (placement codes, unvalidated Spec construction) gives
+    the same steps in the same order as the definition through :func:`step_kind`."""
+    from fxpar.reshard import _ambiguous_partials, _moves, _moves_slow
+
+    for mnd, nd in ((1, 2), (2, 3), (3, 2)):
+        for ops in ((), ("sum",), ("avg", "sum"), ("max", "sum")):
+            pl = [Shard(d) for d in range(nd)] + [Replicate()] + [Partial(o) for o in ops]
+            for p in itertools.product(pl, repeat=mnd):
+                sp = Spec(p)
+                if _ambiguous_partials(sp):
+                    continue
+                a, b = _moves(sp, nd, ops), list(_moves_slow(sp, nd, ops))
+                assert [(k, x, y) for k, x, y in a] == [(k, x, y) for k, x, y in b], sp
+
+
+@pytest.mark.parametrize("axes,shape", [({"dp": 2, "tp": 4}, (24, 20)),
+                                        ({"a": 2, "b": 2, "c": 2}, (5, 3, 7)),
+                                        ({"a": 2, "b": 2, "c": 2, "d": 2}, (6, 8))])
+def test_cost_table_is_bit_identical_to_reshard_plan(axes, shape):
+    """``reshard_cost_table`` / ``reshard_costs`` (many sources at once) equal
+    ``reshard_plan(...).time`` exactly, not approximately, sum/avg partials included."""
+    from fxpar.reshard import reshard_cost_table, reshard_costs
+
+    mesh = Mesh(Cluster.preset("perlmutter", nodes=4), axes)
+    pl = [Shard(d) for d in range(len(shape))] + [Replicate(), Partial("sum"), Partial("avg")]
+    specs = [Spec(p) for p in itertools.product(pl, repeat=len(axes))]
+    rng = random.Random(0)
+    srcs = rng.sample(specs, 12)
+    dsts = rng.sample(specs, min(len(specs), 60))
+    T = reshard_cost_table(srcs, dsts, mesh, shape, torch.float32)
+    for a, s in enumerate(srcs):
+        assert reshard_costs(s, dsts, mesh, shape) == T[a].tolist()
+        for b, d in enumerate(dsts):
+            assert T[a, b] == reshard_plan(s, d, mesh, shape, torch.float32).time, (s, d)
+    with pytest.raises(SpecError):
+        reshard_cost_table(["S(5)" + "R" * (len(axes) - 1)], ["R" * len(axes)], mesh, shape)
