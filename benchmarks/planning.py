@@ -139,6 +139,7 @@ def main() -> None:
                     help="global batch (8: the issue's rows; dp/zero3/axonn need batch >= their "
                          "data-parallel degree, e.g. 64 on 64 devices)")
     ap.add_argument("--only-small", action="store_true")
+    ap.add_argument("--out", default=None, help="results file name under benchmarks/results/")
     a = ap.parse_args()
     if a.rules == "toy":
         from test_planner import toy_strategies as rules
@@ -174,7 +175,7 @@ def main() -> None:
            "load": os.getloadavg()[0], "cpus": os.cpu_count(), "rows": rows,
            "peak_rss_gb": rss_gb(), "small": small,
            "targets": {"llama3_8b_64dev_s": 15, "gpt3_175b_1024dev_s": 60, "rss_gb": 4}}
-    path = ROOT / "benchmarks" / "results" / ("planning_small.json" if a.only_small else "planning.json")
+    path = ROOT / "benchmarks" / "results" / (a.out or ("planning_small.json" if a.only_small else "planning.json"))
     path.write_text(json.dumps(out, indent=1, sort_keys=True))
     print(f"wrote {path}")
 
