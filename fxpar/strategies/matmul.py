@@ -101,20 +101,22 @@ def linear_rule(node):
         yield choice(node, {"input": pi, "weight": pw, "bias": _bias_pl(bias, po, out)}, [po], name)
 
 
-@register(aten.mm)
-def mm_rule(node):
+def _self_mat2(node, subscripts: str, names: dict[str, str]):
+    """Choices of a two-operand ``self @ mat2`` op given its einsum subscripts."""
     b = bound(node)
     shapes = [tensor_shape(b["self"]), tensor_shape(b["mat2"])]
-    for name, (pa, pb), po in einsum_choices("mk,kn->mn", shapes, {"m": "dp", "k": "row", "n": "col"}):
+    for name, (pa, pb), po in einsum_choices(subscripts, shapes, names):
         yield choice(node, {"self": pa, "mat2": pb}, [po], name)
+
+
+@register(aten.mm)
+def mm_rule(node):
+    return _self_mat2(node, "mk,kn->mn", {"m": "dp", "k": "row", "n": "col"})
 
 
 @register(aten.bmm)
 def bmm_rule(node):
-    b = bound(node)
-    shapes = [tensor_shape(b["self"]), tensor_shape(b["mat2"])]
-    for name, (pa, pb), po in einsum_choices("bmk,bkn->bmn", shapes, {"b": "dp", "k": "row", "n": "col"}):
-        yield choice(node, {"self": pa, "mat2": pb}, [po], name)
+    return _self_mat2(node, "bmk,bkn->bmn", {"b": "dp", "k": "row", "n": "col"})
 
 
 @register(aten.addmm, aten.baddbmm)
