@@ -25,7 +25,8 @@ from fxpar.ir import InputInfo, OutputInfo, ParamInfo, TensorMeta
 from fxpar.reshard import ReshardPlan, ReshardStep, reshard_plan
 from fxpar.plan import EdgePlan, NodePlan, Plan, StepCost
 from fxpar.planner import PlannerOptions, plan_graph
-from fxpar.api import EmitNotImplementedError, Planned, compile, plan
+from fxpar.api import Planned, compile, plan
+from fxpar.program import Program, Runner, load
 
 __version__ = "0.1.0"
 
@@ -37,5 +38,5 @@ __all__ = [
     "ir", "capture", "run_captured", "InputInfo", "OutputInfo", "ParamInfo", "TensorMeta",
     "reshard_plan", "ReshardPlan", "ReshardStep",
     "Plan", "NodePlan", "EdgePlan", "StepCost", "PlannerOptions", "plan_graph",
-    "plan", "compile", "Planned", "EmitNotImplementedError",
+    "plan", "compile", "Planned", "Program", "Runner", "load",
 ]

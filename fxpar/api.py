@@ -16,7 +16,9 @@ Plans (``plan=``), all scored by the one cost model of :mod:`fxpar.planner`:
   ``dp``; the weights of linear layers are column (``S(0)`` on ``tp``) or row (``S(1)`` on
   ``tp``), alternating along the data path (row iff its input depends on a column output), replicated on ``dp``; linear outputs ``S(-1)`` (column)
   or ``P(sum)`` (row) on ``tp``;
-* ``"axonn"``: mesh ``(data, z, y, x)`` from :func:`fxpar.cost.axonn.rank_configs`; inputs
+* ``"axonn"``: mesh ``(data, z, y, x)``: the first of :func:`fxpar.cost.axonn.rank_configs`
+  whose batch split and model states fit (:func:`_axonn_fits`; AxoNN's own ranking counts
+  communication only); inputs
   ``S(0)`` on ``data`` and ``z``; linear weights ``(out, in)`` are ``y: S(1), x: S(0)``
   (column positions) or transposed ``y: S(0), x: S(1)`` (row positions), ``R`` on ``data`` and ``z``. Deviation: AxoNN keeps
   the weight sharded over ``z`` and all-gathers it (``t_AG,z + t_RS,z``); under fxpar's
@@ -37,6 +39,7 @@ solver. With a ``mesh=`` given, a baseline's pins are made for that mesh (last a
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -46,20 +49,16 @@ import torch
 import torch.fx as fx
 
 from fxpar import ir
-from fxpar.errors import FxparError, PlanError
+from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.plan import BASELINES, PLAN_KINDS, Plan
 from fxpar.planner import PlannerOptions, plan_graph
 from fxpar.spec import Spec
 
-__all__ = ["plan", "compile", "Planned", "EmitNotImplementedError", "baseline_pins",
+__all__ = ["plan", "compile", "Planned", "baseline_pins",
            "candidate_meshes", "baseline_mesh"]
 
 _LINEAR = ("linear", "mm", "addmm", "matmul")
-
-
-class EmitNotImplementedError(FxparError, NotImplementedError):
-    """``compile(..., emit=True)``: the rewrite/emit passes and runtime are a pending issue."""
 
 
 @dataclass(frozen=True)
@@ -110,11 +109,40 @@ def baseline_mesh(kind: str, gm: fx.GraphModule, cluster) -> Mesh:
         from fxpar.cost.axonn import rank_configs
 
         L, h, tokens, batch = _graph_dims(gm)
-        cfgs = rank_configs(n, cluster, n_layers=L, h=h, tokens=tokens, batch=batch) or \
-            rank_configs(n, cluster, n_layers=L, h=h, tokens=tokens)
+        fits = _axonn_fits(gm, cluster, batch)
+        kw = dict(n_layers=L, h=h, tokens=tokens)
+        cfgs = (rank_configs(n, cluster, batch=batch, feasible=fits, **kw)
+                or rank_configs(n, cluster, batch=batch, **kw) or rank_configs(n, cluster, **kw))
         c = cfgs[0]
         return Mesh(cluster, data=c.Gdata, z=c.Gz, y=c.Gy, x=c.Gx)
     raise PlanError(f"unknown plan {kind!r}; one of {PLAN_KINDS}")
+
+
+def _axonn_fits(gm: fx.GraphModule, cluster, batch: int) -> Callable:
+    """Necessary conditions for AxoNN grid ``G = (Gx, Gy, Gz, Gdata)`` under the ``axonn``
+    pins: the batch splits evenly over ``data × z`` (inputs ``S(0)`` on both), and the model
+    states fit a device, ``16 B · (Φ_linear / (Gx·Gy) + Φ_rest / N) ≤ device memory`` (Adam,
+    mixed precision; linear weights sharded over ``y, x`` only, the rest at best over all
+    ``N`` devices; activations not counted). AxoNN ranks by communication alone; without
+    this filter its first grid is often pure data parallelism that cannot hold the model."""
+    from fxpar.cost.memory import model_state_bytes
+
+    lin = {w.meta[ir.PARAM].fqn for w in _linear_weights(gm)}
+    numel_lin = numel_rest = 0
+    for fqn, info in ir.params(gm, "param").items():
+        if info.requires_grad:
+            if fqn in lin:
+                numel_lin += info.numel
+            else:
+                numel_rest += info.numel
+    n = cluster.num_devices
+
+    def fits(G) -> bool:
+        gx, gy, gz, gd = G
+        states = model_state_bytes(numel_lin / (gx * gy) + numel_rest / n).total
+        return batch % (gd * gz) == 0 and states <= cluster.device_memory
+
+    return fits
 
 
 def candidate_meshes(gm: fx.GraphModule, cluster) -> list[Mesh]:
@@ -276,13 +304,82 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
     return Planned(best, gm, tuple(tried))
 
 
+class _WithLoss(torch.nn.Module):
+    """``loss_fn(model(*args[:n_inputs], **kwargs), *args[n_inputs:])`` as one module, so the
+    loss is part of the captured graph (its parameters are ``model.<fqn>``)."""
+
+    fxpar_wraps_loss = True
+
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable, n_inputs: int) -> None:
+        super().__init__()
+        self.model, self.loss_fn, self.n_inputs = model, loss_fn, n_inputs
+
+    @property
+    def n_targets(self) -> int:
+        return getattr(self, "_n_targets", 0)
+
+    def forward(self, *args, **kwargs):
+        return self.loss_fn(self.model(*args[:self.n_inputs], **kwargs), *args[self.n_inputs:])
+
+
+def _with_loss(model, loss_fn, n_inputs: int, n_targets: int | None = None) -> _WithLoss:
+    w = _WithLoss(model, loss_fn, n_inputs)
+    if n_targets is not None:
+        w._n_targets = n_targets
+    return w
+
+
+class _Frozen:
+    """Parameters temporarily not requiring grad: an inference capture plans forward only."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model, self.flags = model, {}
+
+    def __enter__(self):
+        for p in self.model.parameters():
+            self.flags[p] = p.requires_grad
+            p.requires_grad_(False)
+
+    def __exit__(self, *exc):
+        for p, f in self.flags.items():
+            p.requires_grad_(f)
+
+
 def compile(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.Tensor = (),
-            example_kwargs: Mapping[str, Any] | None = None, *, emit: bool = False,
-            **kwargs) -> Planned:
-    """Plan ``model`` (as :func:`plan`); ``emit=True`` (per-rank graphs) is not available yet
-    and raises :class:`EmitNotImplementedError` before any work is done."""
-    if emit:
-        raise EmitNotImplementedError(
-            "fxpar.compile(emit=True): the rewrite passes, emit and runtime are a pending issue; "
-            "use emit=False (planning only) or fxpar.plan(...)")
-    return plan(model, cluster, example_inputs, example_kwargs, **kwargs)
+            example_kwargs: Mapping[str, Any] | None = None, *, loss_fn: Callable | None = None,
+            example_targets: Sequence[Any] = (), optimizer: Callable | None = None,
+            plan: str | Plan = "auto", training: bool = True, prefetch: int = 1,
+            emit: bool = True, **kwargs):
+    """Compile ``model`` for ``cluster``: plan it and return a :class:`fxpar.program.Program`
+    (``.plan``, ``.explain()``, ``.rank_graph(r)``, ``.save(path)``, ``.runner()``).
+
+    ``example_inputs``/``example_kwargs``: one global batch of the model's inputs (fake or
+    meta tensors are fine). ``loss_fn(output, *targets)`` with ``example_targets`` when the
+    model does not return its loss. ``optimizer(params)`` builds any ``torch.optim`` optimizer.
+    ``plan``: ``"auto"``, a baseline name, or a :class:`Plan` (e.g. from :func:`fxpar.load`).
+    ``training=False`` captures the model in eval mode and plans the forward only.
+    ``emit=False`` stops after planning and returns a :class:`Planned`. Other keyword
+    arguments go to :func:`plan` (``mesh``, ``pins``, ``memory_budget``...).
+    """
+    from fxpar.capture import capture
+    from fxpar.program import Program
+
+    args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    targets = tuple(example_targets)
+    wrapped = _with_loss(model, loss_fn, len(args), len(targets)) if loss_fn is not None else model
+    was_training = model.training
+    model.train(training)
+    try:
+        with (_Frozen(model) if not training else contextlib.nullcontext()):
+            if isinstance(plan, Plan):
+                graph = kwargs.pop("graph", None) or capture(wrapped, args + targets, example_kwargs)
+                planned = Planned(plan, graph)
+            else:
+                planned = globals()["plan"](wrapped, cluster, args + targets, example_kwargs,
+                                            plan=plan, **kwargs)
+    finally:
+        model.train(was_training)
+    if not emit:
+        return planned
+    return Program(planned.plan, planned.graph, wrapped, optimizer=optimizer, training=training,
+                   prefetch=prefetch)

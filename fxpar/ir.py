@@ -24,6 +24,15 @@ Node keys (``node.meta[...]``)
                     the node was traced under, ``{key: (fqn, module type)}``; use it to group nodes
                     by layer.
 ``STACK_TRACE``     ``"stack_trace"`` (torch's key): the user source line that produced the node.
+``SPECS``           ``"fxpar_specs"``: tuple of :class:`~fxpar.spec.Spec`, the layout of each
+                    output of the node under the plan (``passes/annotate.py``).
+``IN_SPECS``        ``"fxpar_in_specs"``: tuple, per ``node.all_input_nodes``, of the layout the
+                    node's strategy needs (``None`` for non-tensor inputs).
+``STRATEGY``        ``"fxpar_strategy"``: the chosen strategy printed (``"col: R, S(0) -> S(1)"``).
+``EDGE``            ``"fxpar_edge"``: the :class:`fxpar.runtime.comm.Edge` of an inserted
+                    communication node (``passes/insert_collectives.py``).
+``SPEC_TEXT``       ``"fxpar_spec"``: short text shown by an emitted graph's ``print_readable``
+                    (the node's spec, or the edge's collective and gradient plan).
 ==================  ============================================================================
 
 Graph-module keys (``gm.meta[...]``)
@@ -42,6 +51,9 @@ Graph-module keys (``gm.meta[...]``)
                 transformers ``ModelOutput``) from the flat user outputs.
 ``FRONTEND``    ``"fxpar_frontend"``: which frontend produced the graph: ``"export(non-strict)"``,
                 ``"export(strict)"`` (both ATen-level) or ``"symbolic_trace"`` (torch-level).
+``REPLICA_AXES`` ``"fxpar_replica_axes"``: ``{fqn: mesh axis names}`` over which a trainable
+                parameter's gradient is a partial sum that the model-state manager reduces
+                (``passes/insert_collectives.py``).
 ==============  ================================================================================
 
 >>> import torch, fxpar.ir as ir
@@ -75,12 +87,18 @@ __all__ = [
     "MODULE_PARAMS",
     "NN_MODULE_STACK",
     "STACK_TRACE",
+    "SPECS",
+    "IN_SPECS",
+    "STRATEGY",
+    "EDGE",
+    "SPEC_TEXT",
     "PARAMS",
     "INPUTS",
     "OUTPUTS",
     "IN_SPEC",
     "OUT_SPEC",
     "FRONTEND",
+    "REPLICA_AXES",
     "ParamInfo",
     "InputInfo",
     "OutputInfo",
@@ -106,6 +124,11 @@ CONSTANT = "fxpar_constant"
 MODULE_PARAMS = "fxpar_module_params"
 NN_MODULE_STACK = "nn_module_stack"
 STACK_TRACE = "stack_trace"
+SPECS = "fxpar_specs"
+IN_SPECS = "fxpar_in_specs"
+STRATEGY = "fxpar_strategy"
+EDGE = "fxpar_edge"
+SPEC_TEXT = "fxpar_spec"
 
 # --- graph-module keys ---------------------------------------------------------------------------
 PARAMS = "fxpar_params"
@@ -114,6 +137,7 @@ OUTPUTS = "fxpar_outputs"
 IN_SPEC = "fxpar_in_spec"
 OUT_SPEC = "fxpar_out_spec"
 FRONTEND = "fxpar_frontend"
+REPLICA_AXES = "fxpar_replica_axes"
 
 
 class _Sized:

@@ -54,7 +54,7 @@ import torch
 from fxpar.errors import ReshardError
 from fxpar.spec import Partial, Replicate, Spec, as_spec, chunk_bounds
 
-__all__ = ["execute", "execute_many", "execute_step", "distribute", "assemble"]
+__all__ = ["execute", "execute_many", "execute_step", "start", "finish", "Pending", "distribute", "assemble"]
 
 _DEVICE_MESHES: dict = {}
 
@@ -242,12 +242,12 @@ def _start(step, local: torch.Tensor, mesh_shape: tuple[int, ...], shape: Sequen
     raise ReshardError(f"unknown reshard step kind {kind!r} ({step})")
 
 
-def _run_comms(comms: Sequence[_Comm], device_mesh, mesh_shape) -> list[torch.Tensor]:
-    """Run the collectives of one round, coalesced: one collective per (axis, kind, op,
-    dtype), launched all before any is waited on. Every member of an axis group has the same
-    requests with the same sizes (padded shapes do not depend on the coordinate along that
-    axis), so the groups are the same on every member and in the same (sorted) order; a
-    group with nothing to send is skipped by all its members alike."""
+def _launch_comms(comms: Sequence[_Comm], device_mesh, mesh_shape) -> tuple[list, list]:
+    """Launch the collectives of one round, coalesced: one collective per (axis, kind, op,
+    dtype), none waited on. Every member of an axis group has the same requests with the same
+    sizes (padded shapes do not depend on the coordinate along that axis), so the groups are
+    the same on every member and in the same (sorted) order; a group with nothing to send is
+    skipped by all its members alike. Returns ``(done, waiting)`` for :func:`_finish_comms`."""
     f = _ops()
     groups: dict[tuple, list[int]] = {}
     for k, c in enumerate(comms):
@@ -277,6 +277,13 @@ def _run_comms(comms: Sequence[_Comm], device_mesh, mesh_shape) -> list[torch.Te
         else:
             h = f.all_to_all_single(buf.reshape(-1), [total] * G, [total] * G, name)
         waiting.append((kind, G, idx, sizes, h))
+    return out, waiting
+
+
+def _finish_comms(comms: Sequence[_Comm], launched: tuple[list, list]) -> list[torch.Tensor]:
+    """Wait for what :func:`_launch_comms` started; the new local tensors in order."""
+    f = _ops()
+    out, waiting = launched
     for kind, G, idx, sizes, h in waiting:
         r = f.wait_tensor(h)
         if kind in ("all_gather", "all_to_all"):
@@ -286,6 +293,11 @@ def _run_comms(comms: Sequence[_Comm], device_mesh, mesh_shape) -> list[torch.Te
             out[k] = comms[k].finish(r[..., off:off + m])
             off += m
     return out
+
+
+def _run_comms(comms: Sequence[_Comm], device_mesh, mesh_shape) -> list[torch.Tensor]:
+    """Launch the collectives of one round (:func:`_launch_comms`), then wait for them."""
+    return _finish_comms(comms, _launch_comms(comms, device_mesh, mesh_shape))
 
 
 # -- execution -----------------------------------------------------------------------------
@@ -347,17 +359,52 @@ def execute_many(plans: Sequence, locals_: Sequence[torch.Tensor], mesh) -> list
     (as FSDP gathers a flat parameter: one latency instead of one per tensor). Every rank
     must pass the same plans in the same order. Same checks as :func:`execute`.
     """
+    return finish(start(plans, locals_, mesh))
+
+
+@dataclass
+class Pending:
+    """A plan whose first round is in flight (:func:`start`); :func:`finish` completes it."""
+
+    plans: Sequence
+    locals_: list
+    comms: list
+    launched: tuple | None
+    device_mesh: object
+    mesh_shape: tuple[int, ...]
+    coord: tuple[int, ...]
+
+
+def start(plans: Sequence, locals_: Sequence[torch.Tensor], mesh) -> Pending:
+    """Launch round 0 of ``plans`` (as :func:`execute_many` would, coalesced) without waiting:
+    the asynchronous half of a collective whose wait is placed later (prefetch). Local steps
+    of round 0 run now. Collective: every rank starts the same plans in the same order."""
     if len(plans) != len(locals_):
-        raise ReshardError(f"execute_many: {len(plans)} plans but {len(locals_)} local tensors")
+        raise ReshardError(f"start: {len(plans)} plans but {len(locals_)} local tensors")
     dm = _as_device_mesh(mesh)
-    mesh_shape, coord = _mesh_shape(dm), _coord(dm, "execute_many")
+    mesh_shape, coord = _mesh_shape(dm), _coord(dm, "start")
     for plan, local in zip(plans, locals_):
         _prepare(plan, local, mesh_shape, coord)
     cur = list(locals_)
-    for k in range(max((len(p.steps) for p in plans), default=0)):
-        live = [j for j, p in enumerate(plans) if k < len(p.steps)]
-        new = _run_round([_start(plans[j].steps[k], cur[j], mesh_shape, plans[j].shape, coord)
-                          for j in live], dm, mesh_shape)
+    items = [_start(p.steps[0], cur[j], mesh_shape, p.shape, coord) if p.steps else cur[j]
+             for j, p in enumerate(plans)]
+    comm_at = [k for k, x in enumerate(items) if isinstance(x, _Comm)]
+    comms = [items[k] for k in comm_at]
+    launched = _launch_comms(comms, dm, mesh_shape) if comms else None
+    return Pending(list(plans), items, comm_at, launched, dm, mesh_shape, coord)
+
+
+def finish(p: Pending) -> list[torch.Tensor]:
+    """Wait for round 0 of :func:`start`, then run the remaining rounds; new local tensors."""
+    cur = list(p.locals_)
+    if p.launched is not None:
+        for k, t in zip(p.comms, _finish_comms([cur[k] for k in p.comms], p.launched)):
+            cur[k] = t
+    plans = p.plans
+    for k in range(1, max((len(q.steps) for q in plans), default=0)):
+        live = [j for j, q in enumerate(plans) if k < len(q.steps)]
+        new = _run_round([_start(plans[j].steps[k], cur[j], p.mesh_shape, plans[j].shape, p.coord)
+                          for j in live], p.device_mesh, p.mesh_shape)
         for j, t in zip(live, new):
             cur[j] = t
     return cur

@@ -1,0 +1,185 @@
+"""Communication nodes of emitted graphs, with exact autograd.
+
+Every edge of a plan where the producer's spec differs from what the consumer's strategy needs
+(or where only the *gradient* layouts differ) becomes an :class:`Edge`: the forward resharding
+plan ``src -> dst`` and the backward plan of the gradient, ``grad_in(consumer) ->
+grad_out(producer)``, both planned by :func:`fxpar.reshard.reshard_plan`. The backward of an
+edge is that gradient plan, not the autograd of the forward collectives (DESIGN §6): the stock
+functional ``all_reduce`` backward is another all-reduce, which over-counts when every rank
+computes the same loss. Megatron's conjugate pair falls out: ``f`` (column-parallel input) is
+an edge ``R -> R`` whose gradient plan is ``P(sum) -> R`` (identity forward, all-reduce
+backward); ``g`` (row-parallel output) is ``P(sum) -> R`` whose gradient plan is ``R -> R``.
+
+Gradient representation. A rank's local gradient is ``dL/d(its local tensor)``. For every
+layout but ``P(avg)`` that is the gradient's spec-representation (``P(sum)``: each addend's
+gradient is the full gradient; ``S``: the shard of it). A ``P(avg)`` addend contributes
+``1/G`` of the value, so its local gradient is ``1/G`` of the full one. An edge therefore
+scales the gradient by ``Π_{dst P(avg) axes} G / Π_{src P(avg) axes} G`` (:attr:`Edge.scale`),
+then runs the gradient plan (linear, so the order does not matter).
+
+Graph form (what ``print_readable`` shows), for an edge with a collective in its first step::
+
+    all_gather_dp = self.all_gather_dp__p_fc1_weight(p_fc1_weight)     # CollectiveStart: launch
+    ...                                                                  # (prefetch moves it up)
+    wait_all_gather_dp = self.wait__p_fc1_weight(all_gather_dp, p_fc1_weight)   # CollectiveWait
+    linear = torch.ops.aten.linear.default(x, wait_all_gather_dp, ...)
+
+A :class:`CollectiveStart` returns a :class:`fxpar.runtime.reshard.Pending` (no tensor, no
+autograd); the :class:`CollectiveWait` takes it and the source tensor (the autograd edge) and
+returns the destination local tensor. Edges whose forward has no collective (local steps only,
+or gradient-only edges) are one synchronous :class:`Reshard` module. On ``meta`` inputs every
+module returns ``meta`` tensors of the destination's local shape, so an emitted graph can be
+shape-checked without a process group.
+
+Parameter edges send their gradient to a sink (the model-state manager of the runner, which
+reduces over data-parallel replicas asynchronously) instead of returning it to autograd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from fxpar.reshard import ReshardPlan
+from fxpar.runtime import reshard as rt
+from fxpar.spec import Partial
+
+__all__ = ["Edge", "CollectiveStart", "CollectiveWait", "Reshard", "LOCAL_KINDS", "grad_scale"]
+
+#: Reshard step kinds that move no data between ranks.
+LOCAL_KINDS = frozenset({"chunk", "to_partial", "rescale"})
+
+
+def grad_scale(src, dst, mesh_shape) -> float:
+    """``Π_{dst P(avg) axes} G / Π_{src P(avg) axes} G`` (module docstring).
+
+    >>> from fxpar.spec import Spec
+    >>> grad_scale(Spec.parse("P(avg)R"), Spec.parse("RR"), (2, 4))
+    0.5
+    """
+    f = 1.0
+    for a, g in enumerate(mesh_shape):
+        if isinstance(dst[a], Partial) and dst[a].reduce_op == "avg":
+            f *= g
+        if isinstance(src[a], Partial) and src[a].reduce_op == "avg":
+            f /= g
+    return f
+
+
+@dataclass(eq=False)
+class Edge:
+    """One resharding edge of a plan (global: the same object describes every rank).
+
+    ``fwd`` reshapes the value ``src -> dst``; ``bwd`` (``None`` without gradient) takes the
+    gradient from the consumer's gradient layout to the producer's (or, for a parameter, to
+    its storage layout with ``P(sum)`` on the axes the model-state manager reduces over);
+    ``param`` is the parameter's FQN when the gradient goes to ``sink``.
+    """
+
+    name: str
+    producer: str
+    consumer: str
+    fwd: ReshardPlan
+    bwd: ReshardPlan | None
+    scale: float = 1.0
+    param: str | None = None
+    sink: Callable[[str, torch.Tensor], None] | None = field(default=None, repr=False)
+    coord: tuple[int, ...] | None = field(default=None, repr=False)
+
+    @property
+    def mesh(self):
+        return self.fwd.mesh
+
+    @property
+    def collective(self) -> bool:
+        """Whether the forward's first step talks to other ranks (then it is async)."""
+        return bool(self.fwd.steps) and self.fwd.steps[0].kind not in LOCAL_KINDS
+
+    def describe(self) -> str:
+        """``all_gather(dp) S(0)R -> RR | grad reduce_scatter(dp)``-style summary."""
+        def steps(p):
+            return " + ".join(f"{s.kind}({s.axis_name})" for s in p.steps if s.kind) or "-"
+        g = "no grad" if self.bwd is None else f"grad {self.bwd.src} -> {self.bwd.dst}: {steps(self.bwd)}"
+        return f"{self.fwd.src} -> {self.fwd.dst}: {steps(self.fwd)} | {g}"
+
+    def local_shape(self, spec) -> tuple[int, ...]:
+        return spec.local_shape(self.fwd.shape, self.fwd.mesh.shape, self.coord)
+
+    # -- backward ------------------------------------------------------------------------
+    def backward(self, g: torch.Tensor) -> torch.Tensor | None:
+        if self.bwd is None:
+            return None
+        if self.scale != 1.0:
+            g = g * self.scale
+        out = rt.execute(self.bwd, g.contiguous(), self.mesh) if self.bwd.steps else g
+        if self.param is not None and self.sink is not None:
+            self.sink(self.param, out)
+            return None
+        return out
+
+
+def _meta_like(edge: Edge, x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(edge.local_shape(edge.fwd.dst), dtype=x.dtype, device="meta")
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, pending, edge):
+        ctx.edge = edge
+        return rt.finish(pending)[0]
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.edge.backward(g), None, None
+
+
+class _Sync(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, edge):
+        ctx.edge = edge
+        if not edge.fwd.steps:
+            return x.view_as(x)
+        return rt.execute(edge.fwd, x.detach(), edge.mesh)
+
+    @staticmethod
+    def backward(ctx, g):
+        return ctx.edge.backward(g), None
+
+
+class _CommModule(nn.Module):
+    def __init__(self, edge: Edge) -> None:
+        super().__init__()
+        self.edge = edge
+
+    def extra_repr(self) -> str:
+        return f"{self.edge.producer} -> {self.edge.consumer}: {self.edge.describe()}"
+
+
+class CollectiveStart(_CommModule):
+    """Launch the first (collective) round of ``edge.fwd``; returns the in-flight handle."""
+
+    def forward(self, x: torch.Tensor):
+        if x.device.type == "meta":
+            return None
+        return rt.start([self.edge.fwd], [x.detach()], self.edge.mesh)
+
+
+class CollectiveWait(_CommModule):
+    """Wait for a :class:`CollectiveStart` and finish ``edge.fwd``; backward = ``edge.bwd``."""
+
+    def forward(self, pending, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "meta":
+            return _meta_like(self.edge, x)
+        return _Wait.apply(x, pending, self.edge)
+
+
+class Reshard(_CommModule):
+    """A synchronous edge: local forward steps (or none) and the gradient plan backward."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "meta":
+            return _meta_like(self.edge, x)
+        return _Sync.apply(x, self.edge)

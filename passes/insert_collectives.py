@@ -1,0 +1,184 @@
+"""insert_collectives: a communication node on every edge whose layouts differ.
+
+Contract (runs on the annotated *global* graph; the edges are the same on every rank). For
+each edge ``producer -> consumer`` (input ``p`` of the consumer):
+
+* value plan ``src -> dst``: ``src`` the producer's output spec, ``dst`` the spec the consumer's
+  strategy needs (:func:`fxpar.reshard.reshard_plan`);
+* gradient plan (when the value carries a gradient): ``grad_in_spec(consumer, p) ->
+  grad_out_spec(src)`` (:mod:`fxpar.planner`); for a trainable parameter the target is its
+  storage spec with ``P(sum)`` on its *replica axes* (axes where it is stored ``R`` and some use
+  produces a ``P(sum)`` gradient): the model-state manager reduces those, asynchronously;
+* if the value plan's first step is a collective, a ``CollectiveStart`` node right after the
+  producer and a ``CollectiveWait`` node right before the consumer (the consumer reads the
+  wait); otherwise, if anything is left to do (local steps, a gradient plan, a ``P(avg)``
+  gradient scale, or a parameter whose gradient goes to the model-state manager), one
+  synchronous ``Reshard`` node before the consumer.
+
+An output whose spec is ``Partial`` gets the edge to its finalized spec (``P -> R``) before the
+``output`` node. A ``getitem`` of a multi-output node keeps the producer's element spec and
+the edge goes after it. Every inserted node carries ``meta[EDGE]`` and ``meta[SPECS]``;
+``gm.meta[ir.REPLICA_AXES]`` maps each trainable parameter to its replica axes. A Megatron MLP
+(``col`` then ``row``) gets exactly one forward collective (the row output's all-reduce) and
+one gradient all-reduce (the ``f`` edge at the column input)::
+
+    x -> [Reshard f: R -> R | grad P(sum) -> R] -> linear(col) -> gelu -> linear(row)
+      -> [start all_reduce(tp)] ... [wait] -> output
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.cost.compute import grad_flags
+from fxpar.pipeline import PassContext, PassResult
+from fxpar.planner import grad_in_spec, grad_out_spec
+from fxpar.reshard import reshard_plan
+from fxpar.runtime.comm import CollectiveStart, CollectiveWait, Edge, Reshard, grad_scale
+from fxpar.spec import Partial, Replicate, Spec
+from fxpar.strategies.base import Strategy
+
+__all__ = ["insert_collectives_pass"]
+_SUM = Partial("sum")
+
+
+def _strategy(n: fx.Node) -> Strategy:
+    return Strategy(n.meta[ir.IN_SPECS], n.meta[ir.SPECS])
+
+
+def _val(a: fx.Node, o: int):
+    v = a.meta.get(ir.VAL)
+    if isinstance(v, (tuple, list)):
+        v = v[o] if o < len(v) else None
+    return v if isinstance(v, torch.Tensor) else None
+
+
+def _uses(gm: fx.GraphModule):
+    """``(producer, output index, consumer, input position, dst spec)`` for every tensor edge."""
+    for n in gm.graph.nodes:
+        if n.op == "output" or ir.IN_SPECS not in n.meta:
+            continue
+        for p, a in enumerate(n.all_input_nodes):
+            dst = n.meta[ir.IN_SPECS][p]
+            if dst is None or ir.SPECS not in a.meta:
+                continue
+            o = n.args[1] if n.target is operator.getitem and isinstance(n.args[1], int) else 0
+            if o < len(a.meta[ir.SPECS]) and _val(a, o) is not None:
+                yield a, o, n, p, dst
+
+
+def _replica_axes(gm, uses, flags) -> dict[fx.Node, tuple[int, ...]]:
+    out: dict[fx.Node, set[int]] = {}
+    for a, o, n, p, dst in uses:
+        if ir.PARAM in a.meta and flags.get(a):
+            store = a.meta[ir.SPECS][0]
+            g = grad_in_spec(_strategy(n), p)
+            axes = out.setdefault(a, set())
+            axes.update(i for i, pl in enumerate(g) if pl == _SUM and isinstance(store[i], Replicate))
+    return {a: tuple(sorted(s)) for a, s in out.items()}
+
+
+def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    mesh, graph = ctx.mesh, gm.graph
+    flags = grad_flags(gm)
+    uses = list(_uses(gm))
+    replica = _replica_axes(gm, uses, flags)
+    gm.meta[ir.REPLICA_AXES] = {a.meta[ir.PARAM].fqn: tuple(mesh.axis_names[i] for i in ax)
+                             for a, ax in replica.items()}
+    names: dict[str, int] = {}
+    modified = False
+
+    def add(kind: str, edge: Edge, module, args, where: fx.Node, after: bool) -> fx.Node:
+        base = f"{kind}__{edge.producer}"
+        k = names.get(base, 0)
+        names[base] = k + 1
+        target = base if k == 0 else f"{base}_{k}"
+        gm.add_submodule(target, module)
+        ctx_mgr = graph.inserting_after(where) if after else graph.inserting_before(where)
+        with ctx_mgr:
+            node = graph.call_module(target, args)
+        node.meta[ir.EDGE] = edge
+        return node
+
+    def edge_for(a, o, consumer_name, src, dst, gsrc) -> Edge | None:
+        v = _val(a, o)
+        shape, dtype = tuple(v.shape), v.dtype
+        fwd = reshard_plan(src, dst, mesh, shape, dtype)
+        needs_grad = bool(flags.get(a)) and dtype.is_floating_point
+        param = a.meta[ir.PARAM].fqn if (ir.PARAM in a.meta and needs_grad) else None
+        bwd, scale = None, 1.0
+        if needs_grad:
+            target = grad_out_spec(src)
+            if param is not None:
+                target = Spec(tuple(_SUM if i in replica.get(a, ()) else pl
+                                    for i, pl in enumerate(target.placements)))
+            bwd = reshard_plan(gsrc, target, mesh, shape, dtype)
+            scale = grad_scale(src, dst, mesh.shape)
+        if not fwd.steps and param is None and (bwd is None or not bwd.steps) and scale == 1.0:
+            return None
+        return Edge(f"{a.name}->{consumer_name}", a.name, consumer_name, fwd, bwd, scale, param)
+
+    def insert(edge: Edge, consumer: fx.Node, value: fx.Node, v: torch.Tensor) -> fx.Node:
+        """Nodes for ``edge`` reading ``value`` (global value ``v``); returns the node the
+        consumer reads. An activation's collective starts right after its producer; a
+        placeholder's right before the consumer (prefetch_pass moves parameter gathers)."""
+        if edge.collective:
+            kind = "_".join(dict.fromkeys(f"{s.kind}_{s.axis_name}" for s in edge.fwd.steps))
+            early = value.op != "placeholder"
+            start = add(kind, edge, CollectiveStart(edge), (value,), value if early else consumer,
+                        after=early)
+            out = add("wait", edge, CollectiveWait(edge), (start, value), consumer, after=False)
+        else:
+            kinds = [f"{s.kind}_{s.axis_name}" for s in edge.fwd.steps]
+            if not kinds and edge.bwd is not None and edge.bwd.steps:
+                kinds = ["grad_" + "_".join(f"{s.kind}_{s.axis_name}" for s in edge.bwd.steps)]
+            out = add("_".join(dict.fromkeys(kinds)) or ("param" if edge.param else "grad_scale"),
+                      edge, Reshard(edge), (value,), consumer, after=False)
+        out.meta[ir.SPECS] = (edge.fwd.dst,)
+        out.meta[ir.VAL] = v
+        return out
+
+    for a, o, n, p, dst in uses:
+        src = a.meta[ir.SPECS][o]
+        if n.target is operator.getitem:
+            # The getitem keeps the element's layout; the edge goes after it.
+            edge = edge_for(a, o, n.name, src, dst, grad_out_spec(dst))
+            n.meta[ir.SPECS] = (src,)
+            n.meta[ir.IN_SPECS] = (src,)
+            if edge is None:
+                continue
+            users = [u for u in n.users]
+            nxt = n.next
+            out = insert(edge, nxt, n, _val(a, o))
+            for u in users:
+                u.replace_input_with(n, out)
+            modified = True
+            continue
+        edge = edge_for(a, o, n.name, src, dst, grad_in_spec(_strategy(n), p))
+        if edge is None:
+            continue
+        out = insert(edge, n, a, _val(a, o))
+        n.replace_input_with(a, out)
+        modified = True
+
+    # graph outputs: a Partial value is finalized (P -> R) before it leaves the graph
+    # (to the plan's recorded destination: an output pin may ask for another layout)
+    pinned = {e.producer: Spec.parse(e.dst_spec) for e in ctx.plan.edges
+              if e.consumer == "output" and e.direction == "fwd"}
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    for a in list(out_node.all_input_nodes):
+        if ir.SPECS not in a.meta or _val(a, 0) is None:
+            continue
+        src = a.meta[ir.SPECS][0]
+        fin = pinned.get(a.name, grad_out_spec(src))
+        edge = edge_for(a, 0, "output", src, fin, grad_out_spec(fin))
+        if edge is None:
+            continue
+        out = insert(edge, out_node, a, _val(a, 0))
+        out_node.replace_input_with(a, out)
+        modified = True
+    return PassResult(gm, modified)

@@ -1,0 +1,115 @@
+"""localize: turn the global distributed graph into this rank's local program.
+
+Contract (per rank, ``ctx.coord`` set; runs after insert_collectives):
+
+* communication modules are replaced by copies that know ``ctx.coord``;
+* every node's ``meta[VAL]`` becomes a ``meta``-device tensor of this rank's local shape
+  (``Spec.local_shape`` of its output spec); parameters and buffers are placeholders fed with
+  local shards by the runner;
+* size arguments become local: ``view``/``reshape``/``_unsafe_view``/``expand`` and the
+  ``new_*``/``zeros``/``ones``/``empty``/``full``/``rand*`` factories get the output's local
+  shape, ``unflatten`` its local sizes, a sharded ``arange`` its local bounds;
+* ``device=`` arguments name ``ctx.device``;
+* a vocabulary-parallel ``embedding`` (strategy ``vocab``) becomes
+  :func:`fxpar.runtime.ops.vocab_parallel_embedding` with this rank's first row;
+* ``aten.dropout`` becomes a :class:`fxpar.runtime.ops.ShardedDropout` keyed by the node and
+  this rank's coordinates on the axes that shard its input.
+
+Example (``view(x[4, 6], [4, 2, 3])`` with ``x`` ``S(0)`` on a 2-way axis, coordinate 1):
+the node becomes ``view(x, [2, 2, 3])``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.errors import PlanError
+from fxpar.pipeline import PassContext, PassResult
+from fxpar.runtime.ops import ShardedDropout, vocab_parallel_embedding
+from fxpar.spec import Shard
+from fxpar.strategies.embedding import NEEDS_MASKED_LOOKUP
+
+aten = torch.ops.aten
+
+_SHAPE_ARG1 = {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+               aten.expand.default, aten.new_zeros.default, aten.new_ones.default,
+               aten.new_empty.default, aten.new_full.default}
+_SHAPE_ARG0 = {aten.zeros.default, aten.ones.default, aten.empty.memory_format,
+               aten.full.default, aten.rand.default, aten.randn.default}
+_DROPOUT = {aten.dropout.default}
+
+
+def _local(spec, v: torch.Tensor, ctx: PassContext) -> torch.Tensor:
+    shape = spec.local_shape(tuple(v.shape), ctx.mesh.shape, ctx.coord)
+    return torch.empty(shape, dtype=v.dtype, device="meta")
+
+
+def _arange_bounds(n: fx.Node, spec, ctx: PassContext, length: int):
+    """``(start, end, step)`` of this rank's piece of a sharded 1-D ``arange``."""
+    args = list(n.args)
+    start, end = (0, args[0]) if n.target is aten.arange.default else (args[0], args[1])
+    step = args[2] if n.target is aten.arange.start_step and len(args) > 2 else 1
+    sl = spec.global_slices((length,), ctx.mesh.shape, ctx.coord)[0]
+    return start + sl.start * step, start + sl.stop * step, step
+
+
+def localize_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    if ctx.coord is None:
+        raise PlanError("localize_pass needs this rank's mesh coordinate (ctx.coord)")
+    graph = gm.graph
+    glob_shape: dict[fx.Node, tuple[int, ...]] = {}
+    for i, n in enumerate(list(graph.nodes)):
+        specs = n.meta.get(ir.SPECS)
+        v = n.meta.get(ir.VAL)
+        glob = v
+        if isinstance(v, torch.Tensor):
+            glob_shape[n] = tuple(v.shape)
+        if specs and isinstance(v, torch.Tensor):
+            n.meta[ir.VAL] = _local(specs[0], v, ctx)
+        elif specs and isinstance(v, (tuple, list)):
+            n.meta[ir.VAL] = type(v)(_local(s, t, ctx) if isinstance(t, torch.Tensor) else t
+                                     for s, t in zip(specs, v))
+        if n.op == "call_module" and ir.EDGE in n.meta:
+            # a per-rank copy of the communication module: it knows this rank's coordinate
+            mod = gm.get_submodule(n.target)
+            n.meta[ir.EDGE] = replace(n.meta[ir.EDGE], coord=tuple(ctx.coord))
+            gm.add_submodule(n.target, type(mod)(n.meta[ir.EDGE]))
+        if n.op != "call_function":
+            continue
+        if "device" in n.kwargs:
+            n.kwargs = {**n.kwargs, "device": torch.device(ctx.device)}
+        local = n.meta.get(ir.VAL)
+        if n.target in _SHAPE_ARG1:
+            n.args = (n.args[0], list(local.shape)) + tuple(n.args[2:])
+        elif n.target in _SHAPE_ARG0:
+            n.args = (list(local.shape),) + tuple(n.args[1:])
+        elif n.target is aten.unflatten.int:
+            d = n.args[1] % glob.ndim
+            k = len(n.args[2])
+            n.args = (n.args[0], n.args[1], list(local.shape[d:d + k]))
+        elif n.target in (aten.arange.default, aten.arange.start, aten.arange.start_step):
+            if specs and not specs[0].is_replicated:
+                n.args = _arange_bounds(n, specs[0], ctx, glob.shape[0])
+                n.target = aten.arange.start_step
+        elif n.target is aten.embedding.default and NEEDS_MASKED_LOOKUP in n.meta.get(ir.STRATEGY, ""):
+            w = n.args[0]
+            wspec = n.meta[ir.IN_SPECS][n.all_input_nodes.index(w)]
+            start = wspec.global_slices(glob_shape[w], ctx.mesh.shape, ctx.coord)[0].start
+            n.target = vocab_parallel_embedding
+            n.args = (n.args[0], n.args[1], start) + tuple(n.args[2:])
+        elif n.target in _DROPOUT:
+            x = n.args[0]
+            xs = n.meta[ir.IN_SPECS][0]
+            key = tuple(c for c, pl in zip(ctx.coord, xs) if isinstance(pl, Shard))
+            name = f"dropout_{i}"
+            gm.add_submodule(name, ShardedDropout(i, key))
+            with graph.inserting_before(n):
+                new = graph.call_module(name, (x,) + tuple(n.args[1:]), dict(n.kwargs))
+            new.meta.update(n.meta)
+            n.replace_all_uses_with(new)
+            graph.erase_node(n)
+    return PassResult(gm, True)

@@ -1,0 +1,273 @@
+"""Gradient reduction and the sharded optimizer (fxpar.runtime.model_state) on 4 gloo ranks.
+
+Every test trains a tiny MLP (two linear layers with bias, one without; odd sizes, so the flat
+chunks need padding) for 3 AdamW steps. Each rank computes a ``sum``-reduced loss on its slice
+of the global batch, so the contributions of a replica group add up to the full-batch gradient;
+the reduced gradients (``ModelStates.grads``) and the parameters after every step are compared
+with a single-process run over the full batch, for the AMSP factor settings DDP (1, 1),
+ZeRO-1-like (1, 2), (2, 4), ZeRO-2 (4, 4), two independent replica groups of 2 with strided
+ranks, and bf16 parameters (fp32 master; compared loosely). Small buckets make several buckets
+per step; one test feeds gradients from autograd hooks and checks that every bucket was launched
+before ``finish_backward`` (overlap), another feeds them in a different order on every rank and
+as two contributions per parameter (tied weights / micro-batches).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from fxpar.errors import PlanError
+from fxpar.runtime.model_state import ModelStates, ReplicaGroup
+
+B = 16        # global batch per replica group
+STEPS = 3
+WORLD = 4
+
+
+def _model(dtype=torch.float32) -> torch.nn.Module:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.Tanh(), torch.nn.Linear(7, 5),
+                            torch.nn.Tanh(), torch.nn.Linear(5, 3, bias=False))
+    return m.to(dtype)
+
+
+def _batch(step: int, group_index: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1000 * group_index + step)
+    return torch.randn(B, 6, generator=g).to(dtype), torch.randn(B, 3, generator=g).to(dtype)
+
+
+def _loss(m, x, y):
+    return ((m(x) - y) ** 2).sum()
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def _reference(group_index: int):
+    """Full-batch single-process run: per step, the gradients and the parameters after it."""
+    m = _model()
+    opt = _adamw(m.parameters())
+    grads, params = [], []
+    for step in range(STEPS):
+        opt.zero_grad()
+        _loss(m, *_batch(step, group_index)).backward()
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters()})
+        opt.step()
+        params.append({n: p.detach().clone() for n, p in m.named_parameters()})
+    return grads, params
+
+
+# -- worker functions (run on every rank) ---------------------------------------------------
+
+def _train(s_g, s_os, partition, *, bucket_bytes=96, mode="plain", contributions=1,
+           dtype=torch.float32, first_layer=None, reduce_dtype=None):
+    """3 steps under ModelStates. ``mode``: "plain" (add_grad after backward, no expect),
+    "hooks" (add_grad from post-accumulate-grad hooks, expectations declared), "shuffle"
+    (expectations declared, parameters fed in a rank-dependent order), "micro" (no expect,
+    finish_backward after every contribution: reduced gradients accumulate).
+    ``first_layer=(key, ordered_group, (s_g, s_os))`` gives layer 0 its own group key, member
+    order and factors; the model then starts from other weights and the reference weights are
+    loaded after ModelStates is built (the fp32 masters must pick them up)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    gi, group = next((i, g) for i, g in enumerate(partition) if rank in g)
+    pos, n = group.index(rank), len(group)
+    model = _model(dtype)
+    named = dict(model.named_parameters())
+    rg = ReplicaGroup("dp", group, partition)
+    groups = {k: rg for k in named}
+    factors = None
+    if first_layer is not None:
+        key, order, fac = first_layer
+        groups.update({k: ReplicaGroup(key, order, (order,)) for k in named if k.startswith("0.")})
+        factors = {key: fac}
+        good = {k: v.clone() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            for p in named.values():
+                p.mul_(-0.5)
+    ms = ModelStates(named, groups, _adamw, s_g=s_g, s_os=s_os, bucket_bytes=bucket_bytes,
+                     factors=factors, reduce_dtype=reduce_dtype)
+    if first_layer is not None:
+        model.load_state_dict(good)
+    if mode != "plain":
+        for k in named:
+            ms.expect(k, contributions)
+    if mode == "hooks":
+        for k, p in named.items():
+            def hook(p, k=k):
+                ms.add_grad(k, p.grad)
+                p.grad = None
+            p.register_post_accumulate_grad_hook(hook)
+    out = {"grads": [], "params": [], "launched": [], "buckets": ms.num_buckets}
+    for step in range(STEPS):
+        x, y = _batch(step, gi, dtype)
+        per = B // n
+        xs, ys = x[pos * per:(pos + 1) * per], y[pos * per:(pos + 1) * per]
+        for xc, yc in zip(xs.chunk(contributions), ys.chunk(contributions)):
+            model.zero_grad(set_to_none=True)
+            _loss(model, xc, yc).backward()
+            if mode != "hooks":
+                names = list(named)
+                if mode == "shuffle":
+                    random.Random(rank * 7919 + step).shuffle(names)
+                for k in names:
+                    ms.add_grad(k, named[k].grad)
+            if mode == "micro":
+                ms.finish_backward()
+        out["launched"].append(ms.launched_buckets)
+        ms.finish_backward()
+        out["grads"].append({k: g.float() for k, g in ms.grads().items()})
+        ms.step()
+        out["memory"] = ms.memory()      # after the step, before zero_grad drops the gradients
+        ms.zero_grad()
+        out["params"].append({k: p.detach().float().clone() for k, p in named.items()})
+    out["padded"] = sum(ms.shard_info(k)["padded"] for k in named)
+    out["state_dtypes"] = sorted({str(v.dtype) for st in ms.optimizer.state.values()
+                                  for v in st.values() if torch.is_tensor(v) and v.dim() > 0})
+    return out
+
+
+def _construct(s_g_by_rank, s_os_by_rank):
+    """Build ModelStates with per-rank factors; return the PlanError message (or None)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    named = dict(_model().named_parameters())
+    rg = ReplicaGroup("dp", tuple(range(WORLD)), (tuple(range(WORLD)),))
+    try:
+        ModelStates(named, {k: rg for k in named}, _adamw,
+                    s_g=s_g_by_rank[rank], s_os=s_os_by_rank[rank])
+    except PlanError as e:
+        return str(e)
+    return None
+
+
+# -- checks in the test process ------------------------------------------------------------
+
+def _check(results, partition, atol=None, rtol=None):
+    refs = {}
+    for rank, res in enumerate(results):
+        gi = next(i for i, g in enumerate(partition) if rank in g)
+        if gi not in refs:
+            refs[gi] = _reference(gi)
+        rgrads, rparams = refs[gi]
+        for step in range(STEPS):
+            for k in rgrads[step]:
+                torch.testing.assert_close(res["grads"][step][k], rgrads[step][k], atol=atol,
+                                           rtol=rtol, msg=lambda m: f"rank {rank} step {step} grad {k}: {m}")
+                torch.testing.assert_close(res["params"][step][k], rparams[step][k], atol=atol,
+                                           rtol=rtol, msg=lambda m: f"rank {rank} step {step} param {k}: {m}")
+
+
+ONE_GROUP = (tuple(range(WORLD)),)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("s_g,s_os", [(1, 1), (1, 2), (2, 4), (4, 4)])
+def test_factors_match_single_process(pools, s_g, s_os):
+    results = pools(WORLD).run(_train, s_g, s_os, ONE_GROUP)
+    _check(results, ONE_GROUP)
+    res = results[0]
+    assert res["buckets"] > 1
+    # AMSP memory: reduced gradients 1/s_g, AdamW states (2 fp32 tensors) 1/s_os of the
+    # padded flat parameters; fp32 parameters need a master copy only when s_os > 1.
+    padded = res["padded"]
+    assert res["memory"]["grad"] == 4 * padded // s_g
+    assert res["memory"]["optimizer"] == 2 * 4 * padded // s_os
+    assert res["memory"]["master"] == (0 if s_os == 1 else 4 * padded // s_os)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_two_replica_groups_strided(pools):
+    """World 4 = groups (0, 2) and (1, 3) (dp×tp-like strided ranks), each its own batches."""
+    partition = ((0, 2), (1, 3))
+    results = pools(WORLD).run(_train, 2, 2, partition)
+    _check(results, partition)
+    assert not torch.equal(results[0]["params"][-1]["0.weight"], results[1]["params"][-1]["0.weight"])
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_hooks_launch_buckets_during_backward(pools):
+    results = pools(WORLD).run(_train, 2, 4, ONE_GROUP, mode="hooks")
+    _check(results, ONE_GROUP)
+    for res in results:
+        assert res["launched"] == [res["buckets"]] * STEPS   # all launched before finish
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_shuffled_order_and_two_contributions(pools):
+    """Each rank feeds its parameters in its own order, two contributions each: buckets still
+    launch in bucket order on every rank (no hang) and the contributions are summed."""
+    results = pools(WORLD).run(_train, 2, 2, ONE_GROUP, mode="shuffle", contributions=2)
+    _check(results, ONE_GROUP)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_mixed_keys_unsorted_group_and_loaded_weights(pools):
+    """Layer 0 under its own key with members ordered (3, 1, 0, 2) and factors (2, 4) (so the
+    optimizer chunks of the all-gather arrive out of rank order), the rest under "dp" with
+    (1, 2); weights loaded into the parameters after construction reach the fp32 masters."""
+    results = pools(WORLD).run(_train, 1, 2, ONE_GROUP, mode="shuffle",
+                               first_layer=("l0", (3, 1, 0, 2), (2, 4)))
+    _check(results, ONE_GROUP)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_reduction_per_microbatch_accumulates(pools):
+    results = pools(WORLD).run(_train, 2, 4, ONE_GROUP, mode="micro", contributions=2)
+    _check(results, ONE_GROUP)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_no_expectation_reduces_at_finish(pools):
+    results = pools(WORLD).run(_train, 1, 4, ONE_GROUP, mode="plain", bucket_bytes=2**20)
+    _check(results, ONE_GROUP)
+    assert results[0]["buckets"] == 1 and results[0]["launched"] == [0] * STEPS
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reduce_dtype", [None, torch.float32])
+def test_bf16_params_fp32_master(pools, reduce_dtype):
+    results = pools(WORLD).run(_train, 2, 4, ONE_GROUP, dtype=torch.bfloat16,
+                               reduce_dtype=reduce_dtype)
+    _check(results, ONE_GROUP, atol=6e-2, rtol=6e-2)
+    for res in results:
+        assert res["state_dtypes"] == ["torch.float32"]
+        # the padded flat masters: fp32, 1/s_os of the parameters
+        assert res["memory"]["master"] == 4 * res["padded"] // 4
+    # every rank ends with the same (whole) parameters
+    for res in results[1:]:
+        for k, v in res["params"][-1].items():
+            assert torch.equal(v, results[0]["params"][-1][k])
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("s_g,s_os,needle", [
+    (3, 3, "s_g=3 does not divide the replica group size |group|=4"),
+    (2, 1, "s_g=2 > s_os=1"),
+    (1, 8, "s_os=8 exceeds the replica group size |group|=4"),
+])
+def test_bad_factors_raise_on_every_rank(pools, s_g, s_os, needle):
+    msgs = pools(WORLD).run(_construct, [s_g] * WORLD, [s_os] * WORLD)
+    assert all(m is not None and needle in m for m in msgs), msgs
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_factors_disagreeing_across_ranks_raise_everywhere(pools):
+    msgs = pools(WORLD).run(_construct, [1] * WORLD, [2, 1, 1, 1])
+    assert all(m is not None and "key 'dp'" in m for m in msgs), msgs
