@@ -208,6 +208,8 @@ class Runner:
         self.inputs = [n for n in gm.graph.find_nodes(op="placeholder") if ir.INPUT in n.meta]
         layouts = {n.meta[ir.PARAM].fqn: (n.meta[ir.SPECS][0], n.meta[ir.PARAM].shape)
                    for n in holders}
+        #: storage spec of every parameter and buffer (its local shard's layout)
+        self.specs = {f: spec for f, (spec, _) in layouts.items()}
         # a loss_fn wrapper holds the model as ``model.``: materialize from the user's model
         model, pre = program.model, ""
         if getattr(model, "fxpar_wraps_loss", False):
@@ -274,11 +276,11 @@ class Runner:
         ins = self._local_inputs(args, kwargs)
         return self.gm(*[self.state[f] for f in self._order], *ins)
 
-    def step(self, *args, **kwargs) -> torch.Tensor:
-        """One training step on the global batch ``(*args, **kwargs)`` (the same on every rank;
-        with ``local_batch=True`` this rank's piece). Returns the detached loss."""
+    def forward_backward(self, *args, **kwargs) -> torch.Tensor:
+        """Forward and backward on the batch, gradients reduced (``states.grads()`` shows
+        them); no optimizer step. Calls accumulate gradients until :meth:`optimizer_step`."""
         if self.states is None:
-            raise FxparError("step() needs a program compiled with training=True")
+            raise FxparError("training steps need a program compiled with training=True")
         out = self.forward(*args, **kwargs)
         loss = out[0] if isinstance(out, (tuple, list)) else out
         if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
@@ -286,10 +288,21 @@ class Runner:
                              "loss_fn=... to fxpar.compile")
         loss.backward()
         self.states.finish_backward()
-        self.states.step()
-        self.states.zero_grad()
         self.tracker.next_step()
         return loss.detach()
+
+    def optimizer_step(self) -> None:
+        """Optimizer step on the local shards, parameters restored, gradients zeroed."""
+        self.states.step()
+        self.states.zero_grad()
+
+    def step(self, *args, **kwargs) -> torch.Tensor:
+        """One training step on the global batch ``(*args, **kwargs)`` (the same on every rank;
+        with ``local_batch=True`` this rank's piece): forward, backward, gradient
+        reduction, optimizer step. Returns the detached loss (the same on every rank)."""
+        loss = self.forward_backward(*args, **kwargs)
+        self.optimizer_step()
+        return loss
 
     def __call__(self, *args, gather: bool = True, **kwargs):
         """Inference: the model's outputs in its own structure, gathered to their global form

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from fxpar import ir
 from fxpar.errors import PlanError
 from fxpar.pipeline import PassContext, PassResult
 
 __all__ = ["emit_pass", "RankGraphModule"]
+
+_META = torch.device("meta")
 
 
 class RankGraphModule(fx.GraphModule):
@@ -43,8 +46,8 @@ def _text(n: fx.Node) -> str | None:
 def _check(gm: fx.GraphModule) -> None:
     class Check(fx.Interpreter):
         def call_function(self, target, args, kwargs):
-            if "device" in kwargs:  # factories (arange...) must make meta tensors here
-                kwargs = {**kwargs, "device": torch.device("meta")}
+            # factories (arange...) and .to(device) must stay on meta here
+            args, kwargs = pytree.tree_map_only(torch.device, lambda d: _META, (args, kwargs))
             return super().call_function(target, args, kwargs)
 
         def run_node(self, n):

@@ -9,7 +9,7 @@ Contract (per rank, ``ctx.coord`` set; runs after insert_collectives):
 * size arguments become local: ``view``/``reshape``/``_unsafe_view``/``expand`` and the
   ``new_*``/``zeros``/``ones``/``empty``/``full``/``rand*`` factories get the output's local
   shape, ``unflatten`` its local sizes, a sharded ``arange`` its local bounds;
-* ``device=`` arguments name ``ctx.device``;
+* device arguments (``device=``, ``.to(device)``) name ``ctx.device``;
 * a vocabulary-parallel ``embedding`` (strategy ``vocab``) becomes
   :func:`fxpar.runtime.ops.vocab_parallel_embedding` with this rank's first row;
 * ``aten.dropout`` becomes a :class:`fxpar.runtime.ops.ShardedDropout` keyed by the node and
@@ -25,6 +25,7 @@ from dataclasses import replace
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
 from fxpar import ir
 from fxpar.errors import PlanError
@@ -80,8 +81,8 @@ def localize_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             gm.add_submodule(n.target, type(mod)(n.meta[ir.EDGE]))
         if n.op != "call_function":
             continue
-        if "device" in n.kwargs:
-            n.kwargs = {**n.kwargs, "device": torch.device(ctx.device)}
+        dev = torch.device(ctx.device)
+        n.args, n.kwargs = pytree.tree_map_only(torch.device, lambda d: dev, (n.args, n.kwargs))
         local = n.meta.get(ir.VAL)
         if n.target in _SHAPE_ARG1:
             n.args = (n.args[0], list(local.shape)) + tuple(n.args[2:])

@@ -1,0 +1,842 @@
+"""Materialize only this rank's shards of a model's parameters and buffers.
+
+:func:`local_state` returns ``{fqn: local tensor}`` for the parameters and buffers named in a
+layout table (``fqn -> (spec, global shape)``), for one mesh coordinate, from one of four
+sources:
+
+* ``source=None``: the model holds real tensors; each rank copies its piece (pure slicing,
+  :func:`fxpar.runtime.reshard.distribute`).
+* a mapping (a state dict of full tensors): the same, from the mapping. Every parameter and
+  persistent buffer asked for must be there (under its name or any alias of a tied weight),
+  every key must name a tensor of the model, and shapes must agree, else
+  :class:`MaterializeError` naming the key. Non-persistent buffers (never in state dicts) are
+  taken from the mapping if there, else from the model, else rebuilt as for ``"init"``.
+* a path: ``torch.load(path, mmap=True, weights_only=True)`` (or ``safetensors``' lazy
+  ``safe_open`` for ``*.safetensors``), then as for a mapping: only the pages of the local
+  slice are read, and the slice is cloned so the file can be closed. (The literal string
+  ``"init"`` means the next source; pass ``pathlib.Path("init")`` for a file of that name.)
+* ``"init"``: the model's parameters are on the ``meta`` device; each rank builds its shards
+  from the model's own initializers **without building full tensors** (below).
+
+How ``"init"`` works. The initializers run once on the meta tensors (cheap: no storage), in
+the order a real construction runs them: ``reset_parameters()`` (and ``_reset_parameters()``,
+which ``nn.MultiheadAttention`` uses) of every module, children before parents; then, when a module or an ancestor defines ``_init_weights`` (Hugging Face's
+``PreTrainedModel`` and nanoGPT-style models), ``owner._init_weights(module)`` for every
+module, children first, as ``PreTrainedModel.initialize_weights`` does. A
+``TorchDispatchMode`` records every in-place op that writes a tracked meta tensor (or a
+view of it that is a box: select / slice / narrow / transpose), and the meta no-op shortcuts
+of ``torch.nn.init`` (``trunc_normal_``, ``orthogonal_``, ``dirac_``, ``sparse_``) are
+intercepted for the duration. Then, per tensor, the recorded sequence from its last
+whole-tensor overwrite on is **replayed on a tensor of the local shape**: random fills
+(``normal_``, ``uniform_``, ``trunc_normal_``, ``bernoulli_``, ...) draw from a
+``torch.Generator`` seeded by ``(seed, fqn, shard key)`` — the shard key being the
+coordinates on the mesh axes where the spec is ``Shard`` — and deterministic ops (``fill_``,
+``zero_``, ``copy_`` from a real tensor, pointwise ``mul_`` / ``add_`` / ``clamp_`` /
+``erfinv_`` ... with scalars or real tensors) are applied to the local part of their region.
+Bounds computed from the shape (kaiming's ``1/sqrt(fan_in)``) come from the full meta
+shape, so they are right.
+
+Honest semantics: replicas of one shard get bitwise identical values on every rank and
+different shards get independent draws, so the global tensor has the initializer's
+distribution — but it depends on the layout (and the device: CPU and CUDA generators
+differ); it is *statistically*, not bitwise, the single-device initialization. An all-``R``
+spec gives the same tensor on every rank. On a ``Partial("sum")`` axis coordinate 0 holds
+the value and the others zeros (as :func:`~fxpar.runtime.reshard.distribute`).
+
+Fallbacks and errors. A tensor whose initializer is not replayable elementwise (e.g.
+``orthogonal_``, ``eye_``, an op reading another meta tensor, a write through a non-box
+view, or writes that cover only part of it) is materialized whole on CPU — only that tensor,
+re-running the initializer calls that touched it with the global CPU RNG seeded from
+``(seed, fqn)`` so every rank builds the same full tensor — then sliced; a ``UserWarning``
+names the fqn and the op. A tensor no initializer writes (a buffer computed in
+``__init__``, whose value a meta tensor has lost) is taken from the model if real;
+otherwise, for a Hugging Face rotary embedding (``inv_freq`` / ``original_inv_freq``) it is
+recomputed from the module's config with its ``rope_init_fn`` / ``compute_default_rope_parameters``
+(transformers 5's ``_init_weights`` already does this through ``copy_``, which is recorded);
+anything else raises :class:`MaterializeError` naming the buffer rather than returning
+garbage. Known gap: an initializer that skips meta tensors by itself (``if t.is_meta:
+return`` in user code) cannot be seen; it would leave the earlier initializer's values.
+
+Tied weights appear once under the first name ``named_parameters()`` gives; layouts may use
+any alias (all aliases asked for are returned; under ``"init"`` they must share the layout).
+``dtype`` casts floating tensors; ``device`` places the results (default: the source's
+device, CPU for ``"init"``). Results are plain contiguous tensors (no grad).
+
+>>> import torch
+>>> from torch import nn
+>>> from fxpar.spec import Spec
+>>> with torch.device("meta"):
+...     lin = nn.Linear(6, 4)
+>>> layouts = {"weight": (Spec.parse("S(0)R"), (4, 6)), "bias": (Spec.parse("RR"), (4,))}
+>>> st = {c: local_state(lin, layouts, (2, 2), c, source="init", seed=0)
+...       for c in [(0, 0), (0, 1), (1, 0), (1, 1)]}
+>>> st[(0, 0)]["weight"].shape, st[(0, 0)]["weight"].device.type
+(torch.Size([2, 6]), 'cpu')
+>>> torch.equal(st[(0, 0)]["weight"], st[(0, 1)]["weight"])     # replicas agree
+True
+>>> torch.equal(st[(0, 0)]["weight"], st[(1, 0)]["weight"])     # shards are independent draws
+False
+>>> bool((st[(1, 1)]["weight"].abs() <= 6 ** -0.5).all())       # kaiming bound from the full fan_in
+True
+>>> full = nn.Linear(6, 4).state_dict()
+>>> local_state(lin, layouts, (2, 2), (1, 0), source=full)["weight"].equal(full["weight"][2:])
+True
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import sys
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fxpar.errors import FxparError
+from fxpar.runtime.reshard import distribute
+from fxpar.runtime.rng import seed_from, shard_key
+from fxpar.spec import Partial, Spec, as_spec
+
+__all__ = ["MaterializeError", "local_state"]
+
+
+class MaterializeError(FxparError):
+    """Local shards cannot be built: unknown/missing key, wrong shape, or a tensor whose value
+    cannot be reconstructed. The message names the fqn."""
+
+
+# ---------------------------------------------------------------------------------------------
+# The model's tensors: canonical names, aliases, owners
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class _Entry:
+    name: str                              # canonical fqn (first name named_parameters/buffers gives)
+    tensor: torch.Tensor
+    is_param: bool
+    persistent: bool = False
+    aliases: list[str] = field(default_factory=list)
+    owners: list[tuple[nn.Module, str]] = field(default_factory=list)   # (module, attribute)
+
+
+def _model_entries(model: nn.Module) -> tuple[dict[str, _Entry], dict[str, str]]:
+    """``({canonical: entry}, {alias or canonical: canonical})``."""
+    entries: dict[str, _Entry] = {}
+    by_id: dict[int, str] = {}
+    for n, p in model.named_parameters():
+        entries[n] = _Entry(n, p, True)
+        by_id[id(p)] = n
+    for n, b in model.named_buffers():
+        if id(b) not in by_id:
+            entries[n] = _Entry(n, b, False)
+            by_id[id(b)] = n
+    alias: dict[str, str] = {}
+    for prefix, mod in model.named_modules(remove_duplicate=False):
+        pre = prefix + "." if prefix else ""
+        for attr, t in list(mod._parameters.items()) + list(mod._buffers.items()):
+            if t is None or id(t) not in by_id:
+                continue
+            e = entries[by_id[id(t)]]
+            fqn = pre + attr
+            if fqn not in alias:
+                alias[fqn] = e.name
+                e.aliases.append(fqn)
+            if not any(m is mod and a == attr for m, a in e.owners):
+                e.owners.append((mod, attr))
+            if attr in mod._buffers and attr not in mod._non_persistent_buffers_set:
+                e.persistent = True
+        for attr, t in mod._parameters.items():
+            if t is not None and id(t) in by_id:
+                entries[by_id[id(t)]].persistent = True
+    return entries, alias
+
+
+def _set_owned(e: _Entry, value: torch.Tensor) -> None:
+    for mod, attr in e.owners:
+        if attr in mod._parameters:
+            mod._parameters[attr] = value
+        else:
+            mod._buffers[attr] = value
+
+
+# ---------------------------------------------------------------------------------------------
+# Regions: which part of a base tensor a view covers (a box, possibly strided / permuted)
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Region:
+    """Per base dim ``(start, step, count, view_dim or None)``; ``view_shape`` of the view."""
+
+    dims: tuple[tuple[int, int, int, int | None], ...]
+    view_shape: tuple[int, ...]
+    full: bool
+
+
+def _contig_strides(shape: Sequence[int]) -> list[int]:
+    st, acc = [], 1
+    for s in reversed(shape):
+        st.append(acc)
+        acc *= max(int(s), 1)
+    return st[::-1]
+
+
+def _region(view: torch.Tensor, base_shape: tuple[int, ...], base_stride: tuple[int, ...],
+            base_offset: int) -> _Region | None:
+    """The box of the base that ``view`` covers, or None if it is not a box (e.g. a diagonal)."""
+    vshape, vstride, voff = tuple(view.shape), tuple(view.stride()), view.storage_offset()
+    n = len(base_shape)
+    if (vshape, vstride, voff) == (base_shape, base_stride, base_offset):
+        return _Region(tuple((0, 1, s, d) for d, s in enumerate(base_shape)), vshape, True)
+    if list(base_stride) != _contig_strides(base_shape) and math.prod(base_shape) > 1:
+        return None
+    B = _contig_strides(base_shape)
+    off = voff - base_offset
+    numel = math.prod(base_shape)
+    if off < 0 or (numel and off >= numel):
+        return None
+    start, rem = [0] * n, off
+    for d in range(n):
+        start[d], rem = divmod(rem, B[d])
+        if start[d] >= max(base_shape[d], 1):
+            return None
+    if rem:
+        return None
+    mapped: dict[int, tuple[int, int]] = {}        # base dim -> (step, view dim)
+    for j, (sz, st) in enumerate(zip(vshape, vstride)):
+        if sz == 1:
+            continue
+        cand = [d for d in range(n) if base_shape[d] > 1 and B[d] <= st < B[d] * base_shape[d]]
+        if len(cand) != 1:
+            return None
+        d = cand[0]
+        step, r = divmod(st, B[d])
+        if r or d in mapped or start[d] + step * (sz - 1) >= base_shape[d]:
+            return None
+        mapped[d] = (step, j)
+    dims = []
+    for d in range(n):
+        if d in mapped:
+            step, j = mapped[d]
+            dims.append((start[d], step, vshape[j], j))
+        else:
+            dims.append((start[d], 1, 1, None))
+    full = all(s == 0 and (c == base_shape[d]) and (st == 1 or c <= 1)
+               for d, (s, st, c, _) in enumerate(dims))
+    return _Region(tuple(dims), vshape, full)
+
+
+def _local_view(local: torch.Tensor, gslices: Sequence[slice], region: _Region):
+    """``(view of local, index into the view's coordinates)`` for the part of ``region`` held
+    locally (``gslices`` = the local tensor's global slices), or None when they do not meet."""
+    index: list = []
+    view_index: list = [slice(None)] * len(region.view_shape)
+    order: list[tuple[int, int]] = []              # (view dim, position in the indexed local)
+    pos = 0
+    for d, (s, step, cnt, j) in enumerate(region.dims):
+        g0, g1 = gslices[d].start, gslices[d].stop
+        lo = max(0, -(-(g0 - s) // step))
+        hi = min(cnt, -(-(g1 - s) // step))
+        if hi <= lo:
+            return None
+        if j is None:
+            index.append(s - g0)
+        else:
+            index.append(slice(s + step * lo - g0, s + step * (hi - 1) - g0 + 1, step))
+            view_index[j] = slice(lo, hi)
+            order.append((j, pos))
+            pos += 1
+    sub = local[tuple(index)]
+    sub = sub.permute([p for _, p in sorted(order)]) if order else sub
+    for j, sz in enumerate(region.view_shape):
+        if sz == 1 and all(j != jj for jj, _ in order):
+            sub = sub.unsqueeze(j)
+    return sub, tuple(view_index)
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording the initializers on meta tensors
+# ---------------------------------------------------------------------------------------------
+class _Self:
+    def __repr__(self) -> str:
+        return "<self>"
+
+
+_SELF = _Self()
+_aten = torch.ops.aten
+_OVERWRITE = {_aten.fill_.Scalar, _aten.fill_.Tensor, _aten.zero_.default, _aten.copy_.default}
+_ELEMENTWISE = {_aten.abs_.default, _aten.masked_fill_.Scalar, _aten.masked_fill_.Tensor}
+
+
+@dataclass
+class _Op:
+    fn: Callable                       # aten op or an original torch.nn.init function
+    args: tuple
+    kwargs: dict
+    region: _Region
+    overwrite: bool                    # the result does not depend on the old content
+    random: bool                       # gets ``generator=`` on replay
+    call: int                          # index of the init call that ran it
+    reals: tuple = ()                  # (tensor, version) of the real tensors it reads
+    bad: str | None = None             # why it cannot be replayed (then only a marker)
+
+
+@dataclass
+class _Track:
+    entry: _Entry
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    ops: list[_Op] = field(default_factory=list)
+    calls: set[int] = field(default_factory=set)
+
+
+def _skey(t: torch.Tensor):
+    return t.untyped_storage()._cdata
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, tracks: dict[Any, _Track]) -> None:
+        super().__init__()
+        self.tracks = tracks
+        self.call = -1
+
+    def track_of(self, t) -> _Track | None:
+        if isinstance(t, torch.Tensor) and t.is_meta:
+            return self.tracks.get(_skey(t))
+        return None
+
+    def add(self, tr: _Track, op: _Op) -> None:
+        tr.ops.append(op)
+        tr.calls.add(self.call)
+
+    def marker(self, t: torch.Tensor, why: str) -> None:
+        tr = self.track_of(t)
+        if tr is not None:
+            self.add(tr, _Op(None, (), {}, None, False, False, self.call, bad=why))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        schema = func._schema
+        written = []
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            v = args[i] if (i < len(args) and not a.kwarg_only) else kwargs.get(a.name)
+            for t in (v if isinstance(v, (list, tuple)) else [v]):
+                tr = self.track_of(t)
+                if tr is not None:
+                    written.append((i, a.name, t, tr))
+        if written:
+            self._note(func, args, kwargs, written)
+        return func(*args, **kwargs)
+
+    def _note(self, func, args, kwargs, written) -> None:
+        name = str(func)
+        if len(written) > 1 or written[0][0] != 0:
+            for _, _, t, tr in written:
+                self.add(tr, _Op(None, (), {}, None, False, False, self.call,
+                                 bad=f"{name} (writes it as an output argument)"))
+            return
+        _, _, t, tr = written[0]
+        if t.numel() == 0:
+            return
+        tags = func.tags
+        random = torch.Tag.nondeterministic_seeded in tags and any(
+            a.name == "generator" for a in func._schema.arguments)
+        pointwise = torch.Tag.pointwise in tags or func in _ELEMENTWISE
+        overwrite = random or func in _OVERWRITE
+        bad = None
+        if not (random or pointwise or overwrite):
+            bad = name
+        region = _region(t, tr.shape, tr.stride, tr.offset)
+        if region is None and bad is None:
+            bad = f"{name} through a view that is not a box of the tensor"
+        reals = []
+        new_args = [_SELF]
+        rest = list(args[1:]) + list(kwargs.values())
+        for v in rest:
+            if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
+                bad = bad or f"{name} with a list of tensors"
+            elif isinstance(v, torch.Tensor):
+                if v.is_meta:
+                    bad = bad or f"{name} reading another meta tensor"
+                else:
+                    reals.append((v, v._version))
+        if bad is not None:
+            self.add(tr, _Op(None, (), {}, None, False, False, self.call, bad=bad))
+            return
+        new_args += list(args[1:])
+        kw = {k: v for k, v in kwargs.items() if k != "generator"}
+        if random:
+            gi = [i for i, a in enumerate(func._schema.arguments) if a.name == "generator"][0]
+            if gi < len(new_args):
+                new_args = new_args[:gi]
+        self.add(tr, _Op(func, tuple(new_args), kw, region, overwrite, random, self.call, tuple(reals)))
+
+
+_META_SKIPPING = ("orthogonal_", "dirac_", "sparse_")
+_PATCH_MODULES = ("torch.nn.init", "torch.nn.modules.activation", "torch.nn.modules.transformer",
+                  "torch.nn.modules.linear", "torch.nn.modules.loss", "torch.nn.modules.batchnorm",
+                  "torch.nn.modules.conv", "torch.nn.modules.normalization", "torch.nn.modules.rnn",
+                  "torch.nn.modules.sparse")
+
+
+class _InitPatches:
+    """Intercept the ``torch.nn.init`` functions that return early on meta tensors: record
+    ``trunc_normal_`` (elementwise, replayable) and mark ``orthogonal_``/``dirac_``/``sparse_``
+    (not replayable) on tracked tensors. Restores everything on exit."""
+
+    def __init__(self, rec: _Recorder) -> None:
+        self.rec = rec
+        self.saved: list[tuple[Any, str, Any, bool]] = []
+
+    def _set(self, holder, key, value, is_dict=False):
+        old = holder[key] if is_dict else getattr(holder, key)
+        self.saved.append((holder, key, old, is_dict))
+        if is_dict:
+            holder[key] = value
+        else:
+            setattr(holder, key, value)
+
+    def __enter__(self):
+        init = torch.nn.init
+        rec = self.rec
+        orig_tn = init._no_grad_trunc_normal_
+
+        def trunc(tensor, mean, std, a, b, generator=None):
+            tr = rec.track_of(tensor)
+            if tr is None:
+                return orig_tn(tensor, mean, std, a, b, generator=generator)
+            if tensor.numel():
+                region = _region(tensor, tr.shape, tr.stride, tr.offset)
+                if region is None:
+                    rec.marker(tensor, "trunc_normal_ through a view that is not a box of the tensor")
+                else:
+                    rec.add(tr, _Op(orig_tn, (_SELF, mean, std, a, b), {}, region, True, True, rec.call))
+            return tensor
+
+        self._set(init, "_no_grad_trunc_normal_", trunc)
+        for fname in _META_SKIPPING:
+            orig = getattr(init, fname)
+
+            def wrapper(tensor, *a, _orig=orig, _name=fname, **k):
+                if rec.track_of(tensor) is not None:
+                    rec.marker(tensor, _name)
+                    return tensor
+                return _orig(tensor, *a, **k)
+
+            for mname in _PATCH_MODULES:
+                mod = sys.modules.get(mname)
+                if mod is not None and getattr(mod, fname, None) is orig:
+                    self._set(mod, fname, wrapper)
+            hf = sys.modules.get("transformers.initialization")
+            table = getattr(hf, "TORCH_INIT_FUNCTIONS", None) if hf is not None else None
+            if isinstance(table, dict) and table.get(fname) is orig:
+                self._set(table, fname, wrapper, is_dict=True)
+        return self
+
+    def __exit__(self, *exc):
+        for holder, key, old, is_dict in reversed(self.saved):
+            if is_dict:
+                holder[key] = old
+            else:
+                setattr(holder, key, old)
+        self.saved.clear()
+
+
+def _no_arg_callable(fn) -> bool:
+    if not callable(fn):
+        return False
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return False
+    return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+               for p in sig.parameters.values())
+
+
+def _takes_module(fn, mod) -> bool:
+    """``fn(module)`` is a valid call (the ``_init_weights(self, module)`` convention)."""
+    if not callable(fn):
+        return False
+    try:
+        inspect.signature(fn).bind(mod)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
+def _init_calls(model: nn.Module) -> list[tuple[str, Callable[[], Any], nn.Module]]:
+    """The initializer calls in construction order: ``reset_parameters`` post-order, then
+    ``owner._init_weights(module)`` post-order with the nearest owner defining it."""
+    resets: list = []
+    hf: list = []
+    seen: set[int] = set()
+
+    def visit(mod: nn.Module, owner):
+        if id(mod) in seen:
+            return
+        seen.add(id(mod))
+        own = mod if _takes_module(getattr(mod, "_init_weights", None), mod) else owner
+        for child in mod.children():
+            visit(child, own)
+        for meth in ("reset_parameters", "_reset_parameters"):
+            fn = getattr(mod, meth, None)
+            if _no_arg_callable(fn):
+                resets.append((f"{type(mod).__name__}.{meth}", fn, mod))
+        if own is not None:
+            hf.append((f"{type(own).__name__}._init_weights({type(mod).__name__})",
+                       (lambda o=own, m=mod: o._init_weights(m)), mod))
+
+    visit(model, None)
+    return resets + hf
+
+
+class _HFFlags:
+    """Hide Hugging Face's ``_is_hf_initialized`` flags (its init functions skip flagged
+    tensors; on meta nothing was really loaded) and restore them after."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.saved: list = []
+
+    def __enter__(self):
+        objs = list(self.model.modules()) + list(self.model.parameters()) + list(self.model.buffers())
+        for o in objs:
+            if "_is_hf_initialized" in getattr(o, "__dict__", {}):
+                self.saved.append((o, o.__dict__["_is_hf_initialized"]))
+                delattr(o, "_is_hf_initialized")
+        return self
+
+    def __exit__(self, *exc):
+        for o, v in self.saved:
+            setattr(o, "_is_hf_initialized", v)
+
+
+def _record(model: nn.Module, entries: dict[str, _Entry], seed: int):
+    tracks: dict[Any, _Track] = {}
+    for e in entries.values():
+        t = e.tensor
+        if t.is_meta:
+            tracks[_skey(t)] = _Track(e, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+    calls = _init_calls(model)
+    errors: dict[int, str] = {}
+    if not tracks:
+        return {}, calls
+    rec = _Recorder(tracks)
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), _HFFlags(model):
+        torch.default_generator.manual_seed(seed_from("fxpar.materialize.record", seed))
+        with _InitPatches(rec), rec:
+            for k, (label, fn, mod) in enumerate(calls):
+                rec.call = k
+                try:
+                    fn()
+                except Exception as exc:  # noqa: BLE001 - reported per tensor below
+                    errors[k] = f"{label} failed on meta tensors: {type(exc).__name__}: {exc}"
+                    for t in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
+                        rec.marker(t, errors[k])
+    return {tr.entry.name: tr for tr in tracks.values()}, calls
+
+
+# ---------------------------------------------------------------------------------------------
+# Building one local tensor
+# ---------------------------------------------------------------------------------------------
+def _zero_partial(local: torch.Tensor, spec: Spec, coord: Sequence[int]) -> torch.Tensor:
+    for axis, p in enumerate(spec):
+        if isinstance(p, Partial) and p.reduce_op == "sum" and coord[axis] != 0:
+            return local.zero_()
+    return local
+
+
+def _plan(tr: _Track) -> tuple[list[_Op] | None, str | None]:
+    """``(ops to replay, None)`` or ``(None, why it must be built whole)``; ``(None, None)``
+    when nothing writes the tensor."""
+    ops = tr.ops
+    last = max((i for i, o in enumerate(ops) if o.bad is None and o.overwrite and o.region.full), default=None)
+    if last is None:
+        if not ops:
+            return None, None
+        bad = next((o.bad for o in ops if o.bad), None)
+        return None, bad or "writes that cover only part of it"
+    tail = ops[last:]
+    bad = next((o.bad for o in tail if o.bad), None)
+    if bad:
+        return None, bad
+    for o in tail:
+        if any(t._version != v for t, v in o.reals):
+            return None, f"{o.fn} reading a tensor the initializer changed afterwards"
+    return tail, None
+
+
+def _replay(tr: _Track, ops: list[_Op], gslices, local_shape, device, gen) -> torch.Tensor:
+    meta = tr.entry.tensor
+    local = torch.empty(local_shape, dtype=meta.dtype, device=device)
+    if local.numel() == 0:
+        return local
+    for op in ops:
+        got = _local_view(local, gslices, op.region)
+        if got is None:
+            continue
+        sub, vidx = got
+
+        def fix(v):
+            if v is _SELF:
+                return sub
+            if isinstance(v, torch.Tensor):
+                return v.expand(op.region.view_shape)[vidx].to(device)
+            return v
+
+        args = [fix(a) for a in op.args]
+        kwargs = {k: fix(v) for k, v in op.kwargs.items()}
+        if op.random:
+            kwargs["generator"] = gen
+        op.fn(*args, **kwargs)
+    return local
+
+
+def _whole(model, tr: _Track, calls, seed: int, why: str) -> torch.Tensor:
+    """Materialize one tensor whole on CPU by re-running the init calls that touched it."""
+    e = tr.entry
+    meta = e.tensor
+    full = torch.empty(meta.shape, dtype=meta.dtype, device="cpu")
+    if full.is_floating_point() or full.is_complex():
+        full.fill_(float("nan"))
+    real = nn.Parameter(full, requires_grad=meta.requires_grad) if e.is_param else full
+    _set_owned(e, real)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), _HFFlags(model):
+            torch.default_generator.manual_seed(seed_from("fxpar.materialize.whole", seed, e.name))
+            for k in sorted(tr.calls):
+                label, fn, _ = calls[k]
+                try:
+                    fn()
+                except Exception as exc:
+                    raise MaterializeError(
+                        f"cannot materialize {e.name!r}: its initializer ({why}) had to run on the whole "
+                        f"tensor and {label} failed: {type(exc).__name__}: {exc}") from exc
+    finally:
+        _set_owned(e, meta)
+    if (full.is_floating_point() or full.is_complex()) and torch.isnan(full).any():
+        raise MaterializeError(
+            f"cannot materialize {e.name!r}: its initializers ({why}) leave part of it unset")
+    return full.detach()
+
+
+def _rope_value(model: nn.Module, e: _Entry) -> torch.Tensor | None:
+    """A Hugging Face rotary embedding's ``inv_freq``/``original_inv_freq`` from its config."""
+    for mod, attr in e.owners:
+        if attr not in ("inv_freq", "original_inv_freq") or "Rotary" not in type(mod).__name__:
+            continue
+        cfg = getattr(mod, "config", None)
+        fn = getattr(mod, "rope_init_fn", None) or getattr(mod, "compute_default_rope_parameters", None)
+        if cfg is None or not callable(fn):
+            continue
+        try:
+            out = fn(cfg, torch.device("cpu"))
+        except TypeError:
+            out = fn(cfg)
+        value = out[0] if isinstance(out, tuple) else out
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(e.tensor.shape):
+            return value.to(e.tensor.dtype)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources
+# ---------------------------------------------------------------------------------------------
+class _Safetensors:
+    """Lazy reads from a ``.safetensors`` file: only the requested slice is read."""
+
+    def __init__(self, path) -> None:
+        from safetensors import safe_open
+
+        self.f = safe_open(os.fspath(path), framework="pt", device="cpu")
+        self._keys = list(self.f.keys())
+
+    def keys(self):
+        return self._keys
+
+    def shape(self, key):
+        return tuple(self.f.get_slice(key).get_shape())
+
+    def take(self, key, spec, mesh_shape, coord):
+        sl = spec.global_slices(self.shape(key), mesh_shape, coord)
+        return _zero_partial(self.f.get_slice(key)[sl].clone(), spec, coord)
+
+
+class _MappingSource:
+    def __init__(self, mapping: Mapping[str, torch.Tensor], what: str) -> None:
+        self.m = mapping
+        for k, v in mapping.items():
+            if not isinstance(v, torch.Tensor):
+                raise MaterializeError(f"{what}: key {k!r} holds a {type(v).__name__}, not a tensor")
+
+    def keys(self):
+        return list(self.m.keys())
+
+    def shape(self, key):
+        return tuple(self.m[key].shape)
+
+    def take(self, key, spec, mesh_shape, coord):
+        return distribute(self.m[key].detach(), spec, mesh_shape, coord)
+
+
+def _open_path(path) -> _MappingSource | _Safetensors:
+    p = os.fspath(path)
+    if not os.path.exists(p):
+        raise MaterializeError(f"checkpoint {p!r} does not exist")
+    if p.endswith(".safetensors"):
+        return _Safetensors(p)
+    obj = torch.load(p, mmap=True, weights_only=True, map_location="cpu")
+    if isinstance(obj, Mapping) and not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        for key in ("state_dict", "model"):
+            if isinstance(obj.get(key), Mapping):
+                obj = obj[key]
+                break
+    if not isinstance(obj, Mapping):
+        raise MaterializeError(f"checkpoint {p!r} holds a {type(obj).__name__}, not a state dict")
+    return _MappingSource(obj, f"checkpoint {p!r}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The entry point
+# ---------------------------------------------------------------------------------------------
+def local_state(model: nn.Module, layouts: Mapping[str, tuple[Spec | str, Sequence[int]]],
+                mesh_shape: Sequence[int], coord: Sequence[int], *,
+                source: str | os.PathLike | Mapping[str, torch.Tensor] | None = None,
+                seed: int = 0, dtype: torch.dtype | None = None,
+                device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
+    """``{fqn: local tensor}`` for every fqn of ``layouts`` (``fqn -> (spec, global shape)``) on
+    the device at mesh ``coord``; see the module docstring for the sources and semantics."""
+    mesh_shape = tuple(int(s) for s in mesh_shape)
+    coord = tuple(int(c) for c in coord)
+    if len(coord) != len(mesh_shape):
+        raise MaterializeError(f"coord {coord} does not fit mesh shape {mesh_shape}")
+    entries, alias = _model_entries(model)
+    model_name = type(model).__name__
+
+    # -- resolve the layout table ---------------------------------------------------------
+    want: dict[str, tuple[str, Spec, tuple[int, ...]]] = {}
+    for key, (spec, shape) in layouts.items():
+        if key not in alias:
+            raise MaterializeError(f"layouts name {key!r}, which is not a parameter or buffer of {model_name}")
+        spec, shape = as_spec(spec), tuple(int(s) for s in shape)
+        e = entries[alias[key]]
+        if tuple(e.tensor.shape) != shape:
+            raise MaterializeError(f"layouts give {key!r} the shape {shape} but the model's tensor has "
+                                   f"shape {tuple(e.tensor.shape)}")
+        spec.check(shape, mesh_shape)
+        want[key] = (e.name, spec, shape)
+
+    def finish(t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        if device is not None:
+            t = t.to(device)
+        return t.contiguous()
+
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        if source is None:
+            for key, (canon, spec, _) in want.items():
+                t = entries[canon].tensor
+                if t.is_meta:
+                    raise MaterializeError(
+                        f"{key!r} is on the meta device and no source was given: pass source='init' "
+                        f"(the model's initializers), a state dict, or a checkpoint path")
+                out[key] = finish(distribute(t.detach(), spec, mesh_shape, coord))
+            return out
+
+        if isinstance(source, str) and source == "init":
+            return _from_init(model, entries, want, mesh_shape, coord, seed, device, finish)
+
+        if isinstance(source, (str, os.PathLike)):
+            src = _open_path(source)
+            what = f"checkpoint {os.fspath(source)!r}"
+        elif isinstance(source, Mapping):
+            src = _MappingSource(source, "state dict")
+            what = "the state dict"
+        else:
+            raise MaterializeError(f"source must be None, 'init', a state dict or a path, "
+                                   f"not {type(source).__name__}")
+        keys = set(src.keys())
+        extra = sorted(k for k in keys if k not in alias)
+        if extra:
+            raise MaterializeError(f"{what} has key(s) {extra[:5]} that are not parameters or buffers of "
+                                   f"{model_name}" + (f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""))
+        rebuild: dict[str, tuple[str, Spec, tuple[int, ...]]] = {}
+        for key, (canon, spec, shape) in want.items():
+            e = entries[canon]
+            found = next((k for k in [key, canon, *e.aliases] if k in keys), None)
+            if found is None:
+                if e.persistent:
+                    raise MaterializeError(f"{what} has no key {key!r}" +
+                                           (f" (nor its aliases {e.aliases})" if len(e.aliases) > 1 else ""))
+                if not e.tensor.is_meta:
+                    out[key] = finish(distribute(e.tensor.detach(), spec, mesh_shape, coord))
+                else:
+                    rebuild[key] = (canon, spec, shape)
+                continue
+            if src.shape(found) != shape:
+                raise MaterializeError(f"{what}: {found!r} has shape {src.shape(found)}, the model's "
+                                       f"{key!r} has shape {shape}")
+            out[key] = finish(src.take(found, spec, mesh_shape, coord))
+        if rebuild:
+            out.update(_from_init(model, entries, rebuild, mesh_shape, coord, seed, device, finish))
+        return {k: out[k] for k in want}
+
+
+def _from_init(model, entries, want, mesh_shape, coord, seed, device, finish) -> dict[str, torch.Tensor]:
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    by_canon: dict[str, tuple[Spec, tuple[int, ...], str]] = {}
+    for key, (canon, spec, shape) in want.items():
+        if canon in by_canon and by_canon[canon][0] != spec:
+            raise MaterializeError(
+                f"{key!r} and {by_canon[canon][2]!r} are the same (tied) tensor but have different specs "
+                f"({spec} and {by_canon[canon][0]}): under source='init' they must share one layout")
+        by_canon.setdefault(canon, (spec, shape, key))
+    need_record = any(entries[c].tensor.is_meta for c in by_canon)
+    tracks, calls = _record(model, entries, seed) if need_record else ({}, [])
+    built: dict[str, torch.Tensor] = {}
+    for canon, (spec, shape, key) in by_canon.items():
+        e = entries[canon]
+        if not e.tensor.is_meta:
+            built[canon] = finish(distribute(e.tensor.detach(), spec, mesh_shape, coord))
+            continue
+        tr = tracks[canon]
+        ops, why = _plan(tr)
+        gslices = spec.global_slices(shape, mesh_shape, coord)
+        local_shape = tuple(s.stop - s.start for s in gslices)
+        zero = any(isinstance(p, Partial) and p.reduce_op == "sum" and coord[a] != 0
+                   for a, p in enumerate(spec))
+        if ops is not None:
+            if zero:
+                local = torch.zeros(local_shape, dtype=e.tensor.dtype, device=dev)
+            else:
+                gen = torch.Generator(device=dev)
+                gen.manual_seed(seed_from("fxpar.materialize", seed, canon, shard_key(spec, coord)))
+                local = _replay(tr, ops, gslices, local_shape, dev, gen)
+            built[canon] = finish(local.to(dev))
+            continue
+        if why is None:      # nothing writes it: a value computed in __init__, lost on meta
+            value = _rope_value(model, e)
+            if value is None:
+                kind = "parameter" if e.is_param else "buffer"
+                raise MaterializeError(
+                    f"cannot materialize {kind} {canon!r} from the initializers: nothing in "
+                    f"reset_parameters()/_init_weights writes it (its value was computed in __init__ and "
+                    f"is lost on the meta device). Give it a real value on the model (e.g. assign the "
+                    f"buffer after building on meta), or load it from a state dict / checkpoint")
+            built[canon] = finish(distribute(value, spec, mesh_shape, coord).to(dev))
+            continue
+        warnings.warn(f"fxpar: materializing {canon!r} whole (shape {shape}) and slicing it: its "
+                      f"initializer is not elementwise-replayable ({why})", stacklevel=3)
+        full = _whole(model, tr, calls, seed, why)
+        built[canon] = finish(distribute(full, spec, mesh_shape, coord).to(dev))
+        del full
+    return {key: built[canon] for key, (canon, _, _) in want.items()}
