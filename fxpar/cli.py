@@ -1,7 +1,8 @@
 """The ``fxpar`` command.
 
-``fxpar demo``                 capture a small GPT, build a cluster and a mesh, print the
-                               captured graph with shapes, resharding plans and a parallel plan
+``fxpar demo``                 compile a small GPT for 4 local processes, print the plan and
+                               rank 0's program, train it on 4 gloo processes next to a
+                               single-process run, then plan a bigger GPT on a DGX A100 node
 ``fxpar presets``              list the cluster presets
 ``fxpar reshard SRC DST ...``  print the cheapest redistribution between two specs, e.g.
                                ``fxpar reshard "S(0)S(1)" RR --cluster dgx-a100 --nodes 2
@@ -62,51 +63,71 @@ def _import_examples():
     return models
 
 
+_DEMO = dict(vocab=128, d_model=64, n_heads=4, n_layers=2, seq_len=32)
+_DEMO_BATCH, _DEMO_STEPS, _DEMO_LR = 8, 5, 3e-3
+
+
+def _demo_model_and_batch():
+    import torch
+
+    models = _import_examples()
+    torch.manual_seed(0)
+    model = models.GPT(**_DEMO)
+    idx = torch.randint(0, _DEMO["vocab"], (_DEMO_BATCH, _DEMO["seq_len"]))
+    return model, (idx, idx.roll(-1, dims=1))
+
+
+def _demo_optimizer(params):
+    import torch
+
+    return torch.optim.AdamW(params, lr=_DEMO_LR)
+
+
+def _demo_rank(plan_json: str) -> list[float]:
+    """One rank of the demo (in a gloo group): receive the plan, build this rank's program from
+    the same model (same seed, so the same weights) and train."""
+    import fxpar
+
+    model, batch = _demo_model_and_batch()
+    prog = fxpar.compile(model, None, batch, plan=fxpar.Plan.from_json(plan_json),
+                         optimizer=_demo_optimizer)
+    runner = prog.runner()
+    return [runner.step(*batch).item() for _ in range(_DEMO_STEPS)]
+
+
 def cmd_demo(args) -> None:
     import torch
 
     import fxpar
-    from fxpar import ir
-    from fxpar.reshard import reshard_plan
+    from fxpar.testing import WorkerPool
 
-    models = _import_examples()
-    torch.manual_seed(0)
-    vocab, d, heads, layers, seq, batch = 256, 64, 4, 2, 32, 8
+    world = 4
+    model, batch = _demo_model_and_batch()
+    cluster = fxpar.Cluster.local(world)
+    print(f"== 1. compile a GPT ({_DEMO}) for {world} local processes, mesh dp=2 x tp=2 ==")
+    prog = fxpar.compile(model, cluster, batch, mesh={"dp": 2, "tp": 2},
+                         optimizer=_demo_optimizer)
+    print(prog.explain())
+
+    print("\n== 2. rank 0's program (local shapes, collectives and waits; specs as comments) ==")
+    print(prog.rank_graph(0).print_readable(print_output=False))
+
+    print(f"== 3. train {_DEMO_STEPS} steps on {world} gloo processes vs one process ==")
+    with WorkerPool(world, timeout=600) as pool:
+        losses = pool.run(_demo_rank, prog.plan.to_json())[0]
+    ref, (idx, tgt) = _demo_model_and_batch()
+    opt = _demo_optimizer(ref.parameters())
+    print("  step  fxpar (4 ranks)  single process  |diff|")
+    for k in range(_DEMO_STEPS):
+        loss = ref(idx, tgt)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        print(f"  {k:>4}  {losses[k]:>15.6f}  {loss.item():>14.6f}  {abs(losses[k] - loss.item()):.1e}")
+
+    print("\n== 4. the same planner on a real cluster: a GPT (d=1024) on one DGX A100 node ==")
     with torch.device("meta"):  # planning never allocates weights
-        model = models.GPT(vocab, d, heads, layers, seq)
-    idx = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-    gm = fxpar.capture(model, (idx, idx))
-
-    print("== 1. captured graph (torch.export, non-strict, fake tensors; meta-device weights) ==")
-    print(ir.format_graph(gm, params=False))
-    params = ir.params(gm)
-    total = sum(p.numel for p in params.values())
-    print(f"\n{len(params)} parameters, {total:,} elements; e.g.")
-    for p in list(params.values())[:4]:
-        print(f"  {p.fqn:<28} {tuple(p.shape)} {p.dtype}")
-
-    cluster = fxpar.Cluster.preset("dgx-a100", nodes=2)
-    mesh = fxpar.Mesh(cluster, dp=2, tp=8)
-    print("\n== 2. cluster and mesh ==")
-    print(cluster.describe())
-    print(f"{mesh!r}: tp groups {mesh.groups('tp')[0]} (one node), dp groups {mesh.groups('dp')[0]} "
-          f"(span {mesh.nodes_of_axis('dp')} nodes)")
-
-    # The MLP's first weight after a column split, gathered back for a replicated consumer.
-    w = next(p for p in params.values() if len(p.shape) == 2 and "mlp" in p.fqn.lower()) \
-        if any("mlp" in p.fqn.lower() for p in params.values()) else next(iter(params.values()))
-    print("\n== 3. resharding plans ==")
-    for src, dst, shape in [("S(0)S(1)", "RR", (batch * seq, d)),
-                            ("RP(sum)", "RS(0)", tuple(w.shape)),
-                            ("S(0)S(0)", "S(1)R", (4096, 4096))]:
-        plan = reshard_plan(src, dst, mesh, shape, torch.bfloat16)
-        print(f"\n{src} -> {dst} for a {shape} bf16 tensor:")
-        print(plan.describe())
-
-    # A model big enough that sharding pays (a toy one is cheapest fully replicated).
-    print("\n== 4. plan for a GPT (d=1024, 2 layers, batch 32 x 512) on one DGX A100 node, mesh dp=2 x tp=4 ==")
-    with torch.device("meta"):
-        big = models.GPT(8192, 1024, 16, 2, 512)
+        big = _import_examples().GPT(8192, 1024, 16, 2, 512)
     tokens = torch.zeros(32, 512, dtype=torch.long, device="meta")
     planned = fxpar.plan(big, fxpar.Cluster.preset("dgx-a100"), example_inputs=(tokens, tokens),
                          mesh={"dp": 2, "tp": 4})
@@ -116,7 +137,7 @@ def cmd_demo(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="fxpar", description="auto-parallelizing compiler for PyTorch")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("demo", help="capture a small GPT and show a cluster, mesh and resharding plans")
+    sub.add_parser("demo", help="compile a small GPT, show its plan and program, train it on 4 processes")
     sub.add_parser("presets", help="list the cluster presets")
     r = sub.add_parser("reshard", help="plan a redistribution between two specs")
     r.add_argument("src")
