@@ -11,6 +11,7 @@ from fxpar.errors import (
     ClusterError,
     CollectiveTimeoutError,
     FxparError,
+    MaterializeError,
     MeshError,
     PlanError,
     ReshardError,
@@ -31,7 +32,7 @@ from fxpar.program import Program, Runner, load
 __version__ = "0.1.0"
 
 __all__ = [
-    "CaptureError", "ClusterError", "CollectiveTimeoutError", "FxparError", "MeshError",
+    "CaptureError", "ClusterError", "CollectiveTimeoutError", "FxparError", "MaterializeError", "MeshError",
     "PlanError", "ReshardError", "SpecError",
     "Partial", "Placement", "Replicate", "Shard", "Spec",
     "Cluster", "Mesh",

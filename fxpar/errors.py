@@ -39,5 +39,10 @@ class PlanError(FxparError):
     """The planner found no feasible plan (e.g. the memory budget is too small)."""
 
 
+class MaterializeError(FxparError):
+    """Local shards cannot be built: unknown/missing key, wrong shape, or a tensor whose value
+    cannot be reconstructed. The message names the fqn."""
+
+
 class CollectiveTimeoutError(FxparError):
     """A multi-process collective did not finish in time (a hang is reported, never waited on)."""

@@ -98,7 +98,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fxpar.errors import FxparError
+from fxpar.errors import MaterializeError
 from fxpar.runtime.reshard import distribute
 from fxpar.runtime.rng import seed_from, shard_key
 from fxpar.spec import Partial, Spec, as_spec
@@ -106,9 +106,6 @@ from fxpar.spec import Partial, Spec, as_spec
 __all__ = ["MaterializeError", "local_state"]
 
 
-class MaterializeError(FxparError):
-    """Local shards cannot be built: unknown/missing key, wrong shape, or a tensor whose value
-    cannot be reconstructed. The message names the fqn."""
 
 
 # ---------------------------------------------------------------------------------------------
