@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,19 +54,18 @@ class Program:
     """A compiled model: plan + graphs (module docstring)."""
 
     def __init__(self, plan: Plan, graph: fx.GraphModule, model: torch.nn.Module, *,
-                 optimizer: Callable | None = None, training: bool = True, prefetch: int = 1,
-                 example_shapes: Mapping | None = None) -> None:
+                 optimizer: Callable | None = None, training: bool = True,
+                 prefetch: int = 1) -> None:
         if graph.meta.get(ir.FRONTEND) == "symbolic_trace":
             raise FxparError("fxpar.compile needs an ATen-level capture (torch.export); this model "
                              "was only capturable with symbolic_trace")
         self.plan, self.graph, self.model = plan, graph, model
         self.optimizer = optimizer
         self.training, self.prefetch = training, prefetch
-        self.example_shapes = dict(example_shapes or {})
         self.mesh = Mesh.from_devices(plan.cluster(), plan.mesh["axis_names"],
                                       np.asarray(plan.mesh["devices"]).reshape(plan.mesh["shape"]))
         self._dist: fx.GraphModule | None = None
-        self._ranks: dict[int, fx.GraphModule] = {}
+        self._ranks: dict[tuple[int, str], fx.GraphModule] = {}
         self.timings: dict[str, float] = {}
 
     def explain(self) -> str:
@@ -142,7 +141,8 @@ def load(path, model: torch.nn.Module, *, optimizer: Callable | None = None,
     flat = [torch.zeros(i["shape"], dtype=getattr(torch, i["dtype"])) if i["shape"] is not None
             else i["value"] for i in d["inputs"]]
     args, kwargs = pytree.tree_unflatten(flat, pytree.treespec_loads(d["in_spec"]))
-    wrapped = _with_loss(model, loss_fn, len(args) - d.get("n_targets", 0)) if loss_fn else model
+    n_t = d.get("n_targets", 0)
+    wrapped = _with_loss(model, loss_fn, len(args) - n_t, n_t) if loss_fn else model
     gm = capture(wrapped, args, kwargs)
     sig = model_signature(gm)
     if sig != d["signature"]:
