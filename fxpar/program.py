@@ -25,6 +25,7 @@ the signature, so a plan file from another model is an error.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections.abc import Callable, Sequence
@@ -36,7 +37,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from fxpar import ir
-from fxpar.errors import FxparError, PlanError
+from fxpar.errors import CaptureError, FxparError, PlanError
 from fxpar.mesh import Mesh
 from fxpar.pipeline import GLOBAL_PASSES, RANK_PASSES, PassContext, run_passes
 from fxpar.plan import Plan
@@ -92,16 +93,18 @@ class Program:
 
     def runner(self, weights: Any = None, *, s_g: int = 1, s_os: int = 1, seed: int = 0,
                local_batch: bool = False, device: str | None = None,
-               bucket_bytes: int = 25 * 2**20) -> Runner:
+               bucket_bytes: int = 25 * 2**20, regather: bool = True) -> Runner:
         """This rank's :class:`Runner` (collective: every rank of the mesh calls it).
 
         ``weights``: ``None`` (the model's own real tensors), a state dict of full tensors, a
         checkpoint path, or ``"init"`` (the model's initializers, for a model on ``meta``).
         ``s_g``/``s_os``: gradient and optimizer-state sharding factors inside each parameter's
-        replica group (AMSP; ZeRO-1 = ``(1, N)``, ZeRO-2 = ``(N, N)``).
+        replica group (AMSP; ZeRO-1 = ``(1, N)``, ZeRO-2 = ``(N, N)``). ``regather``: free
+        a gathered parameter after its forward use and gather it again in backward (what the
+        planner prices, ZeRO-3); ``False`` keeps it for backward (more memory, less traffic).
         """
         return Runner(self, weights, s_g=s_g, s_os=s_os, seed=seed, local_batch=local_batch,
-                      device=device, bucket_bytes=bucket_bytes)
+                      device=device, bucket_bytes=bucket_bytes, regather=regather)
 
     # -- save / load -----------------------------------------------------------------------
     def save(self, path) -> None:
@@ -119,8 +122,13 @@ class Program:
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:
     g = fx.Graph()
-    out = g.graph_copy(gm.graph, {})
+    val_map: dict[fx.Node, fx.Node] = {}
+    out = g.graph_copy(gm.graph, val_map)
     g.output(out)
+    for old, new in val_map.items():
+        # fx renames a copied node whose name shadows a builtin (export names nn.Sequential's
+        # argument ``input``; the copy would be ``input_1``); the plan is keyed by the names
+        new.name = old.name
     new = fx.GraphModule(gm, g)
     new.meta.update(gm.meta)
     return new
@@ -130,7 +138,7 @@ def load(path, model: torch.nn.Module, *, optimizer: Callable | None = None,
          loss_fn: Callable | None = None) -> Program:
     """Rebuild a :class:`Program` from :meth:`Program.save` for ``model`` (re-captured from the
     saved input shapes). Raises :class:`PlanError` if the file was made for another model."""
-    from fxpar.api import _with_loss
+    from fxpar.api import _Frozen, _with_loss
     from fxpar.capture import capture
 
     with open(path) as f:
@@ -143,12 +151,23 @@ def load(path, model: torch.nn.Module, *, optimizer: Callable | None = None,
     args, kwargs = pytree.tree_unflatten(flat, pytree.treespec_loads(d["in_spec"]))
     n_t = d.get("n_targets", 0)
     wrapped = _with_loss(model, loss_fn, len(args) - n_t, n_t) if loss_fn else model
-    gm = capture(wrapped, args, kwargs)
+    training = d.get("training", True)
+    was_training = model.training
+    model.train(training)  # captured as compile() did: eval + frozen for inference plans
+    try:
+        with _Frozen(model) if not training else contextlib.nullcontext():
+            gm = capture(wrapped, args, kwargs)
+    except CaptureError as e:
+        raise PlanError(f"{path}: this model does not accept the plan file's inputs "
+                        f"{[i['name'] for i in d['inputs']]} (a plan made for another model?): "
+                        f"{e}") from e
+    finally:
+        model.train(was_training)
     sig = model_signature(gm)
     if sig != d["signature"]:
         raise PlanError(f"{path}: the plan was made for another model (parameter signature "
                         f"{d['signature'][:12]}, this model {sig[:12]})")
-    return Program(plan, gm, wrapped, optimizer=optimizer, training=d.get("training", True),
+    return Program(plan, gm, wrapped, optimizer=optimizer, training=training,
                    prefetch=d.get("prefetch", 1))
 
 
@@ -174,7 +193,8 @@ class Runner:
     """One rank's executable program (module docstring); build with :meth:`Program.runner`."""
 
     def __init__(self, program: Program, weights=None, *, s_g=1, s_os=1, seed=0,
-                 local_batch=False, device=None, bucket_bytes=25 * 2**20) -> None:
+                 local_batch=False, device=None, bucket_bytes=25 * 2**20,
+                 regather=True) -> None:
         import torch.distributed as dist
 
         from fxpar.runtime.comm import CollectiveWait, Reshard
@@ -201,6 +221,7 @@ class Runner:
         self.coord = mesh.coord(rank)
         self.device = device or "cpu"
         self.local_batch = local_batch
+        self.regather, self.regathers = regather, 0
         gm = program.rank_graph(rank, self.device)
         self.gm = gm
         # parameters and buffers: this rank's shards only
@@ -281,12 +302,18 @@ class Runner:
         them); no optimizer step. Calls accumulate gradients until :meth:`optimizer_step`."""
         if self.states is None:
             raise FxparError("training steps need a program compiled with training=True")
-        out = self.forward(*args, **kwargs)
+        from fxpar.runtime.comm import Regather
+
+        with Regather() if self.regather else contextlib.nullcontext() as rg:
+            out = self.forward(*args, **kwargs)
+        #: gathered parameters still held between forward and backward (``regather``: 0)
+        self.held_after_forward = rg.alive() if rg is not None else None
         loss = out[0] if isinstance(out, (tuple, list)) else out
         if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
             raise FxparError("the compiled model's first output is not a scalar loss; pass "
                              "loss_fn=... to fxpar.compile")
         loss.backward()
+        self.regathers = rg.count if rg is not None else 0
         self.states.finish_backward()
         self.tracker.next_step()
         return loss.detach()

@@ -101,6 +101,10 @@ def run_parity(name: str, plan: str, mesh: dict, s_g: int = 1, s_os: int = 1, st
         for fqn, g in runner.states.grads().items():
             want = distribute(ref_state[fqn].grad, runner.specs[fqn], shape, coord)
             torch.testing.assert_close(g, want, **TOL, msg=lambda m: f"grad of {fqn}: {m}")
+        if plan == "zero3":  # gathered weights are freed after use, gathered again in backward
+            n_gathers = sum(1 for m in runner.gm.modules()
+                            if type(m).__name__ == "CollectiveWait" and m.edge.param)
+            assert runner.held_after_forward == 0 and 0 < runner.regathers <= n_gathers
         runner.optimizer_step()
         ropt.step()
         ropt.zero_grad()

@@ -37,6 +37,7 @@ reduces over data-parallel replicas asynchronously) instead of returning it to a
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -47,7 +48,8 @@ from fxpar.reshard import ReshardPlan
 from fxpar.runtime import reshard as rt
 from fxpar.spec import Partial
 
-__all__ = ["Edge", "CollectiveStart", "CollectiveWait", "Reshard", "LOCAL_KINDS", "grad_scale"]
+__all__ = ["Edge", "CollectiveStart", "CollectiveWait", "Reshard", "LOCAL_KINDS", "grad_scale",
+           "Regather"]
 
 #: Reshard step kinds that move no data between ranks.
 LOCAL_KINDS = frozenset({"chunk", "to_partial", "rescale"})
@@ -121,6 +123,61 @@ class Edge:
         return out
 
 
+class Regather:
+    """Saved-tensor hooks that free gathered parameters after their forward use and gather
+    them again when backward needs them (ZeRO-3 / FSDP ``reshard_after_forward``; the planner
+    prices that second gather). While active, every parameter a communication node gathers
+    is registered; a tensor autograd saves that is (a view of) one is packed as the local
+    shard + the edge, and unpacked by running the edge's forward plan again, then taking the
+    same view (the gather is deterministic, so the layout is the same).
+    Collective in backward: every rank unpacks in the same (autograd) order."""
+
+    active: Regather | None = None
+
+    def __init__(self) -> None:
+        self.full: dict[int, tuple] = {}
+        self.count = 0  # gathers repeated in backward (for tests and stats)
+
+    def register(self, full: torch.Tensor, edge: Edge, shard: torch.Tensor) -> None:
+        base = full if full._base is None else full._base  # views are keyed by their root
+        self.full[id(base)] = (weakref.ref(base), edge, shard.detach())
+
+    def alive(self) -> int:
+        """How many gathered parameters are still held (after forward: 0 = all were freed)."""
+        return sum(1 for ref, _, _ in self.full.values() if ref() is not None)
+
+    def pack(self, t: torch.Tensor):
+        base = t if t._base is None else t._base
+        hit = self.full.get(id(base))
+        if hit is None or hit[0]() is not base:
+            return t
+        return (Regather, hit[1], hit[2], t.size(), t.stride(), t.storage_offset(), t.requires_grad)
+
+    def unpack(self, x):
+        if not (isinstance(x, tuple) and x and x[0] is Regather):
+            return x
+        _, edge, shard, size, stride, offset, _ = x
+        self.count += 1
+        full = rt.execute(edge.fwd, shard, edge.mesh)
+        return full.as_strided(size, stride, offset)
+
+    def __enter__(self):
+        Regather.active = self
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        Regather.active = None
+        return self._hooks.__exit__(*exc)
+
+
+def _registered(out: torch.Tensor, x: torch.Tensor, edge: Edge) -> torch.Tensor:
+    if Regather.active is not None and edge.param is not None:
+        Regather.active.register(out, edge, x)
+    return out
+
+
 def _meta_like(edge: Edge, x: torch.Tensor) -> torch.Tensor:
     return torch.empty(edge.local_shape(edge.fwd.dst), dtype=x.dtype, device="meta")
 
@@ -129,7 +186,7 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pending, edge):
         ctx.edge = edge
-        return rt.finish(pending)[0]
+        return _registered(rt.finish(pending)[0], x, edge)
 
     @staticmethod
     def backward(ctx, g):
@@ -142,7 +199,8 @@ class _Sync(torch.autograd.Function):
         ctx.edge = edge
         if not edge.fwd.steps:
             return x.view_as(x)
-        return rt.execute(edge.fwd, x.detach(), edge.mesh)
+        out = rt.execute(edge.fwd, x.detach(), edge.mesh)
+        return _registered(out, x, edge) if edge.fwd.nbytes else out
 
     @staticmethod
     def backward(ctx, g):
