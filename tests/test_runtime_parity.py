@@ -148,7 +148,7 @@ def test_parity_4_ranks(pools, name, plan, mesh, s_g, s_os):
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name,plan,mesh", [
-    ("gpt", "auto", {"z": 2, "y": 2, "x": 2}),
+    ("gpt", "axonn", {"z": 2, "y": 2, "x": 2}),  # AxoNN 3D: batch on z, weights on (y, x)
     ("gpt", "zero3", {"dp": 8}),
 ])
 def test_parity_8_ranks(pools, name, plan, mesh):
