@@ -6,7 +6,7 @@ the captured graph, and (lazily) the distributed graph after the global passes
 for rank ``r``. Under ``torchrun`` (a process group initialized), ``program.runner()`` builds
 this rank's :class:`Runner`:
 
-1. checks the world size against the mesh, then all ranks exchange the plan hash: a mismatch
+1. all ranks exchange the plan hash, then check the world size against the mesh: a mismatch
    raises :class:`PlanError` on every rank before any collective of the program runs;
 2. materializes only this rank's shards of parameters and buffers
    (:func:`fxpar.runtime.materialize.local_state`: from the model's real tensors, a state
@@ -197,7 +197,7 @@ class Runner:
                  regather=True) -> None:
         import torch.distributed as dist
 
-        from fxpar.runtime.comm import CollectiveWait, Reshard
+        from fxpar.runtime.comm import CollectiveStart, CollectiveWait, Reshard
         from fxpar.runtime.materialize import local_state
         from fxpar.runtime.model_state import ModelStates
         from fxpar.runtime.ops import ShardedDropout
@@ -208,15 +208,17 @@ class Runner:
                              "group (run under torchrun)")
         mesh = program.mesh
         world, rank = dist.get_world_size(), dist.get_rank()
-        if world != mesh.size:
-            raise PlanError(f"the plan is for {mesh.size} ranks ({mesh!r}) but the world has "
-                            f"{world} ranks")
+        # the hash exchange comes first, over the whole world: a check that fails on some ranks
+        # only (a plan for another world size on one rank) must not leave the others hanging
         hashes: list = [None] * world
         dist.all_gather_object(hashes, program.plan.hash)
         if len(set(hashes)) != 1:
             bad = {r: h[:12] for r, h in enumerate(hashes)}
             raise PlanError(f"ranks hold different plans (plan hash by rank: {bad}); every rank "
                             "must compute or load the same plan")
+        if world != mesh.size:
+            raise PlanError(f"the plan is for {mesh.size} ranks ({mesh!r}) but the world has "
+                            f"{world} ranks")
         self.program, self.rank, self.mesh = program, rank, mesh
         self.coord = mesh.coord(rank)
         self.device = device or "cpu"
@@ -255,17 +257,37 @@ class Runner:
             groups = {f: replica_group(mesh, replica.get(f, ()), rank) for f in params}
             self.states = ModelStates(params, groups, program.optimizer, s_g=s_g, s_os=s_os,
                                       bucket_bytes=bucket_bytes)
-            uses: dict[str, int] = {}
-            for mod in gm.modules():
-                if isinstance(mod, (CollectiveWait, Reshard)) and mod.edge.param in params:
-                    mod.edge.sink = self.states.add_grad
-                    uses[mod.edge.param] = uses.get(mod.edge.param, 0) + 1
+            # A use through a communication node sends its gradient to the sink; the other
+            # uses accumulate on the leaf, whose post-accumulate hook sends the sum (once).
+            uses = dict.fromkeys(params, 0)
+            for n in holders:
+                f = n.meta[ir.PARAM].fqn
+                if f not in params:
+                    continue
+                direct = False
+                for u in n.users:
+                    mod = gm.get_submodule(u.target) if u.op == "call_module" else None
+                    if isinstance(mod, (CollectiveWait, Reshard)) and mod.edge.param == f:
+                        mod.edge.sink = self.states.add_grad
+                        uses[f] += 1
+                    elif not (u.op == "call_module" and isinstance(mod, CollectiveStart)):
+                        direct = True
+                if direct:
+                    params[f].register_post_accumulate_grad_hook(self._leaf_hook(f))
+                    uses[f] += 1
             for f, k in uses.items():
-                self.states.expect(f, k)
+                if k:
+                    self.states.expect(f, k)
         self.tracker = RNGTracker(seed)
         for mod in gm.modules():
             if isinstance(mod, ShardedDropout):
                 mod.tracker = self.tracker
+
+    def _leaf_hook(self, fqn: str):
+        def hook(p: torch.Tensor) -> None:
+            self.states.add_grad(fqn, p.grad)
+            p.grad = None
+        return hook
 
     # -- batches ---------------------------------------------------------------------------
     def _local_inputs(self, args, kwargs) -> list:

@@ -12,8 +12,10 @@ each edge ``producer -> consumer`` (input ``p`` of the consumer):
 * if the value plan's first step is a collective, a ``CollectiveStart`` node right after the
   producer and a ``CollectiveWait`` node right before the consumer (the consumer reads the
   wait); otherwise, if anything is left to do (local steps, a gradient plan, a ``P(avg)``
-  gradient scale, or a parameter whose gradient goes to the model-state manager), one
-  synchronous ``Reshard`` node before the consumer.
+  gradient scale), one
+  synchronous ``Reshard`` node before the consumer. A parameter use with nothing to do gets
+  no node: autograd accumulates its gradient on the parameter (already in the target layout)
+  and the runner's post-accumulate hook hands it to the model-state manager.
 
 An output whose spec is ``Partial`` gets the edge to its finalized spec (``P -> R``) before the
 ``output`` node. A ``getitem`` of a multi-output node keeps the producer's element spec and
@@ -118,8 +120,8 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                                     for i, pl in enumerate(target.placements)))
             bwd = reshard_plan(gsrc, target, mesh, shape, dtype)
             scale = grad_scale(src, dst, mesh.shape)
-        if not fwd.steps and param is None and (bwd is None or not bwd.steps) and scale == 1.0:
-            return None
+        if not fwd.steps and (bwd is None or not bwd.steps) and scale == 1.0:
+            return None  # (a parameter's gradient then reaches the runner via its leaf)
         return Edge(f"{a.name}->{consumer_name}", a.name, consumer_name, fwd, bwd, scale, param)
 
     def insert(edge: Edge, consumer: fx.Node, value: fx.Node, v: torch.Tensor) -> fx.Node:

@@ -90,10 +90,14 @@ class Edge:
     param: str | None = None
     sink: Callable[[str, torch.Tensor], None] | None = field(default=None, repr=False)
     coord: tuple[int, ...] | None = field(default=None, repr=False)
+    _dm: object = field(default=None, repr=False)
 
     @property
     def mesh(self):
-        return self.fwd.mesh
+        """The ``DeviceMesh`` (made on first use; hashing the fxpar Mesh per call is slow)."""
+        if self._dm is None:
+            self._dm = rt._as_device_mesh(self.fwd.mesh)
+        return self._dm
 
     @property
     def collective(self) -> bool:
