@@ -224,6 +224,7 @@ class Runner:
         self.device = device or "cpu"
         self.local_batch = local_batch
         self.regather, self.regathers = regather, 0
+        self._inflight: list = []
         gm = program.rank_graph(rank, self.device)
         self.gm = gm
         # parameters and buffers: this rank's shards only
@@ -268,7 +269,7 @@ class Runner:
                 for u in n.users:
                     mod = gm.get_submodule(u.target) if u.op == "call_module" else None
                     if isinstance(mod, (CollectiveWait, Reshard)) and mod.edge.param == f:
-                        mod.edge.sink = self.states.add_grad
+                        mod.edge.sink = self._sink
                         uses[f] += 1
                     elif not (u.op == "call_module" and isinstance(mod, CollectiveStart)):
                         direct = True
@@ -282,6 +283,21 @@ class Runner:
         for mod in gm.modules():
             if isinstance(mod, ShardedDropout):
                 mod.tracker = self.tracker
+
+    def _sink(self, fqn: str, grad) -> None:
+        """Gradient of one parameter use: a tensor, or collectives in flight (finished after
+        backward, in launch order: the same on every rank)."""
+        if isinstance(grad, torch.Tensor):
+            self.states.add_grad(fqn, grad)
+        else:
+            self._inflight.append((fqn, grad))
+
+    def _finish_inflight(self) -> None:
+        from fxpar.runtime.reshard import finish
+
+        for fqn, pending in self._inflight:
+            self.states.add_grad(fqn, finish(pending)[0])
+        self._inflight.clear()
 
     def _leaf_hook(self, fqn: str):
         def hook(p: torch.Tensor) -> None:
@@ -336,6 +352,7 @@ class Runner:
                              "loss_fn=... to fxpar.compile")
         loss.backward()
         self.regathers = rg.count if rg is not None else 0
+        self._finish_inflight()
         self.states.finish_backward()
         self.tracker.next_step()
         return loss.detach()

@@ -78,7 +78,9 @@ class Edge:
     ``fwd`` reshapes the value ``src -> dst``; ``bwd`` (``None`` without gradient) takes the
     gradient from the consumer's gradient layout to the producer's (or, for a parameter, to
     its storage layout with ``P(sum)`` on the axes the model-state manager reduces over);
-    ``param`` is the parameter's FQN when the gradient goes to ``sink``.
+    ``param`` is the parameter's FQN when the gradient goes to ``sink(fqn, grad)``, where
+    ``grad`` is a tensor, or a :class:`fxpar.runtime.reshard.Pending` whose collectives are in
+    flight (the sink calls :func:`fxpar.runtime.reshard.finish` once backward is over).
     """
 
     name: str
@@ -120,11 +122,13 @@ class Edge:
             return None
         if self.scale != 1.0:
             g = g * self.scale
-        out = rt.execute(self.bwd, g.contiguous(), self.mesh) if self.bwd.steps else g
         if self.param is not None and self.sink is not None:
-            self.sink(self.param, out)
+            # A parameter's gradient feeds nothing else in backward: launch its collectives
+            # and let the sink finish them later (overlapping the rest of backward).
+            self.sink(self.param, rt.start([self.bwd], [g.contiguous()], self.mesh)
+                      if self.bwd.steps else g)
             return None
-        return out
+        return rt.execute(self.bwd, g.contiguous(), self.mesh) if self.bwd.steps else g
 
 
 class Regather:
