@@ -104,6 +104,8 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         with ctx_mgr:
             node = graph.call_module(target, args)
         node.meta[ir.EDGE] = edge
+        # the source line it serves, so print_readable shows where the collective comes from
+        node.meta[ir.STACK_TRACE] = where.meta.get(ir.STACK_TRACE)
         return node
 
     def edge_for(a, o, consumer_name, src, dst, gsrc) -> Edge | None:

@@ -41,6 +41,7 @@ import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -106,10 +107,21 @@ class Edge:
         """Whether the forward's first step talks to other ranks (then it is async)."""
         return bool(self.fwd.steps) and self.fwd.steps[0].kind not in LOCAL_KINDS
 
+    def group(self, axis: int) -> tuple[int, ...]:
+        """The ranks this rank talks to over mesh ``axis`` (needs ``coord``)."""
+        mesh = self.fwd.mesh
+        at = list(self.coord)
+        at[axis] = slice(None)
+        return tuple(int(d) for d in np.asarray(mesh.devices).reshape(mesh.shape)[tuple(at)])
+
     def describe(self) -> str:
-        """``all_gather(dp) S(0)R -> RR | grad reduce_scatter(dp)``-style summary."""
+        """``S(0)R -> RR: all_gather(dp) | grad ...``; on a rank's copy each collective also
+        names its group: ``all_gather(dp [0, 2])``."""
         def steps(p):
-            return " + ".join(f"{s.kind}({s.axis_name})" for s in p.steps if s.kind) or "-"
+            return " + ".join(
+                f"{s.kind}({s.axis_name}"
+                + ("" if self.coord is None or s.kind in LOCAL_KINDS else f" {list(self.group(s.axis))}")
+                + ")" for s in p.steps) or "-"
         g = "no grad" if self.bwd is None else f"grad {self.bwd.src} -> {self.bwd.dst}: {steps(self.bwd)}"
         return f"{self.fwd.src} -> {self.fwd.dst}: {steps(self.fwd)} | {g}"
 
