@@ -86,8 +86,8 @@ def test_megatron_mlp_one_forward_all_reduce(megatron_mlp):
         (FileCheck().check("aten.linear.default(args_0").check("aten.gelu")
          .check("aten.linear.default(gelu").check("all_reduce_tp__linear_1(linear_1)")
          .check("wait__linear_1(").check("mse_loss").run(gm.code))
-        # the readable form names the collective by kind and axis
-        assert "P(sum) -> RR: all_reduce(tp)" in gm.print_readable(print_output=False)
+        # the readable form names the collective by kind, axis and group
+        assert "P(sum) -> RR: all_reduce(tp [0, 1])" in gm.print_readable(print_output=False)
 
 
 @pytest.mark.timeout(60)
