@@ -164,9 +164,10 @@ def _zero3(prefetch):
 
 @pytest.mark.timeout(60)
 def test_zero3_prefetch_order():
-    """prefetch=1, per layer i (weights S(0) on dp, all-gathered before use):
+    """prefetch=1, per layer i (weights S(0) on dp, all-gathered before use; a layer's weight
+    and bias in one start):
 
-        start ag(w_i+1) -> linear_i (hides ag w_i+1) -> relu_i -> wait ag(w_i+1) -> linear_i+1
+        start ag(w_i+1, b_i+1) -> linear_i (hides ag) -> relu_i -> wait ag(w_i+1) -> linear_i+1
 
     prefetch=0 leaves every start right before its own wait."""
     gm = _zero3(1).rank_graph(0)
@@ -174,7 +175,9 @@ def test_zero3_prefetch_order():
     lin = ["linear", "linear_1", "linear_2", "linear_3"]
     ws = ["p_model_0_weight", "p_model_2_weight", "p_model_4_weight", "p_model_6_weight"]
     for i in range(3):
-        (FileCheck().check(f"all_gather_dp__{ws[i + 1]}({ws[i + 1]})")
+        # one start per layer: weight and bias gathered by one coalesced collective
+        b = ws[i + 1].replace("weight", "bias")
+        (FileCheck().check(f"all_gather_dp__{ws[i + 1]}({ws[i + 1]}, {b})")
          .check(f"{lin[i]} = torch.ops.aten.linear.default")
          .check(f"wait__{ws[i + 1]}(all_gather_dp__{ws[i + 1]}")
          .check(f"{lin[i + 1]} = torch.ops.aten.linear.default").run(code))
@@ -191,8 +194,13 @@ def test_zero3_prefetch_order():
     gm0 = _zero3(0).rank_graph(0)
     for s in _comm(gm0, CollectiveStart):
         assert isinstance(gm0.get_submodule(s.next.target), CollectiveWait) and s.next.args[0] is s
-    # the reordering moves only starts: same nodes, same computation
-    assert sorted(n.name for n in gm.graph.nodes) == sorted(n.name for n in gm0.graph.nodes)
+    # the reordering moves (and merges) only starts: the same other nodes, the same edges
+    def rest(g):
+        return sorted(n.name for n in g.graph.nodes if n not in _comm(g, CollectiveStart))
+
+    def edges(g):
+        return sorted(e.name for s in _comm(g, CollectiveStart) for e in g.get_submodule(s.target).edges)
+    assert rest(gm) == rest(gm0) and edges(gm) == edges(gm0)
 
 
 class _FakeStart(CollectiveStart):

@@ -204,13 +204,13 @@ def _meta_like(edge: Edge, x: torch.Tensor) -> torch.Tensor:
 
 class _Wait(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, pending, edge):
+    def forward(ctx, x, pending, edge, index):
         ctx.edge = edge
-        return _registered(rt.finish(pending)[0], x, edge)
+        return _registered(rt.finish(pending)[index], x, edge)
 
     @staticmethod
     def backward(ctx, g):
-        return ctx.edge.backward(g), None, None
+        return ctx.edge.backward(g), None, None, None
 
 
 class _Sync(torch.autograd.Function):
@@ -237,21 +237,35 @@ class _CommModule(nn.Module):
 
 
 class CollectiveStart(_CommModule):
-    """Launch the first (collective) round of ``edge.fwd``; returns the in-flight handle."""
+    """Launch the first (collective) round of ``edge.fwd`` — of several edges at once, whose
+    collectives are then coalesced (``extra`` edges, see passes/prefetch.py) — and return
+    the in-flight handle."""
 
-    def forward(self, x: torch.Tensor):
-        if x.device.type == "meta":
+    def __init__(self, edge: Edge, extra: tuple[Edge, ...] = ()) -> None:
+        super().__init__(edge)
+        self.edges = (edge,) + tuple(extra)
+
+    def extra_repr(self) -> str:
+        return "; ".join(f"{e.producer} -> {e.consumer}: {e.describe()}" for e in self.edges)
+
+    def forward(self, *xs: torch.Tensor):
+        if xs[0].device.type == "meta":
             return None
-        return rt.start([self.edge.fwd], [x.detach()], self.edge.mesh)
+        return rt.start([e.fwd for e in self.edges], [x.detach() for x in xs], self.edge.mesh)
 
 
 class CollectiveWait(_CommModule):
-    """Wait for a :class:`CollectiveStart` and finish ``edge.fwd``; backward = ``edge.bwd``."""
+    """Wait for a :class:`CollectiveStart` and finish ``edge.fwd`` (result ``index`` of the
+    start's edges); backward = ``edge.bwd``."""
+
+    def __init__(self, edge: Edge, index: int = 0) -> None:
+        super().__init__(edge)
+        self.index = index
 
     def forward(self, pending, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "meta":
             return _meta_like(self.edge, x)
-        return _Wait.apply(x, pending, self.edge)
+        return _Wait.apply(x, pending, self.edge, self.index)
 
 
 class Reshard(_CommModule):
