@@ -72,7 +72,8 @@ def _reference_loss(model, inputs, targets, loss_fn, kwargs):
     return out.loss if hasattr(out, "loss") else out
 
 
-def run_parity(name: str, plan: str, mesh: dict, s_g: int = 1, s_os: int = 1, steps: int = 3):
+def run_parity(name: str, plan: str, mesh: dict, s_g: int = 1, s_os: int = 1, steps: int = 3,
+               local: bool = False):
     """Worker: compile and train; assert parity on every rank; return per-step losses."""
     import fxpar
     from fxpar.runtime.reshard import distribute
@@ -87,14 +88,17 @@ def run_parity(name: str, plan: str, mesh: dict, s_g: int = 1, s_os: int = 1, st
     prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), inputs, kwargs,
                          loss_fn=loss_fn, example_targets=targets, plan=plan, mesh=mesh,
                          optimizer=opt, time_limit=20)
-    runner = prog.runner(s_g=s_g, s_os=s_os)
+    runner = prog.runner(s_g=s_g, s_os=s_os, local_batch=local)
+    # local=True: a data loader's per-rank batch (this rank's rows; plain data parallelism)
+    batch = [x.chunk(dist.get_world_size())[dist.get_rank()] for x in inputs + targets] \
+        if local else list(inputs + targets)
     ropt = opt(ref.parameters())
     pre = "model." if loss_fn is not None else ""
     ref_state = {pre + k: v for k, v in ref.named_parameters()}
     coord, shape = runner.coord, runner.mesh.shape
     losses = []
     for _ in range(steps):
-        loss = runner.forward_backward(*inputs, *targets, **kwargs)
+        loss = runner.forward_backward(*batch, **kwargs)
         rl = _reference_loss(ref, inputs, targets, loss_fn, kwargs)
         rl.backward()
         torch.testing.assert_close(loss, rl.detach(), **TOL)
@@ -132,6 +136,12 @@ def _check(results):
 ])
 def test_parity_2_ranks(pools, name, plan, mesh, s_g, s_os):
     _check(pools(2).run(run_parity, name, plan, mesh, s_g, s_os))
+
+
+@pytest.mark.timeout(300)
+def test_parity_local_batches(pools):
+    """``runner(local_batch=True)``: each rank feeds its own rows, as from a sharded loader."""
+    _check(pools(2).run(run_parity, "mlp", "dp", {"dp": 2}, 1, 1, 3, True))
 
 
 @pytest.mark.timeout(300)
