@@ -48,13 +48,26 @@ def _build(name: str):
         return m, (torch.randn(8, 16),), (torch.randn(8, 16),), nn.functional.mse_loss
     if name == "cnn":
         return CNN(), (torch.randn(8, 3, 8, 8),), (torch.randint(0, 10, (8,)),), nn.functional.cross_entropy
-    if name in ("gpt2", "llama"):
+    if name in ("gpt2", "llama", "bert", "mixtral"):
         import transformers as tf
 
         if name == "gpt2":
             cfg = tf.GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=4,
                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
             m = tf.GPT2LMHeadModel(cfg)
+        elif name == "bert":
+            cfg = tf.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, intermediate_size=64,
+                                max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                attention_probs_dropout_prob=0.0)
+            m = tf.BertForMaskedLM(cfg)
+        elif name == "mixtral":  # MoE: router top-k, per-expert index/scatter
+            cfg = tf.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, num_local_experts=4,
+                                   num_experts_per_tok=2, max_position_embeddings=16,
+                                   use_cache=False)
+            m = tf.MixtralForCausalLM(cfg)
         else:
             cfg = tf.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -79,7 +92,7 @@ def run_parity(name: str, plan: str, mesh: dict, s_g: int = 1, s_os: int = 1, st
     from fxpar.runtime.reshard import distribute
 
     model, inputs, targets, loss_fn = _build(name)
-    kwargs = {"labels": inputs[0]} if name in ("gpt2", "llama") else {}
+    kwargs = {"labels": inputs[0]} if name in ("gpt2", "llama", "bert", "mixtral") else {}
     ref = copy.deepcopy(model)
     # eps 1e-5: the key bias of attention gets an exactly-zero gradient in theory (softmax is
     # shift-invariant), i.e. rounding noise, which Adam with eps 1e-8 would blow up to steps of
@@ -133,6 +146,8 @@ def _check(results):
     ("cnn", "dp", {"dp": 2}, 1, 2),
     ("gpt2", "megatron", {"dp": 1, "tp": 2}, 1, 1),
     ("llama", "auto", {"tp": 2}, 1, 1),
+    ("bert", "megatron", {"dp": 1, "tp": 2}, 1, 1),
+    ("mixtral", "auto", {"dp": 2}, 1, 1),
 ])
 def test_parity_2_ranks(pools, name, plan, mesh, s_g, s_os):
     _check(pools(2).run(run_parity, name, plan, mesh, s_g, s_os))
