@@ -73,7 +73,7 @@ def _uses(gm: fx.GraphModule):
                 yield a, o, n, p, dst
 
 
-def _replica_axes(gm, uses, flags) -> dict[fx.Node, tuple[int, ...]]:
+def _replica_axes(uses, flags) -> dict[fx.Node, tuple[int, ...]]:
     out: dict[fx.Node, set[int]] = {}
     for a, o, n, p, dst in uses:
         if ir.PARAM in a.meta and flags.get(a):
@@ -88,7 +88,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     mesh, graph = ctx.mesh, gm.graph
     flags = grad_flags(gm)
     uses = list(_uses(gm))
-    replica = _replica_axes(gm, uses, flags)
+    replica = _replica_axes(uses, flags)
     gm.meta[ir.REPLICA_AXES] = {a.meta[ir.PARAM].fqn: tuple(mesh.axis_names[i] for i in ax)
                              for a, ax in replica.items()}
     names: dict[str, int] = {}
