@@ -143,42 +143,69 @@ class Edge:
         return rt.execute(self.bwd, g.contiguous(), self.mesh) if self.bwd.steps else g
 
 
+class _Group:
+    """The parameters one coalesced start gathered: gathered again together in backward."""
+
+    def __init__(self, plans, shards, mesh) -> None:
+        self.plans, self.shards, self.mesh = list(plans), [t.detach() for t in shards], mesh
+        self.packs = [0] * len(self.plans)   # saved tensors per member (counted in forward)
+        self.results: dict[int, torch.Tensor] = {}
+
+
 class Regather:
     """Saved-tensor hooks that free gathered parameters after their forward use and gather
     them again when backward needs them (ZeRO-3 / FSDP ``reshard_after_forward``; the planner
     prices that second gather). While active, every parameter a communication node gathers
-    is registered; a tensor autograd saves that is (a view of) one is packed as the local
-    shard + the edge, and unpacked by running the edge's forward plan again, then taking the
-    same view (the gather is deterministic, so the layout is the same).
+    is registered; a tensor autograd saves that is (a view of) one is packed as a reference to
+    its local shard and edge, and unpacked by running the edge's forward plan again, then
+    taking the same view (the gather is deterministic, so the layout is the same). Parameters
+    gathered by one coalesced start are gathered again together, once, when the first of them
+    is needed; each result is kept only until its last saved use is unpacked.
     Collective in backward: every rank unpacks in the same (autograd) order."""
 
     active: Regather | None = None
 
     def __init__(self) -> None:
         self.full: dict[int, tuple] = {}
-        self.count = 0  # gathers repeated in backward (for tests and stats)
+        self.count = 0  # collective re-gathers in backward (for tests and stats)
 
-    def register(self, full: torch.Tensor, edge: Edge, shard: torch.Tensor) -> None:
+    def register(self, full: torch.Tensor, edge: Edge, shard: torch.Tensor, pending=None,
+                 index: int = 0) -> None:
         base = full if full._base is None else full._base  # views are keyed by their root
-        self.full[id(base)] = (weakref.ref(base), edge, shard.detach())
+        group = None
+        if pending is not None and len(pending.plans) > 1:
+            group = getattr(pending, "regather_group", None)
+            if group is None:
+                group = pending.regather_group = _Group(pending.plans, pending.inputs, edge.mesh)
+        self.full[id(base)] = (weakref.ref(base), edge, shard.detach(), group, index)
 
     def alive(self) -> int:
         """How many gathered parameters are still held (after forward: 0 = all were freed)."""
-        return sum(1 for ref, _, _ in self.full.values() if ref() is not None)
+        return sum(1 for entry in self.full.values() if entry[0]() is not None)
 
     def pack(self, t: torch.Tensor):
         base = t if t._base is None else t._base
         hit = self.full.get(id(base))
         if hit is None or hit[0]() is not base:
             return t
-        return (Regather, hit[1], hit[2], t.size(), t.stride(), t.storage_offset(), t.requires_grad)
+        if hit[3] is not None:
+            hit[3].packs[hit[4]] += 1
+        return (Regather, hit[1:], t.size(), t.stride(), t.storage_offset())
 
     def unpack(self, x):
         if not (isinstance(x, tuple) and x and x[0] is Regather):
             return x
-        _, edge, shard, size, stride, offset, _ = x
-        self.count += 1
-        full = rt.execute(edge.fwd, shard, edge.mesh)
+        _, (edge, shard, group, index), size, stride, offset = x
+        if group is None:
+            self.count += 1
+            full = rt.execute(edge.fwd, shard, edge.mesh)
+        else:
+            if index not in group.results:
+                self.count += 1
+                got = rt.execute_many(group.plans, group.shards, group.mesh)
+                group.results = {i: t for i, t in enumerate(got) if group.packs[i] > 0}
+            group.packs[index] -= 1
+            full = group.results[index] if group.packs[index] else group.results.pop(index)
         return full.as_strided(size, stride, offset)
 
     def __enter__(self):
@@ -192,9 +219,10 @@ class Regather:
         return self._hooks.__exit__(*exc)
 
 
-def _registered(out: torch.Tensor, x: torch.Tensor, edge: Edge) -> torch.Tensor:
+def _registered(out: torch.Tensor, x: torch.Tensor, edge: Edge, pending=None,
+                index: int = 0) -> torch.Tensor:
     if Regather.active is not None and edge.param is not None:
-        Regather.active.register(out, edge, x)
+        Regather.active.register(out, edge, x, pending, index)
     return out
 
 
@@ -206,7 +234,7 @@ class _Wait(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, pending, edge, index):
         ctx.edge = edge
-        return _registered(rt.finish(pending)[index], x, edge)
+        return _registered(rt.finish(pending)[index], x, edge, pending, index)
 
     @staticmethod
     def backward(ctx, g):

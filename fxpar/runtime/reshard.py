@@ -374,6 +374,7 @@ class Pending:
     device_mesh: object
     mesh_shape: tuple[int, ...]
     coord: tuple[int, ...]
+    inputs: list = ()   # the local tensors started from
     done: list | None = None
 
 
@@ -393,7 +394,7 @@ def start(plans: Sequence, locals_: Sequence[torch.Tensor], mesh) -> Pending:
     comm_at = [k for k, x in enumerate(items) if isinstance(x, _Comm)]
     comms = [items[k] for k in comm_at]
     launched = _launch_comms(comms, dm, mesh_shape) if comms else None
-    return Pending(list(plans), items, comm_at, launched, dm, mesh_shape, coord)
+    return Pending(list(plans), items, comm_at, launched, dm, mesh_shape, coord, list(locals_))
 
 
 def finish(p: Pending) -> list[torch.Tensor]:
