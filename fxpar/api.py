@@ -16,9 +16,9 @@ Plans (``plan=``), all scored by the one cost model of :mod:`fxpar.planner`:
   ``dp``; the weights of linear layers are column (``S(0)`` on ``tp``) or row (``S(1)`` on
   ``tp``), alternating along the data path (row iff its input depends on a column output), replicated on ``dp``; linear outputs ``S(-1)`` (column)
   or ``P(sum)`` (row) on ``tp``;
-* ``"axonn"``: mesh ``(data, z, y, x)``: the first of :func:`fxpar.cost.axonn.rank_configs`
+* ``"axonn"``: mesh ``(data, z, y, x)``: the grids of :func:`fxpar.cost.axonn.rank_configs`
   whose batch split and model states fit (:func:`_axonn_fits`; AxoNN's own ranking counts
-  communication only); inputs
+  communication only), tried in rank order (up to 4) until one plans within memory; inputs
   ``S(0)`` on ``data`` and ``z``; linear weights ``(out, in)`` are ``y: S(1), x: S(0)``
   (column positions) or transposed ``y: S(0), x: S(1)`` (row positions), ``R`` on ``data`` and ``z``. Deviation: AxoNN keeps
   the weight sharded over ``z`` and all-gathers it (``t_AG,z + t_RS,z``); under fxpar's
@@ -40,7 +40,6 @@ solver. With a ``mesh=`` given, a baseline's pins are made for that mesh (last a
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -106,16 +105,22 @@ def baseline_mesh(kind: str, gm: fx.GraphModule, cluster) -> Mesh:
         t = min(cluster.devices_per_node, n)
         return Mesh(cluster, dp=n // t, tp=t)
     if kind == "axonn":
-        from fxpar.cost.axonn import rank_configs
-
-        L, h, tokens, batch = _graph_dims(gm)
-        fits = _axonn_fits(gm, cluster, batch)
-        kw = dict(n_layers=L, h=h, tokens=tokens)
-        cfgs = (rank_configs(n, cluster, batch=batch, feasible=fits, **kw)
-                or rank_configs(n, cluster, batch=batch, **kw) or rank_configs(n, cluster, **kw))
-        c = cfgs[0]
-        return Mesh(cluster, data=c.Gdata, z=c.Gz, y=c.Gy, x=c.Gx)
+        return axonn_meshes(gm, cluster, 1)[0]
     raise PlanError(f"unknown plan {kind!r}; one of {PLAN_KINDS}")
+
+
+def axonn_meshes(gm: fx.GraphModule, cluster, k: int = 4) -> list[Mesh]:
+    """AxoNN's ``k`` best ``(data, z, y, x)`` grids in rank order (:func:`_axonn_fits` first;
+    if no grid passes it, the ranking without it)."""
+    from fxpar.cost.axonn import rank_configs
+
+    n = cluster.num_devices
+    L, h, tokens, batch = _graph_dims(gm)
+    fits = _axonn_fits(gm, cluster, batch)
+    kw = dict(n_layers=L, h=h, tokens=tokens)
+    cfgs = (rank_configs(n, cluster, batch=batch, feasible=fits, **kw)
+            or rank_configs(n, cluster, batch=batch, **kw) or rank_configs(n, cluster, **kw))
+    return [Mesh(cluster, data=c.Gdata, z=c.Gz, y=c.Gy, x=c.Gx) for c in cfgs[:k]]
 
 
 def _axonn_fits(gm: fx.GraphModule, cluster, batch: int) -> Callable:
@@ -147,7 +152,10 @@ def _axonn_fits(gm: fx.GraphModule, cluster, batch: int) -> Callable:
 
 def candidate_meshes(gm: fx.GraphModule, cluster) -> list[Mesh]:
     """Meshes tried by ``plan="auto"`` without ``mesh=``: 1D dp, (dp, tp) with tp a power of
-    two ≤ devices per node, and AxoNN's best 4D grid; duplicates removed, order fixed."""
+    two ≤ devices per node, and the grid of the ``axonn`` baseline (:func:`baseline_mesh`)
+    unless it equals one of those once its size-1 axes are dropped (same devices in the same
+    order). So every baseline's default mesh is searched: ``auto`` is never worse than a
+    baseline. Order fixed."""
     n = cluster.num_devices
     out = [Mesh(cluster, dp=n)]
     for t in _pow2_upto(min(cluster.devices_per_node, n)):
@@ -155,7 +163,8 @@ def candidate_meshes(gm: fx.GraphModule, cluster) -> list[Mesh]:
             out.append(Mesh(cluster, dp=n // t, tp=t))
     if n >= 8:
         ax = baseline_mesh("axonn", gm, cluster)
-        if sum(s > 1 for s in ax.shape) > 2:
+        squeezed = tuple(s for s in ax.shape if s > 1) or (n,)
+        if all(tuple(m.shape) != squeezed for m in out):
             out.append(ax)
     return out
 
@@ -283,10 +292,16 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
     opts = PlannerOptions(**{**{f: getattr(opts, f) for f in opts.__dataclass_fields__},
                              **{k: v for k, v in kw.items() if v is not None or k == "time_limit"}})
     m = _as_mesh(mesh, cluster)
-    meshes = [m] if m is not None else (candidate_meshes(gm, cluster) if plan == "auto"
-                                         else [baseline_mesh(plan, gm, cluster)])
+    # axonn without a mesh: AxoNN's ranked grids in order, the first that plans (AxoNN tries
+    # its top configurations); the others: their one default mesh; auto: the best of all.
+    first_fit = m is None and plan == "axonn"
+    meshes = [m] if m is not None else (
+        candidate_meshes(gm, cluster) if plan == "auto" else
+        axonn_meshes(gm, cluster) if first_fit else [baseline_mesh(plan, gm, cluster)])
     best, tried, errors = None, [], []
     for msh in meshes:
+        if first_fit and best is not None:
+            break
         all_pins = dict(baseline_pins(plan, gm, msh)) if plan != "auto" else {}
         all_pins.update(pins or {})
         try:

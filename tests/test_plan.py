@@ -85,3 +85,24 @@ def test_compile_emit_false_and_unknown_plan(a100):
     assert isinstance(res.plan, Plan) and res.graph is not None
     with pytest.raises(PlanError, match="unknown plan"):
         plan(MLP(8, 16, 4), a100, (torch.randn(2, 8),), plan="pipedream")
+
+
+def test_axonn_baseline_on_a_4d_mesh_keeps_its_pins(a100):
+    """``plan="axonn"`` on a (data, z, y, x) mesh: user inputs S(0) on data and z (the batch
+    split over two axes), linear weights (out, in) y: S(1), x: S(0) at column positions
+    (qkv, fc1) and transposed at row positions (proj, fc2). A size-1 axis reads as R."""
+    from examples.models import GPT
+
+    cluster = fxpar.Cluster.preset("dgx-a100", nodes=2)
+    with torch.device("meta"):
+        model = GPT(vocab=64, d_model=32, n_heads=2, n_layers=1, seq_len=8)
+    gm = fxpar.capture(model, (torch.zeros(8, 8, dtype=torch.long, device="meta"),))
+    for mesh, inp in (({"data": 2, "z": 2, "y": 2, "x": 2}, "S(0)S(0)RR"),
+                      ({"data": 4, "z": 1, "y": 2, "x": 2}, "S(0)RRR")):
+        p = plan(model, cluster, graph=gm, mesh=mesh, plan="axonn", strategies=toy_strategies).plan
+        assert p.kind == "axonn" and p.mesh["axis_names"] == ("data", "z", "y", "x")
+        assert p.node("idx").outputs == (inp,)
+        for b in range(1):
+            for w, spec in (("attn_qkv", "RRS(1)S(0)"), ("attn_proj", "RRS(0)S(1)"),
+                            ("mlp_fc1", "RRS(1)S(0)"), ("mlp_fc2", "RRS(0)S(1)")):
+                assert p.node(f"p_blocks_{b}_{w}_weight").outputs == (spec,), (b, w)

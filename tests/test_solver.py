@@ -150,6 +150,43 @@ def test_ilp_equals_brute_force_on_random_problems():
     assert 5 <= infeasible <= 60  # both outcomes are exercised
 
 
+def test_dp_and_cp_sat_paths_both_equal_brute_force():
+    """The memory-free DP answers when its optimum fits the budget, CP-SAT otherwise; both
+    paths are exercised and both give the brute-force optimum (also with the DP off)."""
+    methods = []
+    for seed in range(400, 460):
+        p = random_problem(seed)
+        best = oracle(p)
+        s = check_against(p, best)
+        check_against(p, best, dp=False)
+        if s is not None:
+            methods.append(s.stats["method"])
+    assert methods.count("dp") >= 5 and methods.count("cp-sat") >= 3, methods
+
+
+def test_bucket_elimination_equals_enumeration_on_dense_graphs():
+    """eliminate() on unreduced problems with cycles (dense random DAGs, no memory): its
+    value is the minimum over all class assignments and is what its assignment costs."""
+    from fxpar.solver.dp import eliminate
+
+    checked = 0
+    for seed in range(500, 540):
+        p = random_problem(seed)
+        q = StrategyProblem(cost=p.cost, edges=[(a, b, r) for a, b, r in p.edges],
+                            names=p.names)
+        red = reduce_problem(q, reductions=())
+        got = eliminate(red)
+        assert got is not None
+        x, v = got
+        assert v == red.value(x)
+        best = min(red.value(list(y)) for y in itertools.product(*[range(d) for d in red.dom]))
+        assert v == best
+        checked += len(red.edges) > len(red.dom) - 1  # has a cycle
+    assert checked >= 5
+    # a frustrated grid: tables too large, None (CP-SAT solves it)
+    assert eliminate(reduce_problem(grid_problem(), reductions=()), max_table=10_000) is None
+
+
 REDUCTION_FIRED = {
     "ties": lambda st: st["tied"] > 0,
     "prune": lambda st: st["pruned"] > 0,
@@ -390,8 +427,8 @@ def test_solution_prints_and_indexes_by_name():
 
 def test_docstring_examples():
     import fxpar.solver as pkg
-    from fxpar.solver import ilp, problem, reduce
+    from fxpar.solver import dp, ilp, problem, reduce
 
-    for mod in (pkg, problem, reduce, ilp):
+    for mod in (pkg, problem, reduce, ilp, dp):
         res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
         assert res.failed == 0, mod.__name__

@@ -12,6 +12,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from fxpar.errors import PlanError
+from fxpar.solver.dp import eliminate
 from fxpar.solver.heuristic import feasible, greedy
 from fxpar.solver.problem import Solution, StrategyProblem, fmt_bytes
 from fxpar.solver.reduce import ALL_REDUCTIONS, Reduced, choose_scale, reduce_problem
@@ -95,6 +96,11 @@ class _Model:
         # proves the tied 8B model optimal 5-10x faster.
         s.parameters.linearization_level = 2
         s.parameters.add_lp_constraints_lazily = False
+        # Probing (fixing each Boolean in turn in presolve and at the root) found nothing on
+        # the planner's programs and took over half of the time (Llama-3-8B on (8, 8) with
+        # memory: 8.0 s -> 3.1 s without it; GPT-3-175B on (128, 8): 1.7 s -> 0.8 s; same
+        # optimum and the same choice).
+        s.parameters.cp_model_probing_level = 0
         s.parameters.num_workers = workers
         s.parameters.random_seed = seed
         if workers > 1:  # deterministic whatever the worker count (sat_parameters.proto)
@@ -116,7 +122,7 @@ def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
           det_time_limit: float | None = None, workers: int = 1, seed: int = 0,
           reductions: Collection[str] = ALL_REDUCTIONS, edge_encoding: str | None = None,
           scale: float | None = None, log: bool = False, hint: bool = True,
-          params: dict | None = None) -> Solution:
+          params: dict | None = None, dp: bool = True) -> Solution:
     """Optimal (or, under a time limit, best found) strategy per node of ``problem``.
 
     Deterministic: the model is built in a canonical order and CP-SAT runs with a fixed
@@ -128,6 +134,11 @@ def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
     Raises :class:`PlanError` if the memory budget cannot be met (naming the budget, the
     smallest achievable peak and the liveness point that binds there) or if no feasible
     assignment was found before the time limit.
+
+    ``dp``: first solve the reduced problem without its memory points by bucket elimination
+    (:mod:`fxpar.solver.dp`, exact); if that optimum fits the budget it is the answer
+    (``stats["method"] == "dp"``), else (or when its tables would be too large) CP-SAT
+    solves the full program (``"cp-sat"``).
 
     >>> p = StrategyProblem(cost=[[1.0, 2.0], [3.0, 0.5]], edges={(0, 1): [[0, 4], [4, 0]]},
     ...                     names=["mm", "relu"])
@@ -145,11 +156,20 @@ def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
     if red.budget is not None and any(const > red.budget for const, _, _ in red.points):
         _raise_memory(problem, time_limit, workers, seed, reductions)
 
-    if not red.dom:  # the reductions decided everything
-        x: list[int] = []
+    exact = None
+    if red.dom and dp:
+        t1 = time.perf_counter()
+        exact = eliminate(red)
+        stats["dp_s"] = time.perf_counter() - t1
+        if exact is not None and not feasible(red, exact[0]):
+            exact = None  # memory binds: the relaxation's optimum is not a plan
+    if not red.dom or exact is not None:  # decided by the reductions or by the DP
+        x: list[int] = exact[0] if exact is not None else []
         status, bound_units = "OPTIMAL", 0
-        stats["solve_s"] = 0.0
+        stats["solve_s"] = stats.get("dp_s", 0.0)
+        stats["method"] = "dp" if exact is not None else "reductions"
     else:
+        stats["method"] = "cp-sat"
         model = _Model(red)
         model.add_cost_objective(encoding)
         if red.budget is not None:

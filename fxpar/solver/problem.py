@@ -96,13 +96,24 @@ class StrategyProblem:
                 raise PlanError(f"{what}: unknown node {x!r}")
             return i
 
+        # The planner hands the copies of a repeated block the same vector objects: each
+        # object is converted and checked once. The cache holds ``v`` itself, so an id is
+        # never reused by another object (rows of a 2-D array are temporaries).
+        seen: dict[tuple[str, int], tuple[object, np.ndarray]] = {}
+
         def vec(v, i: int, what: str) -> np.ndarray:
+            got = seen.get((what, id(v)))
+            if got is not None:
+                return got[1]
             a = np.array(v, dtype=np.float64).reshape(-1)
             if not np.all(np.isfinite(a)) or np.any(a < 0):
                 raise PlanError(f"{what} of node {names[i]!r} must be finite and >= 0: {a}")
+            if what == "mem":
+                a = np.rint(a).astype(np.int64)
+            seen[what, id(v)] = (v, _ro(a))
             return a
 
-        costs = tuple(_ro(vec(c, i, "cost")) for i, c in enumerate(cost))
+        costs = tuple(vec(c, i, "cost") for i, c in enumerate(cost))
         for i, c in enumerate(costs):
             if c.size == 0:
                 raise PlanError(f"node {names[i]!r} has no strategy")
@@ -111,7 +122,7 @@ class StrategyProblem:
         else:
             if len(mem) != n:
                 raise PlanError(f"mem has {len(mem)} rows for {n} nodes")
-            mems = tuple(_ro(np.rint(vec(m, i, "mem")).astype(np.int64)) for i, m in enumerate(mem))
+            mems = tuple(vec(m, i, "mem") for i, m in enumerate(mem))
         for i in range(n):
             if mems[i].size != costs[i].size:
                 raise PlanError(f"node {names[i]!r}: {costs[i].size} costs, {mems[i].size} mems")

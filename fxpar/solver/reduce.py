@@ -87,9 +87,28 @@ class Reduced:
         return v + sum(int(a[x[c], x[d]]) for c, d, a in self.edges)
 
 
+_DIRECT_MIN_DELTA = 4096  # entries of an edge matrix below which _min_delta goes direct
+
+
+def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(u, inv)`` with ``a == u[inv]``: the distinct rows of ``a`` (sorted)."""
+    u, inv = np.unique(a, axis=0, return_inverse=True)
+    return u, inv.reshape(-1)
+
+
 def _min_delta(a: np.ndarray) -> np.ndarray:
-    """``D[u, v] = min_w (a[u, w] - a[v, w])``: the least change on this edge from u to v."""
-    return (a[:, None, :] - a[None, :, :]).min(axis=2)
+    """``D[u, v] = min_w (a[u, w] - a[v, w])``: the least change on this edge from u to v.
+
+    Computed on the distinct rows and distinct columns of ``a`` and expanded by index (a
+    4-D-mesh strategy list has hundreds of values but an edge sees only the few distinct
+    specs at its ports): the same minima over the same numbers, so bit-identical to the
+    direct ``O(n²m)`` formula at a fraction of its cost."""
+    if a.size <= _DIRECT_MIN_DELTA:  # small: np.unique costs more than it saves
+        return (a[:, None, :] - a[None, :, :]).min(axis=2)
+    rows, inv = _unique_rows(a)
+    cols = np.unique(rows, axis=1)
+    d = (cols[:, None, :] - cols[None, :, :]).min(axis=2)
+    return d[np.ix_(inv, inv)]
 
 
 class _Reducer:
@@ -294,8 +313,16 @@ class _Reducer:
         for p in sorted(self.adj[j]):
             base = cj[:, None] - cj[None, :] + total - deltas[p]          # [v, v*]
             e = self.adj[p][j]                                            # [u, v]
-            tot = base[None] + e[:, :, None] - e[:, None, :]              # [u, v, v*]
-            good = ((tot >= -self.tol) & memdom[None]).all(axis=1)        # [u, v*]
+            if e.size <= _DIRECT_MIN_DELTA:
+                tot = base[None] + e[:, :, None] - e[:, None, :]          # [u, v, v*]
+                good = ((tot >= -self.tol) & memdom[None]).all(axis=1)    # [u, v*]
+            else:  # equal rows u give equal answers: one [v, v*] slice per distinct row
+                eu, inv = _unique_rows(e)
+                good = np.empty((eu.shape[0], cj.size), dtype=bool)
+                for k in range(eu.shape[0]):
+                    tot = base + eu[k][:, None] - eu[k][None, :]
+                    good[k] = ((tot >= -self.tol) & memdom).all(axis=0)
+                good = good[inv]
             if not good.any(axis=1).all():
                 continue
             vstar = good.argmax(axis=1)                                   # smallest v*
