@@ -51,6 +51,8 @@ True
 
 from __future__ import annotations
 
+import math
+
 import functools
 from collections import Counter
 from collections.abc import Sequence
@@ -230,7 +232,9 @@ def _calibrated(collective: str, group: tuple[int, ...], cluster, alpha: float, 
         if entry is not None:
             # The profile measured one group alone; keep the modelled slowdown from sharing.
             alone = group_bandwidth(group, cluster, placement_aware=placement_aware, collective=collective)
-            alpha, beta = entry.latency, entry.bandwidth * (beta / alone)
+            # (a flat calibration fit gives β = inf: no measurable bandwidth term, no sharing)
+            share = beta / alone if math.isfinite(alone) and alone > 0 else 1.0
+            alpha, beta = entry.latency, entry.bandwidth * share
     return alpha, beta
 
 

@@ -201,3 +201,13 @@ def test_sharing_never_helps(dp, tp, m):
             shared = collective_time("all_reduce", m, g, c, concurrent=mesh.groups(axis))
             assert shared >= alone * (1 - 1e-12)
     assert math.isfinite(axis_collective_time("all_gather", m, mesh, "tp"))
+
+
+def test_flat_calibration_fit_gives_finite_times():
+    """A calibration whose times do not grow with size fits β = inf (no bandwidth term); the
+    cluster then carries inf bandwidth too, and times must stay α-only, never NaN."""
+    e = ProfileEntry(collective="all_reduce", level="intra", group_size=4, latency=1e-4,
+                     bandwidth=float("inf"))
+    c = Cluster.local(4, profile=Profile((e,)), intra_node_bandwidth=float("inf"))
+    steps, _ = ring_steps_and_factor("all_reduce", 4)
+    assert collective_time("all_reduce", 2**20, range(4), c) == pytest.approx(steps * 1e-4)
