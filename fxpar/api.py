@@ -40,6 +40,7 @@ solver. With a ``mesh=`` given, a baseline's pins are made for that mesh (last a
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -197,6 +198,12 @@ def _col_flags(gm: fx.GraphModule) -> dict[fx.Node, bool]:
             flag[n] = col
         else:
             flag[n] = carried
+    # Copies of a repeated block are pinned like the first copy: an MoE router's column
+    # output reaches the next block through the routing weights and would flip its flags.
+    first: dict[str, bool] = {}
+    for w in out:
+        key = re.sub(r"\.\d+\.", ".#.", w.meta[ir.PARAM].fqn)
+        out[w] = first.setdefault(key, out[w])
     return out
 
 

@@ -106,3 +106,30 @@ def test_axonn_baseline_on_a_4d_mesh_keeps_its_pins(a100):
             for w, spec in (("attn_qkv", "RRS(1)S(0)"), ("attn_proj", "RRS(0)S(1)"),
                             ("mlp_fc1", "RRS(1)S(0)"), ("mlp_fc2", "RRS(0)S(1)")):
                 assert p.node(f"p_blocks_{b}_{w}_weight").outputs == (spec,), (b, w)
+
+
+def test_megatron_baseline_on_moe_pins_every_block_alike():
+    """Mixtral: the router's column output reaches the next block through the routing
+    weights; the next block's q/k/v must still be column (the blocks are tied)."""
+    import transformers as tf
+
+    from fxpar.api import baseline_pins
+    from fxpar.capture import capture
+    from fxpar.mesh import Mesh
+
+    cfg = tf.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           num_local_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=16, use_cache=False)
+    with torch.device("meta"):
+        model = tf.MixtralForCausalLM(cfg)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    gm = capture(model, (ids,), {"labels": ids})
+    cluster = fxpar.Cluster.local(2)
+    pins = baseline_pins("megatron", gm, Mesh(cluster, dp=1, tp=2))
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        p0, p1 = (str(pins[f"model.layers.{i}.self_attn.{name}.weight"]) for i in (0, 1))
+        assert p0 == p1, (name, p0, p1)
+    assert str(pins["model.layers.1.self_attn.q_proj.weight"]) == "RS(0)"  # column
+    p = plan(model, cluster, (ids,), {"labels": ids}, plan="megatron", mesh={"dp": 1, "tp": 2})
+    assert p.plan.kind == "megatron"
