@@ -7,13 +7,14 @@ Contract (per rank, ``ctx.coord`` set; runs after insert_collectives):
   (``Spec.local_shape`` of its output spec); parameters and buffers are placeholders fed with
   local shards by the runner;
 * size arguments become local: ``view``/``reshape``/``_unsafe_view``/``expand`` and the
-  ``new_*``/``zeros``/``ones``/``empty``/``full``/``rand*`` factories get the output's local
+  ``new_*``/``zeros``/``ones``/``empty``/``full`` factories get the output's local
   shape, ``unflatten`` its local sizes, a sharded ``arange`` its local bounds;
 * device arguments (``device=``, ``.to(device)``) name ``ctx.device``;
 * a vocabulary-parallel ``embedding`` (strategy ``vocab``) becomes
   :func:`fxpar.runtime.ops.vocab_parallel_embedding` with this rank's first row;
 * ``aten.dropout`` becomes a :class:`fxpar.runtime.ops.ShardedDropout` keyed by the node and
-  this rank's coordinates on the axes that shard its input.
+  this rank's coordinates on the axes that shard its input; any other random op raises
+  :class:`fxpar.PlanError` naming the node (replicas would silently diverge).
 
 Example (``view(x[4, 6], [4, 2, 3])`` with ``x`` ``S(0)`` on a 2-way axis, coordinate 1):
 the node becomes ``view(x, [2, 2, 3])``.
@@ -40,8 +41,15 @@ _SHAPE_ARG1 = {aten.view.default, aten.reshape.default, aten._unsafe_view.defaul
                aten.expand.default, aten.new_zeros.default, aten.new_ones.default,
                aten.new_empty.default, aten.new_full.default}
 _SHAPE_ARG0 = {aten.zeros.default, aten.ones.default, aten.empty.memory_format,
-               aten.full.default, aten.rand.default, aten.randn.default}
+               aten.full.default}
 _DROPOUT = {aten.dropout.default}
+#: Random ops with no shard-aware replacement yet: ranks holding the same data would draw
+#: different numbers (silently wrong), so they are refused.
+_RANDOM = {aten.rand.default, aten.randn.default, aten.rand_like.default, aten.randn_like.default,
+           aten.bernoulli.default, aten.bernoulli.p, aten.randint.default, aten.randint_like.default,
+           aten.randperm.default, aten.multinomial.default, aten.normal.Tensor_float,
+           aten.native_dropout.default, aten.uniform_.default, aten.normal_.default,
+           aten.bernoulli_.float}
 
 
 def _local(spec, v: torch.Tensor, ctx: PassContext) -> torch.Tensor:
@@ -102,6 +110,9 @@ def localize_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             start = wspec.global_slices(glob_shape[w], ctx.mesh.shape, ctx.coord)[0].start
             n.target = vocab_parallel_embedding
             n.args = (n.args[0], n.args[1], start) + tuple(n.args[2:])
+        elif n.target in _RANDOM:
+            raise PlanError(f"node {n.name} ({n.target}): random ops other than dropout are not "
+                            "supported under sharding yet (replicas would draw different values)")
         elif n.target in _DROPOUT:
             x = n.args[0]
             xs = n.meta[ir.IN_SPECS][0]

@@ -51,3 +51,20 @@ def test_plan_from_another_graph_is_an_error():
                           emit=False)
     with pytest.raises(fxpar.PlanError, match="does not match this graph"):
         run_passes(other.graph, PassContext(p.plan, None), GLOBAL_PASSES[:1])
+
+
+def test_random_op_without_shard_rule_is_refused():
+    """Noise added in forward would differ between replicas: refused, naming the node."""
+
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x) + 0.1 * torch.randn_like(x)
+
+    prog = fxpar.compile(Noisy(), fxpar.Cluster.local(2), (torch.randn(4, 4),), mesh={"dp": 2},
+                         plan="dp", training=False)
+    with pytest.raises(fxpar.PlanError, match="randn_like.*random ops other than dropout"):
+        prog.rank_graph(0)
