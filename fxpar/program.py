@@ -225,6 +225,7 @@ class Runner:
         self.local_batch = local_batch
         self.regather, self.regathers = regather, 0
         self._inflight: list = []
+        self._buckets: dict[tuple, list] = {}
         gm = program.rank_graph(rank, self.device)
         self.gm = gm
         # parameters and buffers: this rank's shards only
@@ -284,19 +285,35 @@ class Runner:
             if isinstance(mod, ShardedDropout):
                 mod.tracker = self.tracker
 
-    def _sink(self, fqn: str, grad) -> None:
-        """Gradient of one parameter use: a tensor, or collectives in flight (finished after
-        backward, in launch order: the same on every rank)."""
-        if isinstance(grad, torch.Tensor):
-            self.states.add_grad(fqn, grad)
-        else:
-            self._inflight.append((fqn, grad))
+    def _sink(self, edge, grad: torch.Tensor) -> None:
+        """Gradient of one parameter use (``Edge.backward``): no plan → straight to the model
+        states; else its collectives are launched now, coalesced with the rest of its bucket
+        once the whole bucket has arrived, and finished after backward. Launch order follows
+        autograd's order, the same on every rank."""
+        if not edge.bwd.steps:
+            self.states.add_grad(edge.param, grad)
+            return
+        key = edge.bucket or (edge.name,)
+        got = self._buckets.setdefault(key, [])
+        got.append((edge, grad))
+        if len(got) == len(key):
+            self._launch(key)
+
+    def _launch(self, key) -> None:
+        from fxpar.runtime.reshard import start
+
+        got = self._buckets.pop(key)
+        pending = start([e.bwd for e, _ in got], [g for _, g in got], got[0][0].mesh)
+        self._inflight.append(([e.param for e, _ in got], pending))
 
     def _finish_inflight(self) -> None:
         from fxpar.runtime.reshard import finish
 
-        for fqn, pending in self._inflight:
-            self.states.add_grad(fqn, finish(pending)[0])
+        for key in sorted(self._buckets):  # buckets some of whose gradients never came
+            self._launch(key)
+        for fqns, pending in self._inflight:
+            for fqn, g in zip(fqns, finish(pending)):
+                self.states.add_grad(fqn, g)
         self._inflight.clear()
 
     def _leaf_hook(self, fqn: str):

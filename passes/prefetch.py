@@ -10,7 +10,8 @@ order of their first wait. The starts of one unit become ONE ``CollectiveStart``
 edges (their collectives coalesce, as FSDP gathers a block's flat parameter), placed right
 after the first wait of unit ``k - W`` with ``W = ctx.prefetch`` (the first ``W`` units at the
 top of the program): at most ``W`` units are gathered ahead of use, which bounds the extra
-memory. Only start nodes move or merge, so results never change; ``W = 0`` leaves the graph
+memory. The unit's parameter gradients form one backward bucket (``Edge.bucket``): their
+collectives are launched together once all have arrived. Only start nodes move or merge, so results never change; ``W = 0`` leaves the graph
 as is.
 
 With ``W = 1`` and one weight per layer the order is (layer ``i`` computes while layer
@@ -58,6 +59,13 @@ def prefetch_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         head, _ = unit[0]
         if len(unit) > 1:  # one start for the whole unit: its collectives coalesce
             mods = [gm.get_submodule(s.target) for s, _ in unit]
+            # ... and so do the gradient collectives of its parameters in backward
+            waits = [gm.get_submodule(w.target).edge for _, w in unit]
+            bucket = tuple(e.name for e in waits if e.param is not None and e.bwd is not None
+                           and e.bwd.steps)
+            for e in waits:
+                if e.name in bucket:
+                    e.bucket = bucket
             gm.add_submodule(head.target, CollectiveStart(mods[0].edge, tuple(m.edge for m in mods[1:])))
             head.args = tuple(s.args[0] for s, _ in unit)
             for i, (s, w) in enumerate(unit[1:], 1):

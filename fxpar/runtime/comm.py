@@ -79,9 +79,10 @@ class Edge:
     ``fwd`` reshapes the value ``src -> dst``; ``bwd`` (``None`` without gradient) takes the
     gradient from the consumer's gradient layout to the producer's (or, for a parameter, to
     its storage layout with ``P(sum)`` on the axes the model-state manager reduces over);
-    ``param`` is the parameter's FQN when the gradient goes to ``sink(fqn, grad)``, where
-    ``grad`` is a tensor, or a :class:`fxpar.runtime.reshard.Pending` whose collectives are in
-    flight (the sink calls :func:`fxpar.runtime.reshard.finish` once backward is over).
+    ``param`` is the parameter's FQN when the gradient goes to ``sink(edge, grad)`` instead
+    of autograd: ``grad`` in the consumer's gradient layout, scaled; the sink runs ``bwd``
+    (asynchronously, coalesced with the other edges of ``bucket``: the parameters one layer
+    gathered together, see passes/prefetch.py).
     """
 
     name: str
@@ -91,7 +92,8 @@ class Edge:
     bwd: ReshardPlan | None
     scale: float = 1.0
     param: str | None = None
-    sink: Callable[[str, torch.Tensor], None] | None = field(default=None, repr=False)
+    sink: Callable[[Edge, torch.Tensor], None] | None = field(default=None, repr=False)
+    bucket: tuple[str, ...] = ()
     coord: tuple[int, ...] | None = field(default=None, repr=False)
     _dm: object = field(default=None, repr=False)
 
@@ -135,10 +137,9 @@ class Edge:
         if self.scale != 1.0:
             g = g * self.scale
         if self.param is not None and self.sink is not None:
-            # A parameter's gradient feeds nothing else in backward: launch its collectives
-            # and let the sink finish them later (overlapping the rest of backward).
-            self.sink(self.param, rt.start([self.bwd], [g.contiguous()], self.mesh)
-                      if self.bwd.steps else g)
+            # A parameter's gradient feeds nothing else in backward: the sink launches its
+            # collectives and finishes them after backward (overlapping the rest of it).
+            self.sink(self, g.contiguous())
             return None
         return rt.execute(self.bwd, g.contiguous(), self.mesh) if self.bwd.steps else g
 
