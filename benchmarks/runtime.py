@@ -377,13 +377,10 @@ def main() -> None:
                   f"{'-':>7} {'-':>6} {'-':>11}   {r['torch_side']}\n"
                   f"            fxpar: {e['type']}: {e['message'][:300]}")
             continue
-        print(f"{r['strategy']:<11} {r['fxpar_median_ms']:>9.2f} {r['torch_median_ms']:>9.2f} "
-              f"{r['ratio']:>12.3f} {r['paired_ratio_median']:>7.3f} {r['ratio_of_mins']:>6.3f} "
-              f"{r['loss_max_abs_diff']:>11.2e}"
-              f"   {r['torch_side']}")
-        if "vocab_parallel" in r:
-            v = r["vocab_parallel"]
-            print(f"{r['strategy'] + '+vp':<11} {r['fxpar_median_ms']:>9.2f} {v['torch_median_ms']:>9.2f} "
+        sides = [(r["strategy"], r)] + ([(r["strategy"] + "+vp", r["vocab_parallel"])]
+                                         if "vocab_parallel" in r else [])
+        for label, v in sides:
+            print(f"{label:<11} {r['fxpar_median_ms']:>9.2f} {v['torch_median_ms']:>9.2f} "
                   f"{v['ratio']:>12.3f} {v['paired_ratio_median']:>7.3f} {v['ratio_of_mins']:>6.3f} "
                   f"{v['loss_max_abs_diff']:>11.2e}   {v['torch_side']}")
     print("fxpar/torch: ratio of medians; paired: median of per-step ratios (same step index); "

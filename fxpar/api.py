@@ -332,23 +332,14 @@ class _WithLoss(torch.nn.Module):
 
     fxpar_wraps_loss = True
 
-    def __init__(self, model: torch.nn.Module, loss_fn: Callable, n_inputs: int) -> None:
+    def __init__(self, model: torch.nn.Module, loss_fn: Callable, n_inputs: int,
+                 n_targets: int = 0) -> None:
         super().__init__()
-        self.model, self.loss_fn, self.n_inputs = model, loss_fn, n_inputs
-
-    @property
-    def n_targets(self) -> int:
-        return getattr(self, "_n_targets", 0)
+        self.model, self.loss_fn = model, loss_fn
+        self.n_inputs, self.n_targets = n_inputs, n_targets
 
     def forward(self, *args, **kwargs):
         return self.loss_fn(self.model(*args[:self.n_inputs], **kwargs), *args[self.n_inputs:])
-
-
-def _with_loss(model, loss_fn, n_inputs: int, n_targets: int | None = None) -> _WithLoss:
-    w = _WithLoss(model, loss_fn, n_inputs)
-    if n_targets is not None:
-        w._n_targets = n_targets
-    return w
 
 
 class _Frozen:
@@ -388,7 +379,7 @@ def compile(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | tor
 
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     targets = tuple(example_targets)
-    wrapped = _with_loss(model, loss_fn, len(args), len(targets)) if loss_fn is not None else model
+    wrapped = _WithLoss(model, loss_fn, len(args), len(targets)) if loss_fn is not None else model
     was_training = model.training
     model.train(training)
     try:

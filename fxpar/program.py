@@ -138,7 +138,7 @@ def load(path, model: torch.nn.Module, *, optimizer: Callable | None = None,
          loss_fn: Callable | None = None) -> Program:
     """Rebuild a :class:`Program` from :meth:`Program.save` for ``model`` (re-captured from the
     saved input shapes). Raises :class:`PlanError` if the file was made for another model."""
-    from fxpar.api import _Frozen, _with_loss
+    from fxpar.api import _Frozen, _WithLoss
     from fxpar.capture import capture
 
     with open(path) as f:
@@ -150,7 +150,7 @@ def load(path, model: torch.nn.Module, *, optimizer: Callable | None = None,
             else i["value"] for i in d["inputs"]]
     args, kwargs = pytree.tree_unflatten(flat, pytree.treespec_loads(d["in_spec"]))
     n_t = d.get("n_targets", 0)
-    wrapped = _with_loss(model, loss_fn, len(args) - n_t, n_t) if loss_fn else model
+    wrapped = _WithLoss(model, loss_fn, len(args) - n_t, n_t) if loss_fn else model
     training = d.get("training", True)
     was_training = model.training
     model.train(training)  # captured as compile() did: eval + frozen for inference plans
