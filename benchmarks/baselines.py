@@ -6,9 +6,9 @@ shapes, resharding/collective times on the mesh, model-state + activation memory
 device); the real strategy rules (``fxpar.strategies.strategies_for``) throughout. Models are
 built on ``meta`` and captured once; each (model, cluster) pair is then planned:
 
-* ``auto``: ``fxpar.plan(...)`` with its own mesh search (:func:`fxpar.api.candidate_meshes`:
+* ``auto``: ``fxpar.plan(...)`` with its own mesh search (:func:`fxpar.planner.candidate_meshes`:
   ``(dp=64)``, ``(dp, tp)`` for ``tp`` = 2 .. devices per node, and AxoNN's grid);
-* each baseline on its own default mesh (:func:`fxpar.api.baseline_mesh`) with its pins;
+* each baseline on its own default mesh (:func:`fxpar.planner.baseline_mesh`) with its pins;
   ``axonn`` tries AxoNN's ranked grids in order and keeps the first that fits.
 
 A baseline that does not fit device memory (or whose pins cannot be met) is recorded as

@@ -118,7 +118,7 @@ def small_gpt_row():
         warnings.simplefilter("ignore")
         gm = fxpar.capture(g, (idx, idx))
     cap = time.perf_counter() - t0
-    from fxpar.api import candidate_meshes
+    from fxpar.planner import candidate_meshes
 
     per_mesh = []
     for m in candidate_meshes(gm, cluster):

@@ -24,7 +24,7 @@ from fxpar import ir
 from fxpar.capture import capture, run_captured
 from fxpar.ir import InputInfo, OutputInfo, ParamInfo, TensorMeta
 from fxpar.reshard import ReshardPlan, ReshardStep, reshard_plan
-from fxpar.plan import EdgePlan, NodePlan, Plan, StepCost
+from fxpar.plan_data import EdgePlan, NodePlan, Plan, StepCost
 from fxpar.planner import PlannerOptions, plan_graph
 from fxpar.api import Planned, compile, plan
 from fxpar.program import Program, Runner, load

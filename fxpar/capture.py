@@ -31,7 +31,7 @@ training IR. The graph is ATen-level and keeps the composite training ops (``ate
 ``aten.scaled_dot_product_attention``, ``aten.layer_norm``, ``aten.cross_entropy_loss``...). It
 is non-functional: in-place buffer updates (BatchNorm running stats) stay in place. Placeholders
 are, in order, parameters ``p_*``, buffers ``b_*``, then the flat user inputs; the graph returns
-the flat user outputs as a tuple (``OUT_SPEC`` rebuilds e.g. a transformers ``ModelOutput``).
+the flat user outputs as a tuple (``OUTPUT_TREE`` rebuilds e.g. a transformers ``ModelOutput``).
 fxpar normalizes what export leaves behind: tied-weight placeholders are merged, lifted tensor
 constants become ``get_attr`` buffers of the graph module (``meta[CONSTANT]``),
 ``wrap_with_set_grad_enabled`` regions (e.g. Llama's ``@torch.no_grad`` rotary embedding) are
@@ -100,7 +100,8 @@ from fxpar import ir
 from fxpar.errors import CaptureError
 from fxpar.ir import InputInfo, OutputInfo, ParamInfo
 
-__all__ = ["capture", "run_captured", "Frontend", "FRONTENDS"]
+__all__ = ["capture", "run_captured", "flatten_inputs", "WithLoss", "frozen_params", "Frontend",
+           "FRONTENDS"]
 
 Frontend = Literal["auto", "export", "export_strict", "symbolic_trace"]
 #: What ``frontend="auto"`` tries, in order: the ATen-level routes first, torch-level last.
@@ -180,8 +181,8 @@ def run_captured(gm: fx.GraphModule, model: torch.nn.Module, *args: Any, **kwarg
         return torch.func.functional_call(gm, bound, args, kwargs)
     flat_params = [state[n.meta[ir.PARAM].fqn] for n in gm.graph.find_nodes(op="placeholder")
                    if ir.PARAM in n.meta]
-    in_spec = gm.meta[ir.IN_SPEC]
-    flat_inputs = _flatten_inputs(args, kwargs, in_spec)
+    in_spec = gm.meta[ir.INPUT_TREE]
+    flat_inputs = flatten_inputs(args, kwargs, in_spec)
     flat_out = gm(*flat_params, *flat_inputs)
     by_input = {i.name: x for i, x in zip(ir.user_inputs(gm), flat_inputs, strict=True)}
     user: list[Any] = []
@@ -194,7 +195,7 @@ def run_captured(gm: fx.GraphModule, model: torch.nn.Module, *args: Any, **kwarg
             # just as eager batch-norm's in-place update does not.
             dst = state[info.target] if info.kind == "buffer_mutation" else by_input[info.target]
             dst.data.copy_(value)
-    return pytree.tree_unflatten(user, gm.meta[ir.OUT_SPEC])
+    return pytree.tree_unflatten(user, gm.meta[ir.OUTPUT_TREE])
 
 
 # --- export frontends ----------------------------------------------------------------------------
@@ -307,8 +308,8 @@ def _from_exported(ep: torch.export.ExportedProgram, model: torch.nn.Module,
     gm.meta[ir.PARAMS] = infos
     gm.meta[ir.INPUTS] = tuple(inputs)
     gm.meta[ir.OUTPUTS] = tuple(outs)
-    gm.meta[ir.IN_SPEC] = in_spec
-    gm.meta[ir.OUT_SPEC] = ep.call_spec.out_spec
+    gm.meta[ir.INPUT_TREE] = in_spec
+    gm.meta[ir.OUTPUT_TREE] = ep.call_spec.out_spec
     gm.meta[ir.FRONTEND] = frontend
     graph.lint()
     gm.recompile()
@@ -551,8 +552,8 @@ def _symbolic_trace(model: torch.nn.Module, args: tuple, kwargs: dict) -> fx.Gra
     gm.meta[ir.PARAMS] = infos
     gm.meta[ir.INPUTS] = tuple(inputs)
     gm.meta[ir.OUTPUTS] = ()
-    gm.meta[ir.IN_SPEC] = None
-    gm.meta[ir.OUT_SPEC] = None
+    gm.meta[ir.INPUT_TREE] = None
+    gm.meta[ir.OUTPUT_TREE] = None
     gm.meta[ir.FRONTEND] = "symbolic_trace"
     return gm
 
@@ -627,7 +628,16 @@ def _flat_paths(in_spec: pytree.TreeSpec) -> list[str]:
     return [pytree.keystr(p) for p, _ in pytree.tree_flatten_with_path(skeleton)[0]]
 
 
-def _flatten_inputs(args: tuple, kwargs: dict, in_spec: pytree.TreeSpec) -> list[Any]:
+def flatten_inputs(args: tuple, kwargs: dict, in_spec: pytree.TreeSpec) -> list[Any]:
+    """The flat user inputs of a captured graph from a call's ``(args, kwargs)``, in the order
+    of ``in_spec`` (``gm.meta[ir.INPUT_TREE]``): keyword arguments follow the spec (export
+    orders them by the forward signature), not the caller. Raises ``TypeError`` when the
+    keywords or the structure differ from the captured ones.
+
+    >>> spec = pytree.tree_flatten(((1, 2), {"mask": 3, "ids": 4}))[1]
+    >>> flatten_inputs((10, 20), {"ids": 40, "mask": 30}, spec)
+    [10, 20, 30, 40]
+    """
     # Export orders kwargs by the forward signature; follow the spec, not the caller's order.
     kw_keys = in_spec.child(1).context
     missing = set(kw_keys) ^ set(kwargs)
@@ -644,3 +654,47 @@ def _first_line(e: BaseException) -> str:
     lines = [ln.strip() for ln in str(e).strip().splitlines() if ln.strip()]
     return f"{type(e).__name__}: {lines[0] if lines else '(no message)'}"
 
+
+class WithLoss(torch.nn.Module):
+    """``loss_fn(model(*args[:n_inputs], **kwargs), *args[n_inputs:])`` as one module, so the
+    loss is part of the captured graph (its parameters are ``model.<fqn>``); ``n_targets``
+    of the trailing arguments are targets.
+
+    >>> m = WithLoss(torch.nn.Linear(2, 1), torch.nn.functional.mse_loss, 1, 1)
+    >>> m(torch.zeros(3, 2), m.model(torch.zeros(3, 2))).item()
+    0.0
+    """
+
+    fxpar_wraps_loss = True
+
+    def __init__(self, model: torch.nn.Module, loss_fn, n_inputs: int,
+                 n_targets: int = 0) -> None:
+        super().__init__()
+        self.model, self.loss_fn = model, loss_fn
+        self.n_inputs, self.n_targets = n_inputs, n_targets
+
+    def forward(self, *args, **kwargs):
+        return self.loss_fn(self.model(*args[:self.n_inputs], **kwargs), *args[self.n_inputs:])
+
+
+@contextlib.contextmanager
+def frozen_params(model: torch.nn.Module) -> Iterator[None]:
+    """Parameters temporarily not requiring grad (restored on exit, also on error): an
+    inference capture plans the forward only.
+
+    >>> lin = torch.nn.Linear(2, 2)
+    >>> with frozen_params(lin):
+    ...     lin.weight.requires_grad
+    False
+    >>> lin.weight.requires_grad
+    True
+    """
+    flags = {}
+    try:
+        for p in model.parameters():
+            flags[p] = p.requires_grad
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, f in flags.items():
+            p.requires_grad_(f)

@@ -45,9 +45,9 @@ Graph-module keys (``gm.meta[...]``)
                 in placeholder order.
 ``OUTPUTS``     ``"fxpar_outputs"``: tuple of :class:`OutputInfo`, one per flat output of an
                 export graph (user outputs, and buffer mutations under ``decompose=True``).
-``IN_SPEC``     ``"fxpar_in_spec"``: pytree spec of ``(args, kwargs)``; the flat user inputs of
-                an export graph are ``tree_flatten_spec((args, kwargs), IN_SPEC)``.
-``OUT_SPEC``    ``"fxpar_out_spec"``: pytree spec that rebuilds the model's output (e.g. a
+``INPUT_TREE``  ``"fxpar_input_tree"``: pytree spec of ``(args, kwargs)``; the flat user inputs of
+                an export graph are ``tree_flatten_spec((args, kwargs), INPUT_TREE)``.
+``OUTPUT_TREE`` ``"fxpar_output_tree"``: pytree spec that rebuilds the model's output (e.g. a
                 transformers ``ModelOutput``) from the flat user outputs.
 ``FRONTEND``    ``"fxpar_frontend"``: which frontend produced the graph: ``"export(non-strict)"``,
                 ``"export(strict)"`` (both ATen-level) or ``"symbolic_trace"`` (torch-level).
@@ -95,8 +95,8 @@ __all__ = [
     "PARAMS",
     "INPUTS",
     "OUTPUTS",
-    "IN_SPEC",
-    "OUT_SPEC",
+    "INPUT_TREE",
+    "OUTPUT_TREE",
     "FRONTEND",
     "REPLICA_AXES",
     "ParamInfo",
@@ -134,8 +134,8 @@ SPEC_TEXT = "fxpar_spec"
 PARAMS = "fxpar_params"
 INPUTS = "fxpar_inputs"
 OUTPUTS = "fxpar_outputs"
-IN_SPEC = "fxpar_in_spec"
-OUT_SPEC = "fxpar_out_spec"
+INPUT_TREE = "fxpar_input_tree"
+OUTPUT_TREE = "fxpar_output_tree"
 FRONTEND = "fxpar_frontend"
 REPLICA_AXES = "fxpar_replica_axes"
 
@@ -205,7 +205,7 @@ class InputInfo:
 @dataclass(frozen=True)
 class OutputInfo:
     """One flat output of an export graph: ``kind`` is ``"user"`` (part of the model's output,
-    rebuilt with ``OUT_SPEC``), ``"buffer_mutation"`` (new value of buffer ``target``, only in
+    rebuilt with ``OUTPUT_TREE``), ``"buffer_mutation"`` (new value of buffer ``target``, only in
     functionalized graphs from ``decompose=True``) or ``"input_mutation"`` (new value of the user
     input named ``target``)."""
 

@@ -40,7 +40,7 @@ from fxpar import ir
 from fxpar.errors import CaptureError, FxparError, PlanError
 from fxpar.mesh import Mesh
 from fxpar.pipeline import GLOBAL_PASSES, RANK_PASSES, PassContext, run_passes
-from fxpar.plan import Plan
+from fxpar.plan_data import Plan
 
 __all__ = ["Program", "Runner", "load", "model_signature"]
 
@@ -113,7 +113,7 @@ class Program:
                               dtype=str(i.dtype).removeprefix("torch.") if i.is_tensor else None,
                               value=None if i.is_tensor else i.value)
                          for i in ir.user_inputs(self.graph)],
-                 in_spec=pytree.treespec_dumps(self.graph.meta[ir.IN_SPEC]),
+                 in_spec=pytree.treespec_dumps(self.graph.meta[ir.INPUT_TREE]),
                  training=self.training, prefetch=self.prefetch,
                  n_targets=getattr(self.model, "n_targets", 0))
         with open(path, "w") as f:
@@ -138,7 +138,7 @@ def load(path, model: torch.nn.Module, *, optimizer: Callable | None = None,
          loss_fn: Callable | None = None) -> Program:
     """Rebuild a :class:`Program` from :meth:`Program.save` for ``model`` (re-captured from the
     saved input shapes). Raises :class:`PlanError` if the file was made for another model."""
-    from fxpar.api import _Frozen, _WithLoss
+    from fxpar.capture import WithLoss as _WithLoss, frozen_params as _Frozen
     from fxpar.capture import capture
 
     with open(path) as f:
@@ -324,10 +324,10 @@ class Runner:
 
     # -- batches ---------------------------------------------------------------------------
     def _local_inputs(self, args, kwargs) -> list:
-        from fxpar.capture import _flatten_inputs
+        from fxpar.capture import flatten_inputs as _flatten_inputs
         from fxpar.runtime.reshard import distribute
 
-        flat = _flatten_inputs(tuple(args), dict(kwargs), self.gm.meta[ir.IN_SPEC])
+        flat = _flatten_inputs(tuple(args), dict(kwargs), self.gm.meta[ir.INPUT_TREE])
         out = []
         for n, x in zip(self.inputs, flat, strict=True):
             info = n.meta[ir.INPUT]
@@ -408,4 +408,4 @@ class Runner:
                         flat[k] = execute(plan, flat[k], self.mesh)
         infos = ir.outputs(self.gm)
         user = [v for info, v in zip(infos, flat) if info.kind == "user"] if infos else flat
-        return pytree.tree_unflatten(user, self.gm.meta[ir.OUT_SPEC])
+        return pytree.tree_unflatten(user, self.gm.meta[ir.OUTPUT_TREE])

@@ -42,7 +42,10 @@ __all__ = [
     "Replicate",
     "Shard",
     "Spec",
+    "as_spec",
     "chunk_bounds",
+    "grad_in_spec",
+    "grad_out_spec",
     "placement_str",
 ]
 
@@ -226,3 +229,61 @@ def as_spec(x: Spec | str | Iterable[Placement]) -> Spec:
     if isinstance(x, str):
         return Spec.parse(x)
     return Spec(tuple(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# gradient layouts
+# ---------------------------------------------------------------------------------------------
+# The gradient of a value flows consumer -> producer. Per mesh axis ``a``:
+#   grad_out (the layout the producer needs the gradient of its output in):
+#       S(d) -> S(d), R -> R, P -> R (each addend's gradient is the full gradient);
+#   grad_in (the layout the consumer's backward produces for its input p):
+#       S(d) -> S(d), P -> R, and R -> P(sum) when the consumer splits its computation along
+#       ``a`` (another input or an output is not R there: each device computes a partial
+#       gradient), else R.
+# So a weight stored R on dp whose consumer shards the batch on dp gets a P(sum) -> R
+# all-reduce of its gradient (data-parallel gradient sync).
+
+def grad_out_spec(spec: Spec) -> Spec:
+    """Layout a producer needs the gradient of a value of layout ``spec`` in: per axis
+    ``S(d)→S(d)``, ``R→R``, ``P→R``.
+
+    >>> grad_out_spec(Spec.parse("P(sum)S(0)"))
+    RS(0)
+    """
+    return Spec(tuple(Replicate() if isinstance(p, Partial) else p for p in spec.placements))
+
+
+def grad_in_spec(strategy, p: int) -> Spec:
+    """Layout of the gradient a consumer's backward produces for its input ``p``.
+
+    ``strategy`` is anything with ``.inputs`` (a spec or ``None`` per input) and ``.outputs``
+    (a spec per output), e.g. a :class:`fxpar.strategies.base.Strategy`. Per axis ``a``:
+    ``S(d)→S(d)``, ``P→R``, ``R→P(sum)`` when the strategy splits the computation on ``a``
+    (some other input or some output is not ``R`` there), else ``R``.
+
+    >>> from types import SimpleNamespace
+    >>> dp = SimpleNamespace(inputs=(Spec.parse("S(0)"), Spec.parse("R"), Spec.parse("R")),
+    ...                      outputs=(Spec.parse("S(0)"),))          # x, weight, bias on dp
+    >>> grad_in_spec(dp, 1)                  # the weight's gradient: a partial sum on dp
+    P(sum)
+    >>> grad_in_spec(dp, 0)
+    S(0)
+    """
+    ins, outs = strategy.inputs, strategy.outputs
+    spec = ins[p]
+    out = []
+    for a, pl in enumerate(spec.placements):
+        if isinstance(pl, Partial):
+            out.append(Replicate())
+        elif isinstance(pl, Replicate):
+            split = any(s is not None and q != p and not isinstance(s[a], Replicate)
+                        for q, s in enumerate(ins)) or \
+                any(not isinstance(o[a], Replicate) for o in outs)
+            out.append(_SUM if split else Replicate())
+        else:
+            out.append(pl)
+    return Spec(tuple(out))
+
+
+_SUM = Partial("sum")

@@ -38,7 +38,7 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.cost.compute import grad_flags
 from fxpar.pipeline import PassContext, PassResult
-from fxpar.planner import grad_in_spec, grad_out_spec
+from fxpar.spec import grad_in_spec, grad_out_spec
 from fxpar.reshard import reshard_plan
 from fxpar.runtime.comm import CollectiveStart, CollectiveWait, Edge, Reshard, grad_scale
 from fxpar.spec import Partial, Replicate, Spec

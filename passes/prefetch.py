@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch.fx as fx
 
 from fxpar.pipeline import PassContext, PassResult
-from fxpar.planner import layer_of
+from fxpar.layers import layer_of
 from fxpar.runtime.comm import CollectiveStart, CollectiveWait
 
 

@@ -548,7 +548,7 @@ def test_hf_dynamic_cache_output_is_dropped():
     ids = torch.randint(0, 128, (2, 8))
     with pytest.warns(UserWarning, match="past_key_values.*DynamicCache"):
         gm = capture(model, (), {"input_ids": ids})
-    assert gm.meta[ir.OUT_SPEC].context == ["logits"]
+    assert gm.meta[ir.OUTPUT_TREE].context == ["logits"]
     out = run_captured(gm, model, input_ids=ids)
     torch.testing.assert_close(out.logits, model(input_ids=ids).logits)
 

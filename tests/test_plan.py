@@ -8,7 +8,7 @@ import torch
 import fxpar
 from fxpar.api import compile, plan
 from fxpar.errors import FxparError, PlanError
-from fxpar.plan import Plan
+from fxpar.plan_data import Plan
 
 from test_planner import mlp_graph, toy_strategies
 
@@ -113,7 +113,7 @@ def test_megatron_baseline_on_moe_pins_every_block_alike():
     weights; the next block's q/k/v must still be column (the blocks are tied)."""
     import transformers as tf
 
-    from fxpar.api import baseline_pins
+    from fxpar.planner import baseline_pins
     from fxpar.capture import capture
     from fxpar.mesh import Mesh
 

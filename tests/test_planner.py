@@ -21,8 +21,8 @@ import torch
 import fxpar
 from fxpar import ir
 from fxpar.errors import PlanError
-from fxpar.planner import (PlannerOptions, build_problem, grad_in_spec, plan_graph,
-                           solution_to_plan)
+from fxpar.planner import PlannerOptions, build_problem, plan_graph, solution_to_plan
+from fxpar.spec import grad_in_spec
 from fxpar.solver import brute_force, solve
 from fxpar.spec import Spec
 from fxpar.strategies.base import Strategy
@@ -273,7 +273,8 @@ def _pairwise_reference(bp, max_pairs=None):
 
     import numpy as np
 
-    from fxpar.planner import _finalize, _tensor_val_of, grad_out_spec
+    from fxpar.planner.pricing import finalize_spec as _finalize, output_meta as _tensor_val_of
+    from fxpar.spec import grad_out_spec
     from fxpar.reshard import reshard_plan
 
     mesh, nodes, strats = bp.mesh, bp.nodes, bp.strategies
@@ -322,7 +323,7 @@ def test_fast_edge_pricing_equals_pairwise_reference(a100, axes, max_pairs):
     import numpy as np
 
     from examples.models import GPT
-    from fxpar.planner import _EdgePricer, _tensor_val_of
+    from fxpar.planner.pricing import EdgePricer as _EdgePricer, output_meta as _tensor_val_of
     from fxpar.strategies import strategies_for
 
     with torch.device("meta"):
@@ -352,7 +353,7 @@ def test_fast_edge_pricing_equals_pairwise_reference(a100, axes, max_pairs):
 def test_size_one_axes_are_squeezed_without_changing_the_plan(a100, monkeypatch):
     """A mesh with size-1 axes is planned without them (much faster resharding search) and
     the specs get R there: the same plan as pricing the full mesh directly."""
-    import fxpar.planner as planner
+    import fxpar.planner.pins as planner
     from examples.models import GPT
 
     with torch.device("meta"):

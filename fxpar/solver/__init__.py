@@ -120,12 +120,12 @@ OPTIMAL 1.25 s (nodes 1.25 + edges 0), gap 0.00%, peak 1.25 GiB, ... ms: mm=1, r
 """
 
 from fxpar.solver.problem import Solution, StrategyProblem, brute_force, fmt_bytes
-from fxpar.solver.reduce import ALL_REDUCTIONS, Reduced, choose_scale, reduce_problem
+from fxpar.solver.reduce import ALL_REDUCTIONS, Reduced, Removal, choose_scale, reduce_problem
 from fxpar.solver.ilp import EDGE_ENCODINGS, min_peak_memory, solve
 from fxpar.solver.dp import eliminate
 
 __all__ = [
     "StrategyProblem", "Solution", "solve", "min_peak_memory", "brute_force",
-    "reduce_problem", "Reduced", "choose_scale", "ALL_REDUCTIONS", "EDGE_ENCODINGS",
+    "reduce_problem", "Reduced", "Removal", "choose_scale", "ALL_REDUCTIONS", "EDGE_ENCODINGS",
     "fmt_bytes", "eliminate",
 ]

@@ -14,7 +14,8 @@ from ortools.sat.python import cp_model
 from fxpar.errors import PlanError
 from fxpar.solver.dp import eliminate
 from fxpar.solver.heuristic import feasible, greedy
-from fxpar.solver.problem import Solution, StrategyProblem, fmt_bytes
+from fxpar.solver.problem import Solution, StrategyProblem
+from fxpar.units import fmt_bytes
 from fxpar.solver.reduce import ALL_REDUCTIONS, Reduced, choose_scale, reduce_problem
 
 __all__ = ["solve", "min_peak_memory", "EDGE_ENCODINGS"]
@@ -245,13 +246,24 @@ def min_peak_memory(problem: StrategyProblem, *, time_limit: float | None = 30.0
 
 
 def _raise_memory(problem, time_limit, workers, seed, reductions):
-    peak, t, optimal, _ = min_peak_memory(problem, time_limit=time_limit, workers=workers,
-                                          seed=seed, reductions=reductions)
+    """Raise the PlanError of a memory constraint that cannot hold: the budget, the smallest
+    achievable peak, the liveness point (a named constraint ``b_t + Σ m ≤ M``) where it is
+    reached, and the largest terms of that constraint at the min-peak assignment."""
+    peak, t, optimal, choice = min_peak_memory(problem, time_limit=time_limit, workers=workers,
+                                               seed=seed, reductions=reductions)
     where = ""
     if t >= 0:
         live = [problem.names[i] for i in problem.live[t]]
         shown = ", ".join(live[:5]) + (f", ... ({len(live)} nodes)" if len(live) > 5 else "")
         where = f" at liveness point {problem.live_names[t]!r} (live: {shown})"
+        if choice:
+            terms = sorted(((int(problem.mem[i][choice[i]]), problem.names[i])
+                            for i in problem.live[t]), key=lambda x: (-x[0], x[1]))
+            big = ", ".join(f"{n} {fmt_bytes(m)}" for m, n in terms[:5] if m > 0)
+            const = problem.live_const[t]
+            if big or const:
+                where += ("; largest terms there: " + (big or "none")
+                          + (f", constant {fmt_bytes(const)}" if const else ""))
     what = "the smallest achievable peak is" if optimal else "the peak is at least"
     raise PlanError(f"memory budget {fmt_bytes(problem.budget)} ({problem.budget} B) cannot be "
                     f"met: {what} {fmt_bytes(peak)} ({peak} B){where}")

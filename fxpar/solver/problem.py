@@ -11,17 +11,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fxpar.errors import PlanError
+from fxpar.units import fmt_bytes  # re-exported: fxpar.solver.fmt_bytes
 
 __all__ = ["StrategyProblem", "Solution", "brute_force", "fmt_bytes"]
-
-
-def fmt_bytes(n: float) -> str:
-    """Human-readable bytes, binary units: ``fmt_bytes(3 * 2**30) == '3.00 GiB'``."""
-    n = float(n)
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
 
 
 def _ro(a: np.ndarray) -> np.ndarray:

@@ -19,7 +19,7 @@ import numpy as np
 from fxpar.errors import PlanError
 from fxpar.solver.problem import StrategyProblem
 
-__all__ = ["Reduced", "reduce_problem", "ALL_REDUCTIONS", "choose_scale"]
+__all__ = ["Reduced", "Removal", "reduce_problem", "ALL_REDUCTIONS", "choose_scale"]
 
 #: names accepted by ``reductions=``: tie variables, dominance pruning (dead-end elimination),
 #: follower merging, edge reparametrisation (drops separable edges), liveness-point pruning
@@ -53,6 +53,37 @@ def choose_scale(problem: StrategyProblem, bits: int = 40) -> float:
     return float(2.0 ** np.floor(np.log2(2.0**bits / u)))
 
 
+@dataclass(frozen=True)
+class Removal:
+    """Why strategy ``k`` of a node is not in the reduced problem (``reduce_problem(...,
+    explain=True)``; each reduction keeps the optimum, see the package docstring):
+
+    * ``"pin"``: the node's pin does not allow it;
+    * ``"ties"``: allowed by the node's own pin, but the pin of ``node``, a tied copy, is not
+      (tied nodes pick one index);
+    * ``"prune"``: dead-end elimination: strategy ``by`` of the same node is never worse
+      whatever the neighbours pick, and uses no more memory anywhere;
+    * ``"merge"``: the node follows ``node`` (follower merging): for every choice of ``node``
+      another strategy of this node is at least as good whatever else is picked, so this
+      one is never needed.
+    """
+
+    reduction: str
+    by: int | None = None
+    node: str | None = None
+
+    def __str__(self) -> str:
+        if self.reduction == "pin":
+            return "pin: not allowed by the node's pin"
+        if self.reduction == "ties":
+            return f"ties: the pin of tied copy {self.node} excludes it"
+        if self.reduction == "prune":
+            return f"prune: never better than #{self.by}, whatever the neighbours pick"
+        if self.reduction == "merge":
+            return f"merge: follows {self.node}; another strategy is optimal for each of its choices"
+        return self.reduction
+
+
 @dataclass
 class Reduced:
     """The reduced integer problem handed to the model builder.
@@ -63,7 +94,8 @@ class Reduced:
     ``const + Σ_(c,vec) vec[x_c] ≤ budget``, and ``x_c == x_d`` for ``(c, d)`` in ``equal``.
     ``A`` has a zero in every row and column (reparametrised), ``vec`` has min 0.
     ``node_map[i] = (c, f)`` decodes node ``i``'s strategy as ``f[x_c]`` (``c = -1``: fixed,
-    ``f`` has one entry).
+    ``f`` has one entry). ``removed[i][k]``: the :class:`Removal` of strategy ``k`` of node
+    ``i`` (recorded with ``explain=True``; empty otherwise).
     """
 
     scale: float
@@ -76,6 +108,7 @@ class Reduced:
     equal: list[tuple[int, int]]
     node_map: list[tuple[int, np.ndarray]]
     stats: dict = field(default_factory=dict)
+    removed: dict[int, dict[int, Removal]] = field(default_factory=dict)
 
     def decode(self, x: list[int]) -> tuple[int, ...]:
         """Node strategy indices from class values ``x``."""
@@ -113,8 +146,10 @@ def _min_delta(a: np.ndarray) -> np.ndarray:
 
 class _Reducer:
     def __init__(self, p: StrategyProblem, scale: float, use: frozenset[str],
-                 budget_aware: bool, tol: float) -> None:
+                 budget_aware: bool, tol: float, explain: bool = False) -> None:
         self.p, self.use, self.tol = p, use, tol
+        #: node -> strategy -> Removal (only with explain: the solve path does not pay for it)
+        self.removed: dict[int, dict[int, Removal]] | None = {} if explain else None
         self.budget = p.budget if budget_aware else None
 
         # --- classes: union of tie groups (or singletons + equality constraints) -----------
@@ -146,8 +181,12 @@ class _Reducer:
             g = groups[root]
             dom = sorted(set.intersection(*(set(p.allowed(i)) for i in g)))
             if not dom:
+                pinned = {p.names[i]: list(p.pins[i]) for i in g if i in p.pins}
                 raise PlanError(f"pins leave no common strategy for tied nodes "
-                                f"{[p.names[i] for i in g]}")
+                                f"{[p.names[i] for i in g]} (tie constraint; pinned: "
+                                f"{pinned or 'none'})")
+            if self.removed is not None:
+                self._log_pins(g, set(dom))
             f = np.array(dom, dtype=np.int64)
             cs = [root] if "ties" in use else g
             for c in cs:
@@ -194,6 +233,27 @@ class _Reducer:
                       "points_kept": len(self.points)}
 
     # -- bookkeeping -------------------------------------------------------------------------
+
+    def _log_pins(self, g: list[int], dom: set[int]) -> None:
+        p = self.p
+        for i in g:
+            own = set(p.allowed(i))
+            for k in range(p.cost[i].size):
+                if k in dom:
+                    continue
+                if k not in own:
+                    self.removed.setdefault(i, {})[k] = Removal("pin")
+                else:
+                    by = next(p.names[t] for t in g if k not in p.allowed(t))
+                    self.removed.setdefault(i, {})[k] = Removal("ties", node=by)
+
+    def _log(self, c: int, image, removal) -> None:
+        """Record, for each member ``i`` of class ``c``, the strategies that leave its image
+        when its map ``f`` becomes ``image(f)``: ``removal(f, k)`` says why."""
+        for i, f in self.members[c].items():
+            gone = set(f.tolist()) - set(image(f).tolist())
+            for k in sorted(gone):
+                self.removed.setdefault(i, {})[k] = removal(f, k)
 
     def _prune_node_points(self, pts: list[int]) -> list[int]:
         p = self.p
@@ -292,12 +352,23 @@ class _Reducer:
         ok = (slack >= -self.tol) & self._memdom(c)
         np.fill_diagonal(ok, False)
         alive = np.ones(n, dtype=bool)
+        by: dict[int, int] = {}
         for u in range(n - 1, -1, -1):  # highest index first: of equal values the lowest stays
             if (ok[u] & alive).any():
                 alive[u] = False
+                if self.removed is not None:
+                    by[u] = int(np.flatnonzero(ok[u] & alive)[0])
         if alive.all():
             return False
         self.stats["pruned"] += int(n - alive.sum())
+        if self.removed is not None:
+            keep = np.flatnonzero(alive)
+
+            def removal(f, k):
+                u = next(u for u in by if f[u] == k)
+                return Removal("prune", by=int(f[by[u]]))
+
+            self._log(c, lambda f: f[keep], removal)
         self._restrict(c, np.flatnonzero(alive))
         return True
 
@@ -327,6 +398,9 @@ class _Reducer:
                 continue
             vstar = good.argmax(axis=1)                                   # smallest v*
             rows = np.arange(vstar.size)
+            if self.removed is not None:
+                self._log(j, lambda f: f[vstar],
+                          lambda f, k: Removal("merge", node=self.p.names[p]))
             for i, f in self.members[j].items():
                 self.members[p][i] = f[vstar]
             self.cost[p] = self.cost[p] + cj[vstar] + e[rows, vstar]
@@ -406,7 +480,7 @@ class _Reducer:
         stats = dict(self.stats, classes=len(active), values=int(sum(x.size for x in cost)),
                      class_edges=len(edges), class_points=len(points), scale=scale)
         return Reduced(scale, self.budget, offset, [x.size for x in cost], cost, edges, points,
-                       equal, node_map, stats)
+                       equal, node_map, stats, self.removed or {})
 
     def _final_points(self, active, new):
         by_point: dict[int, list[tuple[int, np.ndarray]]] = {t: [] for t in self.points}
@@ -459,19 +533,33 @@ def _prune_dominated(pts):
 
 def reduce_problem(problem: StrategyProblem, *, scale: float | None = None,
                    reductions=ALL_REDUCTIONS, budget_aware: bool = True,
-                   tolerance: float = DEFAULT_TOLERANCE) -> Reduced:
+                   tolerance: float = DEFAULT_TOLERANCE, explain: bool = False) -> Reduced:
     """Apply the exact reductions named in ``reductions`` (a subset of
     :data:`ALL_REDUCTIONS`) and return the integer class problem.
 
     ``tolerance`` (a fraction of the objective bound ``U``, see :func:`choose_scale`) is how
     much worse a dominating value may look in the dominance tests, to absorb float round-off;
     each applied reduction may cost at most that much. ``budget_aware=False`` keeps points
-    that cannot bind under the budget (used for the min-peak program)."""
+    that cannot bind under the budget (used for the min-peak program). ``explain=True``
+    records in ``Reduced.removed`` which reduction removed each strategy (same reductions,
+    same result; a little slower).
+
+    >>> from fxpar.solver import StrategyProblem
+    >>> p = StrategyProblem(cost=[[1.0, 1.0], [2.0, 2.0, 0.0]], names=["a", "b"],
+    ...                     edges={("a", "b"): [[0, 1, 5], [1, 0, 5]]}, pins={"b": [0, 1]})
+    >>> r = reduce_problem(p, explain=True)
+    >>> for i, d in sorted(r.removed.items()):
+    ...     for k, why in sorted(d.items()):
+    ...         print(p.names[i], k, why)
+    a 1 prune: never better than #0, whatever the neighbours pick
+    b 1 prune: never better than #0, whatever the neighbours pick
+    b 2 pin: not allowed by the node's pin
+    """
     use = frozenset(reductions)
     if not use <= ALL_REDUCTIONS:
         raise PlanError(f"unknown reductions {sorted(use - ALL_REDUCTIONS)}")
     scale = choose_scale(problem) if scale is None else scale
     tol = tolerance * _upper_bound(problem)
-    r = _Reducer(problem, scale, use, budget_aware, tol)
+    r = _Reducer(problem, scale, use, budget_aware, tol, explain)
     r.run()
     return r.finish(scale)

@@ -40,7 +40,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from fxpar.errors import PlanError
-from fxpar.solver.problem import fmt_bytes
+from fxpar.units import fmt_bytes
 
 __all__ = ["Plan", "NodePlan", "EdgePlan", "StepCost", "BASELINES", "PLAN_KINDS"]
 

@@ -1,0 +1,248 @@
+"""Baselines and the mesh search: the meshes and pins that make the one cost model of
+:mod:`fxpar.planner.intra_op` price a hand-written strategy (``plan=`` of :func:`fxpar.plan`).
+
+* ``"auto"``: free choice per node; mesh given, or the best of :func:`candidate_meshes`:
+  ``(dp=N)``, ``(dp=N/t, tp=t)`` for ``t`` = 2, 4, ... ≤ devices per node, and AxoNN's best
+  ``(data, z, y, x)`` grid;
+* ``"dp"``: mesh ``(dp=N)``; user inputs and the outputs of linear layers ``S(0)`` on every
+  axis, every parameter ``R``;
+* ``"zero3"``: as ``dp`` but every parameter stored ``S(0)`` on every axis: the planner then
+  prices the all-gather before use, its repeat in backward and the gradient reduce-scatter;
+* ``"megatron"``: mesh ``(dp, tp)``, ``tp`` = devices per node (innermost); inputs ``S(0)`` on
+  ``dp``; the weights of linear layers are column (``S(0)`` on ``tp``) or row (``S(1)`` on
+  ``tp``), alternating along the data path (row iff its input depends on a column output,
+  :func:`_col_flags`; copies of a repeated block pinned like the first), replicated on
+  ``dp``; linear outputs ``S(-1)`` (column) or ``P(sum)`` (row) on ``tp``;
+* ``"axonn"``: mesh ``(data, z, y, x)``: the grids of :func:`fxpar.cost.axonn.rank_configs`
+  whose batch split and model states fit (:func:`_axonn_fits`; AxoNN's own ranking counts
+  communication only), tried in rank order (up to 4, :func:`axonn_meshes`) until one plans
+  within memory; inputs ``S(0)`` on ``data`` and ``z``; linear weights ``(out, in)`` are
+  ``y: S(1), x: S(0)`` (column positions) or transposed ``y: S(0), x: S(1)`` (row
+  positions), ``R`` on ``data`` and ``z``. Deviation: AxoNN keeps the weight sharded over
+  ``z`` and all-gathers it (``t_AG,z + t_RS,z``); under fxpar's left-to-right split order that
+  layout needs extra steps, so ``z`` holds it replicated and pays the gradient all-reduce
+  (ring: ``t_AR = t_AG + t_RS``, the same time; more memory).
+
+Baseline parameters that are not linear weights (embeddings, norms, biases) are left to the
+solver. With a ``mesh=`` given, a baseline's pins are made for that mesh (last axis = ``tp``
+/ ``x``).
+
+>>> import torch, fxpar
+>>> from examples.models import MLP
+>>> gm = fxpar.capture(MLP(8, 16, 4), (torch.randn(2, 8),))
+>>> mesh = baseline_mesh("megatron", gm, fxpar.Cluster.preset("dgx-a100", nodes=2))
+>>> mesh
+Mesh(dp=2, tp=8 on devices 0..15)
+>>> {k: str(v) for k, v in baseline_pins("megatron", gm, mesh).items()}
+{'input': 'S(0)R', 'fc1.weight': 'RS(0)', 'fc2.weight': 'RS(1)', 'linear': 'S(0)S(1)', 'linear_1': 'S(0)P(sum)'}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.errors import PlanError
+from fxpar.layers import layer_of, template_fqn
+from fxpar.mesh import Mesh
+from fxpar.plan_data import BASELINES, PLAN_KINDS
+from fxpar.spec import Spec
+
+__all__ = ["baseline_pins", "baseline_mesh", "axonn_meshes", "candidate_meshes"]
+
+_LINEAR = ("linear", "mm", "addmm", "matmul")
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, t = [], 2
+    while t <= n:
+        out.append(t)
+        t *= 2
+    return out
+
+
+def _graph_dims(gm: fx.GraphModule) -> tuple[int, int, int, int]:
+    """(n_layers, hidden, tokens, batch) guessed from the graph for AxoNN's ranking."""
+    ins = [n for n in ir.input_nodes(gm) if isinstance(n.meta.get(ir.VAL), torch.Tensor)]
+    shape = tuple(ins[0].meta[ir.VAL].shape) if ins else (1,)
+    batch = int(shape[0]) if shape else 1
+    tokens = int(torch.Size(shape[:2]).numel()) if len(shape) >= 2 and not ins[0].meta[ir.VAL].dtype.is_floating_point else batch * (int(shape[1]) if len(shape) > 2 else 1)
+    ws = _linear_weights(gm)
+    hidden = int(ws[0].meta[ir.VAL].shape[1]) if ws else 1
+    reps = {layer_of(n) for n in gm.graph.nodes if "." in layer_of(n) and layer_of(n).rsplit(".", 1)[1].isdigit()}
+    return max(1, len(reps)), hidden, max(1, tokens), max(1, batch)
+
+
+def baseline_mesh(kind: str, gm: fx.GraphModule, cluster) -> Mesh:
+    """The mesh a baseline runs on when none is given (module docstring)."""
+    n = cluster.num_devices
+    if kind in ("dp", "zero3"):
+        return Mesh(cluster, dp=n)
+    if kind == "megatron":
+        t = min(cluster.devices_per_node, n)
+        return Mesh(cluster, dp=n // t, tp=t)
+    if kind == "axonn":
+        return axonn_meshes(gm, cluster, 1)[0]
+    raise PlanError(f"unknown plan {kind!r}; one of {PLAN_KINDS}")
+
+
+def axonn_meshes(gm: fx.GraphModule, cluster, k: int = 4) -> list[Mesh]:
+    """AxoNN's ``k`` best ``(data, z, y, x)`` grids in rank order (:func:`_axonn_fits` first;
+    if no grid passes it, the ranking without it)."""
+    from fxpar.cost.axonn import rank_configs
+
+    n = cluster.num_devices
+    L, h, tokens, batch = _graph_dims(gm)
+    fits = _axonn_fits(gm, cluster, batch)
+    kw = dict(n_layers=L, h=h, tokens=tokens)
+    cfgs = (rank_configs(n, cluster, batch=batch, feasible=fits, **kw)
+            or rank_configs(n, cluster, batch=batch, **kw) or rank_configs(n, cluster, **kw))
+    return [Mesh(cluster, data=c.Gdata, z=c.Gz, y=c.Gy, x=c.Gx) for c in cfgs[:k]]
+
+
+def _axonn_fits(gm: fx.GraphModule, cluster, batch: int) -> Callable:
+    """Necessary conditions for AxoNN grid ``G = (Gx, Gy, Gz, Gdata)`` under the ``axonn``
+    pins: the batch splits evenly over ``data × z`` (inputs ``S(0)`` on both), and the model
+    states fit a device, ``16 B · (Φ_linear / (Gx·Gy) + Φ_rest / N) ≤ device memory`` (Adam,
+    mixed precision; linear weights sharded over ``y, x`` only, the rest at best over all
+    ``N`` devices; activations not counted). AxoNN ranks by communication alone; without
+    this filter its first grid is often pure data parallelism that cannot hold the model."""
+    from fxpar.cost.memory import model_state_bytes
+
+    lin = {w.meta[ir.PARAM].fqn for w in _linear_weights(gm)}
+    numel_lin = numel_rest = 0
+    for fqn, info in ir.params(gm, "param").items():
+        if info.requires_grad:
+            if fqn in lin:
+                numel_lin += info.numel
+            else:
+                numel_rest += info.numel
+    n = cluster.num_devices
+
+    def fits(G) -> bool:
+        gx, gy, gz, gd = G
+        states = model_state_bytes(numel_lin / (gx * gy) + numel_rest / n).total
+        return batch % (gd * gz) == 0 and states <= cluster.device_memory
+
+    return fits
+
+
+def candidate_meshes(gm: fx.GraphModule, cluster) -> list[Mesh]:
+    """Meshes tried by ``plan="auto"`` without ``mesh=``: 1D dp, (dp, tp) with tp a power of
+    two ≤ devices per node, and the grid of the ``axonn`` baseline (:func:`baseline_mesh`)
+    unless it equals one of those once its size-1 axes are dropped (same devices in the same
+    order). So every baseline's default mesh is searched: ``auto`` is never worse than a
+    baseline. Order fixed."""
+    n = cluster.num_devices
+    out = [Mesh(cluster, dp=n)]
+    for t in _pow2_upto(min(cluster.devices_per_node, n)):
+        if n % t == 0:
+            out.append(Mesh(cluster, dp=n // t, tp=t))
+    if n >= 8:
+        ax = baseline_mesh("axonn", gm, cluster)
+        squeezed = tuple(s for s in ax.shape if s > 1) or (n,)
+        if all(tuple(m.shape) != squeezed for m in out):
+            out.append(ax)
+    return out
+
+
+def _linear_nodes(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    """``(linear node, its 2-D parameter weight)`` pairs in graph order."""
+    ws = set(_linear_weights(gm))
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.all_input_nodes:
+            w = next((a for a in n.all_input_nodes if a in ws), None)
+            name = getattr(getattr(n.target, "overloadpacket", None), "__name__", "")
+            if w is not None and name in _LINEAR and isinstance(n.meta.get(ir.VAL), torch.Tensor):
+                out.append((n, w))
+    return out
+
+
+def _col_flags(gm: fx.GraphModule) -> dict[fx.Node, bool]:
+    """``{weight: True for column, False for row}``: a linear is row-parallel iff one of its
+    inputs depends on a column-parallel output through non-linear ops (q/k/v, gate/up are
+    column; o_proj, down_proj are row), so col/row alternate along the data path."""
+    lin = dict((n, w) for n, w in _linear_nodes(gm))
+    flag: dict[fx.Node, bool] = {}
+    out: dict[fx.Node, bool] = {}
+    for n in gm.graph.nodes:
+        carried = any(flag.get(a, False) for a in n.all_input_nodes)
+        if n in lin:
+            col = not carried
+            out.setdefault(lin[n], col)
+            flag[n] = col
+        else:
+            flag[n] = carried
+    # Copies of a repeated block are pinned like the first copy: an MoE router's column
+    # output reaches the next block through the routing weights and would flip its flags.
+    first: dict[str, bool] = {}
+    for w in out:
+        key = template_fqn(w.meta[ir.PARAM].fqn)
+        out[w] = first.setdefault(key, out[w])
+    return out
+
+
+def _linear_weights(gm: fx.GraphModule) -> list[fx.Node]:
+    """Parameter nodes used as the weight of a linear/mm, in order of first use."""
+    seen: list[fx.Node] = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = getattr(getattr(n.target, "overloadpacket", None), "__name__", str(n.target))
+        if name not in _LINEAR:
+            continue
+        w = n.args[1] if name != "addmm" else n.args[2]
+        if isinstance(w, fx.Node) and ir.PARAM in w.meta and w not in seen:
+            meta = w.meta.get(ir.VAL)
+            if isinstance(meta, torch.Tensor) and meta.ndim == 2:
+                seen.append(w)
+    return seen
+
+
+def baseline_pins(kind: str, gm: fx.GraphModule, mesh: Mesh) -> dict[str, Spec]:
+    """Pins that force baseline ``kind`` on ``mesh`` (module docstring)."""
+    nd = mesh.ndim
+    names = list(mesh.axis_names)
+    params = ir.params(gm, "param")
+    R, S0, S1 = "R", "S(0)", "S(1)"
+
+    def spec(**by_axis) -> Spec:
+        return Spec.parse("".join(by_axis.get(a, R) for a in names))
+
+    lin = _linear_nodes(gm)
+    if kind in ("dp", "zero3"):
+        pins: dict[str, Spec] = {"input": Spec.parse(S0 * nd)}
+        for node, _ in lin:
+            pins[node.name] = Spec.parse(S0 * nd)
+        for fqn, info in params.items():
+            if info.node_name is None:
+                continue
+            if kind == "dp" or not info.shape:
+                pins[fqn] = Spec.parse(R * nd)
+            else:
+                pins[fqn] = Spec.parse(S0 * nd)
+        return pins
+    if kind == "megatron":
+        tp = names[-1]
+        pins = {"input": spec(**{a: S0 for a in names[:-1]})}
+        col = _col_flags(gm)
+        for w, c in col.items():
+            pins[w.meta[ir.PARAM].fqn] = spec(**{tp: S0 if c else S1})
+        for node, w in lin:
+            out_dim = node.meta[ir.VAL].ndim - 1
+            pins[node.name] = spec(**{a: S0 for a in names[:-1]},
+                                   **{tp: f"S({out_dim})" if col[w] else "P(sum)"})
+        return pins
+    if kind == "axonn":
+        if nd < 3:
+            raise PlanError(f"axonn needs a mesh with (z, y, x) axes, got {mesh!r}")
+        y, x = names[-2], names[-1]
+        pins = {"input": spec(**{a: S0 for a in names[:-2]})}
+        for w, c in _col_flags(gm).items():
+            pins[w.meta[ir.PARAM].fqn] = spec(**({y: S1, x: S0} if c else {y: S0, x: S1}))
+        return pins
+    raise PlanError(f"unknown baseline {kind!r}; one of {BASELINES}")

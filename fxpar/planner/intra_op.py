@@ -1,0 +1,414 @@
+r"""Intra-op planner: captured graph + mesh → :class:`StrategyProblem` → solve → :class:`Plan`.
+
+Problem (Alpa's intra-op pass; the solver's math is in :mod:`fxpar.solver`):
+
+* **nodes**: every graph node except ``output``; candidates ``S_i`` from
+  ``strategies(node, mesh)`` (default :func:`fxpar.strategies.strategies_for`; a node without
+  candidates gets the replicate-only fallback).
+* **node cost** ``c_ik = t_fwd + t_bwd`` (+ the finalisation of a graph output), **edge cost**
+  ``R^ij_kl`` (forward reshard + gradient reshard + a parameter's re-gather) and **memory**
+  ``m_ik``: :mod:`fxpar.planner.pricing` (formulas there), with the gradient layout rules of
+  :func:`fxpar.spec.grad_in_spec` / :func:`fxpar.spec.grad_out_spec`.
+* **one liveness point** (whole forward: all model states + all saved activations), so the
+  budget binds the sum; budget = ``memory_budget`` or ``cluster.device_memory``.
+* **repeated layers**: :func:`fxpar.layers.repeated_copies` groups nodes by their repeated
+  block (``blocks.0``, ``model.layers.17``); copies of one template (``blocks.*``) with the
+  same node sequence signature (op + shapes, parameter FQN suffixes, candidate strategies)
+  are tied position-wise, so the solver solves one block for all.
+* **pins** restrict a node to the strategies producing the pinned spec
+  (:mod:`fxpar.planner.pins`); a mesh with size-1 axes is planned without them.
+
+Everything is iterated in graph order and sorted, CP-SAT runs one worker with a fixed seed:
+the same inputs give the same plan in any process.
+
+>>> import torch, fxpar
+>>> from examples.models import MLP
+>>> from fxpar.planner import plan_graph
+>>> gm = fxpar.capture(MLP(8, 16, 4), (torch.randn(2, 8),))
+>>> mesh = fxpar.Mesh(fxpar.Cluster.preset("dgx-a100"), dp=2)
+>>> p = plan_graph(gm, mesh)            # replicate-only until strategies_for has rules
+>>> p.kind, p.status, len(p.nodes)
+('auto', 'OPTIMAL', 8)
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.cost.compute import grad_flags, op_name
+from fxpar.errors import PlanError
+from fxpar.layers import layer_of, repeated_copies
+from fxpar.plan_data import EdgePlan, NodePlan, Plan, StepCost
+from fxpar.planner.pins import match_pins, squeeze, unsqueeze
+from fxpar.planner.pricing import (EdgePricer, compute_times, finalize_spec, node_key,
+                                   node_memory, output_meta)
+from fxpar.reshard import reshard_costs, reshard_plan
+from fxpar.solver import Solution, StrategyProblem, solve
+from fxpar.spec import Spec, grad_in_spec, grad_out_spec
+from fxpar.strategies.base import Strategy
+
+__all__ = ["PlannerOptions", "BuiltProblem", "build_problem", "plan_graph", "plan_and_keep",
+           "solution_to_plan", "default_strategies"]
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """Knobs of the cost model and solver.
+
+    ``optimizer``/``precision``: model-state bytes per parameter (``adam``/``mixed`` = 16 B,
+    ``adam``/``fp32`` = 16 B, ...; :data:`fxpar.cost.memory.STATE_BYTES_PER_PARAM`);
+    ``efficiency``: fraction of peak FLOP/s reached by compute; ``memory_budget``: bytes per
+    device (default ``cluster.device_memory``); ``time_limit``/``det_time_limit``: CP-SAT
+    limits (the deterministic one is reproducible); ``tie_layers``: tie repeated blocks.
+    """
+
+    optimizer: str = "adam"
+    precision: str = "mixed"
+    efficiency: float = 0.5
+    memory_efficiency: float = 0.8
+    memory_budget: float | None = None
+    time_limit: float | None = 60.0
+    det_time_limit: float | None = None
+    tie_layers: bool = True
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in ("optimizer", "precision", "efficiency",
+                                                "memory_efficiency", "tie_layers")}
+
+
+# ---------------------------------------------------------------------------------------------
+# strategies
+# ---------------------------------------------------------------------------------------------
+def _n_outputs(node: fx.Node) -> int:
+    v = node.meta.get(ir.VAL)
+    if isinstance(v, (tuple, list)):
+        return sum(isinstance(x, torch.Tensor) for x in v)
+    return 1 if isinstance(v, torch.Tensor) else 0
+
+
+def _replicate(node: fx.Node, mesh) -> Strategy:
+    r = Spec.replicate(mesh.ndim)
+    ins = tuple(r if isinstance(a.meta.get(ir.VAL), (torch.Tensor, tuple, list)) else None
+                for a in node.all_input_nodes)
+    return Strategy(ins, (r,) * max(1, _n_outputs(node)), "R", unsharded=True)
+
+
+def default_strategies() -> Callable:
+    """``fxpar.strategies.strategies_for`` if it exists, else the replicate-only fallback."""
+    try:
+        from fxpar.strategies import strategies_for  # type: ignore[attr-defined]
+
+        return strategies_for
+    except ImportError:
+        return lambda node, mesh: [_replicate(node, mesh)]
+
+
+def _default_rules():
+    try:
+        from fxpar.strategies import strategies_for  # type: ignore[attr-defined]
+
+        return strategies_for
+    except ImportError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# repeated layers
+# ---------------------------------------------------------------------------------------------
+def _ties(gm: fx.GraphModule, nodes: list[fx.Node], strats: list[list[Strategy]],
+          layers: Sequence[str] | None = None) -> list[list[int]]:
+    """Position-wise tie groups over copies of a repeated block with equal signatures
+    (``layers[i]``: :func:`fxpar.layers.layer_of` of node ``i``, computed when not given)."""
+    strs: dict[int, tuple] = {}  # id(strategy list) -> (list, its strings): lists are shared
+
+    def sig(i: int, lay: str):
+        n = nodes[i]
+        info = n.meta.get(ir.PARAM)
+        tag = info.fqn[len(lay):] if info is not None else op_name(n.target) if n.op == "call_function" else n.op
+        shapes = tuple(None if t is None else (t.shape, str(t.dtype)) for t in ir.tensor_metas(n))
+        lst = strats[i]
+        key = id(lst)
+        if key not in strs:
+            strs[key] = (lst, tuple(map(str, lst)))
+        return (tag, shapes, strs[key][1])
+
+    groups = []
+    for tmpl, copies in repeated_copies(nodes, layers).items():
+        by_sig: dict[tuple, list[list[int]]] = defaultdict(list)
+        for lay, members in copies:
+            idx = sorted(members, key=lambda i: (nodes[i].op != "placeholder",
+                         nodes[i].meta[ir.PARAM].fqn[len(lay):] if ir.PARAM in nodes[i].meta else "", i))
+            by_sig[tuple(sig(i, lay) for i in idx)].append(idx)
+        for members in by_sig.values():
+            if len(members) > 1:
+                groups.extend([list(col) for col in zip(*members)])
+    return sorted(groups)
+
+
+# ---------------------------------------------------------------------------------------------
+# building
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class BuiltProblem:
+    """The problem plus what is needed to turn a solution into a :class:`Plan`."""
+
+    problem: StrategyProblem
+    gm: fx.GraphModule
+    mesh: object
+    nodes: list[fx.Node]
+    strategies: list[list[Strategy]]
+    fwd: list[np.ndarray]
+    bwd: list[np.ndarray]
+    edge_info: list[tuple]  # (i, j, p, out_index, needs_grad)
+    outputs: list[tuple[int, int, Spec | None]]  # (i, out_index, pinned spec)
+    options: PlannerOptions
+    build_time: float = 0.0
+    layers: list[str] = field(default_factory=list)
+    #: the mesh as given when ``mesh`` (what the problem was built on) is it without its
+    #: size-1 axes; ``None`` when they are the same (:func:`fxpar.planner.pins.squeeze`)
+    full_mesh: object = None
+
+
+def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None = None,
+                  options: PlannerOptions | None = None,
+                  strategies: Callable | None = None) -> BuiltProblem:
+    """Build the :class:`StrategyProblem` of ``gm`` on ``mesh`` (module docstring; a mesh
+    with size-1 axes is built without them, :func:`fxpar.planner.pins.squeeze`)."""
+    t0 = time.perf_counter()
+    opts = options or PlannerOptions()
+    given = mesh
+    mesh, pins = squeeze(mesh, pins)
+    strategies = strategies or default_strategies()
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    flags = grad_flags(gm)
+    # Nodes with equal keys (node_key: op, arguments, input/output metas, gradient flags,
+    # parameter kind) get the same strategy list object and cost/memory vectors: the copies
+    # of a repeated block are computed once. Only for the default rules, which read nothing
+    # else of a node; a user's ``strategies`` callable is called on every node.
+    share = strategies is _default_rules()
+    by_key: dict[tuple, tuple] = {}
+    strats: list[list[Strategy]] = []
+    cost, mem, fwd, bwd = [], [], [], []
+    cache: dict[tuple, tuple] = {}
+    for i, n in enumerate(nodes):
+        nkey = node_key(n, flags) if share else None
+        if nkey is not None and nkey in by_key:
+            lst, f, b, m, c = by_key[nkey]
+            strats.append(lst)
+            fwd.append(f)
+            bwd.append(b)
+            cost.append(c)  # shared read-only: StrategyProblem converts each object once
+            mem.append(m)
+            continue
+        cand = list(strategies(n, mesh) or [])
+        strats.append(cand if cand else [_replicate(n, mesh)])
+        f = np.zeros(len(strats[i]))
+        b = np.zeros(len(strats[i]))
+        m = np.zeros(len(strats[i]), dtype=np.int64)
+        base = (n.target, str(n.args), str(n.kwargs), tuple(ir.tensor_metas(n)),
+                bool(flags.get(n))) if n.op == "call_function" else None
+        for k, s in enumerate(strats[i]):
+            key = base + (str(s),) if base is not None else None
+            if key is not None and key in cache:
+                f[k], b[k] = cache[key]
+            else:
+                f[k], b[k] = compute_times(n, s, mesh, flags, opts)
+                if key is not None:
+                    cache[key] = (f[k], b[k])
+            m[k] = node_memory(n, s, mesh, flags, opts)
+        c = f + b
+        for v in (f, b, m, c):
+            v.setflags(write=False)
+        if nkey is not None:
+            by_key[nkey] = (strats[i], f, b, m, c)
+        fwd.append(f)
+        bwd.append(b)
+        cost.append(c)
+        mem.append(m)
+    index = {n: i for i, n in enumerate(nodes)}
+
+    allowed, out_pin = match_pins(gm, nodes, strats, pins, mesh)
+
+    # graph outputs: a returned value must not stay Partial
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outputs: list[tuple[int, int, Spec | None]] = []
+    for a in out_node.all_input_nodes:
+        if a in index and isinstance(a.meta.get(ir.VAL), torch.Tensor):
+            i = index[a]
+            outputs.append((i, 0, out_pin))
+            tm = ir.tensor_meta(a)
+            fin: dict[Spec, float] = {}
+            c = cost[i].copy()  # cost[i] may be shared with other nodes
+            for k, s in enumerate(strats[i]):
+                if s.outputs:
+                    src = s.outputs[0]
+                    if src not in fin:
+                        fin[src] = reshard_costs(src, [finalize_spec(src, out_pin)], mesh, tm.shape,
+                                                 tm.dtype)[0]
+                    c[k] += fin[src]
+            cost[i] = c
+
+    # edges
+    edges: dict[tuple[int, int], np.ndarray] = {}
+    edge_info = []
+    pricer = EdgePricer(mesh)
+    for j, n in enumerate(nodes):
+        for p, a in enumerate(n.all_input_nodes):
+            if a not in index:
+                continue
+            i = index[a]
+            o = n.args[1] if n.target is operator.getitem and isinstance(n.args[1], int) else 0
+            tm = output_meta(a, o)
+            if tm is None:
+                continue
+            needs_grad = bool(flags.get(a, False)) and tm.dtype.is_floating_point
+            is_param = ir.PARAM in a.meta
+            edge_info.append((i, j, p, o, needs_grad))
+            R = pricer.matrix(strats[i], o, strats[j], p, tuple(tm.shape), tm.dtype, needs_grad,
+                              is_param)
+            if R is not None:
+                edges[i, j] = edges[i, j] + R if (i, j) in edges else R
+
+    layers = [layer_of(n) for n in nodes]
+    ties = _ties(gm, nodes, strats, layers) if opts.tie_layers else []
+    budget = opts.memory_budget if opts.memory_budget is not None else mesh.cluster.device_memory
+    problem = StrategyProblem(
+        cost=cost, mem=mem, edges=edges, live=[list(range(len(nodes)))], live_names=["step"],
+        budget=budget, pins=allowed, ties=ties, names=[n.name for n in nodes])
+    return BuiltProblem(problem, gm, mesh, nodes, strats, fwd, bwd, edge_info, outputs, opts,
+                        time.perf_counter() - t0, layers, None if mesh is given else given)
+
+
+# ---------------------------------------------------------------------------------------------
+# solution -> plan
+# ---------------------------------------------------------------------------------------------
+def _steps(plan) -> tuple[StepCost, ...]:
+    return tuple(StepCost(s.kind, s.axis_name, int(s.nbytes), float(s.time)) for s in plan.steps
+                 if s.time > 0 or s.kind not in ("chunk", "to_partial", "rescale"))
+
+
+def solution_to_plan(bp: BuiltProblem, choice: Sequence[int], *, kind: str = "auto",
+                     status: str = "OPTIMAL", stats: Mapping | None = None) -> Plan:
+    """Turn a strategy choice into a :class:`Plan` with the per-edge steps re-derived."""
+    mesh, nodes, strats = bp.mesh, bp.nodes, bp.strategies
+    # The copies of a repeated block share strategy objects and edge layouts: strings and
+    # resharding plans are made once per distinct strategy / (src, dst, shape, dtype).
+    texts: dict[int, tuple] = {}
+    plans: dict[tuple, object] = {}
+
+    full = bp.full_mesh
+
+    def sstr(spec) -> str:
+        return str(unsqueeze(full, spec))
+
+    def text(s: Strategy) -> tuple:
+        t = texts.get(id(s))
+        if t is None:
+            shown = s if full is None else Strategy(
+                tuple(unsqueeze(full, x) for x in s.inputs),
+                tuple(unsqueeze(full, x) for x in s.outputs), s.name, s.unsharded)
+            t = texts[id(s)] = (s, str(shown), tuple(None if x is None else str(x) for x in shown.inputs),
+                                tuple(str(x) for x in shown.outputs))
+        return t
+
+    def rplan(src, dst, tm):
+        key = (src, dst, tuple(tm.shape), tm.dtype)
+        got = plans.get(key)
+        if got is None:
+            got = plans[key] = reshard_plan(src, dst, mesh, tm.shape, tm.dtype)
+        return got
+
+    nps = []
+    for i, n in enumerate(nodes):
+        s = strats[i][choice[i]]
+        op = op_name(n.target) if n.op == "call_function" else n.op
+        _, s_str, s_in, s_out = text(s)
+        nps.append(NodePlan(
+            name=n.name, op=op, layer=bp.layers[i], strategy=s_str, strategy_name=s.name,
+            inputs=s_in, outputs=s_out, unsharded=bool(s.unsharded),
+            index=int(choice[i]), num_strategies=len(strats[i]),
+            fwd_time=float(bp.fwd[i][choice[i]]), bwd_time=float(bp.bwd[i][choice[i]]),
+            memory=int(bp.problem.mem[i][choice[i]])))
+    eps = []
+    for i, j, p, o, needs_grad in bp.edge_info:
+        sk, sl = strats[i][choice[i]], strats[j][choice[j]]
+        if p >= len(sl.inputs) or sl.inputs[p] is None or o >= len(sk.outputs):
+            continue
+        tm = output_meta(nodes[i], o)
+        src, dst = sk.outputs[o], sl.inputs[p]
+        lay = bp.layers[j]
+        fp = rplan(src, dst, tm)
+        if fp.steps:
+            eps.append(EdgePlan(nodes[i].name, nodes[j].name, "fwd", sstr(src), sstr(dst), _steps(fp), lay))
+        if needs_grad:
+            g, go = grad_in_spec(sl, p), grad_out_spec(src)
+            bpn = rplan(g, go, tm)
+            steps = _steps(bpn)
+            if ir.PARAM in nodes[i].meta and fp.steps:
+                steps = _steps(fp) + steps  # re-gather of the parameter for backward
+            if steps:
+                eps.append(EdgePlan(nodes[i].name, nodes[j].name, "bwd", sstr(g), sstr(go), steps, lay))
+    for i, o, pin in bp.outputs:
+        s = strats[i][choice[i]].outputs[o]
+        tm = output_meta(nodes[i], o)
+        fp = rplan(s, finalize_spec(s, pin), tm)
+        if fp.steps:
+            eps.append(EdgePlan(nodes[i].name, "output", "fwd", sstr(s), sstr(fp.dst), _steps(fp),
+                                bp.layers[i]))
+    cf = float(sum(n.fwd_time for n in nps))
+    cb = float(sum(n.bwd_time for n in nps))
+    comm = float(sum(e.time for e in eps))
+    memory = int(bp.problem.evaluate(choice)[2][0]) if bp.problem.live else 0
+    c = mesh.cluster
+    shown = full if full is not None else mesh
+    mesh_d = dict(axis_names=tuple(shown.axis_names), shape=tuple(shown.shape),
+                  devices=tuple(shown.devices), cluster=c.to_dict())
+    return Plan(kind=kind, mesh=mesh_d, nodes=tuple(nps), edges=tuple(eps), time=cf + cb + comm,
+                compute_fwd=cf, compute_bwd=cb, comm=comm, memory=memory,
+                budget=bp.problem.budget, status=status, options=bp.options.to_dict(),
+                stats=dict(stats or {}))
+
+
+def plan_graph(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None = None,
+               options: PlannerOptions | None = None, strategies: Callable | None = None,
+               kind: str = "auto") -> Plan:
+    """Build, solve (CP-SAT, one worker) and return the :class:`Plan` of ``gm`` on ``mesh``.
+
+    Raises :class:`PlanError` naming the budget when nothing fits in memory.
+    """
+    return plan_and_keep(gm, mesh, pins=pins, options=options, strategies=strategies,
+                         kind=kind)[0]
+
+
+def plan_and_keep(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None = None,
+                  options: PlannerOptions | None = None, strategies: Callable | None = None,
+                  kind: str = "auto") -> tuple[Plan, BuiltProblem, Solution]:
+    """:func:`plan_graph` that also returns the :class:`BuiltProblem` and the solver's
+    :class:`~fxpar.solver.Solution` (what :meth:`fxpar.api.Planned.why` explains)."""
+    opts = options or PlannerOptions()
+    bp = build_problem(gm, mesh, pins=pins, options=opts, strategies=strategies)
+    t0 = time.perf_counter()
+    try:
+        sol = solve(bp.problem, time_limit=opts.time_limit, **(
+            {"det_time_limit": opts.det_time_limit} if opts.det_time_limit is not None else {}))
+    except PlanError as e:
+        if "memory budget" not in str(e):  # a tie group that the pins leave empty
+            raise PlanError(f"no {kind} plan on {mesh!r}: {e}") from e
+        raise PlanError(f"no {kind} plan on {mesh!r} within the memory budget "
+                        f"{bp.problem.budget} B ({bp.problem.budget / 2**30:.3g} GiB) per device: {e}") from e
+    solve_t = time.perf_counter() - t0
+    stats = dict(build_s=bp.build_time, solve_s=solve_t, objective=sol.objective, gap=sol.gap,
+                 nodes=bp.problem.n, strategies=int(sum(c.size for c in bp.problem.cost)),
+                 edges=len(bp.problem.edges), ties=len(bp.problem.ties),
+                 solve_method=sol.stats.get("method"))
+    plan = solution_to_plan(bp, sol.choice, kind=kind, status=sol.status, stats=stats)
+    return plan, bp, sol

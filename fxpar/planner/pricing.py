@@ -1,0 +1,267 @@
+r"""Pricing of the intra-op problem: node compute times, node memory, edge resharding matrices.
+
+Pure functions of a node, one strategy and the mesh (no solver, no graph walking beyond a node's
+inputs); :mod:`fxpar.planner.intra_op` calls them for every node and edge.
+
+* **node cost** ``c_ik = t_fwd + t_bwd`` (:func:`compute_times`):
+  :func:`fxpar.cost.compute.op_cost` on the LOCAL shapes (``max_local_shape(spec, global,
+  mesh.shape)`` of each tensor input under strategy ``k`` and of each output), priced by
+  :func:`fxpar.cost.compute.op_time` (roofline on ``mesh.cluster``); ``t_bwd = 0`` when the
+  node's output needs no gradient (:func:`fxpar.cost.compute.grad_flags`).
+* **edge cost** (:class:`EdgePricer`) for producer ``i`` (output ``o``: the ``getitem`` index,
+  else 0) feeding input ``p`` of consumer ``j``::
+
+      R^ij_kl = reshard(out_ik[o] → in_jl[p]).time                                  (forward)
+              + [needs grad] reshard(grad_in(j, l, p) → grad_out(out_ik[o])).time   (backward)
+              + [i is a parameter and the forward reshard is not empty] forward time again
+
+  with the gradient layout rules :func:`fxpar.spec.grad_in_spec` / :func:`fxpar.spec.grad_out_spec`.
+  So a parameter stored ``R`` on a ``dp`` axis whose consumer shards the batch on ``dp`` gets
+  a ``P(sum) → R`` all-reduce of its gradient (data-parallel gradient sync), and a parameter
+  stored ``S(0)`` everywhere but consumed ``R`` (ZeRO-3) pays an all-gather forward, the
+  all-gather again in backward (the gathered copy is not kept: memory counts the storage
+  only) and a reduce-scatter of the gradient. Several consumers of one value each pay their
+  own edge (gradient accumulation across consumers is not modelled).
+* **graph outputs**: a value returned by the graph must not stay ``Partial``: it is resharded
+  to :func:`finalize_spec` (the pinned output spec, else ``P→R`` on every partial axis).
+* **memory** ``m_ik`` (bytes per device, :func:`node_memory`): a parameter placeholder holds
+  its model states (``model_state_bytes(local numel, optimizer, precision)``: Adam mixed
+  precision = 16 B per local element by default); a buffer or user input its local bytes;
+  any other node whose output needs a gradient and is not a view holds its local output bytes
+  (an upper bound of the activations saved for backward).
+
+>>> from types import SimpleNamespace
+>>> import fxpar
+>>> from fxpar.strategies.base import Strategy
+>>> mesh = fxpar.Mesh(fxpar.Cluster.preset("dgx-a100"), dp=8)
+>>> w = SimpleNamespace(op="placeholder", meta={"fxpar_param": SimpleNamespace(
+...     kind="param", requires_grad=True), "val": torch.empty(1024, 1024, device="meta")})
+>>> opts = SimpleNamespace(optimizer="adam", precision="mixed")
+>>> node_memory(w, Strategy((), ("S(0)",)), mesh, {}, opts) == 16 * 1024 * 1024 // 8
+True
+>>> finalize_spec(Spec.parse("P(sum)"), None)
+R
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.cost.compute import VIEW_OPS, TensorArg, op_cost, op_name, op_time
+from fxpar.cost.memory import model_state_bytes
+from fxpar.cost.reshard import max_local_shape
+from fxpar.reshard import reshard_cost_table
+from fxpar.spec import Spec, grad_in_spec, grad_out_spec
+from fxpar.strategies.base import Strategy
+
+__all__ = ["compute_times", "node_memory", "node_key", "output_meta", "finalize_spec",
+           "EdgePricer"]
+
+
+def _local(spec: Spec | None, shape, mesh) -> tuple[int, ...]:
+    if spec is None:
+        return tuple(shape)
+    return max_local_shape(spec, shape, mesh.shape)
+
+
+def output_meta(node: fx.Node, out_idx: int):
+    """Tensor meta of output ``out_idx`` of ``node`` (``None`` past its last output)."""
+    mets = ir.tensor_metas(node)
+    return mets[out_idx] if out_idx < len(mets) else None
+
+
+def compute_times(node, strat: Strategy, mesh, flags, opts) -> tuple[float, float]:
+    """``(t_fwd, t_bwd)`` seconds of ``node`` under ``strat`` (module docstring); 0 for a
+    non-``call_function`` node."""
+    if node.op != "call_function":
+        return 0.0, 0.0
+    ins = node.all_input_nodes
+    spec_of = {a: strat.inputs[q] if q < len(strat.inputs) else None for q, a in enumerate(ins)}
+
+    def conv(x):
+        if isinstance(x, fx.Node):
+            tm = ir.tensor_meta(x) if isinstance(x.meta.get(ir.VAL), torch.Tensor) else None
+            if tm is None:
+                return x.meta.get(ir.VAL)
+            return TensorArg(_local(spec_of.get(x), tm.shape, mesh), tm.dtype, bool(flags.get(x)))
+        if isinstance(x, (list, tuple)):
+            return type(x)(conv(y) for y in x)
+        return x
+
+    args = tuple(conv(a) for a in node.args)
+    kwargs = {k: conv(v) for k, v in node.kwargs.items()}
+    mets = ir.tensor_metas(node)
+    outs = [TensorArg(_local(strat.outputs[o] if o < len(strat.outputs) else None, t.shape, mesh), t.dtype)
+            for o, t in enumerate(m for m in mets if m is not None)]
+    out = outs[0] if len(mets) == 1 and outs else tuple(outs)
+    c = op_cost(node.target, args, kwargs, out)
+    if not flags.get(node, False):
+        c = type(c)(c.fwd_flops, 0.0, c.fwd_bytes, 0.0, c.kind, c.known)
+    return op_time(c, mesh.cluster, opts.efficiency, opts.memory_efficiency)
+
+
+def node_memory(node, strat: Strategy, mesh, flags, opts) -> int:
+    """``m_ik``: bytes per device ``node`` keeps under ``strat`` (module docstring)."""
+    info = node.meta.get(ir.PARAM)
+    mets = ir.tensor_metas(node)
+    if not strat.outputs or not mets or mets[0] is None:
+        return 0
+    if node.op == "placeholder" or node.op == "get_attr":
+        t = mets[0]
+        local = math.prod(_local(strat.outputs[0], t.shape, mesh))
+        if info is not None and info.kind == "param" and info.requires_grad:
+            return int(model_state_bytes(local, optimizer=opts.optimizer, precision=opts.precision).total)
+        return local * t.dtype.itemsize
+    if not flags.get(node, False) or (node.op == "call_function" and op_name(node.target) in VIEW_OPS):
+        return 0
+    if node.target is operator.getitem:
+        return 0
+    total = 0
+    for o, t in enumerate(m for m in mets if m is not None):
+        if o < len(strat.outputs) and t.dtype.is_floating_point:
+            total += math.prod(_local(strat.outputs[o], t.shape, mesh)) * t.dtype.itemsize
+    return total
+
+
+
+def node_key(node: fx.Node, flags) -> tuple | None:
+    """Everything the default rules, the compute-cost and the memory model read of a node:
+    op and target, the arguments (input nodes by position, other values by ``repr``), the
+    metas of the node and of every input, gradient flags, parameter kind. ``None`` when an
+    argument is not hashable as such (then the node is not shared)."""
+    ins = node.all_input_nodes
+    pos = {a: q for q, a in enumerate(ins)}
+
+    def conv(x):
+        if isinstance(x, fx.Node):
+            return ("@", pos[x])
+        if isinstance(x, (list, tuple)):
+            return (type(x).__name__,) + tuple(conv(y) for y in x)
+        if isinstance(x, dict):
+            return ("dict",) + tuple((k, conv(v)) for k, v in sorted(x.items()))
+        if x is None or isinstance(x, (bool, int, float, str, torch.dtype, torch.device,
+                                       torch.memory_format, torch.layout)):
+            return (type(x).__name__, repr(x))
+        raise TypeError
+
+    try:
+        args = conv(node.args)
+        kwargs = conv(dict(node.kwargs))
+    except TypeError:
+        return None
+    info = node.meta.get(ir.PARAM)
+    # a placeholder's target is its name; nothing reads it (its value and kind decide)
+    target = None if node.op == "placeholder" else node.target
+    return (node.op, target, args, kwargs, tuple(ir.tensor_metas(node)),
+            tuple(tuple(ir.tensor_metas(a)) for a in ins),
+            tuple(None if isinstance(a.meta.get(ir.VAL), (torch.Tensor, tuple, list))
+                  else repr(a.meta.get(ir.VAL)) for a in ins),
+            bool(flags.get(node)), tuple(bool(flags.get(a)) for a in ins),
+            None if info is None else (info.kind, bool(info.requires_grad)),
+            ir.INPUT in node.meta, ir.PARAM in node.meta)
+
+
+def finalize_spec(spec: Spec, pinned: Spec | None) -> Spec:
+    """Layout a graph output of layout ``spec`` is returned in: the output pin, else
+    ``spec`` without partial axes (``P→R``)."""
+    return pinned if pinned is not None else grad_out_spec(spec)
+
+
+class EdgePricer:
+    """Edge matrices ``R[k, l]`` (module docstring) priced per DISTINCT pair of specs.
+
+    A strategy list has many strategies but few distinct specs per tensor (a 4-D mesh linear
+    has 624 strategies and ~60 output specs), so each edge prices the distinct producer
+    output specs against the distinct consumer input specs (and the distinct gradient pairs)
+    with :func:`fxpar.reshard.reshard_costs` (one single-source search per source spec) and
+    expands the small matrices by index. Specs are interned to ints once per strategy list;
+    a whole matrix is memoized by content (interned ids, shape, dtype, flags), so the tied
+    copies of a repeated block reuse the first copy's matrices. Every entry is the same float
+    sum as the pairwise formula ``ft + bt + ft`` (same order of additions).
+    """
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self._ids: dict[Spec, int] = {}
+        self._specs: list[Spec] = []
+        self._gout: list[int] = []            # id -> id of grad_out_spec(spec)
+        self._src: dict[tuple[int, int], np.ndarray] = {}       # (id(list), o) -> ids, -1 none
+        self._dst: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._keep: list = []                 # keeps the strategy lists alive (ids above)
+        self._mats: dict[tuple, np.ndarray | None] = {}
+
+    def _id(self, spec: Spec) -> int:
+        i = self._ids.get(spec)
+        if i is None:
+            i = self._ids[spec] = len(self._specs)
+            self._specs.append(spec)
+            self._gout.append(-1)
+        return i
+
+    def _gout_id(self, i: int) -> int:
+        g = self._gout[i]
+        if g < 0:
+            g = self._gout[i] = self._id(grad_out_spec(self._specs[i]))
+        return g
+
+    def _src_ids(self, strats: list[Strategy], o: int) -> np.ndarray:
+        key = (id(strats), o)
+        got = self._src.get(key)
+        if got is None:
+            self._keep.append(strats)
+            got = self._src[key] = np.array(
+                [self._id(s.outputs[o]) if o < len(s.outputs) else -1 for s in strats], np.int64)
+        return got
+
+    def _dst_ids(self, strats: list[Strategy], p: int, needs_grad: bool) -> tuple[np.ndarray, np.ndarray]:
+        key = (id(strats), p, needs_grad)
+        got = self._dst.get(key)
+        if got is None:
+            self._keep.append(strats)
+            dst, gin = [], []
+            for s in strats:
+                d = s.inputs[p] if p < len(s.inputs) else None
+                dst.append(-1 if d is None else self._id(d))
+                gin.append(self._id(grad_in_spec(s, p)) if needs_grad and d is not None else -1)
+            got = self._dst[key] = (np.array(dst, np.int64), np.array(gin, np.int64))
+        return got
+
+    def _table(self, srcs: np.ndarray, dsts: np.ndarray, shape, dtype) -> np.ndarray:
+        """``T[a, b]`` = reshard time from spec id ``srcs[a]`` to spec id ``dsts[b]``."""
+        return reshard_cost_table([self._specs[s] for s in srcs], [self._specs[d] for d in dsts],
+                                  self.mesh, shape, dtype)
+
+    def matrix(self, si: list[Strategy], o: int, sj: list[Strategy], p: int, shape, dtype,
+               needs_grad: bool, is_param: bool) -> np.ndarray | None:
+        """``R`` of the edge (output ``o`` of a node with strategies ``si`` → input ``p`` of a
+        node with strategies ``sj``), or ``None`` when it is all zeros."""
+        src = self._src_ids(si, o)
+        dst, gin = self._dst_ids(sj, p, needs_grad)
+        key = (src.tobytes(), dst.tobytes(), gin.tobytes(), shape, dtype, needs_grad, is_param)
+        if key in self._mats:
+            return self._mats[key]
+        rows, cols = src >= 0, dst >= 0
+        us, si_ = np.unique(src[rows], return_inverse=True)
+        ud, dj = np.unique(dst[cols], return_inverse=True)
+        R = np.zeros((len(si), len(sj)))
+        if len(us) and len(ud):
+            F = self._table(us, ud, shape, dtype)[np.ix_(si_, dj)]
+            Rs = F
+            if needs_grad:
+                ug, gj = np.unique(gin[cols], return_inverse=True)
+                go = np.array([self._gout_id(int(x)) for x in us], np.int64)
+                ugo, gk = np.unique(go, return_inverse=True)
+                B = self._table(ug, ugo, shape, dtype)          # [gin, grad_out]
+                Rs = F + B[np.ix_(gj, gk[si_])].T
+                if is_param:
+                    Rs = Rs + F
+            R[np.ix_(rows, cols)] = Rs
+        out = R if R.any() else None
+        self._mats[key] = out
+        return out
