@@ -193,12 +193,13 @@ class TorchSide:
 
 def _comm_summary(runner) -> dict:
     """The communicating edges of this rank's fxpar graph (forward and gradient plans)."""
-    from fxpar.runtime.comm import LOCAL_KINDS, CollectiveWait, Reshard
+    from fxpar import ir
+    from fxpar.cost.reshard import LOCAL_KINDS
 
     def talks(plan) -> bool:
         return plan is not None and any(st.kind and st.kind not in LOCAL_KINDS for st in plan.steps)
 
-    edges = [m.edge for m in runner.gm.modules() if isinstance(m, (CollectiveWait, Reshard))]
+    edges = list(runner.gm.meta[ir.EDGES].values())
     comm = [e for e in edges if talks(e.fwd) or talks(e.bwd)]
     return dict(edges=len(edges), forward_collective_edges=sum(talks(e.fwd) for e in edges),
                 backward_collective_edges=sum(talks(e.bwd) for e in edges),

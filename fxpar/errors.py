@@ -39,6 +39,12 @@ class PlanError(FxparError):
     """The planner found no feasible plan (e.g. the memory budget is too small)."""
 
 
+class PassError(FxparError):
+    """A graph pass broke its contract: a ``requires`` check failed before it ran or an
+    ``ensures`` check after it; the message names the pass, the check, the node at fault and
+    the passes already run."""
+
+
 class MaterializeError(FxparError):
     """Local shards cannot be built: unknown/missing key, wrong shape, or a tensor whose value
     cannot be reconstructed. The message names the fqn."""

@@ -2,9 +2,9 @@
 
 ``fxpar.compile(model, cluster, ...)`` returns a :class:`Program`: the :class:`~fxpar.Plan`,
 the captured graph, and (lazily) the distributed graph after the global passes
-(:data:`fxpar.pipeline.GLOBAL_PASSES`). ``program.rank_graph(r)`` runs the per-rank passes
+(:data:`fxpar.passes.lowering.GLOBAL_PASSES`). ``program.rank_graph(r)`` runs the per-rank passes
 for rank ``r``. Under ``torchrun`` (a process group initialized), ``program.runner()`` builds
-this rank's :class:`Runner`:
+this rank's :class:`~fxpar.runtime.runner.Runner`:
 
 1. all ranks exchange the plan hash, then check the world size against the mesh: a mismatch
    raises :class:`PlanError` on every rank before any collective of the program runs;
@@ -39,8 +39,10 @@ import torch.utils._pytree as pytree
 from fxpar import ir
 from fxpar.errors import CaptureError, FxparError, PlanError
 from fxpar.mesh import Mesh
-from fxpar.pipeline import GLOBAL_PASSES, RANK_PASSES, PassContext, run_passes
+from fxpar.passes.infra import PassContext, run_passes
+from fxpar.passes.lowering import GLOBAL_PASSES, RANK_PASSES
 from fxpar.plan_data import Plan
+from fxpar.runtime.runner import Runner
 
 __all__ = ["Program", "Runner", "load", "model_signature"]
 
@@ -88,7 +90,8 @@ class Program:
                 raise PlanError(f"rank {rank} is not in the plan's mesh {self.mesh!r}")
             ctx = PassContext(self.plan, self.mesh, coord=self.mesh.coord(rank),
                               prefetch=self.prefetch, device=device, timings=self.timings)
-            self._ranks[key] = run_passes(_copy(self.distributed_graph), ctx, RANK_PASSES)
+            self._ranks[key] = run_passes(_copy(self.distributed_graph), ctx, RANK_PASSES,
+                                          already_run=[p.__name__ for p in GLOBAL_PASSES])
         return self._ranks[key]
 
     def runner(self, weights: Any = None, *, s_g: int = 1, s_os: int = 1, seed: int = 0,
@@ -169,243 +172,3 @@ def load(path, model: torch.nn.Module, *, optimizer: Callable | None = None,
                         f"{d['signature'][:12]}, this model {sig[:12]})")
     return Program(plan, gm, wrapped, optimizer=optimizer, training=training,
                    prefetch=d.get("prefetch", 1))
-
-
-# ---------------------------------------------------------------------------------------------
-# runner
-# ---------------------------------------------------------------------------------------------
-def replica_group(mesh: Mesh, axes: Sequence[str], rank: int):
-    """The :class:`ReplicaGroup` of ``rank`` over mesh ``axes`` (``None`` if no axes)."""
-    from fxpar.runtime.model_state import ReplicaGroup
-
-    if not axes:
-        return None
-    arr = np.asarray(mesh.devices).reshape(mesh.shape)
-    idx = [mesh.axis_names.index(a) for a in axes]
-    rest = [i for i in range(mesh.ndim) if i not in idx]
-    groups = arr.transpose(rest + idx).reshape(-1, int(np.prod([mesh.shape[i] for i in idx])))
-    all_ = tuple(tuple(int(x) for x in g) for g in groups)
-    mine = next(g for g in all_ if rank in g)
-    return ReplicaGroup("+".join(axes), mine, all_)
-
-
-class Runner:
-    """One rank's executable program (module docstring); build with :meth:`Program.runner`."""
-
-    def __init__(self, program: Program, weights=None, *, s_g=1, s_os=1, seed=0,
-                 local_batch=False, device=None, bucket_bytes=25 * 2**20,
-                 regather=True) -> None:
-        import torch.distributed as dist
-
-        from fxpar.runtime.comm import CollectiveStart, CollectiveWait, Reshard
-        from fxpar.runtime.materialize import local_state
-        from fxpar.runtime.model_state import ModelStates
-        from fxpar.runtime.ops import ShardedDropout
-        from fxpar.runtime.rng import RNGTracker
-
-        if not dist.is_initialized():
-            raise FxparError("Program.runner() needs an initialized torch.distributed process "
-                             "group (run under torchrun)")
-        mesh = program.mesh
-        world, rank = dist.get_world_size(), dist.get_rank()
-        # the hash exchange comes first, over the whole world: a check that fails on some ranks
-        # only (a plan for another world size on one rank) must not leave the others hanging
-        hashes: list = [None] * world
-        dist.all_gather_object(hashes, program.plan.hash)
-        if len(set(hashes)) != 1:
-            bad = {r: h[:12] for r, h in enumerate(hashes)}
-            raise PlanError(f"ranks hold different plans (plan hash by rank: {bad}); every rank "
-                            "must compute or load the same plan")
-        if world != mesh.size:
-            raise PlanError(f"the plan is for {mesh.size} ranks ({mesh!r}) but the world has "
-                            f"{world} ranks")
-        self.program, self.rank, self.mesh = program, rank, mesh
-        self.coord = mesh.coord(rank)
-        self.device = device or "cpu"
-        self.local_batch = local_batch
-        self.regather, self.regathers = regather, 0
-        self._inflight: list = []
-        self._buckets: dict[tuple, list] = {}
-        gm = program.rank_graph(rank, self.device)
-        self.gm = gm
-        # parameters and buffers: this rank's shards only
-        holders = [n for n in gm.graph.find_nodes(op="placeholder") if ir.PARAM in n.meta]
-        self.inputs = [n for n in gm.graph.find_nodes(op="placeholder") if ir.INPUT in n.meta]
-        layouts = {n.meta[ir.PARAM].fqn: (n.meta[ir.SPECS][0], n.meta[ir.PARAM].shape)
-                   for n in holders}
-        #: storage spec of every parameter and buffer (its local shard's layout)
-        self.specs = {f: spec for f, (spec, _) in layouts.items()}
-        # a loss_fn wrapper holds the model as ``model.``: materialize from the user's model
-        model, pre = program.model, ""
-        if getattr(model, "fxpar_wraps_loss", False):
-            model, pre = model.model, "model."
-        local = local_state(model, {f.removeprefix(pre): v for f, v in layouts.items()},
-                            mesh.shape, self.coord, source=weights, seed=seed)
-        local = {pre + f: t for f, t in local.items()}
-        self.state: dict[str, torch.Tensor] = {}
-        for n in holders:
-            info = n.meta[ir.PARAM]
-            t = local[info.fqn].to(self.device)
-            trainable = program.training and info.kind == "param" and info.requires_grad
-            self.state[info.fqn] = t.requires_grad_(True) if trainable else t
-        self._order = [n.meta[ir.PARAM].fqn for n in holders]
-        self.states = None
-        if program.training:
-            if program.optimizer is None:
-                raise FxparError("training needs an optimizer: fxpar.compile(..., optimizer="
-                                 "lambda params: torch.optim.AdamW(params, lr=...))")
-            replica = gm.meta.get(ir.REPLICA_AXES, {})
-            params = {f: t for f, t in self.state.items() if t.requires_grad}
-            groups = {f: replica_group(mesh, replica.get(f, ()), rank) for f in params}
-            self.states = ModelStates(params, groups, program.optimizer, s_g=s_g, s_os=s_os,
-                                      bucket_bytes=bucket_bytes)
-            # A use through a communication node sends its gradient to the sink; the other
-            # uses accumulate on the leaf, whose post-accumulate hook sends the sum (once).
-            uses = dict.fromkeys(params, 0)
-            for n in holders:
-                f = n.meta[ir.PARAM].fqn
-                if f not in params:
-                    continue
-                direct = False
-                for u in n.users:
-                    mod = gm.get_submodule(u.target) if u.op == "call_module" else None
-                    if isinstance(mod, (CollectiveWait, Reshard)) and mod.edge.param == f:
-                        mod.edge.sink = self._sink
-                        uses[f] += 1
-                    elif not (u.op == "call_module" and isinstance(mod, CollectiveStart)):
-                        direct = True
-                if direct:
-                    params[f].register_post_accumulate_grad_hook(self._leaf_hook(f))
-                    uses[f] += 1
-            for f, k in uses.items():
-                if k:
-                    self.states.expect(f, k)
-        self.tracker = RNGTracker(seed)
-        for mod in gm.modules():
-            if isinstance(mod, ShardedDropout):
-                mod.tracker = self.tracker
-
-    def _sink(self, edge, grad: torch.Tensor) -> None:
-        """Gradient of one parameter use (``Edge.backward``): no plan → straight to the model
-        states; else its collectives are launched now, coalesced with the rest of its bucket
-        once the whole bucket has arrived, and finished after backward. Launch order follows
-        autograd's order, the same on every rank."""
-        if not edge.bwd.steps:
-            self.states.add_grad(edge.param, grad)
-            return
-        key = edge.bucket or (edge.name,)
-        got = self._buckets.setdefault(key, [])
-        got.append((edge, grad))
-        if len(got) == len(key):
-            self._launch(key)
-
-    def _launch(self, key) -> None:
-        from fxpar.runtime.reshard import start
-
-        got = self._buckets.pop(key)
-        pending = start([e.bwd for e, _ in got], [g for _, g in got], got[0][0].mesh)
-        self._inflight.append(([e.param for e, _ in got], pending))
-
-    def _finish_inflight(self) -> None:
-        from fxpar.runtime.reshard import finish
-
-        for key in sorted(self._buckets):  # buckets some of whose gradients never came
-            self._launch(key)
-        for fqns, pending in self._inflight:
-            for fqn, g in zip(fqns, finish(pending)):
-                self.states.add_grad(fqn, g)
-        self._inflight.clear()
-
-    def _leaf_hook(self, fqn: str):
-        def hook(p: torch.Tensor) -> None:
-            self.states.add_grad(fqn, p.grad)
-            p.grad = None
-        return hook
-
-    # -- batches ---------------------------------------------------------------------------
-    def _local_inputs(self, args, kwargs) -> list:
-        from fxpar.capture import flatten_inputs as _flatten_inputs
-        from fxpar.runtime.reshard import distribute
-
-        flat = _flatten_inputs(tuple(args), dict(kwargs), self.gm.meta[ir.INPUT_TREE])
-        out = []
-        for n, x in zip(self.inputs, flat, strict=True):
-            info = n.meta[ir.INPUT]
-            if not info.is_tensor:
-                out.append(x)
-                continue
-            if not isinstance(x, torch.Tensor):
-                raise FxparError(f"input {info.name!r}: expected a tensor, got {type(x).__name__}")
-            spec = n.meta[ir.SPECS][0]
-            want = tuple(n.meta[ir.VAL].shape) if self.local_batch else tuple(info.shape)
-            if tuple(x.shape) != want:
-                raise FxparError(
-                    f"input {info.name!r}: shape {tuple(x.shape)} but the program was compiled for "
-                    f"{'local' if self.local_batch else 'global'} shape {want} (spec {spec}); "
-                    "recompile for another batch shape")
-            x = x if self.local_batch else distribute(x, spec, self.mesh.shape, self.coord)
-            out.append(x.to(self.device))
-        return out
-
-    def forward(self, *args, **kwargs):
-        """Run the local program; returns the flat local outputs (finalized: no Partial)."""
-        ins = self._local_inputs(args, kwargs)
-        return self.gm(*[self.state[f] for f in self._order], *ins)
-
-    def forward_backward(self, *args, **kwargs) -> torch.Tensor:
-        """Forward and backward on the batch, gradients reduced (``states.grads()`` shows
-        them); no optimizer step. Calls accumulate gradients until :meth:`optimizer_step`."""
-        if self.states is None:
-            raise FxparError("training steps need a program compiled with training=True")
-        from fxpar.runtime.comm import Regather
-
-        with Regather() if self.regather else contextlib.nullcontext() as rg:
-            out = self.forward(*args, **kwargs)
-        #: gathered parameters still held between forward and backward (``regather``: 0)
-        self.held_after_forward = rg.alive() if rg is not None else None
-        loss = out[0] if isinstance(out, (tuple, list)) else out
-        if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
-            raise FxparError("the compiled model's first output is not a scalar loss; pass "
-                             "loss_fn=... to fxpar.compile")
-        loss.backward()
-        self.regathers = rg.count if rg is not None else 0
-        self._finish_inflight()
-        self.states.finish_backward()
-        self.tracker.next_step()
-        return loss.detach()
-
-    def optimizer_step(self) -> None:
-        """Optimizer step on the local shards, parameters restored, gradients zeroed."""
-        self.states.step()
-        self.states.zero_grad()
-
-    def step(self, *args, **kwargs) -> torch.Tensor:
-        """One training step on the global batch ``(*args, **kwargs)`` (the same on every rank;
-        with ``local_batch=True`` this rank's piece): forward, backward, gradient
-        reduction, optimizer step. Returns the detached loss (the same on every rank)."""
-        loss = self.forward_backward(*args, **kwargs)
-        self.optimizer_step()
-        return loss
-
-    def __call__(self, *args, gather: bool = True, **kwargs):
-        """Inference: the model's outputs in its own structure, gathered to their global form
-        (``gather=False``: this rank's local pieces)."""
-        from fxpar.reshard import reshard_plan
-        from fxpar.runtime.reshard import execute
-
-        with torch.no_grad():
-            out = self.forward(*args, **kwargs)
-            flat = list(out) if isinstance(out, (tuple, list)) else [out]
-            if gather:
-                glob = {n.name: n for n in self.program.distributed_graph.graph.nodes}
-                out_node = next(iter(self.gm.graph.find_nodes(op="output")))
-                for k, node in enumerate(pytree.tree_leaves(out_node.args[0])):
-                    specs = node.meta.get(ir.SPECS) if isinstance(node, fx.Node) else None
-                    if isinstance(flat[k], torch.Tensor) and specs and not specs[0].is_replicated:
-                        shape = tuple(glob[node.name].meta[ir.VAL].shape)
-                        plan = reshard_plan(specs[0], "R" * self.mesh.ndim, self.mesh, shape,
-                                            flat[k].dtype)
-                        flat[k] = execute(plan, flat[k], self.mesh)
-        infos = ir.outputs(self.gm)
-        user = [v for info, v in zip(infos, flat) if info.kind == "user"] if infos else flat
-        return pytree.tree_unflatten(user, self.gm.meta[ir.OUTPUT_TREE])

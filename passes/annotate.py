@@ -5,10 +5,12 @@ Contract: for every node the plan names, ``node.meta[SPECS]`` is the tuple of it
 a non-tensor input) and ``node.meta[STRATEGY]`` the strategy text. Raises
 :class:`fxpar.PlanError` if the plan and the graph disagree (a node missing from either side,
 or a different number of inputs): a plan from another model is an error, not a silent
-misplacement.
+misplacement. The ``output`` node gets ``meta[IN_SPECS]``: per output value, the layout the
+plan delivers it in (an output pin), or ``None`` (``insert_collectives`` finalizes a
+``Partial`` to ``R``). After this pass no pass reads the plan: node meta is the contract.
 
 >>> import torch, fxpar
->>> from fxpar.pipeline import PassContext
+>>> from fxpar.passes.infra import PassContext
 >>> p = fxpar.plan(torch.nn.Linear(4, 2), fxpar.Cluster.local(2), (torch.randn(4, 4),),
 ...                mesh={"dp": 2}, plan="dp")
 >>> gm = annotate_pass(p.graph, PassContext(p.plan, None)).graph_module
@@ -22,10 +24,12 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.errors import PlanError
-from fxpar.pipeline import PassContext, PassResult
+from fxpar.passes.checks import annotated
+from fxpar.passes.infra import PassContext, PassResult, graph_pass
 from fxpar.spec import Spec
 
 
+@graph_pass(ensures=(annotated,))
 def annotate_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     by_name = {n.name: n for n in ctx.plan.nodes}
     nodes = [n for n in gm.graph.nodes if n.op != "output"]
@@ -44,4 +48,8 @@ def annotate_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         n.meta[ir.SPECS] = tuple(Spec.parse(s) for s in np_.outputs)
         n.meta[ir.IN_SPECS] = ins
         n.meta[ir.STRATEGY] = np_.strategy
+    pinned = {e.producer: Spec.parse(e.dst_spec) for e in ctx.plan.edges
+              if e.consumer == "output" and e.direction == "fwd"}
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    out.meta[ir.IN_SPECS] = tuple(pinned.get(a.name) for a in out.all_input_nodes)
     return PassResult(gm, True)

@@ -3,9 +3,11 @@
 Contract (last pass, per rank):
 
 * every node gets ``meta[SPEC_TEXT]``: its layout (``S(0)R``), or for a communication node
-  the edge's collectives and gradient plan (``S(0)R -> RR: all_gather(dp) | grad ...``);
-* the graph is run once on ``meta`` tensors of the local shapes (communication modules
-  answer with their destination's local shape) and every tensor's shape is compared with the
+  the edge's collectives with this rank's groups and its gradient plan
+  (``S(0)R -> RR: all_gather(dp [0, 2]) | grad ...``);
+* the graph holds op nodes only (no ``call_module``: nothing stateful);
+* the graph is run once on ``meta`` tensors of the local shapes (communication ops answer
+  with their destination's local shape) and every tensor's shape is compared with the
   expected local shape: a mismatch (a size argument the localize pass missed) raises
   :class:`fxpar.PlanError` naming the node, op and spec, on every rank, before any data moves;
 * the result is a :class:`RankGraphModule` whose ``print_readable()`` shows the spec comments.
@@ -19,7 +21,8 @@ import torch.utils._pytree as pytree
 
 from fxpar import ir
 from fxpar.errors import PlanError
-from fxpar.pipeline import PassContext, PassResult
+from fxpar.passes.checks import localized, only_op_nodes
+from fxpar.passes.infra import PassContext, PassResult, graph_pass
 
 __all__ = ["emit_pass", "RankGraphModule"]
 
@@ -35,10 +38,10 @@ class RankGraphModule(fx.GraphModule):
         return super().print_readable(print_output, include_stride, include_device, colored, **kw)
 
 
-def _text(n: fx.Node) -> str | None:
+def _text(n: fx.Node, coord) -> str | None:
     edge = n.meta.get(ir.EDGE)
     if edge is not None:
-        return edge.describe()
+        return edge.describe(coord)
     specs = n.meta.get(ir.SPECS)
     return None if not specs else ", ".join(map(str, specs))
 
@@ -70,9 +73,10 @@ def _check(gm: fx.GraphModule) -> None:
     Check(gm).run(*args)
 
 
+@graph_pass(requires=(localized, only_op_nodes), ensures=(only_op_nodes,))
 def emit_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     for n in gm.graph.nodes:
-        t = _text(n)
+        t = _text(n, ctx.coord)
         if t is not None:
             n.meta[ir.SPEC_TEXT] = t
     gm.recompile()

@@ -6,26 +6,29 @@ each edge ``producer -> consumer`` (input ``p`` of the consumer):
 * value plan ``src -> dst``: ``src`` the producer's output spec, ``dst`` the spec the consumer's
   strategy needs (:func:`fxpar.reshard.reshard_plan`);
 * gradient plan (when the value carries a gradient): ``grad_in_spec(consumer, p) ->
-  grad_out_spec(src)`` (:mod:`fxpar.planner`); for a trainable parameter the target is its
+  grad_out_spec(src)`` (:mod:`fxpar.spec`); for a trainable parameter the target is its
   storage spec with ``P(sum)`` on its *replica axes* (axes where it is stored ``R`` and some use
   produces a ``P(sum)`` gradient): the model-state manager reduces those, asynchronously;
-* if the value plan's first step is a collective, a ``CollectiveStart`` node right after the
-  producer and a ``CollectiveWait`` node right before the consumer (the consumer reads the
-  wait); otherwise, if anything is left to do (local steps, a gradient plan, a ``P(avg)``
-  gradient scale), one
-  synchronous ``Reshard`` node before the consumer. A parameter use with nothing to do gets
+* if the value plan's first step is a collective, a ``torch.ops.fxpar.start`` node right after
+  the producer and a ``torch.ops.fxpar.wait`` node right before the consumer (the consumer
+  reads the wait); otherwise, if anything is left to do (local steps, a gradient plan, a
+  ``P(avg)`` gradient scale), one synchronous ``torch.ops.fxpar.reshard`` node before the
+  consumer (:mod:`fxpar.runtime.comm`). A parameter use with nothing to do gets
   no node: autograd accumulates its gradient on the parameter (already in the target layout)
   and the runner's post-accumulate hook hands it to the model-state manager.
 
 An output whose spec is ``Partial`` gets the edge to its finalized spec (``P -> R``) before the
-``output`` node. A ``getitem`` of a multi-output node keeps the producer's element spec and
+``output`` node (to the spec ``annotate`` put on the output node: a pin, else ``P -> R``).
+A ``getitem`` of a multi-output node keeps the producer's element spec and
 the edge goes after it. Every inserted node carries ``meta[EDGE]`` and ``meta[SPECS]``;
-``gm.meta[ir.REPLICA_AXES]`` maps each trainable parameter to its replica axes. A Megatron MLP
+``gm.meta[EDGES]`` holds every edge by name; ``gm.meta[REPLICA_AXES]`` maps each trainable parameter to its replica axes. A Megatron MLP
 (``col`` then ``row``) gets exactly one forward collective (the row output's all-reduce) and
 one gradient all-reduce (the ``f`` edge at the column input)::
 
-    x -> [Reshard f: R -> R | grad P(sum) -> R] -> linear(col) -> gelu -> linear(row)
+    x -> [reshard f: R -> R | grad P(sum) -> R] -> linear(col) -> gelu -> linear(row)
       -> [start all_reduce(tp)] ... [wait] -> output
+
+Reads node meta only (``SPECS``, ``IN_SPECS``, ``VAL``, ``PARAM``), never the plan.
 """
 
 from __future__ import annotations
@@ -37,15 +40,16 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.cost.compute import grad_flags
-from fxpar.pipeline import PassContext, PassResult
-from fxpar.spec import grad_in_spec, grad_out_spec
 from fxpar.reshard import reshard_plan
-from fxpar.runtime.comm import CollectiveStart, CollectiveWait, Edge, Reshard, grad_scale
-from fxpar.spec import Partial, Replicate, Spec
+from fxpar.runtime.comm import Edge, grad_scale
+from fxpar.spec import Partial, Replicate, Spec, grad_in_spec, grad_out_spec
 from fxpar.strategies.base import Strategy
+from fxpar.passes.infra import PassContext, PassResult, graph_pass
+from fxpar.passes.checks import annotated, comm_ops_have_edges
 
 __all__ = ["insert_collectives_pass"]
 _SUM = Partial("sum")
+_fx = torch.ops.fxpar
 
 
 def _strategy(n: fx.Node) -> Strategy:
@@ -84,25 +88,25 @@ def _replica_axes(uses, flags) -> dict[fx.Node, tuple[int, ...]]:
     return {a: tuple(sorted(s)) for a, s in out.items()}
 
 
+@graph_pass(requires=(annotated,), ensures=(comm_ops_have_edges,))
 def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     mesh, graph = ctx.mesh, gm.graph
     flags = grad_flags(gm)
     uses = list(_uses(gm))
     replica = _replica_axes(uses, flags)
     gm.meta[ir.REPLICA_AXES] = {a.meta[ir.PARAM].fqn: tuple(mesh.axis_names[i] for i in ax)
-                             for a, ax in replica.items()}
+                                for a, ax in replica.items()}
+    edges: dict[str, Edge] = gm.meta.setdefault(ir.EDGES, {})
     names: dict[str, int] = {}
     modified = False
 
-    def add(kind: str, edge: Edge, module, args, where: fx.Node, after: bool) -> fx.Node:
+    def add(kind: str, edge: Edge, target, args, where: fx.Node, after: bool) -> fx.Node:
         base = f"{kind}__{edge.producer}"
         k = names.get(base, 0)
         names[base] = k + 1
-        target = base if k == 0 else f"{base}_{k}"
-        gm.add_submodule(target, module)
         ctx_mgr = graph.inserting_after(where) if after else graph.inserting_before(where)
         with ctx_mgr:
-            node = graph.call_module(target, args)
+            node = graph.create_node("call_function", target, args, name=base if k == 0 else f"{base}_{k}")
         node.meta[ir.EDGE] = edge
         # the source line it serves, so print_readable shows where the collective comes from
         node.meta[ir.STACK_TRACE] = where.meta.get(ir.STACK_TRACE)
@@ -124,24 +128,31 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             scale = grad_scale(src, dst, mesh.shape)
         if not fwd.steps and (bwd is None or not bwd.steps) and scale == 1.0:
             return None  # (a parameter's gradient then reaches the runner via its leaf)
-        return Edge(f"{a.name}->{consumer_name}", a.name, consumer_name, fwd, bwd, scale, param)
+        name = f"{a.name}->{consumer_name}"
+        edge = Edge(name, a.name, consumer_name, fwd, bwd, scale, param)
+        edges[name] = edge
+        return edge
 
     def insert(edge: Edge, consumer: fx.Node, value: fx.Node, v: torch.Tensor) -> fx.Node:
         """Nodes for ``edge`` reading ``value`` (global value ``v``); returns the node the
         consumer reads. An activation's collective starts right after its producer; a
-        placeholder's right before the consumer (prefetch_pass moves parameter gathers)."""
+        placeholder's right before the consumer (prefetch_pass moves parameter gathers).
+        ``shape`` arguments are global here; localize makes them local."""
+        shape = list(v.shape)
         if edge.collective:
             kind = "_".join(dict.fromkeys(f"{s.kind}_{s.axis_name}" for s in edge.fwd.steps))
             early = value.op != "placeholder"
-            start = add(kind, edge, CollectiveStart(edge), (value,), value if early else consumer,
-                        after=early)
-            out = add("wait", edge, CollectiveWait(edge), (start, value), consumer, after=False)
+            start = add(kind, edge, _fx.start.default, ([value], [edge.name]),
+                        value if early else consumer, after=early)
+            out = add("wait", edge, _fx.wait.default, (start, value, edge.name, shape, edge.grad_mode),
+                      consumer, after=False)
         else:
             kinds = [f"{s.kind}_{s.axis_name}" for s in edge.fwd.steps]
             if not kinds and edge.bwd is not None and edge.bwd.steps:
                 kinds = ["grad_" + "_".join(f"{s.kind}_{s.axis_name}" for s in edge.bwd.steps)]
             out = add("_".join(dict.fromkeys(kinds)) or ("param" if edge.param else "grad_scale"),
-                      edge, Reshard(edge), (value,), consumer, after=False)
+                      edge, _fx.reshard.default, (value, edge.name, shape, edge.grad_mode),
+                      consumer, after=False)
         out.meta[ir.SPECS] = (edge.fwd.dst,)
         out.meta[ir.VAL] = v
         return out
@@ -169,16 +180,15 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         n.replace_input_with(a, out)
         modified = True
 
-    # graph outputs: a Partial value is finalized (P -> R) before it leaves the graph
-    # (to the plan's recorded destination: an output pin may ask for another layout)
-    pinned = {e.producer: Spec.parse(e.dst_spec) for e in ctx.plan.edges
-              if e.consumer == "output" and e.direction == "fwd"}
+    # graph outputs: a Partial value is finalized before it leaves the graph, to the spec
+    # annotate recorded on the output node (an output pin may ask for another layout)
     out_node = next(n for n in graph.nodes if n.op == "output")
+    finals = dict(zip(out_node.all_input_nodes, out_node.meta.get(ir.IN_SPECS, ())))
     for a in list(out_node.all_input_nodes):
         if ir.SPECS not in a.meta or _val(a, 0) is None:
             continue
         src = a.meta[ir.SPECS][0]
-        fin = pinned.get(a.name, grad_out_spec(src))
+        fin = finals.get(a) or grad_out_spec(src)
         edge = edge_for(a, 0, "output", src, fin, grad_out_spec(fin))
         if edge is None:
             continue

@@ -2,18 +2,21 @@
 
 Contract (per rank, ``ctx.coord`` set; runs after insert_collectives):
 
-* communication modules are replaced by copies that know ``ctx.coord``;
 * every node's ``meta[VAL]`` becomes a ``meta``-device tensor of this rank's local shape
-  (``Spec.local_shape`` of its output spec); parameters and buffers are placeholders fed with
-  local shards by the runner;
+  (``Spec.local_shape`` of its output spec); the global value stays under
+  ``meta[GLOBAL_VAL]``; parameters and buffers are placeholders fed with local shards by the
+  runner;
+* the ``shape`` argument of communication ops (``torch.ops.fxpar.wait``/``reshard``) is the
+  destination's local shape;
 * size arguments become local: ``view``/``reshape``/``_unsafe_view``/``expand`` and the
   ``new_*``/``zeros``/``ones``/``empty``/``full`` factories get the output's local
   shape, ``unflatten`` its local sizes, a sharded ``arange`` its local bounds;
 * device arguments (``device=``, ``.to(device)``) name ``ctx.device``;
 * a vocabulary-parallel ``embedding`` (strategy ``vocab``) becomes
   :func:`fxpar.runtime.ops.vocab_parallel_embedding` with this rank's first row;
-* ``aten.dropout`` becomes a :class:`fxpar.runtime.ops.ShardedDropout` keyed by the node and
-  this rank's coordinates on the axes that shard its input; any other random op raises
+* a training ``aten.dropout`` becomes ``x * fxpar.keep_mask(x, p, site, shard_key) / (1 - p)``
+  (:func:`fxpar.runtime.ops.sharded_dropout`): the mask is keyed by the node (its index, the
+  site) and this rank's coordinates on the axes that shard its input; any other random op raises
   :class:`fxpar.PlanError` naming the node (replicas would silently diverge).
 
 Example (``view(x[4, 6], [4, 2, 3])`` with ``x`` ``S(0)`` on a 2-way axis, coordinate 1):
@@ -22,16 +25,16 @@ the node becomes ``view(x, [2, 2, 3])``.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from fxpar import ir
 from fxpar.errors import PlanError
-from fxpar.pipeline import PassContext, PassResult
-from fxpar.runtime.ops import ShardedDropout, vocab_parallel_embedding
+from fxpar.passes.checks import localized
+from fxpar.passes.infra import PassContext, PassResult, graph_pass
+from fxpar.runtime.comm import COMM_OPS
+from fxpar.runtime.ops import sharded_dropout, vocab_parallel_embedding
 from fxpar.spec import Shard
 from fxpar.strategies.embedding import NEEDS_MASKED_LOOKUP
 
@@ -66,6 +69,7 @@ def _arange_bounds(n: fx.Node, spec, ctx: PassContext, length: int):
     return start + sl.start * step, start + sl.stop * step, step
 
 
+@graph_pass(ensures=(localized,))
 def localize_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     if ctx.coord is None:
         raise PlanError("localize_pass needs this rank's mesh coordinate (ctx.coord)")
@@ -77,17 +81,18 @@ def localize_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         glob = v
         if isinstance(v, torch.Tensor):
             glob_shape[n] = tuple(v.shape)
+        if specs:
+            n.meta[ir.GLOBAL_VAL] = v
         if specs and isinstance(v, torch.Tensor):
             n.meta[ir.VAL] = _local(specs[0], v, ctx)
         elif specs and isinstance(v, (tuple, list)):
             n.meta[ir.VAL] = type(v)(_local(s, t, ctx) if isinstance(t, torch.Tensor) else t
                                      for s, t in zip(specs, v))
-        if n.op == "call_module" and ir.EDGE in n.meta:
-            # a per-rank copy of the communication module: it knows this rank's coordinate
-            mod = gm.get_submodule(n.target)
-            n.meta[ir.EDGE] = replace(n.meta[ir.EDGE], coord=tuple(ctx.coord))
-            gm.add_submodule(n.target, type(mod)(n.meta[ir.EDGE]))
         if n.op != "call_function":
+            continue
+        if n.target in COMM_OPS:
+            if n.target is not torch.ops.fxpar.start.default:  # (x..., edge, shape, grad)
+                n.args = n.args[:-2] + (list(n.meta[ir.VAL].shape), n.args[-1])
             continue
         dev = torch.device(ctx.device)
         n.args, n.kwargs = pytree.tree_map_only(torch.device, lambda d: dev, (n.args, n.kwargs))
@@ -114,14 +119,20 @@ def localize_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             raise PlanError(f"node {n.name} ({n.target}): random ops other than dropout are not "
                             "supported under sharding yet (replicas would draw different values)")
         elif n.target in _DROPOUT:
-            x = n.args[0]
+            x, p = n.args[0], float(n.args[1])
+            train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", True)
+            if not train or p == 0.0:
+                continue  # the identity: aten.dropout itself draws nothing
             xs = n.meta[ir.IN_SPECS][0]
             key = tuple(c for c, pl in zip(ctx.coord, xs) if isinstance(pl, Shard))
-            name = f"dropout_{i}"
-            gm.add_submodule(name, ShardedDropout(i, key))
             with graph.inserting_before(n):
-                new = graph.call_module(name, (x,) + tuple(n.args[1:]), dict(n.kwargs))
-            new.meta.update(n.meta)
+                new = sharded_dropout(graph, x, p, i, key, n.name)
+            kept = new.args[0]
+            mask = kept.args[1]
+            for m in (mask, kept, new):
+                m.meta.update(n.meta)
+            mask.meta[ir.VAL] = torch.empty(n.meta[ir.VAL].shape, dtype=torch.bool, device="meta")
             n.replace_all_uses_with(new)
             graph.erase_node(n)
+            new.name = n.name  # the plan's key for the node
     return PassResult(gm, True)

@@ -13,7 +13,7 @@ from fxpar import Cluster, Mesh, Partial, Replicate, ReshardError, Shard, Spec, 
 from fxpar.cost.comm import axis_collective_time
 from fxpar.cost.reshard import step_cost
 from fxpar.reshard import ReshardPlan, reshard_plan, step_kind
-from fxpar.runtime.reshard import assemble, distribute
+from fxpar.runtime.redistribute import assemble, distribute
 from fxpar.spec import chunk_bounds
 
 

@@ -106,7 +106,7 @@ def _check_pairs(mesh_shape, shape, pairs, batched, oracle_mask=None):
     import torch.distributed as dist
 
     from fxpar.reshard import reshard_plan
-    from fxpar.runtime.reshard import distribute, execute, execute_many
+    from fxpar.runtime.redistribute import distribute, execute, execute_many
 
     dm, mesh = _meshes(tuple(mesh_shape))
     coord = tuple(dm.get_coordinate())
@@ -222,7 +222,7 @@ def _mesh_forms_and_errors():
 
     from fxpar import Cluster, Mesh, ReshardError
     from fxpar.reshard import reshard_plan
-    from fxpar.runtime.reshard import distribute, execute, execute_many
+    from fxpar.runtime.redistribute import distribute, execute, execute_many
 
     mesh = Mesh(Cluster.local(dist.get_world_size()), a=2, b=2)
     dm, _ = _meshes((2, 2))

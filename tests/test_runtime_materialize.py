@@ -1,7 +1,7 @@
 """Materializing local shards only (fxpar.runtime.materialize.local_state).
 
 One process simulates every coordinate of a mesh and reassembles the pieces with
-``fxpar.runtime.reshard.assemble`` (which also checks that replicas agree bit for bit).
+``fxpar.runtime.redistribute.assemble`` (which also checks that replicas agree bit for bit).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpar.errors import FxparError
 from fxpar.runtime.materialize import MaterializeError, local_state
-from fxpar.runtime.reshard import assemble
+from fxpar.runtime.redistribute import assemble
 from fxpar.spec import Spec
 
 from examples.models import GPT

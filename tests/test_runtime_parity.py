@@ -89,7 +89,8 @@ def run_parity(name: str, plan: str, mesh: dict, s_g: int = 1, s_os: int = 1, st
                local: bool = False):
     """Worker: compile and train; assert parity on every rank; return per-step losses."""
     import fxpar
-    from fxpar.runtime.reshard import distribute
+    from fxpar import ir
+    from fxpar.runtime.redistribute import distribute
 
     model, inputs, targets, loss_fn = _build(name)
     kwargs = {"labels": inputs[0]} if name in ("gpt2", "llama", "bert", "mixtral") else {}
@@ -119,8 +120,9 @@ def run_parity(name: str, plan: str, mesh: dict, s_g: int = 1, s_os: int = 1, st
             want = distribute(ref_state[fqn].grad, runner.specs[fqn], shape, coord)
             torch.testing.assert_close(g, want, **TOL, msg=lambda m: f"grad of {fqn}: {m}")
         if plan == "zero3":  # gathered weights are freed after use, gathered again in backward
-            n_gathers = sum(1 for m in runner.gm.modules()
-                            if type(m).__name__ == "CollectiveWait" and m.edge.param)
+            edges = runner.gm.meta[ir.EDGES]
+            n_gathers = sum(1 for n in runner.gm.graph.find_nodes(
+                op="call_function", target=torch.ops.fxpar.wait.default) if edges[n.args[2]].param)
             assert runner.held_after_forward == 0 and 0 < runner.regathers <= n_gathers
         runner.optimizer_step()
         ropt.step()

@@ -21,8 +21,10 @@ from torch.testing import FileCheck
 
 import fxpar
 from fxpar import ir
-from fxpar.pipeline import PassContext
-from fxpar.runtime.comm import LOCAL_KINDS, CollectiveStart, CollectiveWait, Reshard
+from fxpar.cost.reshard import LOCAL_KINDS
+
+START, WAIT, RESHARD = (torch.ops.fxpar.start.default, torch.ops.fxpar.wait.default,
+                        torch.ops.fxpar.reshard.default)
 
 
 def _opt(ps):
@@ -43,9 +45,14 @@ def _gpt(dtype=torch.float32, device=None):
     return m.to(dtype), idx, idx.roll(1, 1)
 
 
-def _comm(gm: fx.GraphModule, cls) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes
-            if n.op == "call_module" and isinstance(gm.get_submodule(n.target), cls)]
+def _comm(gm: fx.GraphModule, op) -> list[fx.Node]:
+    return list(gm.graph.find_nodes(op="call_function", target=op))
+
+
+def _edges(gm: fx.GraphModule, n: fx.Node):
+    """The edges a communication node runs (a start may run several)."""
+    names = n.args[1] if n.target is START else [n.args[-3]]
+    return [gm.meta[ir.EDGES][e] for e in names]
 
 
 def _mlp_program(model, mesh=None, **kw):
@@ -75,17 +82,17 @@ def test_megatron_mlp_one_forward_all_reduce(megatron_mlp):
     """
     for rank in (0, 1):
         gm = megatron_mlp.rank_graph(rank)
-        starts = _comm(gm, CollectiveStart)
+        starts = _comm(gm, START)
         assert len(starts) == 1, gm.code
-        edge = gm.get_submodule(starts[0].target).edge
+        (edge,) = _edges(gm, starts[0])
         assert [s.kind for s in edge.fwd.steps] == ["all_reduce"]
         assert edge.producer == "linear_1"  # fc2's output
-        assert len(_comm(gm, CollectiveWait)) == 1
-        for n in _comm(gm, Reshard):
-            assert all(s.kind in LOCAL_KINDS for s in gm.get_submodule(n.target).edge.fwd.steps), n
+        assert len(_comm(gm, WAIT)) == 1
+        for n in _comm(gm, RESHARD):
+            assert all(s.kind in LOCAL_KINDS for s in _edges(gm, n)[0].fwd.steps), n
         (FileCheck().check("aten.linear.default(args_0").check("aten.gelu")
-         .check("aten.linear.default(gelu").check("all_reduce_tp__linear_1(linear_1)")
-         .check("wait__linear_1(").check("mse_loss").run(gm.code))
+         .check("aten.linear.default(gelu").check("all_reduce_tp__linear_1 = torch.ops.fxpar.start.default([linear_1]")
+         .check("wait__linear_1 = torch.ops.fxpar.wait.default(all_reduce_tp__linear_1").check("mse_loss").run(gm.code))
         # the readable form names the collective by kind, axis and group
         assert "P(sum) -> RR: all_reduce(tp [0, 1])" in gm.print_readable(print_output=False)
 
@@ -100,17 +107,17 @@ def test_megatron_f_edge_all_reduces_gradient():
 
     torch.manual_seed(0)
     gm = _mlp_program(nn.Sequential(nn.LayerNorm(16), MLP(16, 64, 16))).rank_graph(0)
-    starts = _comm(gm, CollectiveStart)
-    assert [[s.kind for s in gm.get_submodule(n.target).edge.fwd.steps] for n in starts] \
+    starts = _comm(gm, START)
+    assert [[s.kind for s in e.fwd.steps] for n in starts for e in _edges(gm, n)] \
         == [["all_reduce"]]
     fc1 = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default)
     f = fc1.args[0]
-    assert f.op == "call_module" and isinstance(gm.get_submodule(f.target), Reshard), gm.code
-    edge = gm.get_submodule(f.target).edge
+    assert f.target is RESHARD, gm.code
+    (edge,) = _edges(gm, f)
     assert edge.producer == "layer_norm" and not edge.fwd.steps
     assert [s.kind for s in edge.bwd.steps] == ["all_reduce"]
     assert str(edge.bwd.src) == "P(sum)" and str(edge.bwd.dst) == "R"
-    FileCheck().check("layer_norm").check("grad_all_reduce_tp__layer_norm(layer_norm)") \
+    FileCheck().check("layer_norm").check("grad_all_reduce_tp__layer_norm = torch.ops.fxpar.reshard.default(layer_norm") \
         .check("aten.linear.default(grad_all_reduce_tp__layer_norm").run(gm.code)
 
 
@@ -177,82 +184,30 @@ def test_zero3_prefetch_order():
     for i in range(3):
         # one start per layer: weight and bias gathered by one coalesced collective
         b = ws[i + 1].replace("weight", "bias")
-        (FileCheck().check(f"all_gather_dp__{ws[i + 1]}({ws[i + 1]}, {b})")
+        (FileCheck().check(f"all_gather_dp__{ws[i + 1]} = torch.ops.fxpar.start.default([{ws[i + 1]}, {b}]")
          .check(f"{lin[i]} = torch.ops.aten.linear.default")
-         .check(f"wait__{ws[i + 1]}(all_gather_dp__{ws[i + 1]}")
+         .check(f"wait__{ws[i + 1]} = torch.ops.fxpar.wait.default(all_gather_dp__{ws[i + 1]}")
          .check(f"{lin[i + 1]} = torch.ops.aten.linear.default").run(code))
     # every wait of a parameter gather sits right before its first use (ignoring other waits)
-    for w in _comm(gm, CollectiveWait):
+    for w in _comm(gm, WAIT):
         use = min(w.users, key=lambda u: list(gm.graph.nodes).index(u))
         between = []
         n = w.next
         while n is not use:
             between.append(n)
             n = n.next
-        assert all(b.op == "call_module" for b in between), (w, between)
+        assert all(b.target in (START, WAIT, RESHARD) for b in between), (w, between)
 
     gm0 = _zero3(0).rank_graph(0)
-    for s in _comm(gm0, CollectiveStart):
-        assert isinstance(gm0.get_submodule(s.next.target), CollectiveWait) and s.next.args[0] is s
+    for s in _comm(gm0, START):
+        assert s.next.target is WAIT and s.next.args[0] is s
     # the reordering moves (and merges) only starts: the same other nodes, the same edges
     def rest(g):
-        return sorted(n.name for n in g.graph.nodes if n not in _comm(g, CollectiveStart))
+        return sorted(n.name for n in g.graph.nodes if n not in _comm(g, START))
 
     def edges(g):
-        return sorted(e.name for s in _comm(g, CollectiveStart) for e in g.get_submodule(s.target).edges)
+        return sorted(e.name for s in _comm(g, START) for e in _edges(g, s))
     assert rest(gm) == rest(gm0) and edges(gm) == edges(gm0)
-
-
-class _FakeStart(CollectiveStart):
-    def forward(self, x):
-        return x * 1  # the "in-flight" value
-
-
-class _FakeWait(CollectiveWait):
-    def forward(self, pending, x):
-        return pending + 0
-
-
-def _toy_graph() -> fx.GraphModule:
-    """x, w0..w2 -> (start_k; wait_k; mm_k) per layer, each start right before its wait."""
-    root = nn.Module()
-    g = fx.Graph()
-    x = g.placeholder("x")
-    ws = [g.placeholder(f"w{k}") for k in range(3)]
-    h = x
-    for k, w in enumerate(ws):
-        root.add_module(f"start{k}", _FakeStart(None))
-        root.add_module(f"wait{k}", _FakeWait(None))
-        s = g.call_module(f"start{k}", (w,))
-        a = g.call_module(f"wait{k}", (s, w))
-        h = g.call_function(torch.mm, (h, a))
-        h.name = f"mm{k}"
-        h = g.call_function(torch.relu, (h,))
-    g.output(h)
-    return fx.GraphModule(root, g)
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("window,order", [
-    (0, ["start0", "wait0", "mm0", "start1", "wait1", "mm1", "start2", "wait2", "mm2"]),
-    (1, ["start0", "wait0", "start1", "mm0", "wait1", "start2", "mm1", "wait2", "mm2"]),
-    (2, ["start0", "start1", "wait0", "start2", "mm0", "wait1", "mm1", "wait2", "mm2"]),
-])
-def test_prefetch_pass_alone(window, order):
-    """The pass on a hand-built graph: W=1 gives start0 -> wait0 -> start1 -> mm0 (hides ag1)
-    -> wait1 -> start2 -> mm1 (hides ag2) -> wait2 -> mm2; results do not change."""
-    from fxpar.passes.prefetch import prefetch_pass
-
-    gm = _toy_graph()
-    args = [torch.randn(4, 4) for _ in range(4)]
-    want = gm(*args)
-    res = prefetch_pass(gm, PassContext(None, None, coord=(0,), prefetch=window))
-    res.graph_module.graph.lint()
-    res.graph_module.recompile()
-    assert res.modified == (window > 0)
-    got = [n.name for n in res.graph_module.graph.nodes if n.name in order]
-    assert got == order
-    torch.testing.assert_close(res.graph_module(*args), want)
 
 
 @pytest.mark.timeout(60)

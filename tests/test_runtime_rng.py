@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fxpar.errors import SpecError
-from fxpar.runtime.reshard import distribute
+from fxpar.runtime.redistribute import distribute
 from fxpar.runtime.rng import RNGTracker, dropout, keep_mask, native_dropout, seed_from, shard_key
 from fxpar.spec import Spec
 

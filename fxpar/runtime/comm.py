@@ -1,8 +1,8 @@
-"""Communication nodes of emitted graphs, with exact autograd.
+"""Communication ops of emitted graphs (``torch.ops.fxpar.*``), with exact autograd.
 
 Every edge of a plan where the producer's spec differs from what the consumer's strategy needs
-(or where only the *gradient* layouts differ) becomes an :class:`Edge`: the forward resharding
-plan ``src -> dst`` and the backward plan of the gradient, ``grad_in(consumer) ->
+(or where only the *gradient* layouts differ) is an :class:`Edge`: the forward resharding plan
+``src -> dst`` and the backward plan of the gradient, ``grad_in(consumer) ->
 grad_out(producer)``, both planned by :func:`fxpar.reshard.reshard_plan`. The backward of an
 edge is that gradient plan, not the autograd of the forward collectives (DESIGN §6): the stock
 functional ``all_reduce`` backward is another all-reduce, which over-counts when every rank
@@ -17,43 +17,52 @@ gradient is the full gradient; ``S``: the shard of it). A ``P(avg)`` addend cont
 scales the gradient by ``Π_{dst P(avg) axes} G / Π_{src P(avg) axes} G`` (:attr:`Edge.scale`),
 then runs the gradient plan (linear, so the order does not matter).
 
-Graph form (what ``print_readable`` shows), for an edge with a collective in its first step::
+Graph form. Edges are plain data (``gm.meta[EDGES]``); the graph holds op nodes that name
+their edge, and everything stateful (process groups, gradient sink, in-flight handles) comes
+from the :class:`~fxpar.runtime.bindings.Bindings` active at call time::
 
-    all_gather_dp = self.all_gather_dp__p_fc1_weight(p_fc1_weight)     # CollectiveStart: launch
-    ...                                                                  # (prefetch moves it up)
-    wait_all_gather_dp = self.wait__p_fc1_weight(all_gather_dp, p_fc1_weight)   # CollectiveWait
-    linear = torch.ops.aten.linear.default(x, wait_all_gather_dp, ...)
+    all_gather_dp = torch.ops.fxpar.start.default([p_fc1_weight], ['p_fc1_weight->linear'])
+    ...                                                   # prefetch moves the start up
+    wait = torch.ops.fxpar.wait.default(all_gather_dp, p_fc1_weight, 'p_fc1_weight->linear',
+                                        [16, 8], 'sink')
+    linear = torch.ops.aten.linear.default(x, wait, ...)
 
-A :class:`CollectiveStart` returns a :class:`fxpar.runtime.reshard.Pending` (no tensor, no
-autograd); the :class:`CollectiveWait` takes it and the source tensor (the autograd edge) and
-returns the destination local tensor. Edges whose forward has no collective (local steps only,
-or gradient-only edges) are one synchronous :class:`Reshard` module. On ``meta`` inputs every
-module returns ``meta`` tensors of the destination's local shape, so an emitted graph can be
-shape-checked without a process group.
+* ``fxpar::start(xs, edges) -> token``: launches the first (collective) round of the edges'
+  forward plans, coalesced; returns an empty token tensor (the handle stays in the bindings);
+* ``fxpar::wait(token, x, edge, shape, grad) -> y``: finishes the edge's plan; ``x`` (the
+  source) is the autograd input;
+* ``fxpar::reshard(x, edge, shape, grad) -> y``: a synchronous edge (local steps only, or a
+  gradient-only edge: then ``y`` is a copy of ``x``);
+* backward of ``wait``/``reshard`` by the static ``grad`` mode: ``"none"``; ``"identity"``
+  (the gradient passes unchanged); ``"reshard"`` → ``fxpar::edge_grad(g, edge, shape)``
+  (scale, then the gradient plan); ``"sink"`` → ``fxpar::sink_grad(g, edge)`` (a parameter's
+  gradient leaves autograd for the model-state manager, which reduces it asynchronously; a
+  side-effecting op, so compilers keep it).
 
-Parameter edges send their gradient to a sink (the model-state manager of the runner, which
-reduces over data-parallel replicas asynchronously) instead of returning it to autograd.
+``shape`` is the destination's LOCAL shape (fake/meta kernels need it); every op runs on
+``meta``/fake tensors without bindings, so a rank graph can be shape-checked and traced.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import nn
+import torch.fx
+from torch.library import custom_op
 
+from fxpar.cost.reshard import LOCAL_KINDS
 from fxpar.reshard import ReshardPlan
-from fxpar.runtime import reshard as rt
+from fxpar.runtime import redistribute as rt
+from fxpar.runtime.bindings import current
 from fxpar.spec import Partial
 
-__all__ = ["Edge", "CollectiveStart", "CollectiveWait", "Reshard", "LOCAL_KINDS", "grad_scale",
-           "Regather"]
+__all__ = ["Edge", "grad_scale", "Regather", "COMM_OPS", "GRAD_MODES"]
 
-#: Reshard step kinds that move no data between ranks.
-LOCAL_KINDS = frozenset({"chunk", "to_partial", "rescale"})
+#: The gradient destinations of an edge (module docstring).
+GRAD_MODES = ("none", "identity", "reshard", "sink")
 
 
 def grad_scale(src, dst, mesh_shape) -> float:
@@ -72,17 +81,16 @@ def grad_scale(src, dst, mesh_shape) -> float:
     return f
 
 
-@dataclass(eq=False)
+@dataclass(frozen=True)
 class Edge:
-    """One resharding edge of a plan (global: the same object describes every rank).
+    """One resharding edge of a plan: plain, frozen data (the same for every rank).
 
     ``fwd`` reshapes the value ``src -> dst``; ``bwd`` (``None`` without gradient) takes the
     gradient from the consumer's gradient layout to the producer's (or, for a parameter, to
     its storage layout with ``P(sum)`` on the axes the model-state manager reduces over);
-    ``param`` is the parameter's FQN when the gradient goes to ``sink(edge, grad)`` instead
-    of autograd: ``grad`` in the consumer's gradient layout, scaled; the sink runs ``bwd``
-    (asynchronously, coalesced with the other edges of ``bucket``: the parameters one layer
-    gathered together, see passes/prefetch.py).
+    ``param`` is the parameter's FQN when the gradient goes to the bound sink instead of
+    autograd; ``bucket``: the edges whose parameter gradients are reduced together (one
+    layer's, see passes/prefetch.py).
     """
 
     name: str
@@ -92,63 +100,58 @@ class Edge:
     bwd: ReshardPlan | None
     scale: float = 1.0
     param: str | None = None
-    sink: Callable[[Edge, torch.Tensor], None] | None = field(default=None, repr=False)
     bucket: tuple[str, ...] = ()
-    coord: tuple[int, ...] | None = field(default=None, repr=False)
-    _dm: object = field(default=None, repr=False)
-
-    @property
-    def mesh(self):
-        """The ``DeviceMesh`` (made on first use; hashing the fxpar Mesh per call is slow)."""
-        if self._dm is None:
-            self._dm = rt._as_device_mesh(self.fwd.mesh)
-        return self._dm
 
     @property
     def collective(self) -> bool:
         """Whether the forward's first step talks to other ranks (then it is async)."""
         return bool(self.fwd.steps) and self.fwd.steps[0].kind not in LOCAL_KINDS
 
-    def group(self, axis: int) -> tuple[int, ...]:
-        """The ranks this rank talks to over mesh ``axis`` (needs ``coord``)."""
+    @property
+    def grad_mode(self) -> str:
+        """One of :data:`GRAD_MODES` (module docstring)."""
+        if self.bwd is None:
+            return "none"
+        if self.param is not None:
+            return "sink"
+        return "reshard" if self.bwd.steps or self.scale != 1.0 else "identity"
+
+    def group(self, axis: int, coord) -> tuple[int, ...]:
+        """The ranks the device at ``coord`` talks to over mesh ``axis``."""
         mesh = self.fwd.mesh
-        at = list(self.coord)
+        at = list(coord)
         at[axis] = slice(None)
         return tuple(int(d) for d in np.asarray(mesh.devices).reshape(mesh.shape)[tuple(at)])
 
-    def describe(self) -> str:
-        """``S(0)R -> RR: all_gather(dp) | grad ...``; on a rank's copy each collective also
-        names its group: ``all_gather(dp [0, 2])``."""
+    def describe(self, coord=None) -> str:
+        """``S(0)R -> RR: all_gather(dp) | grad ...``; with this rank's ``coord`` each
+        collective also names its group: ``all_gather(dp [0, 2])``."""
         def steps(p):
             return " + ".join(
                 f"{s.kind}({s.axis_name}"
-                + ("" if self.coord is None or s.kind in LOCAL_KINDS else f" {list(self.group(s.axis))}")
+                + ("" if coord is None or s.kind in LOCAL_KINDS else f" {list(self.group(s.axis, coord))}")
                 + ")" for s in p.steps) or "-"
         g = "no grad" if self.bwd is None else f"grad {self.bwd.src} -> {self.bwd.dst}: {steps(self.bwd)}"
         return f"{self.fwd.src} -> {self.fwd.dst}: {steps(self.fwd)} | {g}"
 
-    def local_shape(self, spec) -> tuple[int, ...]:
-        return spec.local_shape(self.fwd.shape, self.fwd.mesh.shape, self.coord)
+    def local_shape(self, spec, coord) -> tuple[int, ...]:
+        return spec.local_shape(self.fwd.shape, self.fwd.mesh.shape, coord)
 
-    # -- backward ------------------------------------------------------------------------
-    def backward(self, g: torch.Tensor) -> torch.Tensor | None:
-        if self.bwd is None:
-            return None
+    def grad(self, g: torch.Tensor, device_mesh) -> torch.Tensor:
+        """The producer-side gradient: scaled, then the gradient plan."""
         if self.scale != 1.0:
             g = g * self.scale
-        if self.param is not None and self.sink is not None:
-            # A parameter's gradient feeds nothing else in backward: the sink launches its
-            # collectives and finishes them after backward (overlapping the rest of it).
-            self.sink(self, g.contiguous())
-            return None
-        return rt.execute(self.bwd, g.contiguous(), self.mesh) if self.bwd.steps else g
+        return rt.execute(self.bwd, g.contiguous(), device_mesh) if self.bwd.steps else g
 
 
+# ---------------------------------------------------------------------------------------------
+# regather (ZeRO-3 / FSDP reshard_after_forward)
+# ---------------------------------------------------------------------------------------------
 class _Group:
     """The parameters one coalesced start gathered: gathered again together in backward."""
 
-    def __init__(self, plans, shards, mesh) -> None:
-        self.plans, self.shards, self.mesh = list(plans), [t.detach() for t in shards], mesh
+    def __init__(self, plans, shards, device_mesh) -> None:
+        self.plans, self.shards, self.dm = list(plans), [t.detach() for t in shards], device_mesh
         self.packs = [0] * len(self.plans)   # saved tensors per member (counted in forward)
         self.results: dict[int, torch.Tensor] = {}
 
@@ -156,29 +159,27 @@ class _Group:
 class Regather:
     """Saved-tensor hooks that free gathered parameters after their forward use and gather
     them again when backward needs them (ZeRO-3 / FSDP ``reshard_after_forward``; the planner
-    prices that second gather). While active, every parameter a communication node gathers
-    is registered; a tensor autograd saves that is (a view of) one is packed as a reference to
-    its local shard and edge, and unpacked by running the edge's forward plan again, then
-    taking the same view (the gather is deterministic, so the layout is the same). Parameters
-    gathered by one coalesced start are gathered again together, once, when the first of them
-    is needed; each result is kept only until its last saved use is unpacked.
-    Collective in backward: every rank unpacks in the same (autograd) order."""
-
-    active: Regather | None = None
+    prices that second gather). While active (``Bindings.regather``), every parameter a
+    communication op gathers is registered; a tensor autograd saves that is (a view of) one is
+    packed as a reference to its local shard and edge, and unpacked by running the edge's
+    forward plan again, then taking the same view (the gather is deterministic, so the layout
+    is the same). Parameters gathered by one coalesced start are gathered again together,
+    once, when the first of them is needed; each result is kept only until its last saved use
+    is unpacked. Collective in backward: every rank unpacks in the same (autograd) order."""
 
     def __init__(self) -> None:
         self.full: dict[int, tuple] = {}
         self.count = 0  # collective re-gathers in backward (for tests and stats)
 
-    def register(self, full: torch.Tensor, edge: Edge, shard: torch.Tensor, pending=None,
-                 index: int = 0) -> None:
+    def register(self, full: torch.Tensor, edge: Edge, shard: torch.Tensor, device_mesh,
+                 pending=None, index: int = 0) -> None:
         base = full if full._base is None else full._base  # views are keyed by their root
         group = None
         if pending is not None and len(pending.plans) > 1:
             group = getattr(pending, "regather_group", None)
             if group is None:
-                group = pending.regather_group = _Group(pending.plans, pending.inputs, edge.mesh)
-        self.full[id(base)] = (weakref.ref(base), edge, shard.detach(), group, index)
+                group = pending.regather_group = _Group(pending.plans, pending.inputs, device_mesh)
+        self.full[id(base)] = (weakref.ref(base), edge, shard.detach(), device_mesh, group, index)
 
     def alive(self) -> int:
         """How many gathered parameters are still held (after forward: 0 = all were freed)."""
@@ -189,118 +190,142 @@ class Regather:
         hit = self.full.get(id(base))
         if hit is None or hit[0]() is not base:
             return t
-        if hit[3] is not None:
-            hit[3].packs[hit[4]] += 1
+        if hit[4] is not None:
+            hit[4].packs[hit[5]] += 1
         return (Regather, hit[1:], t.size(), t.stride(), t.storage_offset())
 
     def unpack(self, x):
         if not (isinstance(x, tuple) and x and x[0] is Regather):
             return x
-        _, (edge, shard, group, index), size, stride, offset = x
+        _, (edge, shard, dm, group, index), size, stride, offset = x
         if group is None:
             self.count += 1
-            full = rt.execute(edge.fwd, shard, edge.mesh)
+            full = rt.execute(edge.fwd, shard, dm)
         else:
             if index not in group.results:
                 self.count += 1
-                got = rt.execute_many(group.plans, group.shards, group.mesh)
+                got = rt.execute_many(group.plans, group.shards, group.dm)
                 group.results = {i: t for i, t in enumerate(got) if group.packs[i] > 0}
             group.packs[index] -= 1
             full = group.results[index] if group.packs[index] else group.results.pop(index)
         return full.as_strided(size, stride, offset)
 
     def __enter__(self):
-        Regather.active = self
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc):
-        Regather.active = None
         return self._hooks.__exit__(*exc)
 
 
-def _registered(out: torch.Tensor, x: torch.Tensor, edge: Edge, pending=None,
+def _registered(b, out: torch.Tensor, x: torch.Tensor, edge: Edge, pending=None,
                 index: int = 0) -> torch.Tensor:
-    if Regather.active is not None and edge.param is not None:
-        Regather.active.register(out, edge, x, pending, index)
+    if b.regather is not None and edge.param is not None:
+        b.regather.register(out, edge, x, b.device_mesh, pending, index)
     return out
 
 
-def _meta_like(edge: Edge, x: torch.Tensor) -> torch.Tensor:
-    return torch.empty(edge.local_shape(edge.fwd.dst), dtype=x.dtype, device="meta")
+# ---------------------------------------------------------------------------------------------
+# the ops
+# ---------------------------------------------------------------------------------------------
+def _fresh(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``out``, copied if it shares memory with the op's input (a custom op may not return an
+    alias of an input; local steps such as ``to_partial`` on coordinate 0 keep the tensor)."""
+    if out.numel() and x.numel() and out.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
+        return out.clone()
+    return out
 
 
-class _Wait(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, pending, edge, index):
-        ctx.edge = edge
-        return _registered(rt.finish(pending)[index], x, edge, pending, index)
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.edge.backward(g), None, None, None
-
-
-class _Sync(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, edge):
-        ctx.edge = edge
-        if not edge.fwd.steps:
-            return x.view_as(x)
-        out = rt.execute(edge.fwd, x.detach(), edge.mesh)
-        return _registered(out, x, edge) if edge.fwd.nbytes else out
-
-    @staticmethod
-    def backward(ctx, g):
-        return ctx.edge.backward(g), None
+@custom_op("fxpar::start", mutates_args=(), schema="(Tensor[] xs, str[] edges) -> Tensor")
+def start(xs: list[torch.Tensor], edges: list[str]) -> torch.Tensor:
+    b = current()
+    es = [b.edge(n) for n in edges]
+    pending = rt.start([e.fwd for e in es], [x.detach() for x in xs], b.device_mesh)
+    for i, e in enumerate(es):
+        b.pending[e.name] = (pending, i)
+    return xs[0].new_empty(0)
 
 
-class _CommModule(nn.Module):
-    def __init__(self, edge: Edge) -> None:
-        super().__init__()
-        self.edge = edge
-
-    def extra_repr(self) -> str:
-        return f"{self.edge.producer} -> {self.edge.consumer}: {self.edge.describe()}"
+@start.register_fake
+def _(xs, edges):
+    return xs[0].new_empty(0)
 
 
-class CollectiveStart(_CommModule):
-    """Launch the first (collective) round of ``edge.fwd`` — of several edges at once, whose
-    collectives are then coalesced (``extra`` edges, see passes/prefetch.py) — and return
-    the in-flight handle."""
-
-    def __init__(self, edge: Edge, extra: tuple[Edge, ...] = ()) -> None:
-        super().__init__(edge)
-        self.edges = (edge,) + tuple(extra)
-
-    def extra_repr(self) -> str:
-        return "; ".join(f"{e.producer} -> {e.consumer}: {e.describe()}" for e in self.edges)
-
-    def forward(self, *xs: torch.Tensor):
-        if xs[0].device.type == "meta":
-            return None
-        return rt.start([e.fwd for e in self.edges], [x.detach() for x in xs], self.edge.mesh)
+def _token(ctx, inputs, output) -> None:
+    ctx.mark_non_differentiable(output)  # the token carries no gradient (the wait's x does)
 
 
-class CollectiveWait(_CommModule):
-    """Wait for a :class:`CollectiveStart` and finish ``edge.fwd`` (result ``index`` of the
-    start's edges); backward = ``edge.bwd``."""
-
-    def __init__(self, edge: Edge, index: int = 0) -> None:
-        super().__init__(edge)
-        self.index = index
-
-    def forward(self, pending, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "meta":
-            return _meta_like(self.edge, x)
-        return _Wait.apply(x, pending, self.edge, self.index)
+start.register_autograd(lambda ctx, g: (None, None), setup_context=_token)
 
 
-class Reshard(_CommModule):
-    """A synchronous edge: local forward steps (or none) and the gradient plan backward."""
+@custom_op("fxpar::wait", mutates_args=())
+def wait(token: torch.Tensor, x: torch.Tensor, edge: str, shape: list[int], grad: str) -> torch.Tensor:
+    b = current()
+    e = b.edge(edge)
+    try:
+        pending, index = b.pending.pop(edge)
+    except KeyError:
+        raise RuntimeError(f"fxpar.wait({edge!r}): no start of this edge is in flight") from None
+    return _registered(b, rt.finish(pending)[index], x, e, pending, index)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "meta":
-            return _meta_like(self.edge, x)
-        return _Sync.apply(x, self.edge)
+
+@custom_op("fxpar::reshard", mutates_args=())
+def reshard(x: torch.Tensor, edge: str, shape: list[int], grad: str) -> torch.Tensor:
+    b = current()
+    e = b.edge(edge)
+    if not e.fwd.steps:  # a gradient-only edge: identity forward (an op may not return its input)
+        return x.clone()
+    out = _fresh(rt.execute(e.fwd, x.detach(), b.device_mesh), x)
+    return _registered(b, out, x, e) if e.fwd.nbytes else out
+
+
+@custom_op("fxpar::edge_grad", mutates_args=())
+def edge_grad(g: torch.Tensor, edge: str, shape: list[int]) -> torch.Tensor:
+    b = current()
+    return _fresh(b.edge(edge).grad(g, b.device_mesh), g)
+
+
+@custom_op("fxpar::sink_grad", mutates_args=())
+def sink_grad(g: torch.Tensor, edge: str) -> None:
+    b = current()
+    e = b.edge(edge)
+    if b.sink is None:
+        raise RuntimeError(f"fxpar.sink_grad({edge!r}): the bindings have no gradient sink")
+    b.sink(e, (g * e.scale if e.scale != 1.0 else g).contiguous())
+
+
+torch.fx.node.has_side_effect(torch.ops.fxpar.sink_grad.default)
+
+
+wait.register_fake(lambda token, x, edge, shape, grad: x.new_empty(shape))
+reshard.register_fake(lambda x, edge, shape, grad: x.new_empty(shape))
+edge_grad.register_fake(lambda g, edge, shape: g.new_empty(shape))
+sink_grad.register_fake(lambda g, edge: None)
+
+
+def _setup(ctx, inputs, output) -> None:
+    # (token, x, edge, shape, grad) for wait; (x, edge, shape, grad) for reshard
+    x, edge, grad = inputs[-4], inputs[-3], inputs[-1]
+    ctx.edge, ctx.mode, ctx.in_shape = edge, grad, list(x.shape)
+
+
+def _backward(ctx, g):
+    if ctx.mode == "identity":
+        gx = g
+    elif ctx.mode == "reshard":
+        gx = torch.ops.fxpar.edge_grad(g, ctx.edge, ctx.in_shape)
+    elif ctx.mode == "sink":
+        torch.ops.fxpar.sink_grad(g, ctx.edge)
+        gx = None
+    else:
+        gx = None
+    return gx
+
+
+wait.register_autograd(lambda ctx, g: (None, _backward(ctx, g), None, None, None), setup_context=_setup)
+reshard.register_autograd(lambda ctx, g: (_backward(ctx, g), None, None, None), setup_context=_setup)
+
+#: Every communication op an emitted graph may hold.
+COMM_OPS = frozenset({torch.ops.fxpar.start.default, torch.ops.fxpar.wait.default,
+                      torch.ops.fxpar.reshard.default})

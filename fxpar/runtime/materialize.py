@@ -5,7 +5,7 @@ layout table (``fqn -> (spec, global shape)``), for one mesh coordinate, from on
 sources:
 
 * ``source=None``: the model holds real tensors; each rank copies its piece (pure slicing,
-  :func:`fxpar.runtime.reshard.distribute`).
+  :func:`fxpar.runtime.redistribute.distribute`).
 * a mapping (a state dict of full tensors): the same, from the mapping. Every parameter and
   persistent buffer asked for must be there (under its name or any alias of a tied weight),
   every key must name a tensor of the model, and shapes must agree, else
@@ -41,7 +41,7 @@ different shards get independent draws, so the global tensor has the initializer
 distribution — but it depends on the layout (and the device: CPU and CUDA generators
 differ); it is *statistically*, not bitwise, the single-device initialization. An all-``R``
 spec gives the same tensor on every rank. On a ``Partial("sum")`` axis coordinate 0 holds
-the value and the others zeros (as :func:`~fxpar.runtime.reshard.distribute`).
+the value and the others zeros (as :func:`~fxpar.runtime.redistribute.distribute`).
 
 Fallbacks and errors. A tensor whose initializer is not replayable elementwise (e.g.
 ``orthogonal_``, ``eye_``, an op reading another meta tensor, a write through a non-box
@@ -99,7 +99,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpar.errors import MaterializeError
-from fxpar.runtime.reshard import distribute
+from fxpar.runtime.redistribute import distribute
 from fxpar.runtime.rng import seed_from, shard_key
 from fxpar.spec import Partial, Spec, as_spec
 

@@ -331,6 +331,8 @@ class ModelStates:
             n = t.numel()
             self._params[fqn] = _Param(fqn, t, lay, n, *chunk_sizes(n, lay.s_g, lay.s_os))
         self._buckets = self._make_buckets(reduce_dtype)
+        self._planned: dict[tuple, list] = {}   # edge bucket -> [(fqn, plan, grad)] arrived
+        self._inflight: list = []               # [(fqns, Pending)] planned gradients launched
         self._next = 0           # next bucket to launch in this round
         self._in_round = False   # some contribution or launch since the last finish_backward
         self._make_masters()
@@ -529,6 +531,38 @@ class ModelStates:
             while self._next < len(self._buckets) and self._buckets[self._next].waiting == 0:
                 self._launch_next()
 
+    def add_planned_grad(self, fqn: str, grad: torch.Tensor, plan, device_mesh,
+                         bucket: tuple[str, ...], member: str) -> None:
+        """A contribution that needs a resharding ``plan`` first (a parameter use whose
+        gradient layout is not the storage's, e.g. ZeRO-3's reduce-scatter): ``member`` of
+        ``bucket`` (one layer's parameter-use edges, ``()``: alone). The plans of a bucket are
+        launched together (coalesced, :func:`fxpar.runtime.redistribute.start`) once all its
+        members have arrived, in arrival order (the same on every rank), and finished into
+        :meth:`add_grad` by :meth:`finish_backward`."""
+        self._in_round = True
+        key = bucket or (member,)
+        got = self._planned.setdefault(key, [])
+        got.append((fqn, plan, grad, device_mesh))
+        if len(got) == len(key):
+            self._launch_planned(key)
+
+    def _launch_planned(self, key) -> None:
+        from fxpar.runtime.redistribute import start
+
+        got = self._planned.pop(key)
+        pending = start([p for _, p, _, _ in got], [g for _, _, g, _ in got], got[0][3])
+        self._inflight.append(([f for f, _, _, _ in got], pending))
+
+    def _finish_planned(self) -> None:
+        from fxpar.runtime.redistribute import finish
+
+        for key in sorted(self._planned):  # buckets some of whose gradients never came
+            self._launch_planned(key)
+        for fqns, pending in self._inflight:
+            for fqn, g in zip(fqns, finish(pending)):
+                self.add_grad(fqn, g)
+        self._inflight.clear()
+
     def _launch_next(self) -> None:
         """Launch bucket ``_next``, then the second stage of the bucket before it."""
         i = self._next
@@ -561,7 +595,9 @@ class ModelStates:
         bk.stage2 = False
 
     def finish_backward(self) -> None:
-        """Launch every bucket not launched yet (in bucket order) and wait for all of them."""
+        """Finish the planned contributions (:meth:`add_planned_grad`), then launch every bucket
+        not launched yet (in bucket order) and wait for all of them."""
+        self._finish_planned()
         while self._next < len(self._buckets):
             self._launch_next()
         for bk in self._buckets:

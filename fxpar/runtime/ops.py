@@ -3,9 +3,13 @@
 * :func:`vocab_parallel_embedding`: the weight's rows ``[start, start + n)`` live on this rank
   (``S(0)`` on the vocabulary dim); ids outside that range read row 0 and are zeroed, so the
   output is ``P(sum)`` over the vocabulary axes (Megatron's vocabulary-parallel embedding).
-* :class:`ShardedDropout`: dropout whose mask is drawn from a generator keyed by the step, the
-  node and this rank's shard coordinates (:mod:`fxpar.runtime.rng`): replicas of one shard
-  draw the same mask, different shards independent ones.
+  Plain ATen ops: traceable, differentiable.
+* ``torch.ops.fxpar.keep_mask(x, p, site, shard_key)``: dropout's boolean keep-mask of ``x``'s
+  shape, drawn from a generator keyed by the step, the ``site`` (the node) and this rank's
+  shard coordinates (:mod:`fxpar.runtime.rng`, the tracker of the active
+  :class:`~fxpar.runtime.bindings.Bindings`): replicas of one shard draw the same mask,
+  different shards independent ones. Sharded dropout is ``x * mask * (1 / (1 - p))`` in ATen
+  ops around it (:func:`sharded_dropout` builds that in a graph), so its gradient is autograd's.
 
 >>> import torch
 >>> w = torch.arange(6.).reshape(3, 2)            # rows 3..5 of a 6-row table
@@ -17,9 +21,12 @@ tensor([[0., 0.],
 from __future__ import annotations
 
 import torch
-from torch import nn
+import torch.fx as fx
+from torch.library import custom_op
 
-__all__ = ["vocab_parallel_embedding", "ShardedDropout"]
+from fxpar.runtime.bindings import current
+
+__all__ = ["vocab_parallel_embedding", "keep_mask", "sharded_dropout"]
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, start: int,
@@ -36,23 +43,28 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, start:
     return out * inside.unsqueeze(-1).to(out.dtype)
 
 
-class ShardedDropout(nn.Module):
-    """``aten.dropout(x, p, train)`` with a mask keyed by ``(step, site, shard_key)``; the
-    runner sets ``tracker`` (:class:`fxpar.runtime.rng.RNGTracker`)."""
+@custom_op("fxpar::keep_mask", mutates_args=())
+def keep_mask(x: torch.Tensor, p: float, site: int, shard_key: list[int]) -> torch.Tensor:
+    from fxpar.runtime.rng import keep_mask as draw
 
-    def __init__(self, site: int, shard_key: tuple[int, ...]) -> None:
-        super().__init__()
-        self.site, self.shard_key, self.tracker = site, tuple(shard_key), None
+    tracker = current().tracker
+    if tracker is None:
+        raise RuntimeError(f"fxpar.keep_mask site {site}: the bindings have no RNG tracker")
+    return draw(x.shape, p, site=site, shard_key=shard_key, tracker=tracker, device=x.device)
 
-    def extra_repr(self) -> str:
-        return f"site={self.site}, shard_key={self.shard_key}"
 
-    def forward(self, x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
-        if x.device.type == "meta" or not train or p == 0:
-            return x.clone() if x.device.type == "meta" else x
-        from fxpar.runtime.rng import dropout
+keep_mask.register_fake(lambda x, p, site, shard_key: torch.empty(x.shape, dtype=torch.bool, device=x.device))
 
-        if self.tracker is None:
-            raise RuntimeError(f"ShardedDropout site {self.site}: no RNG tracker attached "
-                               "(run the graph through fxpar's runner)")
-        return dropout(x, p, train, site=self.site, shard_key=self.shard_key, tracker=self.tracker)
+
+def sharded_dropout(graph: fx.Graph, x: fx.Node, p: float, site: int,
+                    shard_key: tuple[int, ...], name: str) -> fx.Node:
+    """Insert ``x * keep_mask(x, p, site, shard_key) * (1 / (1 - p))`` at the graph's current
+    insertion point as nodes ``{name}_mask``, ``{name}_kept``, ``{name}_scaled``; returns the
+    last (the same arithmetic as :func:`fxpar.runtime.rng.dropout`, so masks and values match
+    it bit for bit)."""
+    aten = torch.ops.aten
+    mask = graph.create_node("call_function", torch.ops.fxpar.keep_mask.default,
+                             (x, float(p), int(site), list(shard_key)), name=f"{name}_mask")
+    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+    kept = graph.create_node("call_function", aten.mul.Tensor, (x, mask), name=f"{name}_kept")
+    return graph.create_node("call_function", aten.mul.Tensor, (kept, scale), name=f"{name}_scaled")

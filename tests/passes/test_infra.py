@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.pipeline import GLOBAL_PASSES, PassContext, PassResult, run_passes
+from fxpar.passes.infra import PassContext, PassResult, run_passes
+from fxpar.passes.lowering import GLOBAL_PASSES
 
 
 def _planned():

@@ -54,7 +54,8 @@ import torch
 from fxpar.errors import ReshardError
 from fxpar.spec import Partial, Replicate, Spec, as_spec, chunk_bounds
 
-__all__ = ["execute", "execute_many", "execute_step", "start", "finish", "Pending", "distribute", "assemble"]
+__all__ = ["execute", "execute_many", "execute_step", "start", "finish", "Pending", "distribute", "assemble",
+           "as_device_mesh"]
 
 _DEVICE_MESHES: dict = {}
 
@@ -67,7 +68,7 @@ def _mesh_shape(mesh) -> tuple[int, ...]:
     return tuple(int(s) for s in (shape() if callable(shape) else shape))
 
 
-def _as_device_mesh(mesh):
+def as_device_mesh(mesh):
     """A ``DeviceMesh`` for an fxpar ``Mesh`` (made once per mesh and world group: making one
     is collective) or the ``DeviceMesh`` itself."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -384,7 +385,7 @@ def start(plans: Sequence, locals_: Sequence[torch.Tensor], mesh) -> Pending:
     of round 0 run now. Collective: every rank starts the same plans in the same order."""
     if len(plans) != len(locals_):
         raise ReshardError(f"start: {len(plans)} plans but {len(locals_)} local tensors")
-    dm = _as_device_mesh(mesh)
+    dm = as_device_mesh(mesh)
     mesh_shape, coord = _mesh_shape(dm), _coord(dm, "start")
     for plan, local in zip(plans, locals_):
         _prepare(plan, local, mesh_shape, coord)

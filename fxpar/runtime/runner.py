@@ -1,0 +1,261 @@
+"""Runner: one rank's executable program, built by :meth:`fxpar.Program.runner` under torchrun.
+
+1. all ranks exchange the plan hash, then check the world size against the mesh: a mismatch
+   raises :class:`~fxpar.PlanError` on every rank before any collective of the program runs;
+2. materializes only this rank's shards of parameters and buffers
+   (:func:`fxpar.runtime.materialize.local_state`: from the model's real tensors, a state
+   dict / checkpoint path, or ``"init"`` on a meta model);
+3. hands every trainable parameter to :class:`fxpar.runtime.model_state.ModelStates` with its
+   replica group (the mesh axes over which its gradient is a partial sum) and the AMSP factors
+   ``s_g``/``s_os``; the gradient of each parameter use goes there (asynchronous, bucketed);
+4. binds what the rank graph names at call time (:class:`~fxpar.runtime.bindings.Bindings`:
+   edges, process groups, the gradient sink, the RNG tracker): the graph itself holds no
+   state, so several runners of one Program coexist;
+5. ``runner.step(*batch)`` slices this rank's piece of the global batch (or takes a local batch
+   with ``local_batch=True``), runs forward and backward, reduces gradients, steps the
+   optimizer on local shards and returns the loss (the same value on every rank).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from fxpar import ir
+from fxpar.errors import FxparError, PlanError
+from fxpar.mesh import Mesh
+from fxpar.runtime.bindings import Bindings, bind
+
+__all__ = ["Runner", "replica_group"]
+
+_WAIT, _RESHARD, _START = (torch.ops.fxpar.wait.default, torch.ops.fxpar.reshard.default,
+                           torch.ops.fxpar.start.default)
+
+
+def replica_group(mesh: Mesh, axes: Sequence[str], rank: int):
+    """The :class:`ReplicaGroup` of ``rank`` over mesh ``axes`` (``None`` if no axes)."""
+    from fxpar.runtime.model_state import ReplicaGroup
+
+    if not axes:
+        return None
+    arr = np.asarray(mesh.devices).reshape(mesh.shape)
+    idx = [mesh.axis_names.index(a) for a in axes]
+    rest = [i for i in range(mesh.ndim) if i not in idx]
+    groups = arr.transpose(rest + idx).reshape(-1, int(np.prod([mesh.shape[i] for i in idx])))
+    all_ = tuple(tuple(int(x) for x in g) for g in groups)
+    mine = next(g for g in all_ if rank in g)
+    return ReplicaGroup("+".join(axes), mine, all_)
+
+
+def _edge_of(n: fx.Node) -> str | None:
+    """The edge a ``fxpar.wait``/``fxpar.reshard`` node runs (``None`` for other nodes)."""
+    return n.args[-3] if n.target in (_WAIT, _RESHARD) else None
+
+
+class Runner:
+    """One rank's executable program (module docstring); build with :meth:`Program.runner`."""
+
+    def __init__(self, program, weights=None, *, s_g=1, s_os=1, seed=0,
+                 local_batch=False, device=None, bucket_bytes=25 * 2**20,
+                 regather=True) -> None:
+        import torch.distributed as dist
+
+        from fxpar.runtime.materialize import local_state
+        from fxpar.runtime.model_state import ModelStates
+        from fxpar.runtime.rng import RNGTracker
+
+        if not dist.is_initialized():
+            raise FxparError("Program.runner() needs an initialized torch.distributed process "
+                             "group (run under torchrun)")
+        mesh = program.mesh
+        world, rank = dist.get_world_size(), dist.get_rank()
+        # the hash exchange comes first, over the whole world: a check that fails on some ranks
+        # only (a plan for another world size on one rank) must not leave the others hanging
+        hashes: list = [None] * world
+        dist.all_gather_object(hashes, program.plan.hash)
+        if len(set(hashes)) != 1:
+            bad = {r: h[:12] for r, h in enumerate(hashes)}
+            raise PlanError(f"ranks hold different plans (plan hash by rank: {bad}); every rank "
+                            "must compute or load the same plan")
+        if world != mesh.size:
+            raise PlanError(f"the plan is for {mesh.size} ranks ({mesh!r}) but the world has "
+                            f"{world} ranks")
+        self.program, self.rank, self.mesh = program, rank, mesh
+        self.coord = mesh.coord(rank)
+        self.device = device or "cpu"
+        self.local_batch = local_batch
+        self.regather, self.regathers = regather, 0
+        gm = program.rank_graph(rank, self.device)
+        #: the rank graph this runner calls (replaceable, e.g. by ``torch.compile(runner.gm)``:
+        #: what the runner needs of its meta is read here, once)
+        self.gm = gm
+        self._input_tree, self._output_tree = gm.meta[ir.INPUT_TREE], gm.meta[ir.OUTPUT_TREE]
+        self._outputs = ir.outputs(gm)
+        out_node = next(iter(gm.graph.find_nodes(op="output")))
+        self._out_specs = [(n.meta.get(ir.SPECS), n.meta.get(ir.GLOBAL_VAL)) if isinstance(n, fx.Node)
+                           else (None, None) for n in pytree.tree_leaves(out_node.args[0])]
+        # parameters and buffers: this rank's shards only
+        holders = [n for n in gm.graph.find_nodes(op="placeholder") if ir.PARAM in n.meta]
+        self.inputs = [n for n in gm.graph.find_nodes(op="placeholder") if ir.INPUT in n.meta]
+        layouts = {n.meta[ir.PARAM].fqn: (n.meta[ir.SPECS][0], n.meta[ir.PARAM].shape)
+                   for n in holders}
+        #: storage spec of every parameter and buffer (its local shard's layout)
+        self.specs = {f: spec for f, (spec, _) in layouts.items()}
+        # a loss_fn wrapper holds the model as ``model.``: materialize from the user's model
+        model, pre = program.model, ""
+        if getattr(model, "fxpar_wraps_loss", False):
+            model, pre = model.model, "model."
+        local = local_state(model, {f.removeprefix(pre): v for f, v in layouts.items()},
+                            mesh.shape, self.coord, source=weights, seed=seed)
+        local = {pre + f: t for f, t in local.items()}
+        self.state: dict[str, torch.Tensor] = {}
+        for n in holders:
+            info = n.meta[ir.PARAM]
+            t = local[info.fqn].to(self.device)
+            trainable = program.training and info.kind == "param" and info.requires_grad
+            self.state[info.fqn] = t.requires_grad_(True) if trainable else t
+        self._order = [n.meta[ir.PARAM].fqn for n in holders]
+        self.tracker = RNGTracker(seed)
+        edges = gm.meta.get(ir.EDGES, {})
+        self.bindings = Bindings(edges, mesh, tuple(self.coord), sink=self._sink, tracker=self.tracker)
+        self.states = None
+        if program.training:
+            if program.optimizer is None:
+                raise FxparError("training needs an optimizer: fxpar.compile(..., optimizer="
+                                 "lambda params: torch.optim.AdamW(params, lr=...))")
+            replica = gm.meta.get(ir.REPLICA_AXES, {})
+            params = {f: t for f, t in self.state.items() if t.requires_grad}
+            groups = {f: replica_group(mesh, replica.get(f, ()), rank) for f in params}
+            self.states = ModelStates(params, groups, program.optimizer, s_g=s_g, s_os=s_os,
+                                      bucket_bytes=bucket_bytes)
+            # A use through a communication op sends its gradient to the sink; the other
+            # uses accumulate on the leaf, whose post-accumulate hook sends the sum (once).
+            uses = dict.fromkeys(params, 0)
+            for n in holders:
+                f = n.meta[ir.PARAM].fqn
+                if f not in params:
+                    continue
+                direct = False
+                for u in n.users:
+                    e = _edge_of(u)
+                    if e is not None and edges[e].param == f:
+                        uses[f] += 1
+                    elif u.target is not _START:
+                        direct = True
+                if direct:
+                    params[f].register_post_accumulate_grad_hook(self._leaf_hook(f))
+                    uses[f] += 1
+            for f, k in uses.items():
+                if k:
+                    self.states.expect(f, k)
+
+    def _sink(self, edge, grad: torch.Tensor) -> None:
+        """Gradient of one parameter use (``fxpar.sink_grad``), in the consumer's gradient
+        layout, scaled: straight to the model states, or through its gradient plan (launched
+        with the rest of its bucket, finished after backward: ``ModelStates``)."""
+        if not edge.bwd.steps:
+            self.states.add_grad(edge.param, grad)
+        else:
+            self.states.add_planned_grad(edge.param, grad, edge.bwd, self.bindings.device_mesh,
+                                         edge.bucket, edge.name)
+
+    def _leaf_hook(self, fqn: str):
+        def hook(p: torch.Tensor) -> None:
+            self.states.add_grad(fqn, p.grad)
+            p.grad = None
+        return hook
+
+    # -- batches ---------------------------------------------------------------------------
+    def _local_inputs(self, args, kwargs) -> list:
+        from fxpar.capture import flatten_inputs
+        from fxpar.runtime.redistribute import distribute
+
+        flat = flatten_inputs(tuple(args), dict(kwargs), self._input_tree)
+        out = []
+        for n, x in zip(self.inputs, flat, strict=True):
+            info = n.meta[ir.INPUT]
+            if not info.is_tensor:
+                out.append(x)
+                continue
+            if not isinstance(x, torch.Tensor):
+                raise FxparError(f"input {info.name!r}: expected a tensor, got {type(x).__name__}")
+            spec = n.meta[ir.SPECS][0]
+            want = tuple(n.meta[ir.VAL].shape) if self.local_batch else tuple(info.shape)
+            if tuple(x.shape) != want:
+                raise FxparError(
+                    f"input {info.name!r}: shape {tuple(x.shape)} but the program was compiled for "
+                    f"{'local' if self.local_batch else 'global'} shape {want} (spec {spec}); "
+                    "recompile for another batch shape")
+            x = x if self.local_batch else distribute(x, spec, self.mesh.shape, self.coord)
+            out.append(x.to(self.device))
+        return out
+
+    def forward(self, *args, **kwargs):
+        """Run the local program; returns the flat local outputs (finalized: no Partial)."""
+        ins = self._local_inputs(args, kwargs)
+        with bind(self.bindings):
+            return self.gm(*[self.state[f] for f in self._order], *ins)
+
+    def forward_backward(self, *args, **kwargs) -> torch.Tensor:
+        """Forward and backward on the batch, gradients reduced (``states.grads()`` shows
+        them); no optimizer step. Calls accumulate gradients until :meth:`optimizer_step`."""
+        if self.states is None:
+            raise FxparError("training steps need a program compiled with training=True")
+        from fxpar.runtime.comm import Regather
+
+        with bind(self.bindings):
+            with Regather() if self.regather else contextlib.nullcontext() as rg:
+                self.bindings.regather = rg
+                try:
+                    out = self.forward(*args, **kwargs)
+                finally:
+                    self.bindings.regather = None
+            #: gathered parameters still held between forward and backward (``regather``: 0)
+            self.held_after_forward = rg.alive() if rg is not None else None
+            loss = out[0] if isinstance(out, (tuple, list)) else out
+            if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
+                raise FxparError("the compiled model's first output is not a scalar loss; pass "
+                                 "loss_fn=... to fxpar.compile")
+            loss.backward()
+        self.regathers = rg.count if rg is not None else 0
+        self.states.finish_backward()
+        self.tracker.next_step()
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        """Optimizer step on the local shards, parameters restored, gradients zeroed."""
+        self.states.step()
+        self.states.zero_grad()
+
+    def step(self, *args, **kwargs) -> torch.Tensor:
+        """One training step on the global batch ``(*args, **kwargs)`` (the same on every rank;
+        with ``local_batch=True`` this rank's piece): forward, backward, gradient
+        reduction, optimizer step. Returns the detached loss (the same on every rank)."""
+        loss = self.forward_backward(*args, **kwargs)
+        self.optimizer_step()
+        return loss
+
+    def __call__(self, *args, gather: bool = True, **kwargs):
+        """Inference: the model's outputs in its own structure, gathered to their global form
+        (``gather=False``: this rank's local pieces)."""
+        from fxpar.reshard import reshard_plan
+        from fxpar.runtime.redistribute import execute
+
+        with torch.no_grad():
+            out = self.forward(*args, **kwargs)
+            flat = list(out) if isinstance(out, (tuple, list)) else [out]
+            if gather:
+                for k, (specs, glob) in enumerate(self._out_specs):
+                    if isinstance(flat[k], torch.Tensor) and specs and not specs[0].is_replicated:
+                        shape = tuple(glob.shape)
+                        plan = reshard_plan(specs[0], "R" * self.mesh.ndim, self.mesh, shape,
+                                            flat[k].dtype)
+                        flat[k] = execute(plan, flat[k], self.bindings.device_mesh)
+        infos = self._outputs
+        user = [v for info, v in zip(infos, flat) if info.kind == "user"] if infos else flat
+        return pytree.tree_unflatten(user, self._output_tree)

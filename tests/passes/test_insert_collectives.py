@@ -1,0 +1,101 @@
+"""insert_collectives on hand-annotated toy graphs: which edges get which op, in which order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.testing import FileCheck
+
+from fxpar import ir
+from fxpar.passes.infra import PassContext, run_passes
+from fxpar.passes.insert_collectives import insert_collectives_pass
+from fxpar.errors import PassError
+import torch.fx as fx
+
+from tests.passes.toy import annotate, call, mesh, module, placeholder
+
+aten = torch.ops.aten
+
+
+def _megatron_mlp():
+    """x (R, carries a gradient) -> linear(col: R, S(0) -> S(1)) -> gelu -> linear(row:
+    S(1), S(1) -> P(sum)) -> output, on tp=2."""
+    g = fx.Graph()
+    x = annotate(placeholder(g, "x", (8, 16)), "R")
+    x.meta[ir.VAL].requires_grad_(True)
+    w1 = annotate(placeholder(g, "w1", (32, 16), param="fc1.weight"), "S(0)")
+    w2 = annotate(placeholder(g, "w2", (16, 32), param="fc2.weight"), "S(1)")
+    h = annotate(call(g, aten.linear.default, (x, w1), (8, 32), "linear"), "S(1)", ("R", "S(0)"))
+    a = annotate(call(g, aten.gelu.default, (h,), (8, 32), "gelu"), "S(1)", ("S(1)",))
+    o = annotate(call(g, aten.linear.default, (a, w2), (8, 16), "linear_1"), "P(sum)", ("S(1)", "S(1)"))
+    out = g.output((o,))
+    out.meta[ir.IN_SPECS] = (None,)
+    return module(g)
+
+
+def test_megatron_mlp_f_and_g():
+    """Megatron's conjugate pair, nothing else:
+
+        x -> [reshard f: R -> R | grad P(sum) -> R all_reduce] -> linear(col) -> gelu
+          -> linear(row) -> [start all_reduce(tp)] -> [wait] -> output
+
+    No node for the weights (stored as consumed; their gradients accumulate on the leaf)."""
+    gm = run_passes(_megatron_mlp(), PassContext(mesh=mesh(tp=2)), [insert_collectives_pass])
+    (FileCheck()
+     .check("grad_all_reduce_tp__x = torch.ops.fxpar.reshard.default(x, 'x->linear', [8, 16], 'reshard')")
+     .check("aten.linear.default(grad_all_reduce_tp__x, w1)")
+     .check("aten.gelu")
+     .check("linear_1 = torch.ops.aten.linear.default(gelu, w2)")
+     .check("all_reduce_tp__linear_1 = torch.ops.fxpar.start.default([linear_1], ['linear_1->output'])")
+     .check("wait__linear_1 = torch.ops.fxpar.wait.default(all_reduce_tp__linear_1, linear_1, "
+            "'linear_1->output', [8, 16], 'identity')")
+     .check("return (wait__linear_1,)")
+     .run(gm.code))
+    edges = gm.meta[ir.EDGES]
+    assert sorted(edges) == ["linear_1->output", "x->linear"]
+    f, g = edges["x->linear"], edges["linear_1->output"]
+    assert (not f.fwd.steps and [s.kind for s in f.bwd.steps] == ["all_reduce"]
+            and str(f.bwd.src) == "P(sum)" and f.grad_mode == "reshard")
+    assert [s.kind for s in g.fwd.steps] == ["all_reduce"] and g.grad_mode == "identity"
+    assert gm.meta[ir.REPLICA_AXES] == {"fc1.weight": (), "fc2.weight": ()}
+
+
+def _linear(wspec: str, lin_in: tuple[str, str], out: str, m):
+    g = fx.Graph()
+    x = annotate(placeholder(g, "x", (8, 16)), "S(0)")
+    w = annotate(placeholder(g, "w", (4, 16), param="fc.weight"), wspec)
+    y = annotate(call(g, aten.linear.default, (x, w), (8, 4), "linear"), out, lin_in)
+    o = g.output((y,))
+    o.meta[ir.IN_SPECS] = (None,)
+    return run_passes(module(g), PassContext(mesh=m), [insert_collectives_pass])
+
+
+def test_data_parallel_weight_has_no_node_but_a_replica_axis():
+    """A weight stored R and consumed R by a batch-sharded linear: nothing moves in the graph;
+    its gradient is a partial sum over dp, reduced by the model-state manager (replica axis)."""
+    gm = _linear("R", ("S(0)", "R"), "S(0)", mesh(dp=2))
+    assert not gm.meta.get(ir.EDGES)
+    FileCheck().check("aten.linear.default(x, w)").check_not("fxpar").run(gm.code)
+    assert gm.meta[ir.REPLICA_AXES] == {"fc.weight": ("dp",)}
+
+
+def test_zero3_weight_gathered_right_before_use_gradient_to_sink():
+    """A weight stored S(0), consumed R: start all_gather right before the linear (prefetch
+    moves it later), wait, linear; backward sends the gradient to the sink through a
+    reduce-scatter P(sum) -> S(0)."""
+    gm = _linear("S(0)", ("S(0)", "R"), "S(0)", mesh(dp=2))
+    (FileCheck().check("all_gather_dp__w = torch.ops.fxpar.start.default([w], ['w->linear'])")
+     .check("wait__w = torch.ops.fxpar.wait.default(all_gather_dp__w, w, 'w->linear', [4, 16], 'sink')")
+     .check("aten.linear.default(x, wait__w)").run(gm.code))
+    e = gm.meta[ir.EDGES]["w->linear"]
+    assert e.param == "fc.weight" and [s.kind for s in e.bwd.steps] == ["reduce_scatter"]
+    assert str(e.bwd.src) == "P(sum)" and str(e.bwd.dst) == "S(0)"
+
+
+def test_requires_annotated_graph():
+    g = fx.Graph()
+    x = placeholder(g, "x", (4,))
+    g.output((x,))
+    with pytest.raises(PassError, match="insert_collectives_pass: requires check annotated failed: "
+                                        "node x has no meta"):
+        run_passes(module(g), PassContext(mesh=mesh(dp=2)), [insert_collectives_pass])
