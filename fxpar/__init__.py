@@ -13,6 +13,7 @@ from fxpar.errors import (
     FxparError,
     MaterializeError,
     MeshError,
+    PassError,
     PlanError,
     ReshardError,
     SpecError,
@@ -33,7 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError", "ClusterError", "CollectiveTimeoutError", "FxparError", "MaterializeError", "MeshError",
-    "PlanError", "ReshardError", "SpecError",
+    "PassError", "PlanError", "ReshardError", "SpecError",
     "Partial", "Placement", "Replicate", "Shard", "Spec",
     "Cluster", "Mesh",
     "ir", "capture", "run_captured", "InputInfo", "OutputInfo", "ParamInfo", "TensorMeta",
