@@ -4,7 +4,7 @@ The model is ``fc2(dropout(gelu(fc1(x))))`` then ``dropout`` again on the output
 Megatron plan on ``tp=2`` the first dropout sees a column-sharded activation (each rank a
 different half: masks must be independent) and the second a replicated one (both ranks hold
 the same data: masks must be identical, else the replicas diverge). Each rank runs its
-program's own ``fxpar.keep_mask`` ops on a tensor of ones of the local shape and the ranks
+program's own ``fxpar.sharded_dropout`` ops on a tensor of ones of the local shape and the ranks
 compare what they drew.
 """
 
@@ -42,10 +42,10 @@ def masks_on_rank():
     runner = prog.runner()
     losses = [runner.step(x, y).item() for _ in range(2)]  # training runs with dropout on
     out = {}
-    for node in runner.gm.graph.find_nodes(op="call_function", target=torch.ops.fxpar.keep_mask.default):
+    for node in runner.gm.graph.find_nodes(op="call_function", target=torch.ops.fxpar.sharded_dropout.default):
         spec = str(node.meta[ir.IN_SPECS][0])
-        with bind(runner.bindings):  # the program's own mask op, drawn from the runner's tracker
-            keep = node.target(torch.ones(node.meta[ir.VAL].shape), *node.args[1:])
+        with bind(runner.bindings):  # the program's own op, drawing from the runner's tracker
+            keep = node.target(torch.ones(node.meta[ir.VAL].shape), *node.args[1:]) != 0
         out[spec] = keep
     return out, losses, runner.rank
 

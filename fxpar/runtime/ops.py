@@ -8,8 +8,9 @@
   shape, drawn from a generator keyed by the step, the ``site`` (the node) and this rank's
   shard coordinates (:mod:`fxpar.runtime.rng`, the tracker of the active
   :class:`~fxpar.runtime.bindings.Bindings`): replicas of one shard draw the same mask,
-  different shards independent ones. Sharded dropout is ``x * mask * (1 / (1 - p))`` in ATen
-  ops around it (:func:`sharded_dropout` builds that in a graph), so its gradient is autograd's.
+  different shards independent ones.
+* ``torch.ops.fxpar.sharded_dropout(x, p, train, site, shard_key)``: ``x * mask / (1 - p)``
+  with that mask; its backward draws the mask again (nothing saved).
 
 >>> import torch
 >>> w = torch.arange(6.).reshape(3, 2)            # rows 3..5 of a 6-row table
@@ -21,7 +22,6 @@ tensor([[0., 0.],
 from __future__ import annotations
 
 import torch
-import torch.fx as fx
 from torch.library import custom_op
 
 from fxpar.runtime.bindings import current
@@ -56,15 +56,33 @@ def keep_mask(x: torch.Tensor, p: float, site: int, shard_key: list[int]) -> tor
 keep_mask.register_fake(lambda x, p, site, shard_key: torch.empty(x.shape, dtype=torch.bool, device=x.device))
 
 
-def sharded_dropout(graph: fx.Graph, x: fx.Node, p: float, site: int,
-                    shard_key: tuple[int, ...], name: str) -> fx.Node:
-    """Insert ``x * keep_mask(x, p, site, shard_key) * (1 / (1 - p))`` at the graph's current
-    insertion point as nodes ``{name}_mask``, ``{name}_kept``, ``{name}_scaled``; returns the
-    last (the same arithmetic as :func:`fxpar.runtime.rng.dropout`, so masks and values match
-    it bit for bit)."""
-    aten = torch.ops.aten
-    mask = graph.create_node("call_function", torch.ops.fxpar.keep_mask.default,
-                             (x, float(p), int(site), list(shard_key)), name=f"{name}_mask")
-    scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
-    kept = graph.create_node("call_function", aten.mul.Tensor, (x, mask), name=f"{name}_kept")
-    return graph.create_node("call_function", aten.mul.Tensor, (kept, scale), name=f"{name}_scaled")
+@custom_op("fxpar::sharded_dropout", mutates_args=())
+def sharded_dropout(x: torch.Tensor, p: float, train: bool, site: int,
+                    shard_key: list[int]) -> torch.Tensor:
+    """``aten.dropout(x, p, train)`` with a shard-aware mask: ``x * keep_mask(x, p, site,
+    shard_key) * (1 / (1 - p))`` (the arithmetic of :func:`fxpar.runtime.rng.dropout`, so masks
+    and values match it bit for bit). Backward draws the same mask again (it is a function of
+    the tracker's step and microbatch, the site and the shard key: nothing is saved) and
+    returns ``g * mask * (1 / (1 - p))``. ``train=False`` or ``p == 0``: a copy of ``x``."""
+    if not train or p == 0.0:
+        return x.clone()
+    return x * keep_mask(x, p, site, shard_key) * _scale(p)
+
+
+def _scale(p: float) -> float:
+    return 0.0 if p == 1.0 else 1.0 / (1.0 - p)
+
+
+def _dropout_setup(ctx, inputs, output) -> None:
+    ctx.args = inputs[1:]
+
+
+def _dropout_backward(ctx, g):
+    p, train, site, key = ctx.args
+    if not train or p == 0.0:
+        return g, None, None, None, None
+    return g * torch.ops.fxpar.keep_mask(g, p, site, key) * _scale(p), None, None, None, None
+
+
+sharded_dropout.register_fake(lambda x, p, train, site, shard_key: torch.empty_like(x))
+sharded_dropout.register_autograd(_dropout_backward, setup_context=_dropout_setup)
