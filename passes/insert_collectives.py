@@ -12,7 +12,7 @@ each edge ``producer -> consumer`` (input ``p`` of the consumer):
 * if the value plan's first step is a collective, a ``torch.ops.fxpar.start`` node right after
   the producer and a ``torch.ops.fxpar.wait`` node right before the consumer (the consumer
   reads the wait); otherwise, if anything is left to do (local steps, a gradient plan, a
-  ``P(avg)`` gradient scale), one synchronous ``torch.ops.fxpar.reshard`` node before the
+  ``P(avg)`` gradient scale), one synchronous ``torch.ops.fxpar.redistribute`` node before the
   consumer (:mod:`fxpar.runtime.comm`). A parameter use with nothing to do gets
   no node: autograd accumulates its gradient on the parameter (already in the target layout)
   and the runner's post-accumulate hook hands it to the model-state manager.
@@ -151,7 +151,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             if not kinds and edge.bwd is not None and edge.bwd.steps:
                 kinds = ["grad_" + "_".join(f"{s.kind}_{s.axis_name}" for s in edge.bwd.steps)]
             out = add("_".join(dict.fromkeys(kinds)) or ("param" if edge.param else "grad_scale"),
-                      edge, _fx.reshard.default, (value, edge.name, shape, edge.grad_mode),
+                      edge, _fx.redistribute.default, (value, edge.name, shape, edge.grad_mode),
                       consumer, after=False)
         out.meta[ir.SPECS] = (edge.fwd.dst,)
         out.meta[ir.VAL] = v

@@ -23,8 +23,8 @@ import fxpar
 from fxpar import ir
 from fxpar.cost.reshard import LOCAL_KINDS
 
-START, WAIT, RESHARD = (torch.ops.fxpar.start.default, torch.ops.fxpar.wait.default,
-                        torch.ops.fxpar.reshard.default)
+START, WAIT, REDIST = (torch.ops.fxpar.start.default, torch.ops.fxpar.wait.default,
+                        torch.ops.fxpar.redistribute.default)
 
 
 def _opt(ps):
@@ -88,7 +88,7 @@ def test_megatron_mlp_one_forward_all_reduce(megatron_mlp):
         assert [s.kind for s in edge.fwd.steps] == ["all_reduce"]
         assert edge.producer == "linear_1"  # fc2's output
         assert len(_comm(gm, WAIT)) == 1
-        for n in _comm(gm, RESHARD):
+        for n in _comm(gm, REDIST):
             assert all(s.kind in LOCAL_KINDS for s in _edges(gm, n)[0].fwd.steps), n
         (FileCheck().check("aten.linear.default(args_0").check("aten.gelu")
          .check("aten.linear.default(gelu").check("all_reduce_tp__linear_1 = torch.ops.fxpar.start.default([linear_1]")
@@ -112,12 +112,12 @@ def test_megatron_f_edge_all_reduces_gradient():
         == [["all_reduce"]]
     fc1 = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default)
     f = fc1.args[0]
-    assert f.target is RESHARD, gm.code
+    assert f.target is REDIST, gm.code
     (edge,) = _edges(gm, f)
     assert edge.producer == "layer_norm" and not edge.fwd.steps
     assert [s.kind for s in edge.bwd.steps] == ["all_reduce"]
     assert str(edge.bwd.src) == "P(sum)" and str(edge.bwd.dst) == "R"
-    FileCheck().check("layer_norm").check("grad_all_reduce_tp__layer_norm = torch.ops.fxpar.reshard.default(layer_norm") \
+    FileCheck().check("layer_norm").check("grad_all_reduce_tp__layer_norm = torch.ops.fxpar.redistribute.default(layer_norm") \
         .check("aten.linear.default(grad_all_reduce_tp__layer_norm").run(gm.code)
 
 
@@ -196,7 +196,7 @@ def test_zero3_prefetch_order():
         while n is not use:
             between.append(n)
             n = n.next
-        assert all(b.target in (START, WAIT, RESHARD) for b in between), (w, between)
+        assert all(b.target in (START, WAIT, REDIST) for b in between), (w, between)
 
     gm0 = _zero3(0).rank_graph(0)
     for s in _comm(gm0, START):

@@ -31,9 +31,9 @@ from the :class:`~fxpar.runtime.bindings.Bindings` active at call time::
   forward plans, coalesced; returns an empty token tensor (the handle stays in the bindings);
 * ``fxpar::wait(token, x, edge, shape, grad) -> y``: finishes the edge's plan; ``x`` (the
   source) is the autograd input;
-* ``fxpar::reshard(x, edge, shape, grad) -> y``: a synchronous edge (local steps only, or a
+* ``fxpar::redistribute(x, edge, shape, grad) -> y``: a synchronous edge (local steps only, or a
   gradient-only edge: then ``y`` is a copy of ``x``);
-* backward of ``wait``/``reshard`` by the static ``grad`` mode: ``"none"``; ``"identity"``
+* backward of ``wait``/``redistribute`` by the static ``grad`` mode: ``"none"``; ``"identity"``
   (the gradient passes unchanged); ``"reshard"`` → ``fxpar::edge_grad(g, edge, shape)``
   (scale, then the gradient plan); ``"sink"`` → ``fxpar::sink_grad(g, edge)`` (a parameter's
   gradient leaves autograd for the model-state manager, which reduces it asynchronously; a
@@ -270,8 +270,8 @@ def wait(token: torch.Tensor, x: torch.Tensor, edge: str, shape: list[int], grad
     return _registered(b, rt.finish(pending)[index], x, e, pending, index)
 
 
-@custom_op("fxpar::reshard", mutates_args=())
-def reshard(x: torch.Tensor, edge: str, shape: list[int], grad: str) -> torch.Tensor:
+@custom_op("fxpar::redistribute", mutates_args=())
+def redistribute(x: torch.Tensor, edge: str, shape: list[int], grad: str) -> torch.Tensor:
     b = current()
     e = b.edge(edge)
     if not e.fwd.steps:  # a gradient-only edge: identity forward (an op may not return its input)
@@ -299,13 +299,13 @@ torch.fx.node.has_side_effect(torch.ops.fxpar.sink_grad.default)
 
 
 wait.register_fake(lambda token, x, edge, shape, grad: x.new_empty(shape))
-reshard.register_fake(lambda x, edge, shape, grad: x.new_empty(shape))
+redistribute.register_fake(lambda x, edge, shape, grad: x.new_empty(shape))
 edge_grad.register_fake(lambda g, edge, shape: g.new_empty(shape))
 sink_grad.register_fake(lambda g, edge: None)
 
 
 def _setup(ctx, inputs, output) -> None:
-    # (token, x, edge, shape, grad) for wait; (x, edge, shape, grad) for reshard
+    # (token, x, edge, shape, grad) for wait; (x, edge, shape, grad) for redistribute
     x, edge, grad = inputs[-4], inputs[-3], inputs[-1]
     ctx.edge, ctx.mode, ctx.in_shape = edge, grad, list(x.shape)
 
@@ -324,8 +324,8 @@ def _backward(ctx, g):
 
 
 wait.register_autograd(lambda ctx, g: (None, _backward(ctx, g), None, None, None), setup_context=_setup)
-reshard.register_autograd(lambda ctx, g: (_backward(ctx, g), None, None, None), setup_context=_setup)
+redistribute.register_autograd(lambda ctx, g: (_backward(ctx, g), None, None, None), setup_context=_setup)
 
 #: Every communication op an emitted graph may hold.
 COMM_OPS = frozenset({torch.ops.fxpar.start.default, torch.ops.fxpar.wait.default,
-                      torch.ops.fxpar.reshard.default})
+                      torch.ops.fxpar.redistribute.default})

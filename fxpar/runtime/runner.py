@@ -33,7 +33,7 @@ from fxpar.runtime.bindings import Bindings, bind
 
 __all__ = ["Runner", "replica_group"]
 
-_WAIT, _RESHARD, _START = (torch.ops.fxpar.wait.default, torch.ops.fxpar.reshard.default,
+_WAIT, _REDIST, _START = (torch.ops.fxpar.wait.default, torch.ops.fxpar.redistribute.default,
                            torch.ops.fxpar.start.default)
 
 
@@ -53,8 +53,8 @@ def replica_group(mesh: Mesh, axes: Sequence[str], rank: int):
 
 
 def _edge_of(n: fx.Node) -> str | None:
-    """The edge a ``fxpar.wait``/``fxpar.reshard`` node runs (``None`` for other nodes)."""
-    return n.args[-3] if n.target in (_WAIT, _RESHARD) else None
+    """The edge a ``fxpar.wait``/``fxpar.redistribute`` node runs (``None`` for other nodes)."""
+    return n.args[-3] if n.target in (_WAIT, _REDIST) else None
 
 
 class Runner:

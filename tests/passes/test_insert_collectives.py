@@ -42,7 +42,7 @@ def test_megatron_mlp_f_and_g():
     No node for the weights (stored as consumed; their gradients accumulate on the leaf)."""
     gm = run_passes(_megatron_mlp(), PassContext(mesh=mesh(tp=2)), [insert_collectives_pass])
     (FileCheck()
-     .check("grad_all_reduce_tp__x = torch.ops.fxpar.reshard.default(x, 'x->linear', [8, 16], 'reshard')")
+     .check("grad_all_reduce_tp__x = torch.ops.fxpar.redistribute.default(x, 'x->linear', [8, 16], 'reshard')")
      .check("aten.linear.default(grad_all_reduce_tp__x, w1)")
      .check("aten.gelu")
      .check("linear_1 = torch.ops.aten.linear.default(gelu, w2)")
