@@ -30,7 +30,15 @@ that needs a gradient, reads the output gradient and the saved operands and writ
 gradient (for a matmul that is ``2×`` the forward bytes). SDPA is priced as a fused
 (flash) kernel: the ``L×S`` score matrix never reaches memory. Ops without a rule count bytes
 only (forward; backward bytes = forward bytes when an input needs a gradient) and are listed in
-:attr:`GraphCost.unknown_ops`; nothing here raises on an unknown op.
+:attr:`GraphCost.unknown_ops`; an unknown op never raises, a rule that raises is a bug and
+raises :class:`CostRuleError` naming the op and the rule.
+
+**Where an op's rule lives.** This module holds the formulas (``mm_cost``, ``pointwise_cost``, ...:
+pure functions ``(args, kwargs, out) -> OpCost`` with :class:`TensorArg` in place of tensors) and
+the lookup (:func:`cost_rule`, :func:`is_view`, :func:`saves_of`), keyed by op objects. Which op
+uses which formula is written once, in the op's record in :mod:`fxpar.strategies`
+(``register(aten.mm, cost=mm_cost)``), which fills the table through :func:`set_op_cost`; this
+package imports nothing of strategies, planner, solver, runtime or passes.
 
 Megatron-LM's FLOP formula (PTD-P §5.1 eq. 3 and Appendix) counts GEMMs only (attention
 scores included); :attr:`GraphCost.gemm_flops` counts the same way, and for a GPT equals
@@ -57,6 +65,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from fxpar.errors import FxparError
+from fxpar.ir import NON_DIFFERENTIABLE, grad_flags, op_keys
+
 __all__ = [
     "TensorArg",
     "OpCost",
@@ -67,14 +78,26 @@ __all__ = [
     "graph_cost",
     "roofline_time",
     "op_time",
-    "register_rule",
+    "Rule",
+    "CostRuleError",
+    "set_op_cost",
+    "cost_rule",
+    "is_view",
+    "is_view_if_contiguous",
+    "saves_of",
+    "SAVES_KINDS",
     "op_name",
     "grad_flags",
     "VIEW_OPS",
+    "NON_DIFFERENTIABLE",
+    # the formulas (pure functions (args, kwargs, out) -> OpCost) that op records reference
+    "mm_cost", "addmm_cost", "bmm_cost", "baddbmm_cost", "matmul_cost", "linear_cost", "einsum_cost",
+    "sdpa_cost", "convolution_cost", "convnd_cost", "conv_transpose_cost", "embedding_cost",
+    "norm_cost", "softmax_cost", "pointwise_cost", "dropout_cost", "reduction_cost", "copy_cost",
+    "maybe_copy_cost", "creation_cost", "view_cost",
 ]
 
 _VAL = "val"
-_PARAM = "fxpar_param"  # fxpar.ir.PARAM; the literal avoids an import cycle with capture
 
 #: Kinds whose FLOPs Megatron-LM counts (its formula considers GEMMs only).
 GEMM_KINDS = ("matmul", "attention", "conv")
@@ -252,18 +275,11 @@ def _out_list(out: Any) -> list[TensorArg]:
 # rules: (args, kwargs, out) -> OpCost, with TensorArg in place of tensors
 # --------------------------------------------------------------------------------------------
 Rule = Callable[[Sequence, Mapping, Any], OpCost]
-_RULES: dict[str, Rule] = {}
 
 
-def register_rule(*names: str) -> Callable[[Rule], Rule]:
-    """Register a cost rule under ATen packet names (``"mm"``) or overload names
-    (``"add.Tensor"``); the same name also matches torch-level callables and methods
-    (``torch.matmul``, ``F.linear``, ``Tensor.view``) of symbolic_trace graphs."""
-    def deco(fn: Rule) -> Rule:
-        for n in names:
-            _RULES[n] = fn
-        return fn
-    return deco
+def view_cost(args, kwargs, out) -> OpCost:
+    """An alias of (part of) an input, or shape arithmetic: no FLOPs, no bytes."""
+    return ZERO
 
 
 def _gemm(flops: float, operands: Sequence[TensorArg | None], out: Any, kind: str = "matmul") -> OpCost:
@@ -284,16 +300,14 @@ def _gemm(flops: float, operands: Sequence[TensorArg | None], out: Any, kind: st
     return OpCost(flops, bwd_flops, fwd_bytes, bwd_bytes, kind)
 
 
-@register_rule("mm")
-def _mm(args, kwargs, out):
+def mm_cost(args, kwargs, out):
     a, b = args[0], args[1]
     m, k = a.shape
     n = b.shape[-1]
     return _gemm(2.0 * m * k * n, (a, b), out)
 
 
-@register_rule("addmm")
-def _addmm(args, kwargs, out):
+def addmm_cost(args, kwargs, out):
     bias, a, b = args[0], args[1], args[2]
     m, k = a.shape
     n = b.shape[-1]
@@ -302,16 +316,14 @@ def _addmm(args, kwargs, out):
     return OpCost(c.fwd_flops, c.bwd_flops, c.fwd_bytes + bias.nbytes, c.bwd_bytes, "matmul")
 
 
-@register_rule("bmm")
-def _bmm(args, kwargs, out):
+def bmm_cost(args, kwargs, out):
     a, b = args[0], args[1]
     bsz, m, k = a.shape
     n = b.shape[-1]
     return _gemm(2.0 * bsz * m * k * n, (a, b), out)
 
 
-@register_rule("baddbmm", "addbmm")
-def _baddbmm(args, kwargs, out):
+def baddbmm_cost(args, kwargs, out):
     c0, a, b = args[0], args[1], args[2]
     bsz, m, k = a.shape
     n = b.shape[-1]
@@ -333,14 +345,12 @@ def _matmul_flops(a: tuple[int, ...], b: tuple[int, ...]) -> float:
     return 2.0 * math.prod(batch) * m * k * n
 
 
-@register_rule("matmul", "dot", "vdot", "mv", "inner")
-def _matmul(args, kwargs, out):
+def matmul_cost(args, kwargs, out):
     a, b = args[0], args[1]
     return _gemm(_matmul_flops(a.shape, b.shape), (a, b), out)
 
 
-@register_rule("linear")
-def _linear(args, kwargs, out):
+def linear_cost(args, kwargs, out):
     x, w = args[0], _arg(args, kwargs, 1, "weight")
     bias = _arg(args, kwargs, 2, "bias")
     n, k = (w.shape if len(w.shape) == 2 else (1, w.shape[0]))
@@ -350,8 +360,7 @@ def _linear(args, kwargs, out):
     return OpCost(c.fwd_flops, c.bwd_flops, c.fwd_bytes + bb, c.bwd_bytes + (bb if _rg(bias) else 0.0), "matmul")
 
 
-@register_rule("einsum")
-def _einsum(args, kwargs, out):
+def einsum_cost(args, kwargs, out):
     """``2·numel(out)·Π(contracted index sizes)`` (exact for two operands)."""
     eq = args[0].replace(" ", "")
     ops = _tensors(args[1:])
@@ -372,7 +381,7 @@ def _einsum(args, kwargs, out):
     return _gemm(2.0 * n_out * contracted, ops, out)
 
 
-def _sdpa(args, kwargs, out):
+def sdpa_cost(args, kwargs, out):
     q, k, v = args[0], args[1], args[2]
     *batch, L, E = q.shape
     S = k.shape[-2]
@@ -402,12 +411,6 @@ def _sdpa(args, kwargs, out):
     return OpCost(qk + pv, bwd, fwd_bytes, bwd_bytes, "attention")
 
 
-for _n in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-           "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
-           "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math",
-           "_scaled_dot_product_fused_attention_overrideable", "_flash_attention_forward",
-           "_efficient_attention_forward"):
-    register_rule(_n)(_sdpa)
 
 
 def _conv(x: TensorArg, w: TensorArg, out: Any, transposed: bool, groups: int, bias) -> OpCost:
@@ -422,29 +425,24 @@ def _conv(x: TensorArg, w: TensorArg, out: Any, transposed: bool, groups: int, b
     return OpCost(c.fwd_flops, c.bwd_flops, c.fwd_bytes + bb, c.bwd_bytes, "conv")
 
 
-@register_rule("convolution", "_convolution", "convolution_overrideable", "cudnn_convolution",
-               "mkldnn_convolution")
-def _convolution(args, kwargs, out):
+def convolution_cost(args, kwargs, out):
     x, w, bias = args[0], args[1], _arg(args, kwargs, 2, "bias")
     transposed = bool(_arg(args, kwargs, 6, "transposed", False))
     groups = int(_arg(args, kwargs, 8, "groups", 1))
     return _conv(x, w, out, transposed, groups, bias)
 
 
-@register_rule("conv1d", "conv2d", "conv3d")
-def _convnd(args, kwargs, out):
+def convnd_cost(args, kwargs, out):
     x, w, bias = args[0], args[1], _arg(args, kwargs, 2, "bias")
     return _conv(x, w, out, False, int(_arg(args, kwargs, 6, "groups", 1)), bias)
 
 
-@register_rule("conv_transpose1d", "conv_transpose2d", "conv_transpose3d")
-def _convtnd(args, kwargs, out):
+def conv_transpose_cost(args, kwargs, out):
     x, w, bias = args[0], args[1], _arg(args, kwargs, 2, "bias")
     return _conv(x, w, out, True, int(_arg(args, kwargs, 6, "groups", 1)), bias)
 
 
-@register_rule("embedding", "embedding_bag", "_embedding_bag")
-def _embedding(args, kwargs, out):
+def embedding_cost(args, kwargs, out):
     ts = _tensors(args[:2])
     weight = next((t for t in ts if t.is_float), ts[0])
     idx = next((t for t in ts if not t.is_float), None)
@@ -472,22 +470,16 @@ def _family(fwd_per_elem: float, bwd_per_elem: float, kind: str, saved_reads: in
     return rule
 
 
-_norm = _family(5.0, 10.0, "norm")
-for _n in ("layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "batch_norm",
-           "native_batch_norm", "_native_batch_norm_legit", "_native_batch_norm_legit_functional",
-           "_native_batch_norm_legit_no_training", "cudnn_batch_norm", "miopen_batch_norm",
-           "instance_norm", "rms_norm", "_fused_rms_norm", "local_response_norm", "normalize"):
-    register_rule(_n)(_norm)
+#: layer/group/batch/RMS norm: 5 FLOPs per element forward, 10 backward
+norm_cost = _family(5.0, 10.0, "norm")
 
-_softmax = _family(5.0, 4.0, "softmax")
-for _n in ("softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "cross_entropy",
-           "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d", "nll_loss2d_forward",
-           "nll_loss_nd", "binary_cross_entropy", "binary_cross_entropy_with_logits", "mse_loss",
-           "l1_loss", "smooth_l1_loss", "huber_loss", "kl_div"):
-    register_rule(_n)(_softmax)
+#: softmax, log-softmax and the losses built on them: 5 FLOPs per element forward, 4 backward
+softmax_cost = _family(5.0, 4.0, "softmax")
+norm_cost.__name__ = norm_cost.__qualname__ = "norm_cost"
+softmax_cost.__name__ = softmax_cost.__qualname__ = "softmax_cost"
 
 
-def _pointwise(args, kwargs, out):
+def pointwise_cost(args, kwargs, out):
     ts = _tensors(args) + _tensors(kwargs)
     outs = _out_list(out)
     n = float(outs[0].numel) if outs else float(max((t.numel for t in ts), default=0))
@@ -500,27 +492,9 @@ def _pointwise(args, kwargs, out):
     return OpCost(n, n * len(needing), fwd_bytes, bwd_bytes, "pointwise")
 
 
-POINTWISE_OPS = (
-    "add", "add_", "sub", "sub_", "rsub", "mul", "mul_", "div", "div_", "true_divide", "floor_divide",
-    "remainder", "fmod", "pow", "neg", "abs", "sign", "sgn", "exp", "exp2", "expm1", "log", "log2",
-    "log10", "log1p", "sqrt", "rsqrt", "reciprocal", "sin", "cos", "tan", "tanh", "sinh", "cosh",
-    "asin", "acos", "atan", "atan2", "sigmoid", "logit", "erf", "erfc", "erfinv", "relu", "relu_",
-    "relu6", "leaky_relu", "gelu", "gelu_", "silu", "silu_", "mish", "elu", "selu", "celu", "softplus",
-    "hardtanh", "hardswish", "hardsigmoid", "glu", "threshold", "clamp", "clamp_min", "clamp_max",
-    "clip", "minimum", "maximum", "fmin", "fmax", "where", "masked_fill", "masked_fill_", "lerp",
-    "addcmul", "addcdiv", "floor", "ceil", "round", "trunc", "frac", "square", "eq", "ne", "lt", "le",
-    "gt", "ge", "logical_and", "logical_or", "logical_not", "logical_xor", "bitwise_and",
-    "bitwise_or", "bitwise_not", "bitwise_xor", "isnan", "isinf", "isfinite", "nan_to_num", "tril",
-    "triu", "xlogy", "hypot", "copysign", "iadd", "imul", "isub", "itruediv", "truediv", "floordiv",
-    "mod", "gelu_backward", "threshold_backward", "sigmoid_backward", "tanh_backward",
-    "silu_backward", "hardtanh_backward", "relu_backward", "scalar_tensor_mul",
-)
-for _n in POINTWISE_OPS:
-    register_rule(_n)(_pointwise)
 
 
-@register_rule("dropout", "native_dropout", "feature_dropout", "alpha_dropout", "bernoulli", "dropout_")
-def _dropout(args, kwargs, out):
+def dropout_cost(args, kwargs, out):
     x = _tensors(args)[0]
     mask = x.numel  # one bool per element
     fwd_bytes = 2.0 * x.nbytes + mask
@@ -529,7 +503,7 @@ def _dropout(args, kwargs, out):
     return OpCost(2.0 * x.numel, 0.0, fwd_bytes, 0.0, "pointwise")
 
 
-def _reduction(args, kwargs, out):
+def reduction_cost(args, kwargs, out):
     ts = _tensors(args)
     x = ts[0]
     outs = _out_list(out)
@@ -539,15 +513,9 @@ def _reduction(args, kwargs, out):
     return OpCost(float(x.numel), 0.0, fwd_bytes, 0.0, "reduction")
 
 
-REDUCTION_OPS = ("sum", "mean", "amax", "amin", "max", "min", "aminmax", "var", "std", "var_mean",
-                 "std_mean", "prod", "norm", "linalg_vector_norm", "logsumexp", "argmax", "argmin",
-                 "any", "all", "cumsum", "cumprod", "topk", "sort", "argsort", "count_nonzero",
-                 "nansum", "nanmean", "median", "mode", "kthvalue", "frobenius_norm")
-for _n in REDUCTION_OPS:
-    register_rule(_n)(_reduction)
 
 
-def _copy(args, kwargs, out):
+def copy_cost(args, kwargs, out):
     ts = _tensors(args)
     outs = _out_list(out)
     ob = _nbytes(outs)
@@ -561,75 +529,110 @@ def _copy(args, kwargs, out):
     return OpCost(0.0, 0.0, read + ob, 0.0, "copy")
 
 
-COPY_OPS = ("clone", "_to_copy", "copy", "copy_", "to", "type_as", "cat", "concat", "concatenate",
-            "stack", "hstack", "vstack", "index_select", "gather", "scatter", "scatter_add",
-            "scatter_reduce", "index", "index_put", "index_put_", "index_add", "index_copy",
-            "constant_pad_nd", "pad", "reflection_pad1d", "reflection_pad2d", "replication_pad2d",
-            "repeat", "repeat_interleave", "tile", "flip", "roll", "masked_select", "masked_scatter",
-            "slice_scatter", "select_scatter", "diagonal_scatter", "as_strided_scatter",
-            "embedding_dense_backward", "float", "half", "bfloat16", "double", "upsample_nearest2d",
-            "upsample_bilinear2d", "max_pool2d", "max_pool2d_with_indices", "avg_pool2d",
-            "adaptive_avg_pool2d", "_adaptive_avg_pool2d", "max_pool1d", "avg_pool1d",
-            "max_pool3d", "avg_pool3d", "pixel_shuffle", "im2col", "col2im", "interpolate",
-            "split_copy", "view_copy", "permute_copy", "transpose_copy", "expand_copy")
-for _n in COPY_OPS:
-    register_rule(_n)(_copy)
 
 
-@register_rule("contiguous", "reshape", "flatten", "_reshape_alias_copy")
-def _maybe_copy(args, kwargs, out):
+def maybe_copy_cost(args, kwargs, out):
     x = _tensors(args)[0]
     if x.contiguous:
         return ZERO  # already dense: a view
-    return _copy(args, kwargs, out)
+    return copy_cost(args, kwargs, out)
 
 
-def _creation(args, kwargs, out):
+def creation_cost(args, kwargs, out):
     return OpCost(0.0, 0.0, _nbytes(_out_list(out)), 0.0, "creation")
 
 
-CREATION_OPS = ("zeros", "ones", "full", "empty", "empty_strided", "empty_like", "zeros_like",
-                "ones_like", "full_like", "arange", "linspace", "logspace", "eye", "scalar_tensor",
-                "rand", "randn", "randint", "rand_like", "randn_like", "randint_like", "randperm",
-                "new_zeros", "new_ones", "new_full", "new_empty", "new_empty_strided", "tensor",
-                "lift_fresh_copy", "_local_scalar_dense", "fill", "fill_", "zero_", "normal",
-                "uniform", "uniform_", "normal_")
-for _n in CREATION_OPS:
-    register_rule(_n)(_creation)
-
-#: Ops that return an alias of (part of) an input: no FLOPs, no bytes, no memory.
-VIEW_OPS = frozenset((
-    "view", "_unsafe_view", "view_as", "_reshape_alias", "permute", "transpose", "t", "T", "mT",
-    "numpy_T", "expand", "expand_as", "squeeze", "unsqueeze", "slice", "select", "split",
-    "split_with_sizes", "unsafe_split", "chunk", "tensor_split", "unbind", "as_strided", "alias",
-    "detach", "detach_", "narrow", "unflatten", "diagonal", "movedim", "moveaxis", "swapaxes",
-    "swapdims", "unfold", "real", "imag", "view_as_real", "view_as_complex", "getitem", "lift_fresh",
-    "size", "sym_size", "stride", "sym_stride", "dim", "numel", "sym_numel", "storage_offset",
-    "sym_storage_offset", "_assert_async", "_assert_scalar", "_assert_tensor_metadata",
-    "sym_constrain_range", "sym_constrain_range_for_size", "_functional_assert_async",
-    "_functional_sym_constrain_range", "_set_grad_enabled", "set_grad_enabled", "contiguous_format",
-    "item", "dtype", "device", "shape", "requires_grad_", "_enter_autocast", "_exit_autocast",
-    "wait_tensor", "record_stream", "type", "sym_sum", "sym_max", "sym_min", "sym_not", "sym_float",
-    "sym_int", "sym_ite", "sym_sqrt", "mul_sym", "floordiv_sym", "truediv_sym",
-))
-for _n in VIEW_OPS:
-    _RULES[_n] = lambda args, kwargs, out: ZERO
-
-#: Ops whose outputs never carry a gradient (comparisons, index math, creation).
-NON_DIFFERENTIABLE = frozenset(CREATION_OPS) | frozenset((
-    "eq", "ne", "lt", "le", "gt", "ge", "argmax", "argmin", "any", "all", "logical_and", "logical_or",
-    "logical_not", "logical_xor", "isnan", "isinf", "isfinite", "sign", "floor", "ceil", "round",
-    "trunc", "detach", "detach_", "count_nonzero", "bitwise_and", "bitwise_or", "bitwise_not",
-    "bitwise_xor", "sym_size", "size", "randint", "zeros_like", "ones_like", "full_like", "empty_like",
-))
-
 
 # --------------------------------------------------------------------------------------------
-# lookup
+# the table: op object -> cost rule, filled by the op records
 # --------------------------------------------------------------------------------------------
+#: op object (ATen overload or packet, or another callable a graph can hold) -> its cost rule.
+#: The records of :mod:`fxpar.strategies` fill it (``register(aten.mm, cost=mm_cost)``): an op's
+#: strategies, cost rule and local rewrite are written in one place; this module keeps the pure
+#: formulas and the lookup. In-place packets (``aten.tanh_``) fall back to the functional op's rule.
+_COST: dict[object, Rule] = {}
+_INPLACE: dict[object, Rule] = {}
+_VIEWS: set = set()
+_VIEW_IF_CONTIGUOUS: set = set()
+_SAVES: dict[object, str] = {}
+
+#: ``op_name`` of every view op, for callers that still compare names; filled with the table.
+VIEW_OPS: set[str] = set()
+
+#: What an op keeps for its backward (:func:`fxpar.cost.memory.activation_memory`).
+SAVES_KINDS = ("partners", "output", "input0", "stats", "qkvo", "nothing", "indices", "mask")
+
+
+def set_op_cost(op: Any, rule: Rule | None = None, *, view: bool | str = False, saves: str | None = None) -> None:
+    """Record the cost facts of ``op`` (called by ``fxpar.strategies.register``, not by hand).
+
+    ``rule`` prices one call; ``view=True`` marks an alias of an input (free, shares storage),
+    ``view="if_contiguous"`` one that aliases only a contiguous input (``reshape``);
+    ``saves`` is what the op keeps for its backward (one of :data:`SAVES_KINDS`).
+    """
+    if saves is not None and saves not in SAVES_KINDS:
+        raise ValueError(f"set_op_cost({op}): saves={saves!r} is not one of {SAVES_KINDS}")
+    if rule is not None:
+        _COST[op] = rule
+        if isinstance(op, torch._ops.OpOverloadPacket):
+            inplace = getattr(torch.ops.aten, op.__name__ + "_", None)
+            if isinstance(inplace, torch._ops.OpOverloadPacket) and op.__name__[-1:] != "_":
+                _INPLACE[inplace] = rule
+    if view is True:
+        _VIEWS.add(op)
+        VIEW_OPS.add(op_name(op))
+    elif view == "if_contiguous":
+        _VIEW_IF_CONTIGUOUS.add(op)
+    elif view is not False:
+        raise ValueError(f"set_op_cost({op}): view={view!r} must be True, False or 'if_contiguous'")
+    if saves is not None:
+        _SAVES[op] = saves
+
+
+def _find(table: Mapping, target: Any) -> Any:
+    for k in op_keys(target):
+        if k in table:
+            return table[k]
+    return None
+
+
+def cost_rule(target: Any) -> Rule | None:
+    """The cost rule of ``target`` (overload, then packet, then an in-place op's functional
+    form; torch-level targets through :func:`fxpar.ir.op_keys`), or ``None``.
+
+    >>> import torch, fxpar.strategies
+    >>> cost_rule(torch.ops.aten.addmm.default) is addmm_cost
+    True
+    >>> cost_rule(torch.ops.aten.tanh_.default) is pointwise_cost     # in-place: tanh's rule
+    True
+    """
+    rule = _find(_COST, target)
+    return rule if rule is not None else _find(_INPLACE, target)
+
+
+def is_view(target: Any) -> bool:
+    """True when ``target`` returns an alias of (part of) an input (no FLOPs, bytes or memory).
+
+    >>> import torch, fxpar.strategies
+    >>> is_view(torch.ops.aten.transpose.int), is_view(torch.ops.aten.mm.default)
+    (True, False)
+    """
+    return any(k in _VIEWS for k in op_keys(target))
+
+
+def is_view_if_contiguous(target: Any) -> bool:
+    """True for ops that alias a contiguous input and copy otherwise (``reshape``, ``contiguous``)."""
+    return any(k in _VIEW_IF_CONTIGUOUS for k in op_keys(target))
+
+
+def saves_of(target: Any) -> str | None:
+    """What ``target`` keeps for its backward (:data:`SAVES_KINDS`), ``None`` when unrecorded."""
+    return _find(_SAVES, target)
+
+
 def op_name(target: Any) -> str:
-    """Short name used to find a rule: ``aten.mm.default`` → ``"mm"``; ``torch.matmul`` →
-    ``"matmul"``; ``operator.add`` → ``"add"``; a method name stays as it is."""
+    """Short display name of a target (``aten.mm.default`` → ``"mm"``, ``operator.getitem`` →
+    ``"getitem"``) for plans and reports; tables are keyed by the objects, not by this name."""
     if isinstance(target, str):
         return target
     if isinstance(target, torch._ops.OpOverload):
@@ -641,23 +644,8 @@ def op_name(target: Any) -> str:
     return getattr(target, "__name__", str(target))
 
 
-def _full_name(target: Any) -> str | None:
-    if isinstance(target, torch._ops.OpOverload):
-        return f"{target.overloadpacket.__name__}.{target._overloadname}"
-    return None
-
-
-def _rule_for(target: Any) -> Rule | None:
-    full = _full_name(target)
-    if full is not None and full in _RULES:
-        return _RULES[full]
-    name = op_name(target)
-    rule = _RULES.get(name)
-    if rule is None and name.endswith("_") and not name.endswith("__"):
-        rule = _RULES.get(name[:-1])  # in-place variants
-    if rule is None and name.startswith("__") and name.endswith("__"):
-        rule = _RULES.get(name.strip("_"))  # Tensor.__add__ and friends
-    return rule
+class CostRuleError(FxparError):
+    """A cost rule raised on a call it is registered for: the op, the rule and the cause."""
 
 
 def _unknown(args, kwargs, out) -> OpCost:
@@ -670,8 +658,8 @@ def op_cost(target: Any, args: Sequence = (), kwargs: Mapping | None = None, out
     """Cost of one op call given :class:`TensorArg` in place of tensors (local or global shapes).
 
     ``target`` is an ATen overload (``torch.ops.aten.mm.default``), a torch-level callable or a
-    method name. Never raises: an op without a rule, or whose rule fails on odd arguments,
-    is priced by bytes only with ``known=False``.
+    method name. An op without a rule is priced by bytes only with ``known=False``; a rule
+    that raises is a bug and raises :class:`CostRuleError` naming the op and the rule.
 
     >>> import torch
     >>> a = TensorArg((64, 32)); b = TensorArg((32, 16))
@@ -681,15 +669,20 @@ def op_cost(target: Any, args: Sequence = (), kwargs: Mapping | None = None, out
     0.0
     >>> op_cost("my_custom_op", (a,), out=TensorArg((64, 32))).known
     False
+    >>> op_cost(torch.ops.aten.mm.default, (TensorArg((3,)),), out=TensorArg((3,)))
+    Traceback (most recent call last):
+    ...
+    fxpar.cost.compute.CostRuleError: cost rule mm_cost failed on aten.mm.default: IndexError: ...
     """
     kwargs = dict(kwargs or {})
-    rule = _rule_for(target)
+    rule = cost_rule(target)
     if rule is None:
         return _unknown(args, kwargs, out)
     try:
         return rule(args, kwargs, out)
-    except Exception:  # noqa: BLE001 - odd argument forms: bytes only, never crash
-        return _unknown(args, kwargs, out)
+    except Exception as e:
+        name = getattr(rule, "__qualname__", repr(rule))
+        raise CostRuleError(f"cost rule {name} failed on {target}: {type(e).__name__}: {e}") from e
 
 
 # --------------------------------------------------------------------------------------------
@@ -727,10 +720,11 @@ def _out_meta(node: fx.Node) -> Any:
 def _node_target(node: fx.Node, gm: fx.GraphModule | None) -> Any:
     if node.op == "call_module" and gm is not None:
         mod = gm.get_submodule(node.target)
-        return {torch.nn.Linear: "linear", torch.nn.Embedding: "embedding",
-                torch.nn.LayerNorm: "layer_norm", torch.nn.Conv1d: "conv1d", torch.nn.Conv2d: "conv2d",
-                torch.nn.Conv3d: "conv3d", torch.nn.GELU: "gelu", torch.nn.ReLU: "relu",
-                torch.nn.Dropout: "dropout", torch.nn.Softmax: "softmax"}.get(type(mod), type(mod).__name__)
+        aten = torch.ops.aten
+        return {torch.nn.Linear: aten.linear, torch.nn.Embedding: aten.embedding,
+                torch.nn.LayerNorm: aten.layer_norm, torch.nn.Conv1d: aten.conv1d, torch.nn.Conv2d: aten.conv2d,
+                torch.nn.Conv3d: aten.conv3d, torch.nn.GELU: aten.gelu, torch.nn.ReLU: aten.relu,
+                torch.nn.Dropout: aten.dropout, torch.nn.Softmax: aten.softmax}.get(type(mod), type(mod).__name__)
     return node.target
 
 
@@ -773,39 +767,6 @@ def node_cost(node: fx.Node, *, requires_grad: Mapping[fx.Node, bool] | Callable
     if node.op == "call_method" and args and not isinstance(args[0], TensorArg):
         return ZERO
     return op_cost(target, args, kwargs, _out_meta(node))
-
-
-def _is_param_node(n: fx.Node) -> bool:
-    info = n.meta.get(_PARAM)
-    if info is not None:
-        return bool(getattr(info, "requires_grad", True)) and getattr(info, "kind", "param") == "param"
-    v = _val(n)
-    return isinstance(v, torch.Tensor) and bool(v.requires_grad)
-
-
-def grad_flags(gm: fx.GraphModule, extra: Iterable[fx.Node] | Callable[[fx.Node], bool] = ()) -> dict[fx.Node, bool]:
-    """Which nodes carry a gradient: parameters (``fxpar_param`` meta, or a fake value with
-    ``requires_grad``), nodes in ``extra``, and every floating-point result of a
-    differentiable op with such an input."""
-    pred = extra if callable(extra) else (lambda n, s=set(extra): n in s)
-    out: dict[fx.Node, bool] = {}
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "get_attr"):
-            out[n] = _is_param_node(n) or bool(pred(n))
-            continue
-        if n.op == "output":
-            continue
-        v = _val(n)
-        floats = (isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex)) or \
-            (isinstance(v, (list, tuple)) and any(isinstance(e, torch.Tensor) and e.dtype.is_floating_point for e in v))
-        name = op_name(_node_target(n, gm)) if n.op != "call_module" else "module"
-        out[n] = bool(floats and name not in NON_DIFFERENTIABLE
-                      and any(out.get(a, False) for a in n.all_input_nodes)) or bool(pred(n))
-        if n.op == "call_module" and floats:
-            mod = gm.get_submodule(n.target)
-            if any(p.requires_grad for p in mod.parameters()):
-                out[n] = True
-    return out
 
 
 def graph_cost(gm: fx.GraphModule, *, training: bool = True,

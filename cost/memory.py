@@ -38,13 +38,15 @@ forward.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from fxpar.cost.compute import VIEW_OPS, _is_param_node, _node_target, _val, grad_flags, op_name
+from fxpar.cost.compute import _node_target, _val, is_view, is_view_if_contiguous, saves_of
+from fxpar.ir import grad_flags, is_trainable_param
 from fxpar.cost.pipeline import in_flight_microbatches
 
 __all__ = [
@@ -145,46 +147,17 @@ def model_state_bytes(num_params: float, *, optimizer: str = "adam", precision: 
 # --------------------------------------------------------------------------------------------
 # activations
 # --------------------------------------------------------------------------------------------
-# What each op saves for its backward, when its output needs a gradient:
+# What each op saves for its backward, when its output needs a gradient, is its record's
+# ``saves`` (``fxpar.strategies``, read through fxpar.cost.compute.saves_of):
 #   "partners": every tensor input whose partner operand needs a gradient (matmul, mul, conv)
 #   "output":   its output (softmax, tanh, sigmoid, exp, relu, rsqrt, sqrt)
-#   "input0":   its first input (gelu, silu, norms, reductions that need the input)
+#   "input0":   its first input (gelu, silu, reductions that need the input)
+#   "stats":    its first input plus 2 fp32 statistics per row (norms: mean and rstd)
 #   "qkvo":     q, k, v and the output (fused attention), plus the logsumexp
 #   "nothing":  no tensor (add/sub/neg, sum/mean, copies, views)
 #   "indices":  its integer inputs (embedding, gather, index)
-_SAVES: dict[str, str] = {}
-for _n in ("mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "einsum", "mul", "div", "dot",
-           "mv", "convolution", "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
-           "conv_transpose2d", "conv_transpose3d", "true_divide", "addcmul", "addcdiv", "where"):
-    _SAVES[_n] = "partners"
-for _n in ("softmax", "_softmax", "log_softmax", "_log_softmax", "_safe_softmax", "tanh",
-           "sigmoid", "exp", "relu", "rsqrt", "sqrt", "reciprocal", "elu", "hardtanh", "relu6"):
-    _SAVES[_n] = "output"
-for _n in ("gelu", "silu", "mish", "softplus", "log", "log1p", "log2", "pow", "sin", "cos", "erf",
-           "abs", "clamp", "clamp_min", "clamp_max", "leaky_relu", "hardswish", "hardsigmoid",
-           "square", "layer_norm", "native_layer_norm", "group_norm", "native_group_norm",
-           "batch_norm", "native_batch_norm", "_native_batch_norm_legit",
-           "_native_batch_norm_legit_functional", "rms_norm", "_fused_rms_norm", "instance_norm",
-           "amax", "amin", "max", "min", "var", "std", "var_mean", "std_mean", "norm",
-           "linalg_vector_norm", "logsumexp", "prod", "cross_entropy", "cross_entropy_loss",
-           "nll_loss", "nll_loss_forward", "mse_loss", "l1_loss", "smooth_l1_loss", "glu",
-           "max_pool2d", "max_pool2d_with_indices", "cumprod", "atan2", "maximum", "minimum"):
-    _SAVES[_n] = "input0"
-for _n in ("scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
-           "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
-           "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_attention_math",
-           "_scaled_dot_product_fused_attention_overrideable"):
-    _SAVES[_n] = "qkvo"
-for _n in ("embedding", "gather", "index", "index_select", "masked_fill", "scatter", "scatter_add"):
-    _SAVES[_n] = "indices"
-for _n in ("add", "sub", "rsub", "neg", "sum", "mean", "clone", "_to_copy", "to", "cat", "stack",
-           "constant_pad_nd", "pad", "repeat", "flip", "roll", "contiguous", "reshape", "flatten",
-           "expand", "tril", "triu", "zeros_like", "ones_like", "full_like", "cumsum", "iadd",
-           "copy", "copy_", "type_as", "float", "half", "bfloat16", "slice_scatter"):
-    _SAVES[_n] = "nothing"
-# Extra bytes an op saves besides its tensors: dropout's mask (1 byte/elem), norm statistics
-# (2 fp32 per row), attention's logsumexp (1 fp32 per query row) are added per node below.
-_MASK_OPS = frozenset(("dropout", "native_dropout", "feature_dropout", "alpha_dropout"))
+#   "mask":     a 1-byte mask per element of its input (dropout)
+# Unrecorded: every tensor input ("all"; "partners" for a call_module).
 
 
 def _first_tensor_node(n: fx.Node) -> fx.Node | None:
@@ -247,18 +220,16 @@ def activation_memory(gm: fx.GraphModule, *,
     for n in nodes:
         if n.op in ("placeholder", "get_attr"):
             root[n] = n
-            is_param[n] = n.op == "get_attr" or _is_param_node(n) or _is_buffer(n)
+            is_param[n] = n.op == "get_attr" or is_trainable_param(n) or _is_buffer(n)
             continue
         if n.op == "output":
             continue
-        name = op_name(_node_target(n, gm)) if n.op != "call_module" else "module"
+        target = _node_target(n, gm) if n.op != "call_module" else None
         src = _first_tensor_node(n)
-        alias = name in VIEW_OPS or (name in ("contiguous", "reshape", "flatten") and src is not None
-                                     and _is_contig(src))
-        if name == "getitem" and src is not None and isinstance(_val(src), (list, tuple)):
+        alias = is_view(target) or (is_view_if_contiguous(target) and src is not None and _is_contig(src))
+        if target is operator.getitem and src is not None and isinstance(_val(src), (list, tuple)):
             # an element of a multi-output op: its own storage, unless the op is a view (split)
-            src_name = op_name(_node_target(src, gm)) if src.op != "call_module" else "module"
-            alias = src_name in VIEW_OPS
+            alias = src.op != "call_module" and is_view(_node_target(src, gm))
         root[n] = root[src] if alias and src is not None else n
         is_param[n] = is_param.get(root[n], False) if alias else False
 
@@ -276,12 +247,12 @@ def activation_memory(gm: fx.GraphModule, *,
     for n in nodes:
         if n.op in ("placeholder", "get_attr", "output") or not flags.get(n, False):
             continue
-        name = op_name(_node_target(n, gm)) if n.op != "call_module" else "module"
-        if name in VIEW_OPS:
+        target = _node_target(n, gm) if n.op != "call_module" else None
+        if is_view(target):
             continue
-        kind = _SAVES.get(name)
+        kind = saves_of(target)
         ins = [a for a in n.all_input_nodes if isinstance(_val(a), torch.Tensor)]
-        if kind is None and name in _MASK_OPS:
+        if kind == "mask":
             extra += sum(math.prod(int(s) for s in _val(a).shape) for a in ins[:1])  # bool mask
             kind = "nothing"
         if kind is None:
@@ -295,9 +266,9 @@ def activation_memory(gm: fx.GraphModule, *,
                     chosen.append(a)
         elif kind == "output":
             chosen = [n]
-        elif kind == "input0":
+        elif kind in ("input0", "stats"):
             chosen = ins[:1]
-            if "norm" in name:  # mean and rstd (or the batch statistics): 2 fp32 per row
+            if kind == "stats":  # mean and rstd (or the batch statistics): 2 fp32 per row
                 x = _val(ins[0])
                 rows = math.prod(int(s) for s in x.shape[:-1]) if x.dim() else 1
                 extra += 2 * 4 * rows

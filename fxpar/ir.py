@@ -114,6 +114,11 @@ __all__ = [
     "tensor_metas",
     "missing_vals",
     "format_graph",
+    "NON_DIFFERENTIABLE",
+    "op_keys",
+    "is_differentiable",
+    "is_trainable_param",
+    "grad_flags",
 ]
 
 # --- node keys -----------------------------------------------------------------------------------
@@ -335,3 +340,110 @@ def format_graph(gm: fx.GraphModule, *, max_nodes: int | None = None, params: bo
         shape = "" if n.op == "output" or VAL not in n.meta else f"  : {_fmt_val(n.meta[VAL])}"
         lines.append(f"{n.name:<{width}} {body}{shape}")
     return "\n".join(lines)
+
+
+# --- graph analysis: which nodes carry a gradient -----------------------------------------------
+#: Op objects whose outputs never carry a gradient (comparisons, index math, factories). Filled by
+#: the op records (``fxpar.strategies``: ``register(..., differentiable=False)``), the one place an
+#: op's meaning is written; read by :func:`is_differentiable`.
+NON_DIFFERENTIABLE: set = set()
+
+
+def op_keys(target: Any) -> tuple:
+    """Keys under which per-op tables find ``target``, most specific first.
+
+    ATen graphs (export, what fxpar plans) are keyed by the op objects themselves: an overload,
+    then its packet. A torch-level target of a ``symbolic_trace`` graph (a ``call_method`` name
+    such as ``"view"``, or a torch binding such as ``torch.matmul``) is a binding of the ATen op
+    of the same name, so it falls back to that packet (``__add__`` to ``aten.add``). Other
+    callables (``operator.getitem``) are their own key.
+
+    >>> import torch
+    >>> op_keys(torch.ops.aten.mm.default) == (torch.ops.aten.mm.default, torch.ops.aten.mm)
+    True
+    >>> op_keys("view")[-1] is torch.ops.aten.view
+    True
+    """
+    if isinstance(target, torch._ops.OpOverload):
+        return (target, target.overloadpacket)
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return (target,)
+    if isinstance(target, str):
+        name = target.strip("_") if target.startswith("__") and target.endswith("__") else target
+        keys = tuple(k for k in (getattr(torch.Tensor, target, None),) if k is not None)
+        packet = getattr(torch.ops.aten, name, None)
+        return keys + ((packet,) if isinstance(packet, torch._ops.OpOverloadPacket) else ())
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__name__", None)
+    if name and (module.startswith("torch") or getattr(target, "__self__", None) is torch._C._VariableFunctions):
+        packet = getattr(torch.ops.aten, name, None)
+        if isinstance(packet, torch._ops.OpOverloadPacket) and packet is not target:
+            return (target, packet)
+    return (target,)
+
+
+def is_differentiable(target: Any) -> bool:
+    """False for ops recorded ``differentiable=False`` (their outputs carry no gradient).
+
+    >>> import torch, fxpar.strategies  # the records fill the table
+    >>> is_differentiable(torch.ops.aten.mm.default), is_differentiable(torch.ops.aten.eq.Tensor)
+    (True, False)
+    """
+    return not any(k in NON_DIFFERENTIABLE for k in op_keys(target))
+
+
+def _is_float(v: Any) -> bool:
+    return isinstance(v, torch.Tensor) and (v.dtype.is_floating_point or v.dtype.is_complex)
+
+
+def is_trainable_param(n: fx.Node) -> bool:
+    """True for a node holding a trainable parameter (``meta[PARAM]`` of kind ``param`` with
+    ``requires_grad``; without that meta, a fake value that requires grad)."""
+    info = n.meta.get(PARAM)
+    if info is not None:
+        return bool(getattr(info, "requires_grad", True)) and getattr(info, "kind", "param") == "param"
+    v = n.meta.get(VAL, n.meta.get("example_value"))
+    return isinstance(v, torch.Tensor) and bool(v.requires_grad)
+
+
+def grad_flags(gm: fx.GraphModule, extra: Any = (), *, prune: bool = True) -> dict[fx.Node, bool]:
+    """Which nodes carry a gradient, in one forward walk (every node but ``output`` gets a flag).
+
+    Sources: parameters (``meta[PARAM]`` with ``requires_grad``, or a fake value that requires
+    grad) and the nodes in ``extra`` (an iterable, or a predicate). A node carries a gradient when
+    some input does and, with ``prune`` (the default, what costs and gradient layouts use), its
+    value is floating point and its op is differentiable (:func:`is_differentiable`); a
+    ``call_module`` with trainable parameters always does. ``prune=False`` is plain reachability
+    from the placeholders whose value requires grad: "may depend on a tensor that requires grad"
+    (what capture uses to decide where an inlined no-grad region needs a ``detach``).
+
+    >>> import torch
+    >>> from fxpar.capture import capture
+    >>> gm = capture(torch.nn.Linear(4, 3), (torch.randn(2, 4),))
+    >>> {n.name: f for n, f in grad_flags(gm).items()}
+    {'p_weight': True, 'p_bias': True, 'input': False, 'linear': True}
+    """
+    pred = extra if callable(extra) else (lambda n, s=frozenset(extra): n in s)
+    out: dict[fx.Node, bool] = {}
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            continue
+        if not prune:
+            if n.op == "placeholder":
+                v = n.meta.get(VAL)
+                out[n] = isinstance(v, torch.Tensor) and bool(v.requires_grad)
+            else:
+                out[n] = n.op != "get_attr" and any(out.get(a, False) for a in n.all_input_nodes)
+            continue
+        if n.op in ("placeholder", "get_attr"):
+            out[n] = is_trainable_param(n) or bool(pred(n))
+            continue
+        v = n.meta.get(VAL, n.meta.get("example_value"))
+        floats = _is_float(v) or (isinstance(v, (list, tuple)) and any(
+            isinstance(e, torch.Tensor) and e.dtype.is_floating_point for e in v))
+        diff = n.op == "call_module" or is_differentiable(n.target)
+        out[n] = bool(floats and diff and any(out.get(a, False) for a in n.all_input_nodes)) or bool(pred(n))
+        if n.op == "call_module" and floats:
+            if any(p.requires_grad for p in gm.get_submodule(n.target).parameters()):
+                out[n] = True
+    return out

@@ -11,6 +11,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from fxpar import Cluster
 from fxpar.cost.compute import (
     GEMM_KINDS,
+    CostRuleError,
     OpCost,
     TensorArg,
     graph_cost,
@@ -115,11 +116,12 @@ def test_bytes_of_a_matmul_and_of_a_view():
     assert op_cost(aten.transpose.int, (a, 0, 1), out=T(32, 64)) == OpCost(kind="view")
 
 
-def test_unknown_op_counts_bytes_and_never_crashes():
+def test_unknown_op_counts_bytes_and_a_broken_rule_raises():
     c = op_cost("frobnicate", (T(10, 10),), out=T(10))
     assert not c.known and c.fwd_flops == 0 and c.fwd_bytes == 4 * 110
-    # a known op with arguments its rule cannot read: bytes only, no exception
-    assert not op_cost(aten.mm.default, (T(3),), out=T(3)).known
+    # a known op with arguments its rule cannot read: a bug in the rule, named (issue #9)
+    with pytest.raises(CostRuleError, match=r"mm_cost failed on aten\.mm\.default"):
+        op_cost(aten.mm.default, (T(3),), out=T(3))
 
 
 # A custom op no rule knows (defined once per process: a library namespace cannot be redefined).

@@ -17,7 +17,7 @@ from torch.distributed.tensor import Partial
 
 from fxpar import Cluster, Mesh
 from fxpar.strategies import is_unsharded, strategies_for
-from fxpar.strategies.embedding import NEEDS_MASKED_LOOKUP
+from fxpar.strategies.embedding import is_vocab_parallel
 
 aten = torch.ops.aten
 torch.manual_seed(0)
@@ -90,7 +90,7 @@ def simulate(node, strat, mesh_shape, gen):
         kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
         if node.target in _LOCALIZE_SIZE:  # the localize-shapes pass: size args -> local out shape
             args = (args[0], list(strat.outputs[0].local_shape(glist[0].shape, mesh_shape, c))) + tuple(args[2:])
-        if node.target is aten.embedding.default and NEEDS_MASKED_LOOKUP in strat.name:
+        if node.target is aten.embedding.default and is_vocab_parallel(strat.inputs[0], strat.inputs[1]):
             w, ids = args[0], args[1]
             lo = strat.inputs[0].global_slices(ins[0].meta["val"].shape, mesh_shape, c)[0].start
             inside = (ids >= lo) & (ids < lo + w.shape[0])

@@ -1,4 +1,11 @@
-"""Per-op sharding strategy rules, one file per op family; :func:`strategies_for` is the entry.
+"""Op records, one file per op family; :func:`strategies_for` is the entry for the planner.
+
+Each family file (``matmul``, ``attention``, ``conv``, ``embedding``, ``losses``, ``moe``,
+``norms``, ``pointwise``, ``reductions``, ``views``) registers ONE
+:class:`~fxpar.strategies.base.OpRecord` per op: its sharding rule, its cost formula (which fills
+:mod:`fxpar.cost.compute`'s table), its local rewrite (:func:`local_rule`, used by
+``passes/localize.py``) and its flags (``view``, ``differentiable``, ``saves``). Adding an op
+touches its family's file and its test only.
 
 ``strategies_for(node, mesh)`` returns every candidate :class:`Strategy` of a graph node on an
 N-d mesh: the input specs it requires (``Strategy.inputs[i]`` for ``node.all_input_nodes[i]``,
@@ -6,9 +13,11 @@ N-d mesh: the input specs it requires (``Strategy.inputs[i]`` for ``node.all_inp
 all-replicate strategy is always first; the order is deterministic; no duplicates.
 
 * placeholders / ``get_attr``: every spec of ``{R, S(d)}`` per axis that fits the shape;
-* ops with a rule (:func:`fxpar.strategies.base.rule_for`, or any ATen op tagged pointwise):
-  the rule's one-axis choices expanded over the mesh (:func:`fxpar.strategies.base.expand`);
-* ops without a rule: ONE all-replicate strategy with ``unsharded=True``.
+* ops with a rule (:func:`strategy_rule`: the record's, or the pointwise rule for any ATen op
+  tagged pointwise): the rule's one-axis choices expanded over the mesh
+  (:func:`fxpar.strategies.base.expand`);
+* ops without a rule: ONE all-replicate strategy with ``unsharded=True``
+  (:func:`unsharded_strategy`, THE replicate-only fallback).
 
 >>> import torch
 >>> from fxpar import Cluster, Mesh
@@ -31,23 +40,36 @@ import torch.fx as fx
 
 from fxpar.strategies import (attention, conv, embedding, losses, matmul, moe, norms,  # noqa: F401
                               pointwise, reductions, views)
-from fxpar.strategies.base import (AxisStrategy, Strategy, expand, input_shapes, out_shapes, register,
-                                   rule_for, tensor_shape)
+from fxpar.strategies.base import (RECORDS, AxisStrategy, OpRecord, Strategy, declare, expand, input_shapes,
+                                   out_shapes, record_for, register, rule_for, tensor_shape)
+from fxpar.strategies.local import LocalContext, local_rule
 
-__all__ = ["strategies_for", "is_unsharded", "AxisStrategy", "Strategy", "register", "rule_for",
-           "expand", "placeholder_strategies", "unsharded_strategy", "input_shapes"]
+__all__ = ["strategies_for", "is_unsharded", "AxisStrategy", "Strategy", "OpRecord", "RECORDS", "register",
+           "declare", "record_for", "rule_for", "strategy_rule", "local_rule", "LocalContext", "expand",
+           "placeholder_strategies", "unsharded_strategy", "input_shapes"]
 
 
-def _rule(node: fx.Node):
-    rule = rule_for(node.target)
-    if rule is None and isinstance(node.target, torch._ops.OpOverload) \
-            and torch.Tag.pointwise in node.target.tags:
+def strategy_rule(target):
+    """The one-axis sharding rule of ``target``: its record's, else the pointwise rule for an
+    ATen op tagged ``pointwise``, else ``None`` (replicated only).
+
+    >>> import torch
+    >>> strategy_rule(torch.ops.aten.mm.default).__name__, strategy_rule(torch.ops.aten.atan.default).__name__
+    ('mm_rule', 'pointwise_rule')
+    """
+    rule = rule_for(target)
+    if rule is None and isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags:
         rule = pointwise.pointwise_rule
     return rule
 
 
+def _rule(node: fx.Node):
+    return strategy_rule(node.target)
+
+
 def unsharded_strategy(node: fx.Node, mesh_ndim: int) -> Strategy:
-    """The fallback: every tensor input and output replicated, flagged ``unsharded``."""
+    """THE replicate-only fallback: every tensor input and output replicated, flagged
+    ``unsharded`` (an op without a rule, or whose rule offers nothing on this mesh)."""
     from fxpar.spec import Spec
 
     rep = Spec.replicate(mesh_ndim)

@@ -10,7 +10,8 @@ broadcast to ``[B, H, L, S]`` follows (sharded where its dim is not a broadcast 
 * never E (the head dim is contracted) or S (the softmax runs over it).
 
 Extra outputs of the variants (logsumexp ``[B, H, L]``) shard like the output on B, H, L; scalar
-RNG seeds/offsets stay replicated. ``sdpa(q, k, v, is_causal=True)`` on one axis::
+RNG seeds/offsets stay replicated. Attention with dropout (``dropout_p > 0``) is refused when
+localizing (:func:`attention_local`). ``sdpa(q, k, v, is_causal=True)`` on one axis::
 
     R: R, R, R -> R      dp: S(0), S(0), S(0) -> S(0)      heads: S(1), S(1), S(1) -> S(1)
 """
@@ -19,7 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from fxpar.strategies.base import R, S, bound, choice, out_shapes, register, tensor_shape
+import torch.fx as fx
+
+from fxpar.cost.compute import sdpa_cost
+from fxpar.strategies.base import R, S, bound, choice, declare, out_shapes, register, tensor_shape
+from fxpar.strategies.local import LocalContext, refuse_random
 
 aten = torch.ops.aten
 
@@ -39,7 +44,15 @@ def _mask_pl(mask, dim):
     return S(i) if i >= 0 and mask[i] > 1 else R
 
 
-@register(*_VARIANTS)
+def attention_local(node: fx.Node, lctx: LocalContext) -> None:
+    """Attention is tagged ``nondeterministic_seeded`` for its dropout: without dropout
+    (``dropout_p == 0``) the plain op is right; with it, replicas would draw different masks, so
+    it is refused like any random op."""
+    if bound(node).get("dropout_p") or 0.0:
+        refuse_random(node, lctx)
+
+
+@register(*_VARIANTS, cost=sdpa_cost, saves="qkvo", local=attention_local)
 def sdpa_rule(node):
     b = bound(node)
     q, k = tensor_shape(b["query"]), tensor_shape(b["key"])
@@ -62,3 +75,10 @@ def sdpa_rule(node):
     yield choice(node, pls(S(1), S(1), 1), outs_for(1), "heads", even=q[1] != k[1])
     if not b.get("is_causal", False):
         yield choice(node, pls(S(2), R, 2), outs_for(2), "seq")
+
+
+# Fused-attention kernels without a sharding rule, priced like SDPA.
+declare(*[getattr(aten, n) for n in ("_scaled_dot_product_fused_attention_overrideable",) if hasattr(aten, n)],
+        cost=sdpa_cost, saves="qkvo", local=attention_local)
+declare(*[getattr(aten, n) for n in ("_flash_attention_forward", "_efficient_attention_forward")
+          if hasattr(aten, n)], cost=sdpa_cost, local=attention_local)

@@ -1,4 +1,13 @@
-"""The strategy interface: what a rule returns and how rules are registered.
+"""The strategy interface: what a rule returns, and the op records that register rules.
+
+**Op records.** Each op family file registers, per op, ONE :class:`OpRecord`: its one-axis
+sharding rule, its cost formula (from :mod:`fxpar.cost.compute`), its local rewrite (from
+:mod:`fxpar.strategies.local`) and flags (``view``, ``differentiable``, ``saves``). Adding an op
+is one ``register(...)`` line in its family's file (plus its test)::
+
+    @register(aten.mm, cost=mm_cost, saves="partners")
+    def mm_rule(node): ...
+    declare(aten.dot, aten.mv, cost=matmul_cost, saves="partners")   # no sharding rule
 
 A **strategy** of a node is the spec it requires of each tensor input and the spec it produces
 for each tensor output, on one mesh (DESIGN §3). Rules say only *layouts*; the planner prices
@@ -27,9 +36,12 @@ from dataclasses import dataclass
 
 from torch.distributed.tensor.placement_types import Placement
 
+from fxpar import ir
+from fxpar.cost.compute import set_op_cost
 from fxpar.spec import Spec, as_spec, placement_str
 
-__all__ = ["AxisStrategy", "Strategy", "register", "rule_for", "RULES", "expand", "bound",
+__all__ = ["AxisStrategy", "Strategy", "OpRecord", "RECORDS", "register", "declare", "record_for", "rule_for",
+           "RULES", "expand", "bound",
            "choice", "tensor_shape", "out_shapes", "R", "P", "S"]
 
 
@@ -83,27 +95,83 @@ class Strategy:
         return f"{self.name + ': ' if self.name else ''}{ins} -> {', '.join(map(str, self.outputs))}"
 
 
-#: ATen overload packet or overload -> rule. A rule is ``rule(node) -> Iterable[AxisStrategy]``
-#: for one axis of any size; see :func:`register`.
+@dataclass(frozen=True)
+class OpRecord:
+    """Everything fxpar knows about one op, written in one place (its family's file).
+
+    * ``rule(node) -> Iterable[AxisStrategy]``: the one-axis sharding choices (``None``: only the
+      replicated fallback, or the pointwise rule for an ATen op tagged ``pointwise``);
+    * ``cost``: a pure formula of :mod:`fxpar.cost.compute` (``mm_cost``, ...); ``None``: priced
+      by bytes (an in-place ``x_`` op falls back to the rule of ``x``);
+    * ``local(node, lctx) -> None``: the rewrite that makes the node compute this rank's piece
+      (:mod:`fxpar.strategies.local`); ``None``: the plain op on local tensors is right;
+    * ``view``: ``True`` for an alias of an input (free, shares storage), ``"if_contiguous"`` when
+      it aliases only a contiguous input; ``differentiable=False``: its outputs carry no
+      gradient; ``saves``: what its backward keeps (:data:`fxpar.cost.compute.SAVES_KINDS`).
+    """
+
+    op: object
+    rule: Callable | None = None
+    cost: Callable | None = None
+    local: Callable | None = None
+    view: bool | str = False
+    differentiable: bool = True
+    saves: str | None = None
+
+
+#: op object (ATen overload packet or overload, or another callable) -> its record.
+RECORDS: dict[object, OpRecord] = {}
+#: op -> one-axis rule, derived from :data:`RECORDS` (the ops with a sharding rule).
 RULES: dict[object, Callable] = {}
 
 
-def register(*ops) -> Callable:
-    """Decorator registering a one-axis rule for ATen ops (overload packets cover every overload).
+def register(*ops, cost: Callable | None = None, local: Callable | None = None, view: bool | str = False,
+             differentiable: bool = True, saves: str | None = None) -> Callable:
+    """Decorator recording ops with their sharding rule, cost rule, local rewrite and flags.
 
-    ``@register(aten.mm, aten.bmm)`` then ``def rule(node): return [AxisStrategy(...), ...]``.
+    ``@register(aten.mm, cost=mm_cost, saves="partners")`` then
+    ``def rule(node): return [AxisStrategy(...), ...]``; call ``register(op, ...)(None)`` (or
+    :func:`declare`) for an op without a sharding rule. Keys are op objects: an overload packet
+    covers every overload, an overload overrides its packet. One record per op: registering an
+    op twice raises. The cost facts go to :func:`fxpar.cost.compute.set_op_cost` and
+    ``differentiable=False`` to :data:`fxpar.ir.NON_DIFFERENTIABLE`, the indexes those layers read.
+
+    >>> import torch
+    >>> rec = RECORDS[torch.ops.aten.mm]
+    >>> rec.rule.__name__, rec.cost.__name__, rec.saves, rec.view
+    ('mm_rule', 'mm_cost', 'partners', False)
     """
-
-    def deco(fn: Callable) -> Callable:
+    def deco(fn: Callable | None) -> Callable | None:
         for op in ops:
-            RULES[op] = fn
+            if op in RECORDS:
+                raise ValueError(f"register: {op} already has a record ({RECORDS[op]})")
+            RECORDS[op] = OpRecord(op, fn, cost, local, view, differentiable, saves)
+            if fn is not None:
+                RULES[op] = fn
+            set_op_cost(op, cost, view=view, saves=saves)
+            if not differentiable:
+                ir.NON_DIFFERENTIABLE.add(op)
         return fn
 
     return deco
 
 
+def declare(*ops, **facts) -> None:
+    """Record ops that have no sharding rule (replicated only): ``declare(aten.dot, cost=matmul_cost)``."""
+    register(*ops, **facts)(None)
+
+
+def record_for(target) -> OpRecord | None:
+    """The record of an op overload (exact overload first, then its packet), or ``None``."""
+    rec = RECORDS.get(target)
+    if rec is None:
+        packet = getattr(target, "overloadpacket", None)
+        rec = RECORDS.get(packet) if packet is not None else None
+    return rec
+
+
 def rule_for(target) -> Callable | None:
-    """The rule for an op overload (exact overload first, then its packet), or ``None``."""
+    """The sharding rule for an op overload (exact overload first, then its packet), or ``None``."""
     if target in RULES:
         return RULES[target]
     packet = getattr(target, "overloadpacket", None)

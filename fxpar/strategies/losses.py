@@ -12,21 +12,25 @@ input and target:
 
 The class dim C is never sharded: vocabulary-parallel cross-entropy needs the global max and
 sum-exp (two all-reduces) plus a masked target-logit gather inside the op, which is not the
-same ATen op on local shards; it needs a dedicated kernel (not provided).
+same ATen op on local shards; it needs a dedicated kernel (not provided). Other losses have no
+sharding rule (replicated); all are priced like a softmax.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fxpar.strategies.base import P, S, bound, choice, out_shapes, register, tensor_shape
+import torch.nn.functional as F
+
+from fxpar.cost.compute import softmax_cost
+from fxpar.strategies.base import P, S, bound, choice, declare, out_shapes, register, tensor_shape
 
 aten = torch.ops.aten
 _RED = {0: "none", 1: "mean", 2: "sum"}
 
 
-@register(aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_forward, aten.nll_loss2d_forward,
-          aten.nll_loss_nd, aten.nll_loss2d)
+@register(aten.nll_loss2d_forward, aten.nll_loss_nd, aten.nll_loss2d, cost=softmax_cost)
+@register(aten.cross_entropy_loss, aten.nll_loss, aten.nll_loss_forward, cost=softmax_cost, saves="input0")
 def loss_rule(node):
     b = bound(node)
     x, t = tensor_shape(b["self"]), tensor_shape(b["target"])
@@ -44,3 +48,8 @@ def loss_rule(node):
             outs = [P("avg")] + [P()] * (n_out - 1)  # total_weight of nll_loss_forward adds up
         yield choice(node, {"self": S(xd), "target": S(td)}, outs, "dp" if td == 0 else f"m{td}",
                      even=red == "mean")
+
+
+declare(aten.mse_loss, aten.l1_loss, aten.smooth_l1_loss, F.cross_entropy, cost=softmax_cost, saves="input0")
+declare(aten.binary_cross_entropy, aten.binary_cross_entropy_with_logits, aten.huber_loss, aten.kl_div,
+        cost=softmax_cost)

@@ -23,7 +23,9 @@ import string
 
 import torch
 
-from fxpar.strategies.base import P, R, S, AxisStrategy, bound, choice, register, tensor_shape
+from fxpar.cost.compute import (addmm_cost, baddbmm_cost, bmm_cost, einsum_cost, linear_cost, matmul_cost,
+                                mm_cost)
+from fxpar.strategies.base import P, R, S, AxisStrategy, bound, choice, declare, register, tensor_shape
 
 aten = torch.ops.aten
 
@@ -83,7 +85,7 @@ def _letters(n):
     return string.ascii_lowercase[:n]
 
 
-@register(aten.linear)
+@register(aten.linear, cost=linear_cost, saves="partners")
 def linear_rule(node):
     b = bound(node)
     x, w, bias = (tensor_shape(b[k]) for k in ("input", "weight", "bias"))
@@ -109,17 +111,18 @@ def _self_mat2(node, subscripts: str, names: dict[str, str]):
         yield choice(node, {"self": pa, "mat2": pb}, [po], name)
 
 
-@register(aten.mm)
+@register(aten.mm, cost=mm_cost, saves="partners")
 def mm_rule(node):
     return _self_mat2(node, "mk,kn->mn", {"m": "dp", "k": "row", "n": "col"})
 
 
-@register(aten.bmm)
+@register(aten.bmm, cost=bmm_cost, saves="partners")
 def bmm_rule(node):
     return _self_mat2(node, "bmk,bkn->bmn", {"b": "dp", "k": "row", "n": "col"})
 
 
-@register(aten.addmm, aten.baddbmm)
+@register(aten.baddbmm, cost=baddbmm_cost, saves="partners")
+@register(aten.addmm, cost=addmm_cost, saves="partners")
 def addmm_rule(node):
     b = bound(node)
     a, m = tensor_shape(b["mat1" if "mat1" in b else "batch1"]), tensor_shape(b["mat2" if "mat2" in b else "batch2"])
@@ -146,7 +149,7 @@ def matmul_subscripts(a, b):
     return f"{ba}mk,{bb}kn->{batch}mn"
 
 
-@register(aten.matmul)
+@register(aten.matmul, cost=matmul_cost, saves="partners")
 def matmul_rule(node):
     b = bound(node)
     a, m = tensor_shape(b["self"]), tensor_shape(b["other"])
@@ -156,7 +159,7 @@ def matmul_rule(node):
         yield choice(node, {"self": pa, "other": pb}, [po], name)
 
 
-@register(aten.einsum)
+@register(aten.einsum, cost=einsum_cost, saves="partners")
 def einsum_rule(node):
     b = bound(node)
     eq = b["equation"].replace(" ", "")
@@ -165,3 +168,9 @@ def einsum_rule(node):
     shapes = [tensor_shape(t) for t in b["tensors"]]
     for name, pls, po in einsum_choices(eq, shapes):
         yield choice(node, {"tensors": pls}, [po], name)
+
+
+# Matmul-like ops without a sharding rule (replicated), priced as GEMMs.
+declare(aten.addbmm, cost=baddbmm_cost)
+declare(aten.dot, aten.mv, cost=matmul_cost, saves="partners")
+declare(aten.vdot, aten.inner, cost=matmul_cost)

@@ -3,6 +3,8 @@
 Only dims that are not indexed may be sharded, and only where every tensor taking part has the
 same size there (so ``torch.chunk`` cuts them alike). ``topk``, ``sort``, ``histc``, ``argmax``
 live in :mod:`.reductions`; ``transformers.grouped_mm_fallback`` has no rule (replicated).
+Other indexing copies (``index_add``, ``masked_select``, ``*_scatter``) and factories have no
+sharding rule (replicated); indexing is priced as a copy, factories as a write of the output.
 
 ``index.Tensor(x, [None, idx])`` with ``x[B, T, D]``, ``idx[K]``: output ``[B, K, D]``; dims
 before the first and after the last indexed dim map through (indices adjacent), and a single
@@ -13,13 +15,16 @@ from __future__ import annotations
 
 import torch
 
-from fxpar.strategies.base import P, R, S, bound, choice, register, tensor_shape
+from fxpar.cost.compute import copy_cost, creation_cost
+from fxpar.strategies.base import P, R, S, bound, choice, declare, register, tensor_shape
+from fxpar.strategies.local import arange_bounds, shape_arg
 
 aten = torch.ops.aten
 
 
-@register(aten.gather, aten.scatter, aten.scatter_add, aten.scatter_reduce, aten.scatter_,
-          aten.scatter_add_)
+@register(aten.scatter_, aten.scatter_add_)  # in-place: priced as their functional forms
+@register(aten.scatter_reduce, cost=copy_cost)
+@register(aten.gather, aten.scatter, aten.scatter_add, cost=copy_cost, saves="indices")
 def gather_scatter_rule(node):
     b = bound(node)
     keys = [k for k in ("self", "index", "src") if tensor_shape(b.get(k)) is not None]
@@ -58,7 +63,7 @@ def _index_map(x, idx_shapes):
     return m, pos, bshape, start, adjacent
 
 
-@register(aten.index)
+@register(aten.index, cost=copy_cost, saves="indices")
 def index_rule(node):
     b = bound(node)
     x = tensor_shape(b["self"])
@@ -80,7 +85,8 @@ def index_rule(node):
                              [S(start + j)], f"S{start + j}(idx)")
 
 
-@register(aten.index_put, aten.index_put_, aten._index_put_impl_)
+@register(aten.index_put_, aten._index_put_impl_)
+@register(aten.index_put, cost=copy_cost)
 def index_put_rule(node):
     b = bound(node)
     x = tensor_shape(b["self"])
@@ -103,11 +109,27 @@ def index_put_rule(node):
     yield choice(node, {"self": P(), "values": P()}, [P()], "P")
 
 
-@register(aten.arange, aten.zeros, aten.ones, aten.full, aten.empty, aten.scalar_tensor, aten.new_ones,
-          aten.new_zeros, aten.new_full, aten.new_empty, aten.tensor, aten.randn, aten.rand)
+@register(aten.scalar_tensor, aten.tensor, aten.randn, aten.rand, cost=creation_cost, differentiable=False)
+@register(aten.new_ones, aten.new_zeros, aten.new_full, aten.new_empty, cost=creation_cost, differentiable=False,
+          local=shape_arg(1, "default"))
+@register(aten.empty, cost=creation_cost, differentiable=False, local=shape_arg(0, "memory_format"))
+@register(aten.zeros, aten.ones, aten.full, cost=creation_cost, differentiable=False, local=shape_arg(0, "default"))
+@register(aten.arange, cost=creation_cost, differentiable=False, local=arange_bounds)
 def factory_rule(node):
     """Factories (and ``new_*``, whose input only lends dtype/device): replicated output.
 
     Sharded factories would need localized sizes (and offsets for ``arange``): not offered.
+    Their local entries (size arguments, ``arange`` bounds) keep a node right whatever layout it
+    is given; random factories are refused when localizing (``nondeterministic_seeded``).
     """
     return ()
+
+
+declare(aten.index_add, aten.index_copy, aten.masked_scatter, aten.masked_select, aten.select_scatter,
+        aten.diagonal_scatter, aten.as_strided_scatter, cost=copy_cost)
+declare(aten.slice_scatter, cost=copy_cost, saves="nothing")
+declare(aten.empty_strided, aten.eye, aten.linspace, aten.logspace, aten.randint, aten.randint_like, aten.randperm,
+        aten.new_empty_strided, aten.normal, aten.uniform, aten._local_scalar_dense, aten.zero_,
+        cost=creation_cost, differentiable=False)
+# in-place random fills: their cost is their functional form's (normal, uniform)
+declare(aten.normal_, aten.uniform_, differentiable=False)

@@ -14,15 +14,23 @@ only where the op is linear in them (DESIGN: a nonlinear op such as gelu needs R
     R: R, R -> R      S0: S(0), R -> S(0)      S1: S(1), S(0) -> S(1)      P: P(sum), P(sum) -> P(sum)
 
 Dropout shards are exact only in distribution: the runtime must draw independent masks on
-devices holding different shards and identical masks on replicas of one shard.
+devices holding different shards and identical masks on replicas of one shard. The local rewrite
+:func:`dropout_local` makes a training ``aten.dropout`` the op
+``torch.ops.fxpar.sharded_dropout(x, p, train, site, shard_key)`` keyed by the node (``site``) and this
+rank's coordinates on the axes that shard ``x``.
 """
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 
-from fxpar.strategies.base import P, R, S, bound, choice, out_shapes, register, tensor_shape
+from fxpar import ir
+from fxpar.cost.compute import copy_cost, creation_cost, dropout_cost, pointwise_cost
+from fxpar.strategies.base import P, R, S, bound, choice, declare, out_shapes, register, tensor_shape
+from fxpar.strategies.local import LocalContext, shard_key
 
 aten = torch.ops.aten
 
@@ -31,19 +39,6 @@ _ONE_PARTIAL = {aten.mul, aten.mul_}
 _SELF_PARTIAL = {aten.div, aten.div_}
 _UNARY_LINEAR = {aten.neg, aten.clone, aten.contiguous, aten.alias, aten.detach, aten.to, aten._to_copy,
                  aten.lift_fresh_copy, aten.positive, aten.type_as}
-
-# Not tagged pointwise in ATen, but elementwise all the same.
-_EXTRA = [aten.__and__, aten.__or__, aten.__xor__, aten.floor_divide, aten.to, aten._to_copy, aten.empty_like,
-          aten.zeros_like, aten.ones_like, aten.full_like, aten.rand_like, aten.randn_like, aten.dropout,
-          aten.native_dropout, aten.clone, aten.contiguous, aten.alias, aten.detach, aten.lift_fresh_copy,
-          aten.type_as, aten.where, aten.masked_fill, aten.masked_fill_, aten.clamp, aten.gelu, aten.silu,
-          aten.relu, aten.tanh, aten.sigmoid, aten.add, aten.sub, aten.mul, aten.div, aten.neg, aten.rsqrt,
-          aten.pow, aten.exp, aten.log, aten.sqrt, aten.abs, aten.eq, aten.ne, aten.le, aten.lt, aten.ge,
-          aten.gt, aten.sin, aten.cos, aten.bitwise_not, aten.logical_not, aten.logical_and, aten.erf,
-          aten.fill, aten.copy, aten.copy_, aten.div_, aten.mul_, aten.add_, aten.sub_, aten.positive,
-          aten.minimum, aten.maximum, aten.reciprocal, aten.square, aten.remainder, aten.bitwise_and,
-          aten.bitwise_or, aten.log1p, aten.expm1, aten.sign, aten.round, aten.trunc, aten.floor, aten.ceil]
-
 
 def _packet(node):
     return getattr(node.target, "overloadpacket", node.target)
@@ -86,4 +81,74 @@ def pointwise_rule(node: fx.Node):
         yield choice(node, {keys[0]: P()}, [P()], "P")
 
 
-register(*_EXTRA)(pointwise_rule)
+def dropout_local(node: fx.Node, lctx: LocalContext) -> None:
+    """``aten.dropout.default(x, p, train)`` in training becomes
+    ``torch.ops.fxpar.sharded_dropout(x, p, train, site, shard_key)``: ``site`` is
+    ``lctx.site``, ``shard_key`` this rank's coordinates where ``x``'s spec is ``Shard``
+    (:func:`~fxpar.strategies.local.shard_key`). Inference (``train=False``) or ``p == 0`` is the
+    identity and is left as it is (``aten.dropout`` draws nothing then)."""
+    if node.target is not aten.dropout.default:
+        return
+    b = bound(node)
+    x, p, train = b["input"], float(b["p"]), bool(b["train"])
+    if not train or p == 0.0:
+        return
+    xspec = node.meta[ir.IN_SPECS][node.all_input_nodes.index(x)]
+    import fxpar.runtime.ops  # noqa: F401  (registers torch.ops.fxpar: only when localizing)
+
+    node.target = torch.ops.fxpar.sharded_dropout.default
+    node.args = (x, p, train, int(lctx.site), shard_key(xspec, lctx.coord))
+    node.kwargs = {}
+
+
+# --- records -------------------------------------------------------------------------------------
+# Ops listed here with ``pointwise_rule`` are elementwise but not all tagged pointwise in ATen;
+# any other ATen op tagged pointwise gets the rule too (``fxpar.strategies.strategy_rule``).
+# The record of an in-place op (``add_``) names no cost: it is priced as its functional form.
+register(aten.__and__, aten.__or__, aten.__xor__, aten.positive)(pointwise_rule)
+register(aten.floor_divide, aten.remainder, aten.expm1, cost=pointwise_cost)(pointwise_rule)
+register(aten.masked_fill_, aten.div_, aten.mul_, aten.add_, aten.sub_)(pointwise_rule)
+register(aten.where, aten.mul, aten.div, cost=pointwise_cost, saves="partners")(pointwise_rule)
+register(aten.masked_fill, cost=pointwise_cost, saves="indices")(pointwise_rule)
+register(aten.clamp, aten.gelu, aten.silu, aten.pow, aten.log, aten.abs, aten.sin, aten.cos, aten.erf, aten.minimum,
+         aten.maximum, aten.square, aten.log1p, cost=pointwise_cost, saves="input0")(pointwise_rule)
+register(aten.relu, aten.tanh, aten.sigmoid, aten.rsqrt, aten.exp, aten.sqrt, aten.reciprocal, cost=pointwise_cost,
+         saves="output")(pointwise_rule)
+register(aten.add, aten.sub, aten.neg, cost=pointwise_cost, saves="nothing")(pointwise_rule)
+register(aten.eq, aten.ne, aten.le, aten.lt, aten.ge, aten.gt, aten.bitwise_not, aten.logical_not, aten.logical_and,
+         aten.bitwise_and, aten.bitwise_or, aten.sign, aten.round, aten.trunc, aten.floor, aten.ceil,
+         cost=pointwise_cost, differentiable=False)(pointwise_rule)
+# casts and copies
+register(aten.to, aten._to_copy, aten.type_as, aten.copy, aten.copy_, cost=copy_cost, saves="nothing")(pointwise_rule)
+# factories shaped like their input: the input lends only shape, dtype and device
+register(aten.empty_like, aten.rand_like, aten.randn_like, aten.fill, cost=creation_cost,
+         differentiable=False)(pointwise_rule)
+register(aten.zeros_like, aten.ones_like, aten.full_like, cost=creation_cost, saves="nothing",
+         differentiable=False)(pointwise_rule)
+# dropout: exact in distribution only; localized into a shard-keyed mask (dropout_local)
+register(aten.dropout, cost=dropout_cost, saves="mask", local=dropout_local)(pointwise_rule)
+register(aten.native_dropout, cost=dropout_cost, saves="mask")(pointwise_rule)
+
+# Elementwise ops without a record of their own above (those ATen tags pointwise still get the
+# pointwise rule), and the torch-level callables a graph can hold (Python scalar arithmetic).
+declare(aten.acos, aten.asin, aten.atan, aten.celu, aten.clip, aten.copysign, aten.cosh, aten.erfc, aten.erfinv,
+        aten.exp2, aten.floordiv, aten.fmax, aten.fmin, aten.fmod, aten.frac, aten.gelu_backward,
+        aten.hardtanh_backward, aten.hypot, aten.lerp, aten.log10, aten.logit, aten.nan_to_num, aten.selu, aten.sgn,
+        aten.sigmoid_backward, aten.silu_backward, aten.sinh, aten.tan, aten.tanh_backward, aten.threshold,
+        aten.threshold_backward, aten.xlogy, operator.truediv, operator.floordiv, operator.mod, operator.imul,
+        operator.isub, operator.itruediv, cost=pointwise_cost)
+declare(aten.addcdiv, aten.addcmul, aten.true_divide, operator.mul, cost=pointwise_cost, saves="partners")
+declare(aten.atan2, aten.clamp_max, aten.clamp_min, aten.glu, aten.hardsigmoid, aten.hardswish, aten.leaky_relu,
+        aten.log2, aten.mish, aten.softplus, operator.pow, operator.abs, cost=pointwise_cost, saves="input0")
+declare(aten.elu, aten.hardtanh, aten.relu6, cost=pointwise_cost, saves="output")
+declare(aten.rsub, aten.tril, aten.triu, operator.add, operator.sub, operator.iadd, operator.neg,
+        cost=pointwise_cost, saves="nothing")
+declare(aten.bitwise_xor, aten.isfinite, aten.isinf, aten.isnan, aten.logical_or, aten.logical_xor, operator.eq,
+        operator.ne, operator.lt, operator.le, operator.gt, operator.ge, cost=pointwise_cost,
+        differentiable=False)
+declare(aten.alpha_dropout, aten.feature_dropout, cost=dropout_cost, saves="mask")
+declare(aten.bernoulli, cost=dropout_cost)
+declare(aten.fill_, differentiable=False)
+# Tensor-method casts of symbolic_trace graphs (``x.float()``)
+declare(torch.Tensor.float, torch.Tensor.half, torch.Tensor.bfloat16, cost=copy_cost, saves="nothing")
+declare(torch.Tensor.double, cost=copy_cost)

@@ -5,7 +5,8 @@ Sharding a kept dim shards the output; sharding a reduced dim leaves each device
 result: ``sum`` -> ``P(sum)``, ``mean`` -> ``P(avg)`` (exact only for even shards, so flagged
 ``even``), ``amax`` -> ``P(max)``, ``amin`` -> ``P(min)``; ``histc`` counts add up -> ``P(sum)``.
 ``sum`` and ``mean`` are linear: a ``P(sum)`` input gives ``P(sum)``. ``argmax``, ``softmax``,
-``sort``, ``topk``, ``cumsum`` need their dim whole. ``sum(x[4,6], [1])``::
+``sort``, ``topk``, ``cumsum`` need their dim whole. Other reductions (``max``, ``var``, ``norm``,
+``median``, ...) have no sharding rule (replicated). ``sum(x[4,6], [1])``::
 
     R: R -> R      S0: S(0) -> S(0)      red1: S(1) -> P(sum)      P: P(sum) -> P(sum)
 """
@@ -14,14 +15,17 @@ from __future__ import annotations
 
 import torch
 
-from fxpar.strategies.base import P, S, bound, choice, out_shapes, register, tensor_shape
+from fxpar.cost.compute import reduction_cost, softmax_cost
+from fxpar.strategies.base import P, S, bound, choice, declare, out_shapes, register, tensor_shape
 
 aten = torch.ops.aten
 
 _REDUCE = {aten.sum: "sum", aten.mean: "avg", aten.amax: "max", aten.amin: "min", aten.nansum: "sum"}
 
 
-@register(*_REDUCE)
+@register(aten.nansum, cost=reduction_cost)
+@register(aten.amax, aten.amin, cost=reduction_cost, saves="input0")
+@register(aten.sum, aten.mean, cost=reduction_cost, saves="nothing")
 def reduce_rule(node):
     b = bound(node)
     a = tensor_shape(b["self"])
@@ -58,15 +62,18 @@ def along_dim_rule(node, key="self", dim_key="dim"):
         yield choice(node, {key: S(d)}, [S(d)] * len(outs), f"S{d}")
 
 
-@register(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, aten.cumsum, aten.cumprod,
-          aten.sort, aten.topk, aten.diff, aten.logsumexp, aten.special_log_softmax)
+@register(aten.diff, aten.special_log_softmax)
+@register(aten.sort, aten.topk, cost=reduction_cost)
+@register(aten.cumprod, aten.logsumexp, cost=reduction_cost, saves="input0")
+@register(aten.cumsum, cost=reduction_cost, saves="nothing")
+@register(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, cost=softmax_cost, saves="output")
 def softmax_rule(node):
     yield from along_dim_rule(node, "self" if "self" in bound(node) else "input")
     if node.target.overloadpacket is aten.cumsum:
         yield choice(node, {"self": P()}, [P()], "P")
 
 
-@register(aten.argmax, aten.argmin)
+@register(aten.argmax, aten.argmin, cost=reduction_cost, differentiable=False)
 def argmax_rule(node):
     b = bound(node)
     if b.get("dim") is None:
@@ -85,3 +92,12 @@ def histc_rule(node):
     a = tensor_shape(bound(node)["self"])
     for d in range(len(a)):  # counts over disjoint shards add up
         yield choice(node, {"self": S(d)}, [P()], f"red{d}")
+
+
+declare(aten._safe_softmax, cost=softmax_cost, saves="output")
+declare(aten.max, aten.min, aten.var, aten.std, aten.var_mean, aten.std_mean, aten.prod, cost=reduction_cost,
+        saves="input0")
+declare(aten.norm, aten.linalg_vector_norm, cost=reduction_cost, saves="stats")
+declare(aten.any, aten.all, aten.count_nonzero, cost=reduction_cost, differentiable=False)
+declare(aten.aminmax, aten.argsort, aten.nanmean, aten.median, aten.mode, aten.kthvalue, aten.frobenius_norm,
+        cost=reduction_cost)

@@ -3,9 +3,12 @@ slice/select/index_select, getitem.
 
 Each rule states a **dimension map**: which input dim becomes which output dim. The runtime runs
 the same op on local tensors, so size arguments (``view``, ``reshape``, ``expand``,
-``new_*``) must be **localized** by a later pass: replace them by the output's local shape
-(``Spec.local_shape`` of the node's output spec); split sizes, slice bounds and indices are
-only used along unsharded dims and stay as they are.
+``new_*``) are **localized**: the records' ``local=`` entries
+(:func:`fxpar.strategies.local.shape_arg`, :func:`~fxpar.strategies.local.unflatten_sizes`)
+replace them by the output's local shape (``Spec.local_shape`` of the node's output spec); split
+sizes, slice bounds and indices are only used along unsharded dims and stay as they are.
+Views are recorded ``view=True`` (free, aliasing their input); ``reshape``/``flatten``/
+``contiguous`` alias only a contiguous input (``view="if_contiguous"``).
 
 Reshape (``view``, ``reshape``, ``_unsafe_view``, ``flatten``, ``unflatten``, ``squeeze``,
 ``unsqueeze``): input and output dims are grouped into runs of equal element count; in each
@@ -23,8 +26,10 @@ import operator
 import torch
 import torch.fx as fx
 
-from fxpar.strategies.base import (P, R, S, AxisStrategy, bound, choice, out_shapes, register,
+from fxpar.cost.compute import copy_cost, creation_cost, maybe_copy_cost, view_cost
+from fxpar.strategies.base import (P, R, S, AxisStrategy, bound, choice, declare, out_shapes, register,
                                    tensor_shape)
+from fxpar.strategies.local import shape_arg, unflatten_sizes
 
 aten = torch.ops.aten
 
@@ -64,8 +69,13 @@ def _first_non1(dims, shape):
     return nz
 
 
-@register(aten.view, aten.reshape, aten._unsafe_view, aten.flatten, aten.unflatten, aten.squeeze,
-          aten.unsqueeze, aten.squeeze_, aten.unsqueeze_, aten.view_copy, aten._reshape_alias)
+@register(aten.squeeze_, aten.unsqueeze_)  # in-place: priced as squeeze/unsqueeze
+@register(aten.view_copy, cost=copy_cost)
+@register(aten.flatten, cost=maybe_copy_cost, view="if_contiguous", saves="nothing")
+@register(aten.reshape, cost=maybe_copy_cost, view="if_contiguous", saves="nothing", local=shape_arg(1, "default"))
+@register(aten.unflatten, cost=view_cost, view=True, local=unflatten_sizes)
+@register(aten.view, aten._unsafe_view, cost=view_cost, view=True, local=shape_arg(1, "default"))
+@register(aten.squeeze, aten.unsqueeze, aten._reshape_alias, cost=view_cost, view=True)
 def reshape_rule(node: fx.Node):
     b = bound(node)
     x = b.get("self", b.get("input"))
@@ -79,7 +89,8 @@ def reshape_rule(node: fx.Node):
     yield choice(node, {key: P()}, [P()], "P")
 
 
-@register(aten.transpose, aten.t, aten.permute, aten.swapaxes, aten.transpose_)
+@register(aten.transpose_)  # in-place: priced as transpose
+@register(aten.transpose, aten.t, aten.permute, aten.swapaxes, cost=view_cost, view=True)
 def permute_rule(node: fx.Node):
     b = bound(node)
     a = tensor_shape(b["self"])
@@ -96,7 +107,8 @@ def permute_rule(node: fx.Node):
     yield choice(node, {"self": P()}, [P()], "P")
 
 
-@register(aten.expand, aten.expand_copy)
+@register(aten.expand_copy, cost=copy_cost)
+@register(aten.expand, cost=view_cost, view=True, saves="nothing", local=shape_arg(1, "default"))
 def expand_rule(node: fx.Node):
     a, o = tensor_shape(bound(node)["self"]), tensor_shape(node)
     off = len(o) - len(a)
@@ -109,8 +121,8 @@ def expand_rule(node: fx.Node):
     yield choice(node, {"self": P()}, [P()], "P")
 
 
-@register(aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, aten.unsafe_split,
-          aten.tensor_split)
+@register(aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, aten.unsafe_split, aten.tensor_split,
+          cost=view_cost, view=True)
 def split_rule(node: fx.Node):
     b = bound(node)
     a = tensor_shape(b["self"])
@@ -125,7 +137,8 @@ def split_rule(node: fx.Node):
     yield choice(node, {"self": P()}, [P()] * len(outs), "P")
 
 
-@register(aten.cat, aten.concat, aten.stack)
+@register(aten.concat, cost=copy_cost)
+@register(aten.cat, aten.stack, cost=copy_cost, saves="nothing")
 def cat_rule(node: fx.Node):
     b = bound(node)
     ts = b["tensors"]
@@ -146,7 +159,8 @@ def cat_rule(node: fx.Node):
     yield choice(node, {"tensors": [P()] * len(ts)}, [P()], "P")
 
 
-@register(aten.slice, aten.narrow, aten.slice_copy)
+@register(aten.slice_copy)
+@register(aten.slice, aten.narrow, cost=view_cost, view=True)
 def slice_rule(node: fx.Node):
     b = bound(node)
     a, o = tensor_shape(b["self"]), tensor_shape(node)
@@ -158,7 +172,7 @@ def slice_rule(node: fx.Node):
     yield choice(node, {"self": P()}, [P()], "P")
 
 
-@register(aten.select)
+@register(aten.select, cost=view_cost, view=True)
 def select_rule(node: fx.Node):
     b = bound(node)
     a = tensor_shape(b["self"])
@@ -170,7 +184,7 @@ def select_rule(node: fx.Node):
     yield choice(node, {"self": P()}, [P()], "P")
 
 
-@register(aten.index_select)
+@register(aten.index_select, cost=copy_cost, saves="indices")
 def index_select_rule(node: fx.Node):
     b = bound(node)
     a = tensor_shape(b["self"])
@@ -182,7 +196,7 @@ def index_select_rule(node: fx.Node):
     yield choice(node, {"self": P(), "index": R}, [P()], "P")
 
 
-@register(operator.getitem)
+@register(operator.getitem, cost=view_cost, view=True)
 def getitem_rule(node: fx.Node):
     """Pass-through: the element of the producer's output is what flows."""
     if tensor_shape(node) is None:
@@ -194,7 +208,11 @@ def getitem_rule(node: fx.Node):
         yield AxisStrategy((P(op),), (P(op),), name=f"P{op}" if op != "sum" else "P")
 
 
-@register(aten.alias, aten.detach, aten.contiguous, aten.clone, aten.lift_fresh_copy)
+@register(aten.lift_fresh_copy, cost=creation_cost, differentiable=False)
+@register(aten.clone, cost=copy_cost, saves="nothing")
+@register(aten.contiguous, cost=maybe_copy_cost, view="if_contiguous", saves="nothing")
+@register(aten.detach, cost=view_cost, view=True, differentiable=False)
+@register(aten.alias, cost=view_cost, view=True)
 def identity_rule(node: fx.Node):
     b = bound(node)
     o = tensor_shape(node)
@@ -205,7 +223,7 @@ def identity_rule(node: fx.Node):
     yield choice(node, {"self": P()}, [P()], "P")
 
 
-@register(aten.pad, aten.constant_pad_nd)
+@register(aten.pad, aten.constant_pad_nd, cost=copy_cost, saves="nothing")
 def pad_rule(node: fx.Node):
     """Only dims without padding may be sharded (padding is at the global edges)."""
     b = bound(node)
@@ -215,3 +233,26 @@ def pad_rule(node: fx.Node):
     for d in range(len(a)):
         if d not in padded:
             yield choice(node, {"self": S(d)}, [S(d)], f"S{d}")
+
+
+# Views without a sharding rule (replicated): aliases, and shape/metadata queries and runtime
+# assertions that move no data (free, ``view=True``).
+declare(aten.as_strided, aten.diagonal, aten.unfold, aten.real, aten.imag, aten.view_as_real, aten.view_as_complex,
+        aten.lift_fresh, aten.movedim, aten.moveaxis, aten.swapdims, aten.view_as, aten.expand_as, aten.numpy_T,
+        aten.mT, aten.dim, aten.numel, aten.stride, aten.sym_stride, aten.sym_numel, aten.storage_offset,
+        aten.sym_storage_offset, aten.item, aten._assert_async, aten._assert_scalar, aten._assert_tensor_metadata,
+        aten.sym_constrain_range, aten.sym_constrain_range_for_size, aten._functional_assert_async,
+        aten._functional_sym_constrain_range, aten.record_stream, aten.requires_grad_, aten.set_grad_enabled,
+        aten.device, torch.ops._c10d_functional.wait_tensor, torch._C._set_grad_enabled,
+        torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast, torch.Tensor.type,
+        torch.sym_sum, torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_float, torch.sym_int, torch.sym_ite,
+        torch.sym_sqrt, cost=view_cost, view=True)
+declare(aten.size, aten.sym_size, aten.detach_, cost=view_cost, view=True, differentiable=False)
+# Data movement without a sharding rule (replicated), priced as copies.
+declare(aten.repeat, aten.flip, aten.roll, cost=copy_cost, saves="nothing")
+declare(aten.repeat_interleave, aten.tile, aten.hstack, aten.vstack, aten.concatenate, aten.split_copy,
+        aten.permute_copy, aten.transpose_copy, cost=copy_cost)
+declare(aten.reflection_pad1d, aten.reflection_pad2d, aten.replication_pad2d, cost=copy_cost)
+declare(aten._reshape_alias_copy, cost=maybe_copy_cost)
+# ``list[i]`` / ``dict[k]`` in graphs of Python containers: free, but no tensor alias
+declare(aten.__getitem__, cost=view_cost)

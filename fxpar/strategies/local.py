@@ -1,0 +1,184 @@
+"""Local rewrites: what turns a node of the global graph into this rank's piece of it.
+
+Most ops compute their piece by running the same op on local tensors. The others carry a
+``local=`` entry in their :class:`~fxpar.strategies.base.OpRecord` (tinygrad-style: a table of
+rewrites, not an if/elif chain): ``local(node, lctx) -> None`` edits the node in place (its
+arguments, or its target). :func:`local_rule` finds the entry of a target;
+``passes/localize.py`` calls it on every ``call_function`` node.
+
+Contract of a rewrite: it runs once per node, after ``node.meta["val"]`` holds the LOCAL value
+(a ``meta`` tensor of this rank's shape) and with ``meta[SPECS]``/``meta[IN_SPECS]`` (the global
+layouts chosen by the plan) in place; global shapes come from the :class:`LocalContext`. It
+touches nothing but the node (no new nodes, no submodules), and raises
+:class:`fxpar.PlanError` naming the node when the op cannot run sharded.
+
+The shared rewrites live here; each family file names the ones its ops use:
+
+* :func:`shape_arg` — a size argument becomes the output's local shape (``view``, ``reshape``,
+  ``expand``, ``new_*``, ``zeros``/``ones``/``empty``/``full``); :func:`unflatten_sizes`;
+  :func:`arange_bounds` — a sharded ``arange`` gets this rank's bounds;
+* :func:`refuse_random` — every op tagged ``torch.Tag.nondeterministic_seeded`` without an
+  entry of its own (replicas would draw different numbers): no hand list;
+* dropout (:mod:`.pointwise`) and the vocabulary-parallel lookup (:mod:`.embedding`) have theirs
+  in their family file.
+
+>>> import torch, torch.fx as fx
+>>> from fxpar.spec import Spec
+>>> g = fx.Graph(); x = g.placeholder("x")
+>>> v = g.call_function(torch.ops.aten.view.default, (x, [4, 2, 3]))
+>>> v.meta["val"] = torch.empty(2, 2, 3, device="meta")          # local: S(0) on 2 ranks
+>>> lctx = LocalContext((2,), (1,), torch.device("cpu"), {x: (4, 6), v: (4, 2, 3)})
+>>> local_rule(v.target)(v, lctx); v.args
+(x, [2, 2, 3])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.errors import PlanError
+from fxpar.strategies.base import record_for
+
+__all__ = ["LocalContext", "LocalRule", "local_rule", "shape_arg", "unflatten_sizes", "arange_bounds",
+           "refuse_random", "shard_key"]
+
+
+@dataclass(frozen=True)
+class LocalContext:
+    """What a local rewrite may know besides the node: this rank's place and the global shapes.
+
+    ``mesh_shape``/``coord``: the mesh and this rank's coordinate on it; ``device``: where local
+    tensors live; ``global_shapes``: the GLOBAL shape of every tensor node (the node's inputs
+    and the node itself); ``site``: a stable integer naming the node in its graph (its index;
+    dropout keys its random stream by it).
+    """
+
+    mesh_shape: tuple[int, ...]
+    coord: tuple[int, ...]
+    device: torch.device
+    global_shapes: Mapping[fx.Node, tuple[int, ...]] = field(default_factory=dict)
+    site: int = 0
+
+    def global_shape(self, node: fx.Node) -> tuple[int, ...]:
+        """Global shape of a tensor node; ``KeyError`` naming it when unknown."""
+        try:
+            return tuple(self.global_shapes[node])
+        except KeyError:
+            raise KeyError(f"LocalContext: no global shape for node {node.name}") from None
+
+
+LocalRule = Callable[[fx.Node, LocalContext], None]
+
+
+def _local_shape(node: fx.Node) -> list[int]:
+    return [int(s) for s in node.meta[ir.VAL].shape]
+
+
+def shape_arg(index: int, *overloads: str) -> LocalRule:
+    """A rewrite setting argument ``index`` (a size list) to the output's local shape, for the
+    named overloads only (``shape_arg(1, "default")`` leaves ``aten.view.dtype`` alone).
+
+    >>> import torch, torch.fx as fx
+    >>> g = fx.Graph()
+    >>> z = g.call_function(torch.ops.aten.zeros.default, ([8, 4],), {"device": torch.device("cpu")})
+    >>> z.meta["val"] = torch.empty(2, 4, device="meta")
+    >>> shape_arg(0, "default")(z, LocalContext((4,), (0,), torch.device("cpu"))); z.args
+    ([2, 4],)
+    """
+
+    def rewrite(node: fx.Node, lctx: LocalContext) -> None:
+        if getattr(node.target, "_overloadname", None) not in overloads:
+            return
+        args = list(node.args)
+        args[index] = _local_shape(node)
+        node.args = tuple(args)
+
+    rewrite.__name__ = rewrite.__qualname__ = f"shape_arg({index}, {', '.join(map(repr, overloads))})"
+    return rewrite
+
+
+def unflatten_sizes(node: fx.Node, lctx: LocalContext) -> None:
+    """``unflatten(x, dim, sizes)``: ``sizes`` become the local sizes of the dims it creates
+    (a negative ``dim`` counts from the end of the input, as ``torch.unflatten`` does).
+
+    >>> import torch, torch.fx as fx
+    >>> g = fx.Graph(); x = g.placeholder("x")
+    >>> u = g.call_function(torch.ops.aten.unflatten.int, (x, -1, [4, 8]))
+    >>> u.meta["val"] = torch.empty(3, 2, 8, device="meta")
+    >>> unflatten_sizes(u, LocalContext((2,), (0,), torch.device("cpu"))); u.args
+    (x, -1, [2, 8])
+    """
+    if node.target is not torch.ops.aten.unflatten.int:
+        return
+    local = _local_shape(node)
+    k = len(node.args[2])
+    d = node.args[1] % (len(local) - k + 1)  # ``dim`` counts the INPUT's dims
+    node.args = (node.args[0], node.args[1], local[d:d + k])
+
+
+def arange_bounds(node: fx.Node, lctx: LocalContext) -> None:
+    """A sharded 1-D ``arange`` gets this rank's ``(start, end, step)`` (as ``arange.start_step``).
+
+    >>> import torch, torch.fx as fx
+    >>> from fxpar.spec import Spec
+    >>> g = fx.Graph(); a = g.call_function(torch.ops.aten.arange.default, (10,))
+    >>> a.meta["fxpar_specs"] = (Spec.parse("S(0)"),)
+    >>> arange_bounds(a, LocalContext((2,), (1,), torch.device("cpu"), {a: (10,)})); a.target, a.args
+    (<OpOverload(op='aten.arange', overload='start_step')>, (5, 10, 1))
+    """
+    aten = torch.ops.aten
+    if node.target not in (aten.arange.default, aten.arange.start, aten.arange.start_step):
+        return
+    specs = node.meta.get(ir.SPECS)
+    if not specs or specs[0].is_replicated:
+        return
+    args = list(node.args)
+    start, end = (0, args[0]) if node.target is aten.arange.default else (args[0], args[1])
+    step = args[2] if node.target is aten.arange.start_step and len(args) > 2 else 1
+    length = lctx.global_shape(node)[0]
+    sl = specs[0].global_slices((length,), lctx.mesh_shape, lctx.coord)[0]
+    node.args = (start + sl.start * step, start + sl.stop * step, step)
+    node.target = aten.arange.start_step
+
+
+def refuse_random(node: fx.Node, lctx: LocalContext) -> None:
+    """Random ops without a shard-aware rewrite: ranks holding the same data would draw different
+    numbers (silently wrong), so they are refused."""
+    raise PlanError(f"node {node.name} ({node.target}): random ops other than dropout are not "
+                    "supported under sharding yet (replicas would draw different values)")
+
+
+def shard_key(spec, coord) -> list[int]:
+    """This rank's coordinates on the axes where ``spec`` is ``Shard``: ranks with equal keys
+    hold the same shard (and must draw the same random numbers).
+
+    >>> from fxpar.spec import Spec
+    >>> shard_key(Spec.parse("S(0)RS(1)"), (1, 0, 1))
+    [1, 1]
+    """
+    from torch.distributed.tensor import Shard
+
+    return [int(c) for c, p in zip(coord, spec) if isinstance(p, Shard)]
+
+
+def local_rule(target) -> LocalRule | None:
+    """The local rewrite of ``target``: its record's ``local`` entry; for an op without one that
+    is tagged ``nondeterministic_seeded``, :func:`refuse_random`; else ``None`` (the plain op).
+
+    >>> import torch
+    >>> local_rule(torch.ops.aten.mm.default) is None
+    True
+    >>> local_rule(torch.ops.aten.randn.default) is refuse_random
+    True
+    """
+    rec = record_for(target)
+    if rec is not None and rec.local is not None:
+        return rec.local
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
+        return refuse_random
+    return None
