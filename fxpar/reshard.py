@@ -70,11 +70,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fxpar.cost.reshard import step_cost
+from fxpar.cost.reshard import LOCAL_KINDS, step_cost
 from fxpar.errors import ReshardError, SpecError
 from fxpar.spec import Partial, Placement, Replicate, Shard, Spec, as_spec
 
-__all__ = ["ReshardPlan", "ReshardStep", "reshard_plan", "reshard_costs", "reshard_cost_table", "step_kind", "as_dtype"]
+__all__ = ["ReshardPlan", "ReshardStep", "LOCAL_KINDS", "reshard_plan", "reshard_costs", "reshard_cost_table", "step_kind", "as_dtype"]
 
 _LINEAR_OPS = frozenset({"sum", "avg"})
 
@@ -82,7 +82,8 @@ _LINEAR_OPS = frozenset({"sum", "avg"})
 @dataclass(frozen=True)
 class ReshardStep:
     """One step of a plan: ``kind`` on mesh axis ``axis`` (named ``axis_name``) turns spec
-    ``src`` into ``dst``, moving ``nbytes`` per device (fullest device) in ``time`` seconds."""
+    ``src`` into ``dst``, moving ``nbytes`` per device (fullest device) in ``time`` seconds.
+    Kinds in :data:`LOCAL_KINDS` (``chunk``, ``to_partial``, ``rescale``) move no data."""
 
     kind: str
     axis: int
@@ -118,7 +119,7 @@ class ReshardPlan:
     @property
     def nbytes(self) -> int:
         """Bytes moved over the network per device (collective steps only)."""
-        return sum(s.nbytes for s in self.steps if s.kind not in ("chunk", "to_partial", "rescale"))
+        return sum(s.nbytes for s in self.steps if s.kind not in LOCAL_KINDS)
 
     def __len__(self) -> int:
         return len(self.steps)

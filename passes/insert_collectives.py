@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from fxpar import ir
-from fxpar.cost.compute import grad_flags
+from fxpar.ir import grad_flags
 from fxpar.reshard import reshard_plan
 from fxpar.runtime.comm import Edge, grad_scale
 from fxpar.spec import Partial, Replicate, Spec, grad_in_spec, grad_out_spec

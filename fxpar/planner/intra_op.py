@@ -44,8 +44,9 @@ import torch
 import torch.fx as fx
 
 from fxpar import ir
-from fxpar.cost.compute import grad_flags, op_name
+from fxpar.cost.compute import op_name
 from fxpar.errors import PlanError
+from fxpar.ir import grad_flags
 from fxpar.layers import layer_of, repeated_copies
 from fxpar.plan_data import EdgePlan, NodePlan, Plan, StepCost
 from fxpar.planner.pins import match_pins, squeeze, unsqueeze
