@@ -572,6 +572,8 @@ def set_op_cost(op: Any, rule: Rule | None = None, *, view: bool | str = False, 
     """
     if saves is not None and saves not in SAVES_KINDS:
         raise ValueError(f"set_op_cost({op}): saves={saves!r} is not one of {SAVES_KINDS}")
+    if view not in (True, False, "if_contiguous"):
+        raise ValueError(f"set_op_cost({op}): view={view!r} must be True, False or 'if_contiguous'")
     if rule is not None:
         _COST[op] = rule
         if isinstance(op, torch._ops.OpOverloadPacket):
@@ -583,8 +585,6 @@ def set_op_cost(op: Any, rule: Rule | None = None, *, view: bool | str = False, 
         VIEW_OPS.add(op_name(op))
     elif view == "if_contiguous":
         _VIEW_IF_CONTIGUOUS.add(op)
-    elif view is not False:
-        raise ValueError(f"set_op_cost({op}): view={view!r} must be True, False or 'if_contiguous'")
     if saves is not None:
         _SAVES[op] = saves
 

@@ -145,10 +145,10 @@ def register(*ops, cost: Callable | None = None, local: Callable | None = None, 
         for op in ops:
             if op in RECORDS:
                 raise ValueError(f"register: {op} already has a record ({RECORDS[op]})")
+            set_op_cost(op, cost, view=view, saves=saves)  # validates the flags first
             RECORDS[op] = OpRecord(op, fn, cost, local, view, differentiable, saves)
             if fn is not None:
                 RULES[op] = fn
-            set_op_cost(op, cost, view=view, saves=saves)
             if not differentiable:
                 ir.NON_DIFFERENTIABLE.add(op)
         return fn
