@@ -61,8 +61,9 @@ class Removal:
     * ``"pin"``: the node's pin does not allow it;
     * ``"ties"``: allowed by the node's own pin, but the pin of ``node``, a tied copy, is not
       (tied nodes pick one index);
-    * ``"prune"``: dead-end elimination: strategy ``by`` of the same node is never worse
-      whatever the neighbours pick, and uses no more memory anywhere;
+    * ``"prune"``: dead-end elimination: strategy ``by`` of the same node (its class) is
+      never worse whatever the neighbours pick among the candidates still left then, and
+      uses no more memory anywhere;
     * ``"merge"``: the node follows ``node`` (follower merging): for every choice of ``node``
       another strategy of this node is at least as good whatever else is picked, so this
       one is never needed.
