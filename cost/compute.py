@@ -66,7 +66,7 @@ import torch
 import torch.fx as fx
 
 from fxpar.errors import FxparError
-from fxpar.ir import NON_DIFFERENTIABLE, grad_flags, op_keys
+from fxpar.ir import grad_flags, op_keys
 
 __all__ = [
     "TensorArg",
@@ -87,9 +87,7 @@ __all__ = [
     "saves_of",
     "SAVES_KINDS",
     "op_name",
-    "grad_flags",
     "VIEW_OPS",
-    "NON_DIFFERENTIABLE",
     # the formulas (pure functions (args, kwargs, out) -> OpCost) that op records reference
     "mm_cost", "addmm_cost", "bmm_cost", "baddbmm_cost", "matmul_cost", "linear_cost", "einsum_cost",
     "sdpa_cost", "convolution_cost", "convnd_cost", "conv_transpose_cost", "embedding_cost",
