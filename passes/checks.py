@@ -7,7 +7,7 @@ passes later. Each is one linear scan of the graph.
 >>> import torch, torch.fx as fx
 >>> gm = fx.symbolic_trace(lambda x: x + 1)
 >>> annotated(gm, None)
-"node add has no meta['fxpar_specs'] (not annotated)"
+"node x has no meta['fxpar_specs'] (not annotated)"
 """
 
 from __future__ import annotations

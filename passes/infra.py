@@ -23,7 +23,7 @@ exception note.
 >>> import torch
 >>> gm = fx.symbolic_trace(lambda x: torch.relu(x) + 1)
 >>> print(run_passes(gm, PassContext(), [drop_relu_pass]).code.strip().splitlines()[-2].strip())
-add = x + 1
+add = x + 1;  x = None
 """
 
 from __future__ import annotations
