@@ -30,7 +30,10 @@ Node keys (``node.meta[...]``)
                     node's strategy needs (``None`` for non-tensor inputs).
 ``STRATEGY``        ``"fxpar_strategy"``: the chosen strategy printed (``"col: R, S(0) -> S(1)"``).
 ``EDGE``            ``"fxpar_edge"``: the :class:`fxpar.runtime.comm.Edge` of an inserted
-                    communication node (``passes/insert_collectives.py``).
+                    communication node (``passes/insert_collectives.py``); the same object as
+                    ``gm.meta[EDGES][name]``.
+``GLOBAL_VAL``      ``"fxpar_global_val"``: the node's GLOBAL value (fake tensors) once
+                    ``passes/localize.py`` has replaced ``VAL`` by the local-shape meta value.
 ``SPEC_TEXT``       ``"fxpar_spec"``: short text shown by an emitted graph's ``print_readable``
                     (the node's spec, or the edge's collective and gradient plan).
 ==================  ============================================================================
@@ -54,6 +57,9 @@ Graph-module keys (``gm.meta[...]``)
 ``REPLICA_AXES`` ``"fxpar_replica_axes"``: ``{fqn: mesh axis names}`` over which a trainable
                 parameter's gradient is a partial sum that the model-state manager reduces
                 (``passes/insert_collectives.py``).
+``EDGES``       ``"fxpar_edges"``: ``{edge name: Edge}`` of every communication node of the graph
+                (frozen plan data; the ops ``torch.ops.fxpar.*`` name their edge, the runtime
+                looks it up at call time in :class:`fxpar.runtime.bindings.Bindings`).
 ==============  ================================================================================
 
 >>> import torch, fxpar.ir as ir
@@ -99,6 +105,8 @@ __all__ = [
     "OUTPUT_TREE",
     "FRONTEND",
     "REPLICA_AXES",
+    "GLOBAL_VAL",
+    "EDGES",
     "ParamInfo",
     "InputInfo",
     "OutputInfo",
@@ -134,6 +142,7 @@ IN_SPECS = "fxpar_in_specs"
 STRATEGY = "fxpar_strategy"
 EDGE = "fxpar_edge"
 SPEC_TEXT = "fxpar_spec"
+GLOBAL_VAL = "fxpar_global_val"
 
 # --- graph-module keys ---------------------------------------------------------------------------
 PARAMS = "fxpar_params"
@@ -143,6 +152,7 @@ INPUT_TREE = "fxpar_input_tree"
 OUTPUT_TREE = "fxpar_output_tree"
 FRONTEND = "fxpar_frontend"
 REPLICA_AXES = "fxpar_replica_axes"
+EDGES = "fxpar_edges"
 
 
 class _Sized:
@@ -340,6 +350,7 @@ def format_graph(gm: fx.GraphModule, *, max_nodes: int | None = None, params: bo
         shape = "" if n.op == "output" or VAL not in n.meta else f"  : {_fmt_val(n.meta[VAL])}"
         lines.append(f"{n.name:<{width}} {body}{shape}")
     return "\n".join(lines)
+
 
 
 # --- graph analysis: which nodes carry a gradient -----------------------------------------------

@@ -41,7 +41,7 @@ def comm_ops_have_edges(gm: fx.GraphModule, ctx) -> str | None:
     comm = _comm_ops()
     for n in gm.graph.nodes:
         if n.target in comm:
-            names = n.args[1] if n.target is torch.ops.fxpar.start.default else [n.args[-3]]
+            names = n.args[1] if n.args and isinstance(n.args[1], list) else [n.args[-3]]
             missing = [e for e in names if e not in edges]
             if missing:
                 return f"node {n.name} ({n.target}) names edges {missing} not in gm.meta[EDGES]"

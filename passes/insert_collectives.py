@@ -41,7 +41,7 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.ir import grad_flags
 from fxpar.reshard import reshard_plan
-from fxpar.runtime.comm import Edge, grad_scale
+from fxpar.runtime.comm import REDISTRIBUTE, START, WAIT, Edge, grad_scale
 from fxpar.spec import Partial, Replicate, Spec, grad_in_spec, grad_out_spec
 from fxpar.strategies.base import Strategy
 from fxpar.passes.infra import PassContext, PassResult, graph_pass
@@ -49,7 +49,6 @@ from fxpar.passes.checks import annotated, comm_ops_have_edges
 
 __all__ = ["insert_collectives_pass"]
 _SUM = Partial("sum")
-_fx = torch.ops.fxpar
 
 
 def _strategy(n: fx.Node) -> Strategy:
@@ -142,16 +141,16 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if edge.collective:
             kind = "_".join(dict.fromkeys(f"{s.kind}_{s.axis_name}" for s in edge.fwd.steps))
             early = value.op != "placeholder"
-            start = add(kind, edge, _fx.start.default, ([value], [edge.name]),
+            start = add(kind, edge, START, ([value], [edge.name]),
                         value if early else consumer, after=early)
-            out = add("wait", edge, _fx.wait.default, (start, value, edge.name, shape, edge.grad_mode),
+            out = add("wait", edge, WAIT, (start, value, edge.name, shape, edge.grad_mode),
                       consumer, after=False)
         else:
             kinds = [f"{s.kind}_{s.axis_name}" for s in edge.fwd.steps]
             if not kinds and edge.bwd is not None and edge.bwd.steps:
                 kinds = ["grad_" + "_".join(f"{s.kind}_{s.axis_name}" for s in edge.bwd.steps)]
             out = add("_".join(dict.fromkeys(kinds)) or ("param" if edge.param else "grad_scale"),
-                      edge, _fx.redistribute.default, (value, edge.name, shape, edge.grad_mode),
+                      edge, REDISTRIBUTE, (value, edge.name, shape, edge.grad_mode),
                       consumer, after=False)
         out.meta[ir.SPECS] = (edge.fwd.dst,)
         out.meta[ir.VAL] = v

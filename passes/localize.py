@@ -6,7 +6,7 @@ Contract (per rank, ``ctx.coord`` set; runs after insert_collectives):
   (``Spec.local_shape`` of its output spec); the global value stays under
   ``meta[GLOBAL_VAL]``; parameters and buffers are placeholders fed with local shards by the
   runner;
-* the ``shape`` argument of communication ops (``torch.ops.fxpar.wait``/``reshard``) is the
+* the ``shape`` argument of communication ops (``torch.ops.fxpar.wait``/``redistribute``) is the
   destination's local shape;
 * device arguments (``device=``, ``.to(device)``) name ``ctx.device``;
 * every other op whose sharded computation is not the plain op on local tensors is rewritten
@@ -32,7 +32,7 @@ from fxpar import ir
 from fxpar.errors import PlanError
 from fxpar.passes.checks import localized
 from fxpar.passes.infra import PassContext, PassResult, graph_pass
-from fxpar.runtime.comm import COMM_OPS
+from fxpar.runtime.comm import COMM_OPS, START
 from fxpar.strategies.local import LocalContext, local_rule
 
 __all__ = ["localize_pass"]
@@ -64,7 +64,7 @@ def localize_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if n.op != "call_function":
             continue
         if n.target in COMM_OPS:
-            if n.target is not torch.ops.fxpar.start.default:  # (x..., edge, shape, grad)
+            if n.target is not START:  # (x..., edge, shape, grad)
                 n.args = n.args[:-2] + (list(n.meta[ir.VAL].shape), n.args[-1])
             continue
         n.args, n.kwargs = pytree.tree_map_only(torch.device, lambda d: dev, (n.args, n.kwargs))

@@ -25,16 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
 import torch.fx as fx
 
 from fxpar import ir
 from fxpar.layers import layer_of
 from fxpar.passes.checks import comm_ops_have_edges
 from fxpar.passes.infra import PassContext, PassResult, graph_pass
+from fxpar.runtime.comm import START as _START, WAIT as _WAIT
 
 __all__ = ["prefetch_pass"]
-_START, _WAIT = torch.ops.fxpar.start.default, torch.ops.fxpar.wait.default
 
 
 @graph_pass(requires=(comm_ops_have_edges,), ensures=(comm_ops_have_edges,))

@@ -66,12 +66,11 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
 # first works. Their edge checks cannot run either. xfail(strict=False): they pass (XPASS)
 # once fixed; then delete the entry.
 _IN_PROGRESS = "runtime restructure in progress"
-KNOWN_IMPORT: dict[str, str] = {m: _IN_PROGRESS for m in (
-    "fxpar.passes.prefetch", "fxpar.runtime.runner")}
+KNOWN_IMPORT: dict[str, str] = {}
 #: (module, forbidden prefix) pairs known to be violated by code under rewrite elsewhere
 KNOWN: dict[tuple[str, str], str] = {}
 #: a module-level import cycle through one of these is the one the restructure removes
-KNOWN_CYCLE_MEMBERS = {"fxpar.pipeline": _IN_PROGRESS}
+KNOWN_CYCLE_MEMBERS: dict[str, str] = {}
 
 
 def _applies(rule: str, mod: str) -> bool:

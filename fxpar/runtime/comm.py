@@ -59,7 +59,7 @@ from fxpar.runtime import redistribute as rt
 from fxpar.runtime.bindings import current
 from fxpar.spec import Partial
 
-__all__ = ["Edge", "grad_scale", "Regather", "COMM_OPS", "GRAD_MODES"]
+__all__ = ["Edge", "grad_scale", "Regather", "COMM_OPS", "START", "WAIT", "REDISTRIBUTE", "GRAD_MODES"]
 
 #: The gradient destinations of an edge (module docstring).
 GRAD_MODES = ("none", "identity", "reshard", "sink")
@@ -326,6 +326,7 @@ def _backward(ctx, g):
 wait.register_autograd(lambda ctx, g: (None, _backward(ctx, g), None, None, None), setup_context=_setup)
 redistribute.register_autograd(lambda ctx, g: (_backward(ctx, g), None, None, None), setup_context=_setup)
 
-#: Every communication op an emitted graph may hold.
-COMM_OPS = frozenset({torch.ops.fxpar.start.default, torch.ops.fxpar.wait.default,
-                      torch.ops.fxpar.redistribute.default})
+#: The communication ops an emitted graph may hold (overloads, as graph nodes name them).
+START, WAIT, REDISTRIBUTE = (torch.ops.fxpar.start.default, torch.ops.fxpar.wait.default,
+                             torch.ops.fxpar.redistribute.default)
+COMM_OPS = frozenset({START, WAIT, REDISTRIBUTE})

@@ -30,11 +30,10 @@ from fxpar import ir
 from fxpar.errors import FxparError, PlanError
 from fxpar.mesh import Mesh
 from fxpar.runtime.bindings import Bindings, bind
+from fxpar.runtime.comm import REDISTRIBUTE as _REDIST, START as _START, WAIT as _WAIT
 
 __all__ = ["Runner", "replica_group"]
 
-_WAIT, _REDIST, _START = (torch.ops.fxpar.wait.default, torch.ops.fxpar.redistribute.default,
-                           torch.ops.fxpar.start.default)
 
 
 def replica_group(mesh: Mesh, axes: Sequence[str], rank: int):
