@@ -87,7 +87,6 @@ __all__ = [
     "saves_of",
     "SAVES_KINDS",
     "op_name",
-    "VIEW_OPS",
     # the formulas (pure functions (args, kwargs, out) -> OpCost) that op records reference
     "mm_cost", "addmm_cost", "bmm_cost", "baddbmm_cost", "matmul_cost", "linear_cost", "einsum_cost",
     "sdpa_cost", "convolution_cost", "convnd_cost", "conv_transpose_cost", "embedding_cost",
@@ -554,9 +553,6 @@ _VIEWS: set = set()
 _VIEW_IF_CONTIGUOUS: set = set()
 _SAVES: dict[object, str] = {}
 
-#: ``op_name`` of every view op, for callers that still compare names; filled with the table.
-VIEW_OPS: set[str] = set()
-
 #: What an op keeps for its backward (:func:`fxpar.cost.memory.activation_memory`).
 SAVES_KINDS = ("partners", "output", "input0", "stats", "qkvo", "nothing", "indices", "mask")
 
@@ -580,7 +576,6 @@ def set_op_cost(op: Any, rule: Rule | None = None, *, view: bool | str = False, 
                 _INPLACE[inplace] = rule
     if view is True:
         _VIEWS.add(op)
-        VIEW_OPS.add(op_name(op))
     elif view == "if_contiguous":
         _VIEW_IF_CONTIGUOUS.add(op)
     if saves is not None:

@@ -370,7 +370,7 @@ def _inline_set_grad_regions(gm: fx.GraphModule) -> None:
                     continue
                 env[sn] = graph.node_copy(sn, lambda n: env[n])
         # Recomputed per region: earlier inlining created new nodes.
-        grad = _grad_carrying(gm)
+        grad = {n for n, f in ir.grad_flags(gm, prune=False).items() if f}
         needs_detach = any(isinstance(o, fx.Node) and o in grad for o in operands)
         for u in users:
             r = results[u.args[1]]
@@ -397,19 +397,6 @@ def _views_to_reshapes(gm: fx.GraphModule) -> None:
     """
     for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
         n.target = torch.ops.aten.reshape.default
-
-
-def _grad_carrying(gm: fx.GraphModule) -> set[fx.Node]:
-    """Nodes whose value may depend on a tensor that requires grad (forward reachability)."""
-    out: set[fx.Node] = set()
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            v = n.meta.get(ir.VAL)
-            if isinstance(v, torch.Tensor) and v.requires_grad:
-                out.add(n)
-        elif any(a in out for a in n.all_input_nodes):
-            out.add(n)
-    return out
 
 
 def _fill_missing_vals(gm: fx.GraphModule) -> None:

@@ -22,9 +22,9 @@ import fxpar
 from fxpar import ir
 from fxpar.errors import PlanError
 from fxpar.planner import PlannerOptions, build_problem, plan_graph, solution_to_plan
-from fxpar.spec import grad_in_spec
+from fxpar.reshard import LOCAL_KINDS
 from fxpar.solver import brute_force, solve
-from fxpar.spec import Spec
+from fxpar.spec import Spec, grad_in_spec
 from fxpar.strategies.base import Strategy
 
 aten = torch.ops.aten
@@ -128,8 +128,7 @@ def test_tight_memory_picks_megatron_col_row_one_allreduce(a100):
     assert p.node("p_fc2_weight").outputs == ("S(1)",)
     ars = p.steps(kind="all_reduce")
     assert len(ars) == 1 and ars[0][0].producer == "linear_1" and ars[0][0].direction == "fwd"
-    local = {"chunk", "to_partial", "rescale"}
-    assert {k for k in p.comm_by() if k[0] not in local} == {("all_reduce", "tp")}
+    assert {k for k in p.comm_by() if k[0] not in LOCAL_KINDS} == {("all_reduce", "tp")}
     assert p.memory <= budget
 
 

@@ -52,9 +52,10 @@ from fxpar.plan_data import EdgePlan, NodePlan, Plan, StepCost
 from fxpar.planner.pins import match_pins, squeeze, unsqueeze
 from fxpar.planner.pricing import (EdgePricer, compute_times, finalize_spec, node_key,
                                    node_memory, output_meta)
-from fxpar.reshard import reshard_costs, reshard_plan
+from fxpar.reshard import LOCAL_KINDS, reshard_costs, reshard_plan
 from fxpar.solver import Solution, StrategyProblem, solve
 from fxpar.spec import Spec, grad_in_spec, grad_out_spec
+from fxpar.strategies import strategies_for, unsharded_strategy
 from fxpar.strategies.base import Strategy
 
 __all__ = ["PlannerOptions", "BuiltProblem", "build_problem", "plan_graph", "plan_and_keep",
@@ -89,37 +90,9 @@ class PlannerOptions:
 # ---------------------------------------------------------------------------------------------
 # strategies
 # ---------------------------------------------------------------------------------------------
-def _n_outputs(node: fx.Node) -> int:
-    v = node.meta.get(ir.VAL)
-    if isinstance(v, (tuple, list)):
-        return sum(isinstance(x, torch.Tensor) for x in v)
-    return 1 if isinstance(v, torch.Tensor) else 0
-
-
-def _replicate(node: fx.Node, mesh) -> Strategy:
-    r = Spec.replicate(mesh.ndim)
-    ins = tuple(r if isinstance(a.meta.get(ir.VAL), (torch.Tensor, tuple, list)) else None
-                for a in node.all_input_nodes)
-    return Strategy(ins, (r,) * max(1, _n_outputs(node)), "R", unsharded=True)
-
-
 def default_strategies() -> Callable:
-    """``fxpar.strategies.strategies_for`` if it exists, else the replicate-only fallback."""
-    try:
-        from fxpar.strategies import strategies_for  # type: ignore[attr-defined]
-
-        return strategies_for
-    except ImportError:
-        return lambda node, mesh: [_replicate(node, mesh)]
-
-
-def _default_rules():
-    try:
-        from fxpar.strategies import strategies_for  # type: ignore[attr-defined]
-
-        return strategies_for
-    except ImportError:
-        return None
+    """The candidate generator used when none is given: :func:`fxpar.strategies.strategies_for`."""
+    return strategies_for
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,7 +168,7 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
     # parameter kind) get the same strategy list object and cost/memory vectors: the copies
     # of a repeated block are computed once. Only for the default rules, which read nothing
     # else of a node; a user's ``strategies`` callable is called on every node.
-    share = strategies is _default_rules()
+    share = strategies is strategies_for
     by_key: dict[tuple, tuple] = {}
     strats: list[list[Strategy]] = []
     cost, mem, fwd, bwd = [], [], [], []
@@ -211,7 +184,7 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
             mem.append(m)
             continue
         cand = list(strategies(n, mesh) or [])
-        strats.append(cand if cand else [_replicate(n, mesh)])
+        strats.append(cand if cand else [unsharded_strategy(n, mesh.ndim)])
         f = np.zeros(len(strats[i]))
         b = np.zeros(len(strats[i]))
         m = np.zeros(len(strats[i]), dtype=np.int64)
@@ -294,7 +267,7 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
 # ---------------------------------------------------------------------------------------------
 def _steps(plan) -> tuple[StepCost, ...]:
     return tuple(StepCost(s.kind, s.axis_name, int(s.nbytes), float(s.time)) for s in plan.steps
-                 if s.time > 0 or s.kind not in ("chunk", "to_partial", "rescale"))
+                 if s.time > 0 or s.kind not in LOCAL_KINDS)
 
 
 def solution_to_plan(bp: BuiltProblem, choice: Sequence[int], *, kind: str = "auto",

@@ -53,7 +53,7 @@ import torch
 import torch.fx as fx
 
 from fxpar import ir
-from fxpar.cost.compute import VIEW_OPS, TensorArg, op_cost, op_name, op_time
+from fxpar.cost.compute import TensorArg, is_view, op_cost, op_time
 from fxpar.cost.memory import model_state_bytes
 from fxpar.cost.reshard import max_local_shape
 from fxpar.reshard import reshard_cost_table
@@ -118,7 +118,7 @@ def node_memory(node, strat: Strategy, mesh, flags, opts) -> int:
         if info is not None and info.kind == "param" and info.requires_grad:
             return int(model_state_bytes(local, optimizer=opts.optimizer, precision=opts.precision).total)
         return local * t.dtype.itemsize
-    if not flags.get(node, False) or (node.op == "call_function" and op_name(node.target) in VIEW_OPS):
+    if not flags.get(node, False) or (node.op == "call_function" and is_view(node.target)):
         return 0
     if node.target is operator.getitem:
         return 0
