@@ -32,7 +32,6 @@ needs 16; the tests use 16 devices.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 

@@ -1,22 +1,12 @@
-"""Program: a plan turned into per-rank GraphModules, and the runner that trains them.
+"""Program: a plan turned into per-rank GraphModules.
 
 ``fxpar.compile(model, cluster, ...)`` returns a :class:`Program`: the :class:`~fxpar.Plan`,
 the captured graph, and (lazily) the distributed graph after the global passes
 (:data:`fxpar.passes.lowering.GLOBAL_PASSES`). ``program.rank_graph(r)`` runs the per-rank passes
 for rank ``r``. Under ``torchrun`` (a process group initialized), ``program.runner()`` builds
-this rank's :class:`~fxpar.runtime.runner.Runner`:
-
-1. all ranks exchange the plan hash, then check the world size against the mesh: a mismatch
-   raises :class:`PlanError` on every rank before any collective of the program runs;
-2. materializes only this rank's shards of parameters and buffers
-   (:func:`fxpar.runtime.materialize.local_state`: from the model's real tensors, a state
-   dict / checkpoint path, or ``"init"`` on a meta model);
-3. hands every trainable parameter to :class:`fxpar.runtime.model_state.ModelStates` with its
-   replica group (the mesh axes over which its gradient is a partial sum) and the AMSP factors
-   ``s_g``/``s_os``; the gradient of each parameter use goes there (asynchronous, bucketed);
-4. ``runner.step(*batch)`` slices this rank's piece of the global batch (or takes a local batch
-   with ``local_batch=True``), runs forward and backward, reduces gradients, steps the
-   optimizer on local shards and returns the loss (the same value on every rank).
+this rank's :class:`~fxpar.runtime.runner.Runner` (what it does, step by step, is in
+:mod:`fxpar.runtime.runner`). Rank graphs are cached per rank: they hold no runtime state, so
+every runner of the Program shares them.
 
 ``Program.save(path)`` writes the plan with the model's parameter signature and the example
 input shapes; ``fxpar.load(path, model)`` re-captures the model from those shapes and checks
@@ -28,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np

@@ -7,7 +7,7 @@ import torch
 
 import fxpar
 from fxpar.api import compile, plan
-from fxpar.errors import FxparError, PlanError
+from fxpar.errors import PlanError
 from fxpar.plan_data import Plan
 
 from test_planner import mlp_graph, toy_strategies

@@ -11,7 +11,6 @@ product over axes.
 from __future__ import annotations
 
 import itertools
-import operator
 import subprocess
 import sys
 

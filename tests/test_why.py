@@ -3,7 +3,6 @@ and the reductions' removal log (``reduce_problem(..., explain=True)``)."""
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest

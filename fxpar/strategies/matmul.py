@@ -25,7 +25,7 @@ import torch
 
 from fxpar.cost.compute import (addmm_cost, baddbmm_cost, bmm_cost, einsum_cost, linear_cost, matmul_cost,
                                 mm_cost)
-from fxpar.strategies.base import P, R, S, AxisStrategy, bound, choice, declare, register, tensor_shape
+from fxpar.strategies.base import P, R, S, bound, choice, declare, register, tensor_shape
 
 aten = torch.ops.aten
 

@@ -214,7 +214,6 @@ def getitem_rule(node: fx.Node):
 @register(aten.detach, cost=view_cost, view=True, differentiable=False)
 @register(aten.alias, cost=view_cost, view=True)
 def identity_rule(node: fx.Node):
-    b = bound(node)
     o = tensor_shape(node)
     if o is None:
         return
