@@ -60,19 +60,6 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("fxpar.units", ("fxpar.",)),
 ]
 
-# Modules that cannot be imported on their own while the runtime restructure (issue #9) is in
-# progress: they use ``torch.ops.fxpar.*`` at module level without importing the module that
-# registers those ops (fxpar.runtime.comm), so only an import order that happens to load it
-# first works. Their edge checks cannot run either. xfail(strict=False): they pass (XPASS)
-# once fixed; then delete the entry.
-_IN_PROGRESS = "runtime restructure in progress"
-KNOWN_IMPORT: dict[str, str] = {}
-#: (module, forbidden prefix) pairs known to be violated by code under rewrite elsewhere
-KNOWN: dict[tuple[str, str], str] = {}
-#: a module-level import cycle through one of these is the one the restructure removes
-KNOWN_CYCLE_MEMBERS: dict[str, str] = {}
-
-
 def _applies(rule: str, mod: str) -> bool:
     return mod == rule or mod.startswith(rule + ".")
 
@@ -123,13 +110,7 @@ _CASES = [(mod, bad) for mod in MODULES for rule, bads in RULES if _applies(rule
           for bad in bads]
 
 
-def _param(mod: str, bad: str):
-    why = KNOWN.get((mod, bad)) or KNOWN_IMPORT.get(mod)
-    marks = [pytest.mark.xfail(reason=why, strict=False)] if why else []
-    return pytest.param(mod, bad, marks=marks, id=f"{mod}-/->{bad}")
-
-
-@pytest.mark.parametrize("mod,bad", [_param(m, b) for m, b in _CASES])
+@pytest.mark.parametrize("mod,bad", [pytest.param(m, b, id=f"{m}-/->{b}") for m, b in _CASES])
 def test_forbidden_edge(loaded, mod, bad):
     got = loaded[mod]
     assert "error" not in got, f"importing {mod} alone failed: {got['error']}"
@@ -140,9 +121,7 @@ def test_forbidden_edge(loaded, mod, bad):
     assert not hits, f"importing {mod} loads {hits[:8]} (forbidden: {bad})"
 
 
-@pytest.mark.parametrize("mod", [
-    pytest.param(m, marks=[pytest.mark.xfail(reason=KNOWN_IMPORT[m], strict=False)]
-                 if m in KNOWN_IMPORT else []) for m in MODULES])
+@pytest.mark.parametrize("mod", list(MODULES))
 def test_module_imports_alone(loaded, mod):
     assert "error" not in loaded[mod], f"importing {mod} alone failed: {loaded[mod]['error']}"
 
@@ -263,8 +242,6 @@ def _package_cycle(comp: list[str], g) -> bool:
 def test_no_import_cycle():
     g = import_graph()
     bad = [c for c in _cycles(g) if not _package_cycle(c, g)]
-    if bad and all(set(c) & set(KNOWN_CYCLE_MEMBERS) for c in bad):
-        pytest.xfail(f"{_IN_PROGRESS}: {bad}")
     assert not bad, f"module-level import cycles: {bad}"
 
 
