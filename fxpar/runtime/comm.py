@@ -51,15 +51,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.fx
-from torch.library import custom_op
 
 from fxpar.cost.reshard import LOCAL_KINDS
 from fxpar.reshard import ReshardPlan
 from fxpar.runtime import redistribute as rt
 from fxpar.runtime.bindings import current
+from fxpar.runtime.library import define
 from fxpar.spec import Partial
 
-__all__ = ["Edge", "grad_scale", "Regather", "COMM_OPS", "START", "WAIT", "REDISTRIBUTE", "GRAD_MODES"]
+__all__ = ["Edge", "grad_scale", "Regather", "COMM_OPS", "START", "WAIT", "REDISTRIBUTE", "EDGE_GRAD",
+           "SINK_GRAD", "GRAD_MODES"]
 
 #: The gradient destinations of an edge (module docstring).
 GRAD_MODES = ("none", "identity", "reshard", "sink")
@@ -237,8 +238,7 @@ def _fresh(out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@custom_op("fxpar::start", mutates_args=(), schema="(Tensor[] xs, str[] edges) -> Tensor")
-def start(xs: list[torch.Tensor], edges: list[str]) -> torch.Tensor:
+def _start(xs: list[torch.Tensor], edges: list[str]) -> torch.Tensor:
     b = current()
     es = [b.edge(n) for n in edges]
     pending = rt.start([e.fwd for e in es], [x.detach() for x in xs], b.device_mesh)
@@ -247,20 +247,7 @@ def start(xs: list[torch.Tensor], edges: list[str]) -> torch.Tensor:
     return xs[0].new_empty(0)
 
 
-@start.register_fake
-def _(xs, edges):
-    return xs[0].new_empty(0)
-
-
-def _token(ctx, inputs, output) -> None:
-    ctx.mark_non_differentiable(output)  # the token carries no gradient (the wait's x does)
-
-
-start.register_autograd(lambda ctx, g: (None, None), setup_context=_token)
-
-
-@custom_op("fxpar::wait", mutates_args=())
-def wait(token: torch.Tensor, x: torch.Tensor, edge: str, shape: list[int], grad: str) -> torch.Tensor:
+def _wait(token: torch.Tensor, x: torch.Tensor, edge: str, shape, grad: str) -> torch.Tensor:
     b = current()
     e = b.edge(edge)
     try:
@@ -270,8 +257,7 @@ def wait(token: torch.Tensor, x: torch.Tensor, edge: str, shape: list[int], grad
     return _registered(b, rt.finish(pending)[index], x, e, pending, index)
 
 
-@custom_op("fxpar::redistribute", mutates_args=())
-def redistribute(x: torch.Tensor, edge: str, shape: list[int], grad: str) -> torch.Tensor:
+def _redistribute(x: torch.Tensor, edge: str, shape, grad: str) -> torch.Tensor:
     b = current()
     e = b.edge(edge)
     if not e.fwd.steps:  # a gradient-only edge: identity forward (an op may not return its input)
@@ -280,14 +266,12 @@ def redistribute(x: torch.Tensor, edge: str, shape: list[int], grad: str) -> tor
     return _registered(b, out, x, e) if e.fwd.nbytes else out
 
 
-@custom_op("fxpar::edge_grad", mutates_args=())
-def edge_grad(g: torch.Tensor, edge: str, shape: list[int]) -> torch.Tensor:
+def _edge_grad(g: torch.Tensor, edge: str, shape) -> torch.Tensor:
     b = current()
     return _fresh(b.edge(edge).grad(g, b.device_mesh), g)
 
 
-@custom_op("fxpar::sink_grad", mutates_args=())
-def sink_grad(g: torch.Tensor, edge: str) -> None:
+def _sink_grad(g: torch.Tensor, edge: str) -> None:
     b = current()
     e = b.edge(edge)
     if b.sink is None:
@@ -295,38 +279,29 @@ def sink_grad(g: torch.Tensor, edge: str) -> None:
     b.sink(e, (g * e.scale if e.scale != 1.0 else g).contiguous())
 
 
-torch.fx.node.has_side_effect(torch.ops.fxpar.sink_grad.default)
+def _grad_of_x(x: torch.Tensor, edge: str, mode: str, g: torch.Tensor):
+    """The gradient of an edge's source ``x`` by the static ``mode`` (module docstring)."""
+    if mode == "identity":
+        return g
+    if mode == "reshard":
+        return EDGE_GRAD(g, edge, list(x.shape))
+    if mode == "sink":
+        SINK_GRAD(g, edge)
+    return None
 
 
-wait.register_fake(lambda token, x, edge, shape, grad: x.new_empty(shape))
-redistribute.register_fake(lambda x, edge, shape, grad: x.new_empty(shape))
-edge_grad.register_fake(lambda g, edge, shape: g.new_empty(shape))
-sink_grad.register_fake(lambda g, edge: None)
-
-
-def _setup(ctx, inputs, output) -> None:
-    # (token, x, edge, shape, grad) for wait; (x, edge, shape, grad) for redistribute
-    x, edge, grad = inputs[-4], inputs[-3], inputs[-1]
-    ctx.edge, ctx.mode, ctx.in_shape = edge, grad, list(x.shape)
-
-
-def _backward(ctx, g):
-    if ctx.mode == "identity":
-        gx = g
-    elif ctx.mode == "reshard":
-        gx = torch.ops.fxpar.edge_grad(g, ctx.edge, ctx.in_shape)
-    elif ctx.mode == "sink":
-        torch.ops.fxpar.sink_grad(g, ctx.edge)
-        gx = None
-    else:
-        gx = None
-    return gx
-
-
-wait.register_autograd(lambda ctx, g: (None, _backward(ctx, g), None, None, None), setup_context=_setup)
-redistribute.register_autograd(lambda ctx, g: (_backward(ctx, g), None, None, None), setup_context=_setup)
+START = define("fxpar::start(Tensor[] xs, str[] edges) -> Tensor", _start,
+               fake=lambda xs, edges: xs[0].new_empty(0), differentiable=False)
+WAIT = define("fxpar::wait(Tensor token, Tensor x, str edge, SymInt[] shape, str grad) -> Tensor", _wait,
+              fake=lambda token, x, edge, shape, grad: x.new_empty(shape),
+              backward=lambda a, g: (None, _grad_of_x(a[1], a[2], a[4], g), None, None, None))
+REDISTRIBUTE = define("fxpar::redistribute(Tensor x, str edge, SymInt[] shape, str grad) -> Tensor",
+                      _redistribute, fake=lambda x, edge, shape, grad: x.new_empty(shape),
+                      backward=lambda a, g: (_grad_of_x(a[0], a[1], a[3], g), None, None, None))
+EDGE_GRAD = define("fxpar::edge_grad(Tensor g, str edge, SymInt[] shape) -> Tensor", _edge_grad,
+                   fake=lambda g, edge, shape: g.new_empty(shape))
+SINK_GRAD = define("fxpar::sink_grad(Tensor g, str edge) -> ()", _sink_grad, fake=lambda g, edge: None)
+torch.fx.node.has_side_effect(SINK_GRAD)  # no output: compilers must keep it for its effect
 
 #: The communication ops an emitted graph may hold (overloads, as graph nodes name them).
-START, WAIT, REDISTRIBUTE = (torch.ops.fxpar.start.default, torch.ops.fxpar.wait.default,
-                             torch.ops.fxpar.redistribute.default)
 COMM_OPS = frozenset({START, WAIT, REDISTRIBUTE})

@@ -22,11 +22,11 @@ tensor([[0., 0.],
 from __future__ import annotations
 
 import torch
-from torch.library import custom_op
 
 from fxpar.runtime.bindings import current
+from fxpar.runtime.library import define
 
-__all__ = ["vocab_parallel_embedding", "keep_mask", "sharded_dropout"]
+__all__ = ["vocab_parallel_embedding", "KEEP_MASK", "SHARDED_DROPOUT"]
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, start: int,
@@ -43,8 +43,7 @@ def vocab_parallel_embedding(weight: torch.Tensor, indices: torch.Tensor, start:
     return out * inside.unsqueeze(-1).to(out.dtype)
 
 
-@custom_op("fxpar::keep_mask", mutates_args=())
-def keep_mask(x: torch.Tensor, p: float, site: int, shard_key: list[int]) -> torch.Tensor:
+def _keep_mask(x: torch.Tensor, p: float, site: int, shard_key: list[int]) -> torch.Tensor:
     from fxpar.runtime.rng import keep_mask as draw
 
     tracker = current().tracker
@@ -53,36 +52,32 @@ def keep_mask(x: torch.Tensor, p: float, site: int, shard_key: list[int]) -> tor
     return draw(x.shape, p, site=site, shard_key=shard_key, tracker=tracker, device=x.device)
 
 
-keep_mask.register_fake(lambda x, p, site, shard_key: torch.empty(x.shape, dtype=torch.bool, device=x.device))
-
-
-@custom_op("fxpar::sharded_dropout", mutates_args=())
-def sharded_dropout(x: torch.Tensor, p: float, train: bool, site: int,
-                    shard_key: list[int]) -> torch.Tensor:
-    """``aten.dropout(x, p, train)`` with a shard-aware mask: ``x * keep_mask(x, p, site,
-    shard_key) * (1 / (1 - p))`` (the arithmetic of :func:`fxpar.runtime.rng.dropout`, so masks
-    and values match it bit for bit). Backward draws the same mask again (it is a function of
-    the tracker's step and microbatch, the site and the shard key: nothing is saved) and
-    returns ``g * mask * (1 / (1 - p))``. ``train=False`` or ``p == 0``: a copy of ``x``."""
-    if not train or p == 0.0:
-        return x.clone()
-    return x * keep_mask(x, p, site, shard_key) * _scale(p)
-
-
 def _scale(p: float) -> float:
     return 0.0 if p == 1.0 else 1.0 / (1.0 - p)
 
 
-def _dropout_setup(ctx, inputs, output) -> None:
-    ctx.args = inputs[1:]
+def _sharded_dropout(x: torch.Tensor, p: float, train: bool, site: int, shard_key: list[int]) -> torch.Tensor:
+    if not train or p == 0.0:
+        return x.clone()
+    return x * KEEP_MASK(x, p, site, shard_key) * _scale(p)
 
 
-def _dropout_backward(ctx, g):
-    p, train, site, key = ctx.args
+def _dropout_backward(args, g):
+    _, p, train, site, key = args
     if not train or p == 0.0:
         return g, None, None, None, None
-    return g * torch.ops.fxpar.keep_mask(g, p, site, key) * _scale(p), None, None, None, None
+    return g * KEEP_MASK(g, p, site, key) * _scale(p), None, None, None, None
 
 
-sharded_dropout.register_fake(lambda x, p, train, site, shard_key: torch.empty_like(x))
-sharded_dropout.register_autograd(_dropout_backward, setup_context=_dropout_setup)
+KEEP_MASK = define("fxpar::keep_mask(Tensor x, float p, int site, int[] shard_key) -> Tensor", _keep_mask,
+                   fake=lambda x, p, site, shard_key: torch.empty(x.shape, dtype=torch.bool, device=x.device),
+                   differentiable=False)
+#: ``aten.dropout(x, p, train)`` with a shard-aware mask: ``x * keep_mask(x, p, site, shard_key)
+#: * (1 / (1 - p))`` (the arithmetic of :func:`fxpar.runtime.rng.dropout`, so masks and values
+#: match it bit for bit). Backward draws the same mask again (a function of the tracker's step
+#: and microbatch, the site and the shard key: nothing is saved) and returns
+#: ``g * mask * (1 / (1 - p))``. ``train=False`` or ``p == 0``: a copy of ``x``.
+SHARDED_DROPOUT = define(
+    "fxpar::sharded_dropout(Tensor x, float p, bool train, int site, int[] shard_key) -> Tensor",
+    _sharded_dropout, fake=lambda x, p, train, site, shard_key: torch.empty_like(x),
+    backward=_dropout_backward)
