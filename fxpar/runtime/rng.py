@@ -24,10 +24,12 @@ Consequences worth knowing:
 * Masks are drawn in float32 (``torch.rand(...) >= p``) on the tensor's device, so the mask
   does not depend on the tensor's dtype; CPU and CUDA draw different masks.
 
-The runtime replaces ``aten.dropout`` / ``aten.native_dropout`` /
-``torch.nn.functional.dropout`` nodes by :func:`dropout` / :func:`native_dropout` with the
-node's site and the rank's shard key, calls :meth:`RNGTracker.next_step` once per training
-step and :meth:`RNGTracker.set_microbatch` before each microbatch.
+The ``localize`` pass replaces a training ``aten.dropout`` node by
+``torch.ops.fxpar.sharded_dropout`` (:mod:`fxpar.runtime.ops`; the same arithmetic as
+:func:`dropout`) with the node's site and the rank's shard key; the runner binds its tracker,
+calls :meth:`RNGTracker.next_step` once per training step, and a pipeline interpreter calls
+:meth:`RNGTracker.set_microbatch` before each microbatch's forward AND backward (the backward
+draws the mask again).
 
 >>> import torch
 >>> from fxpar.spec import Spec
