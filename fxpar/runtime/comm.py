@@ -40,7 +40,10 @@ from the :class:`~fxpar.runtime.bindings.Bindings` active at call time::
   side-effecting op, so compilers keep it).
 
 ``shape`` is the destination's LOCAL shape (fake/meta kernels need it); every op runs on
-``meta``/fake tensors without bindings, so a rank graph can be shape-checked and traced.
+``meta``/fake tensors without bindings, so a rank graph can be shape-checked and traced. The
+result of ``wait``/``redistribute`` is always a contiguous tensor (its fake kernel is
+``x.new_empty(shape)``; the runtime keeps that contract, see :mod:`fxpar.runtime.redistribute`),
+so an op after a collective sees the layout of a fresh eager tensor, never a padded buffer.
 """
 
 from __future__ import annotations
@@ -260,8 +263,8 @@ def _wait(token: torch.Tensor, x: torch.Tensor, edge: str, shape, grad: str) -> 
 def _redistribute(x: torch.Tensor, edge: str, shape, grad: str) -> torch.Tensor:
     b = current()
     e = b.edge(edge)
-    if not e.fwd.steps:  # a gradient-only edge: identity forward (an op may not return its input)
-        return x.clone()
+    if not e.fwd.steps:  # a gradient-only edge: identity forward (an op may not return its input);
+        return x.clone(memory_format=torch.contiguous_format)  # contiguous, as the fake kernel says
     out = _fresh(rt.execute(e.fwd, x.detach(), b.device_mesh), x)
     return _registered(b, out, x, e) if e.fwd.nbytes else out
 

@@ -11,6 +11,14 @@ chunks are short, the real data of the ``G`` padded blocks laid end to end is a 
 length ``n``: one ``narrow`` trims it. A group whose padded buffers are empty skips the
 collective (every member of that group sees the same padded shapes, so they agree).
 
+**Layout contract.** Every tensor :func:`execute`, :func:`execute_many` and :func:`finish`
+return is contiguous (row-major, storage offset 0, no padding), as the fake kernels of the
+communication ops (``x.new_empty(shape)``) and eager PyTorch's fresh tensors are. The trims
+above are views into padded buffers (``narrow`` on a dim other than 0 is not contiguous), and
+ops that read raw storage (``resize_``, ``as_strided``, ``set_``, ``.view`` after a gather)
+would otherwise see the padding; so the result of the last step is made contiguous once, in
+:func:`finish` (a copy only where a trim left a strided view).
+
 :func:`execute_many` runs many plans at once and coalesces their collectives (one per mesh
 axis, kind, op and dtype per round).
 
@@ -399,7 +407,8 @@ def start(plans: Sequence, locals_: Sequence[torch.Tensor], mesh) -> Pending:
 
 
 def finish(p: Pending) -> list[torch.Tensor]:
-    """Wait for round 0 of :func:`start`, then run the remaining rounds; new local tensors."""
+    """Wait for round 0 of :func:`start`, then run the remaining rounds; new local tensors,
+    each contiguous (the layout contract of the module docstring)."""
     if p.done is not None:
         return p.done
     cur = list(p.locals_)
@@ -413,5 +422,6 @@ def finish(p: Pending) -> list[torch.Tensor]:
                           for j in live], p.device_mesh, p.mesh_shape)
         for j, t in zip(live, new):
             cur[j] = t
+    cur = [t.contiguous() for t in cur]  # the layout contract (module docstring)
     p.done, p.locals_ = cur, []
     return cur
