@@ -681,6 +681,37 @@ class ModelStates:
             p.master.grad = None
 
     # -- inspection ------------------------------------------------------------------------
+    def grad_norm_term(self, norm_type: float, copies: Mapping[str, int]) -> torch.Tensor:
+        """This rank's share of ``Σ |g|^p`` over every distinct gradient element (fp32 scalar;
+        for ``p = inf`` the max ``|g|``), after :meth:`finish_backward`.
+
+        A rank holds chunk ``b`` of each reduced gradient (``s_g`` chunks per replica group of
+        ``n``), and ``n/s_g`` ranks of the group hold that same chunk; ``copies[fqn]`` says how
+        many more identical copies of the parameter's storage exist outside its replica group
+        (mesh axes where the plan replicates it and nothing is reduced; default 1). So element
+        sums are weighted by ``s_g / (n · copies)``: summed over all ranks (``all_reduce``),
+        each distinct element counts once. Padding is zero and adds nothing."""
+        inf = norm_type == float("inf")
+        total = torch.zeros((), dtype=torch.float32)
+        for bk in self._buckets:
+            if bk.reduced is None:
+                continue
+            for p in bk.params:
+                g = bk.reduced[p.off:p.off + p.cg].float()
+                if inf:
+                    total = torch.maximum(total, g.abs().max().cpu() if g.numel() else total)
+                else:
+                    w = bk.lay.s_g / (bk.lay.n * copies.get(p.fqn, 1))
+                    total = total + g.abs().pow(norm_type).sum().cpu() * w
+        return total
+
+    def scale_grads(self, factor: float) -> None:
+        """Multiply every reduced gradient chunk by ``factor`` (gradient clipping)."""
+        with torch.no_grad():
+            for bk in self._buckets:
+                if bk.reduced is not None:
+                    bk.reduced.mul_(factor)
+
     def grads(self) -> dict[str, torch.Tensor]:
         """Every parameter's fully reduced local gradient (storage shape). Collective when
         ``s_g > 1`` (gathers the chunks); for tests and debugging, not the hot path."""

@@ -226,6 +226,36 @@ class Runner:
         self.tracker.next_step()
         return loss.detach()
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the reduced gradients as ``torch.nn.utils.clip_grad_norm_`` does on one process:
+        the ``norm_type``-norm of ALL gradients together (every distinct element once: over
+        this rank's gradient chunks, weighted by how many ranks hold the same chunk — replica
+        groups, ``s_g`` sharding, mesh axes the plan replicates the parameter on — and summed
+        over the world), then every gradient times ``min(1, max_norm / (norm + 1e-6))``.
+        Call between :meth:`forward_backward` and :meth:`optimizer_step`; collective; returns
+        the total norm (the same on every rank).
+
+        ``‖g‖_p = (Σ_ranks Σ_{owned chunks} |g|^p · s_g / (n · copies))^(1/p)``;
+        ``p = inf``: the max over ranks of the max ``|g|``."""
+        import torch.distributed as dist
+
+        if self.states is None:
+            raise FxparError("clip_grad_norm_ needs a program compiled with training=True")
+        norm_type = float(norm_type)
+        replica = self.gm.meta.get(ir.REPLICA_AXES, {})
+        copies = {}
+        for fqn, spec in self.specs.items():
+            axes = replica.get(fqn, ())
+            copies[fqn] = int(np.prod([g for a, (g, pl) in enumerate(zip(self.mesh.shape, spec))
+                                       if pl.is_replicate() and self.mesh.axis_names[a] not in axes]))
+        term = self.states.grad_norm_term(norm_type, copies).to(self.device)
+        inf = norm_type == float("inf")
+        dist.all_reduce(term, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+        total = term if inf else term.pow(1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        self.states.scale_grads(float(coef))
+        return total
+
     def optimizer_step(self) -> None:
         """Optimizer step on the local shards, parameters restored, gradients zeroed."""
         self.states.step()
