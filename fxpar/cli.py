@@ -1,4 +1,4 @@
-"""The ``fxpar`` command.
+"""The ``fxpar`` command (``fxpar COMMAND --help`` for each one's options).
 
 ``fxpar demo``                 compile a small GPT for 4 local processes, print the plan and
                                rank 0's program, train it on 4 gloo processes next to a
@@ -7,6 +7,15 @@
 ``fxpar reshard SRC DST ...``  print the cheapest redistribution between two specs, e.g.
                                ``fxpar reshard "S(0)S(1)" RR --cluster dgx-a100 --nodes 2
                                --mesh dp=2,tp=8 --shape 4096,4096 --dtype bfloat16``
+``fxpar plan FILE.py:FUNC``    plan your model: ``FUNC()`` returns ``(model, example_inputs)``
+                               (or ``(model, inputs, kwargs)``; a meta-device model is fine);
+                               prints each phase's time (stderr) and ``explain()``; ``--json``
+                               writes the plan
+``fxpar explain PLAN.json``    print a saved plan (``--json`` output or ``Program.save``)
+``fxpar compare A.json B.json``  two plans of one model side by side: totals, per-layer costs,
+                               and every node whose strategy differs
+``fxpar dump FILE.py:FUNC --out DIR``  compile and write every rank's readable program to
+                               ``DIR/rank{r}.py``
 """
 
 from __future__ import annotations
@@ -48,6 +57,143 @@ def cmd_reshard(args) -> None:
     plan = reshard_plan(args.src, args.dst, mesh, shape, args.dtype)
     print(f"{mesh!r}, tensor {shape} {args.dtype}")
     print(plan.describe())
+
+
+def _load_target(target: str):
+    """``FILE.py:FUNC`` -> ``(model, args, kwargs)`` from ``FUNC()``."""
+    import importlib.util
+
+    path, _, func = target.rpartition(":")
+    if not path or not func:
+        raise SystemExit(f"expected FILE.py:FUNC, got {target!r}")
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    if spec is None or not Path(path).exists():
+        raise SystemExit(f"no such file: {path}")
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(Path(path).resolve().parent))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.pop(0)
+    if not hasattr(mod, func):
+        raise SystemExit(f"{path} has no function {func!r}")
+    got = getattr(mod, func)()
+    if not isinstance(got, tuple) or len(got) not in (2, 3):
+        raise SystemExit(f"{target}() must return (model, example_inputs) or (model, inputs, kwargs)")
+    model, inputs = got[0], got[1]
+    import torch
+
+    args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    return model, args, (dict(got[2]) if len(got) == 3 else {})
+
+
+class _Phases:
+    """Prints ``[fxpar] phase ... 1.23 s`` to stderr as each phase ends (the progress a
+    terminal user sees; stdout keeps the result)."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+
+    def run(self, name: str, fn, *a, **kw):
+        import time
+
+        print(f"[fxpar] {name} ...", end="", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        out = fn(*a, **kw)
+        self.times[name] = time.perf_counter() - t0
+        print(f" {self.times[name]:.2f} s", file=sys.stderr, flush=True)
+        return out
+
+
+def _plan_target(args, phases: _Phases):
+    import fxpar
+
+    model, inputs, kwargs = phases.run("build model (your code)", _load_target, args.target)
+    gm = phases.run("capture", fxpar.capture, model, inputs, kwargs)
+    mesh = _parse_mesh(args.mesh) if args.mesh else None
+    planned = phases.run(f"plan {args.plan}", fxpar.plan, model, _cluster(args), inputs, kwargs,
+                         mesh=mesh, plan=args.plan, graph=gm, time_limit=args.time_limit)
+    for m, t in planned.tried:
+        print(f"[fxpar]   candidate {m}: predicted step {t * 1e3:.4g} ms", file=sys.stderr)
+    return planned
+
+
+def cmd_plan(args) -> None:
+    planned = _plan_target(args, _Phases())
+    print(planned.explain())
+    if args.json:
+        Path(args.json).write_text(planned.plan.to_json(indent=1))
+        print(f"[fxpar] wrote {args.json}", file=sys.stderr)
+
+
+def _read_plan(path: str):
+    import json
+
+    from fxpar.plan_data import Plan
+
+    d = json.loads(Path(path).read_text())
+    return Plan.from_dict(d["plan"] if d.get("fxpar_program") == 1 else d)
+
+
+def cmd_explain(args) -> None:
+    print(_read_plan(args.plan).explain())
+
+
+def compare_plans(a, b, names=("A", "B")) -> str:
+    """Two plans of one model side by side (as autoparallel's ``diff_solutions``): totals with
+    deltas, per-layer compute/comm/memory deltas, then every node whose strategy differs."""
+    from fxpar.units import fmt_bytes
+
+    def ms(t):
+        return f"{t * 1e3:.4g}"
+
+    lines = [f"{names[0]}: {a}", f"{names[1]}: {b}", "",
+             f"  {'':<10}{names[0]:>12}{names[1]:>12}{'delta':>12}"]
+    for label, x, y, f in (("step ms", a.time, b.time, ms), ("compute ms", a.compute, b.compute, ms),
+                           ("comm ms", a.comm, b.comm, ms), ("memory", a.memory, b.memory, fmt_bytes)):
+        d = y - x
+        lines.append(f"  {label:<10}{f(x):>12}{f(y):>12}{('+' if d >= 0 else '-') + f(abs(d)):>12}")
+    la, lb = {r["layer"]: r for r in a.layers()}, {r["layer"]: r for r in b.layers()}
+    lines += ["", "per layer (B - A): compute ms, comm ms, memory"]
+    for layer in list(la) + [x for x in lb if x not in la]:
+        ra, rb = la.get(layer), lb.get(layer)
+        ca = (ra["fwd"] + ra["bwd"]) if ra else 0.0
+        cb = (rb["fwd"] + rb["bwd"]) if rb else 0.0
+        ma, mb = (sum(ra["comm"].values()) if ra else 0.0), (sum(rb["comm"].values()) if rb else 0.0)
+        mema, memb = (ra["memory"] if ra else 0), (rb["memory"] if rb else 0)
+        if (ca, ma, mema) != (cb, mb, memb):
+            lines.append(f"  {layer:<24} compute {ms(cb - ca):>9}  comm {ms(mb - ma):>9}  "
+                         f"memory {'+' if memb >= mema else '-'}{fmt_bytes(abs(memb - mema))}")
+    nb = {n.name: n for n in b.nodes}
+    diff = [(n, nb[n.name]) for n in a.nodes if n.name in nb and n.strategy != nb[n.name].strategy]
+    lines += ["", f"nodes whose strategy differs: {len(diff)} of {len(a.nodes)}"]
+    lines += [f"  {x.name} ({x.op}, {x.layer}): {x.strategy}  ->  {y.strategy}" for x, y in diff]
+    missing = sorted(set(nb) ^ {n.name for n in a.nodes})
+    if missing:
+        lines.append(f"nodes in only one plan (plans of different models?): {missing[:8]}")
+    return "\n".join(lines)
+
+
+def cmd_compare(args) -> None:
+    print(compare_plans(_read_plan(args.a), _read_plan(args.b), (args.a, args.b)))
+
+
+def cmd_dump(args) -> None:
+    import fxpar
+
+    phases = _Phases()
+    model, inputs, kwargs = phases.run("build model (your code)", _load_target, args.target)
+    prog = phases.run(f"capture + plan {args.plan}", fxpar.compile, model, _cluster(args), inputs,
+                      kwargs, plan=args.plan, training=not args.inference, time_limit=args.time_limit,
+                      mesh=_parse_mesh(args.mesh) if args.mesh else None)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def emit():
+        for r in prog.mesh.devices:
+            (out / f"rank{r}.py").write_text(prog.rank_graph(r).print_readable(print_output=False))
+    phases.run(f"emit {prog.mesh.size} rank programs", emit)
+    print(f"wrote {prog.mesh.size} files to {out}/ (rank0.py ... rank{prog.mesh.size - 1}.py)")
 
 
 def _import_examples():
@@ -147,8 +293,40 @@ def main(argv: list[str] | None = None) -> None:
     r.add_argument("--mesh", required=True, help="axes, e.g. dp=2,tp=4")
     r.add_argument("--shape", required=True, help="tensor shape, e.g. 1024,1024")
     r.add_argument("--dtype", default="float32")
+    for name, helptext in (("plan", "plan your model (FILE.py:FUNC returns (model, example_inputs))"),
+                           ("dump", "compile and write every rank's readable program to --out DIR")):
+        q = sub.add_parser(name, help=helptext, epilog=_EXAMPLES[name],
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+        q.add_argument("target", help="FILE.py:FUNC")
+        q.add_argument("--cluster", default="dgx-a100", help="preset name or 'local'")
+        q.add_argument("--nodes", type=int, default=1, help="nodes (or processes for 'local')")
+        q.add_argument("--mesh", help="axes, e.g. dp=4,tp=8 (default: searched)")
+        q.add_argument("--plan", default="auto", help="auto, dp, zero3, megatron or axonn")
+        q.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per mesh")
+        if name == "plan":
+            q.add_argument("--json", help="write the plan here")
+        else:
+            q.add_argument("--out", required=True, help="directory for rank{r}.py")
+            q.add_argument("--inference", action="store_true", help="forward-only programs")
+    e = sub.add_parser("explain", help="print a saved plan")
+    e.add_argument("plan", help="plan JSON (fxpar plan --json, or Program.save)")
+    c = sub.add_parser("compare", help="two plans of one model side by side")
+    c.add_argument("a")
+    c.add_argument("b")
     args = ap.parse_args(argv)
-    {"demo": cmd_demo, "presets": cmd_presets, "reshard": cmd_reshard}[args.cmd](args)
+    {"demo": cmd_demo, "presets": cmd_presets, "reshard": cmd_reshard, "plan": cmd_plan,
+     "explain": cmd_explain, "compare": cmd_compare, "dump": cmd_dump}[args.cmd](args)
+
+
+_EXAMPLES = {
+    "plan": """examples:
+  fxpar plan my_model.py:build --cluster dgx-a100 --nodes 8
+  fxpar plan my_model.py:build --cluster dgx-a100 --nodes 8 --mesh dp=8,tp=8 --plan megatron --json m.json
+  fxpar explain m.json
+  fxpar compare auto.json m.json""",
+    "dump": """examples:
+  fxpar dump my_model.py:build --cluster local --nodes 4 --mesh dp=2,tp=2 --out ranks/""",
+}
 
 
 if __name__ == "__main__":

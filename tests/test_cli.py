@@ -1,0 +1,81 @@
+"""The ``fxpar`` command on a small model: plan, explain, compare, dump (single process)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from fxpar.cli import main
+from fxpar.plan_data import Plan
+
+MODEL = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)), (torch.randn(8, 16),)
+""")
+COMMON = ["--cluster", "local", "--nodes", "4", "--mesh", "dp=2,tp=2"]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    (d / "m.py").write_text(MODEL)
+    return d, f"{d / 'm.py'}:build"
+
+
+@pytest.fixture(scope="module")
+def plans(target):
+    d, t = target
+    for kind in ("dp", "megatron"):
+        main(["plan", t, *COMMON, "--plan", kind, "--json", str(d / f"{kind}.json")])
+    return d
+
+
+def test_plan_prints_phases_and_explain(target, capsys):
+    d, t = target
+    main(["plan", t, *COMMON, "--plan", "megatron"])
+    out, err = capsys.readouterr()
+    assert out.startswith("plan megatron on Mesh(dp=2, tp=2)") and "unsharded ops" in out
+    for phase in ("build model (your code)", "capture", "plan megatron", "candidate Mesh(dp=2, tp=2"):
+        assert f"[fxpar] {phase}" in err or f"[fxpar]   {phase}" in err, err
+
+
+def test_plan_json_loads_and_explains_the_same(plans, capsys):
+    p = Plan.from_json((plans / "megatron.json").read_text())
+    assert p.kind == "megatron" and p.mesh["shape"] == (2, 2)
+    main(["explain", str(plans / "megatron.json")])
+    assert capsys.readouterr().out.strip() == p.explain()
+
+
+def test_compare_shows_the_known_difference(plans, capsys):
+    """dp replicates fc1's weight, megatron splits it by rows (column-parallel) over tp."""
+    main(["compare", str(plans / "dp.json"), str(plans / "megatron.json")])
+    out = capsys.readouterr().out
+    dp = Plan.from_json((plans / "dp.json").read_text())
+    meg = Plan.from_json((plans / "megatron.json").read_text())
+    assert f"{dp.time * 1e3:.4g}" in out and f"{meg.time * 1e3:.4g}" in out
+    line = next(x for x in out.splitlines() if x.strip().startswith("p_0_weight"))
+    assert line.rstrip().endswith("-> RS(0)") and "-> RR" in line
+    n = sum(a.strategy != b.strategy for a, b in zip(dp.nodes, meg.nodes))
+    assert f"nodes whose strategy differs: {n} of {len(dp.nodes)}" in out
+
+
+def test_dump_writes_one_program_per_rank(target, tmp_path, capsys):
+    _, t = target
+    main(["dump", t, *COMMON, "--plan", "megatron", "--out", str(tmp_path / "ranks")])
+    files = sorted(p.name for p in (tmp_path / "ranks").iterdir())
+    assert files == ["rank0.py", "rank1.py", "rank2.py", "rank3.py"]
+    text = (tmp_path / "ranks" / "rank3.py").read_text()
+    assert "class Rank1_1" in text and "torch.ops.fxpar.start.default" in text  # row all-reduce
+
+
+def test_bad_target_is_a_clear_exit(tmp_path):
+    with pytest.raises(SystemExit, match="FILE.py:FUNC"):
+        main(["plan", "nocolon", *COMMON])
+    (tmp_path / "x.py").write_text("def build():\n    return 1\n")
+    with pytest.raises(SystemExit, match="must return"):
+        main(["plan", f"{tmp_path / 'x.py'}:build", *COMMON])
