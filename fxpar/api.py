@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +34,7 @@ from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.plan_data import PLAN_KINDS, Plan
 from fxpar.planner import (BuiltProblem, PlannerOptions, axonn_meshes, baseline_mesh,
-                           baseline_pins, candidate_meshes, plan_and_keep)
+                           baseline_notes, baseline_pins, candidate_meshes, plan_and_keep)
 from fxpar.solver import Solution
 
 __all__ = ["plan", "compile", "Planned"]
@@ -126,9 +127,12 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
             continue
         tried.append((repr(msh), p.time))
         if best is None or p.time < best.time:
-            best, kept = p, (bp, sol)
+            best, best_mesh, kept = p, msh, (bp, sol)
     if best is None:
         raise PlanError(f"no {plan} plan on any candidate mesh: " + "; ".join(errors))
+    notes = baseline_notes(plan, gm, best_mesh)
+    if notes:
+        best = dataclasses.replace(best, notes=notes)
     return Planned(best, gm, tuple(tried), *kept)
 
 

@@ -124,6 +124,8 @@ class Plan:
     status: str
     options: Mapping = field(default_factory=dict)
     stats: Mapping = field(default_factory=dict, compare=False)
+    #: what a named baseline could not do as its recipe says (e.g. a parameter zero3 keeps whole)
+    notes: tuple[str, ...] = ()
 
     # -- lookups -----------------------------------------------------------------------
     def node(self, name: str) -> NodePlan:
@@ -219,6 +221,7 @@ class Plan:
         lines.append(f"communication: {comm or 'none'}")
         un = self.unsharded
         lines.append(f"unsharded ops (replicate-only fallback): {', '.join(un) if un else 'none'}")
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -249,6 +252,7 @@ class Plan:
             mesh["shape"] = tuple(mesh["shape"])
             mesh["devices"] = tuple(mesh["devices"])
             rest = {k: v for k, v in d.items() if k not in ("nodes", "edges", "mesh")}
+            rest["notes"] = tuple(rest.get("notes", ()))
             return cls(nodes=nodes, edges=edges, mesh=mesh, **rest)
         except (KeyError, TypeError) as e:
             raise PlanError(f"not a valid fxpar plan: {e}") from e

@@ -133,3 +133,18 @@ def test_megatron_baseline_on_moe_pins_every_block_alike():
     assert str(pins["model.layers.1.self_attn.q_proj.weight"]) == "RS(0)"  # column
     p = plan(model, cluster, (ids,), {"labels": ids}, plan="megatron", mesh={"dp": 1, "tp": 2})
     assert p.plan.kind == "megatron"
+
+
+def test_zero3_shards_what_it_can_and_notes_what_it_cannot():
+    """A ``[1, 1, 16]`` token is stored ``S(2)`` (dim 0 cannot split over 2 devices); a
+    1-element scale stays replicated and ``explain()`` says so; the note survives JSON."""
+    from test_runtime_parity import ClsNet
+
+    torch.manual_seed(0)
+    p = plan(ClsNet(), fxpar.Cluster.local(2), (torch.randn(8, 3, 16),),
+             mesh={"dp": 2}, plan="zero3").plan
+    assert p.node("p_cls").outputs == ("S(2)",) and p.node("p_fc_weight").outputs == ("S(0)",)
+    assert p.node("p_scale").outputs == ("R",)
+    assert p.notes == ("zero3: kept replicated (no dim splits over 2 devices): scale",)
+    assert "note: zero3: kept replicated (no dim splits over 2 devices): scale" in p.explain()
+    assert Plan.from_json(p.to_json()) == p

@@ -32,6 +32,21 @@ class CNN(nn.Module):
         return self.fc(x.flatten(1))
 
 
+class ClsNet(nn.Module):
+    """A ``[1, 1, h]`` class token and a 1-element scale: zero3 must shard the first on its
+    last dim and keep the second whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls = nn.Parameter(torch.randn(1, 1, 16))
+        self.scale = nn.Parameter(torch.ones(1))
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = torch.cat([self.cls.expand(x.shape[0], 1, 16), x], dim=1)
+        return (self.fc(h) * self.scale).mean(dim=1)
+
+
 def _build(name: str):
     """``(model, inputs, targets, loss_fn)``; deterministic on every rank."""
     torch.manual_seed(0)
@@ -48,6 +63,15 @@ def _build(name: str):
         return m, (torch.randn(8, 16),), (torch.randn(8, 16),), nn.functional.mse_loss
     if name == "cnn":
         return CNN(), (torch.randn(8, 3, 8, 8),), (torch.randint(0, 10, (8,)),), nn.functional.cross_entropy
+    if name == "cls":
+        return ClsNet(), (torch.randn(8, 3, 16),), (torch.randn(8, 16),), nn.functional.mse_loss
+    if name == "vit":
+        import transformers as tf
+
+        cfg = tf.ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16,
+                           num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                           hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=4)
+        return tf.ViTForImageClassification(cfg), (torch.randn(4, 3, 8, 8),), (), None
     if name in ("gpt2", "llama", "bert", "mixtral"):
         import transformers as tf
 
@@ -94,6 +118,8 @@ def run_parity(name: str, plan: str, mesh: dict, s_g: int = 1, s_os: int = 1, st
 
     model, inputs, targets, loss_fn = _build(name)
     kwargs = {"labels": inputs[0]} if name in ("gpt2", "llama", "bert", "mixtral") else {}
+    if name == "vit":
+        kwargs = {"labels": torch.arange(inputs[0].shape[0]) % 4}
     ref = copy.deepcopy(model)
     # eps 1e-5: the key bias of attention gets an exactly-zero gradient in theory (softmax is
     # shift-invariant), i.e. rounding noise, which Adam with eps 1e-8 would blow up to steps of
@@ -153,6 +179,14 @@ def _check(results):
 ])
 def test_parity_2_ranks(pools, name, plan, mesh, s_g, s_os):
     _check(pools(2).run(run_parity, name, plan, mesh, s_g, s_os))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["cls", "vit"])
+def test_zero3_any_parameter_shape(pools, name):
+    """zero3 on parameters whose dim 0 cannot be split (a ``[1, 1, h]`` class token: sharded
+    on its last dim) or nothing can (a 1-element scale: kept whole, noted in explain)."""
+    _check(pools(2).run(run_parity, name, "zero3", {"dp": 2}))
 
 
 @pytest.mark.timeout(300)

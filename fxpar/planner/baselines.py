@@ -6,8 +6,12 @@
   ``(data, z, y, x)`` grid;
 * ``"dp"``: mesh ``(dp=N)``; user inputs and the outputs of linear layers ``S(0)`` on every
   axis, every parameter ``R``;
-* ``"zero3"``: as ``dp`` but every parameter stored ``S(0)`` on every axis: the planner then
-  prices the all-gather before use, its repeat in backward and the gradient reduce-scatter;
+* ``"zero3"``: as ``dp`` but every parameter stored sharded over every axis, on dim 0 or, when
+  dim 0 cannot be split over all devices without an empty shard (a ``[1, 1, h]`` class token),
+  on its first dim that can (:func:`zero3_spec`; FSDP2 pads instead); a parameter no dim of
+  which splits stays replicated, with a note in ``explain()`` (:func:`baseline_notes`). The
+  planner then prices the all-gather before use, its repeat in backward and the gradient
+  reduce-scatter;
 * ``"megatron"``: mesh ``(dp, tp)``, ``tp`` = devices per node (innermost); inputs ``S(0)`` on
   ``dp``; the weights of linear layers are column (``S(0)`` on ``tp``) or row (``S(1)`` on
   ``tp``), alternating along the data path (row iff its input depends on a column output,
@@ -50,6 +54,7 @@ from fxpar.layers import layer_of, template_fqn
 from fxpar.mesh import Mesh
 from fxpar.plan_data import BASELINES, PLAN_KINDS
 from fxpar.spec import Spec
+from fxpar.strategies.base import no_empty_shard
 
 __all__ = ["baseline_pins", "baseline_mesh", "axonn_meshes", "candidate_meshes"]
 
@@ -203,6 +208,29 @@ def _linear_weights(gm: fx.GraphModule) -> list[fx.Node]:
     return seen
 
 
+def zero3_spec(shape, mesh_shape) -> Spec | None:
+    """ZeRO-3 storage of a parameter: ``S(d)`` on every mesh axis for the first dim ``d`` that
+    splits over all of them (left to right) with no empty shard; ``None`` if no dim does.
+
+    >>> str(zero3_spec((1, 1, 8), (2, 2))), zero3_spec((3,), (4,))
+    ('S(2)S(2)', None)
+    """
+    for d, n in enumerate(shape):
+        if no_empty_shard(int(n), mesh_shape):
+            return Spec.parse(f"S({d})" * len(mesh_shape))
+    return None
+
+
+def baseline_notes(kind: str, gm: fx.GraphModule, mesh: Mesh) -> tuple[str, ...]:
+    """What a baseline could not do as its recipe says (shown by ``Plan.explain``)."""
+    if kind != "zero3":
+        return ()
+    kept = [f for f, info in ir.params(gm, "param").items()
+            if info.node_name is not None and info.shape and zero3_spec(info.shape, mesh.shape) is None]
+    return (f"zero3: kept replicated (no dim splits over {mesh.size} devices): {', '.join(kept)}",) \
+        if kept else ()
+
+
 def baseline_pins(kind: str, gm: fx.GraphModule, mesh: Mesh) -> dict[str, Spec]:
     """Pins that force baseline ``kind`` on ``mesh`` (module docstring)."""
     nd = mesh.ndim
@@ -221,10 +249,8 @@ def baseline_pins(kind: str, gm: fx.GraphModule, mesh: Mesh) -> dict[str, Spec]:
         for fqn, info in params.items():
             if info.node_name is None:
                 continue
-            if kind == "dp" or not info.shape:
-                pins[fqn] = Spec.parse(R * nd)
-            else:
-                pins[fqn] = Spec.parse(S0 * nd)
+            z3 = zero3_spec(info.shape, mesh.shape) if kind == "zero3" and info.shape else None
+            pins[fqn] = z3 or Spec.parse(R * nd)
         return pins
     if kind == "megatron":
         tp = names[-1]

@@ -310,7 +310,7 @@ def _norm(p, shp):
     return p
 
 
-def _pieces_ok(n: int, ks: Sequence[int]) -> bool:
+def no_empty_shard(n: int, ks: Sequence[int]) -> bool:
     """No empty shard when a dim of size ``n`` is split over axes of sizes ``ks`` in order."""
     pieces = [n]
     for k in ks:
@@ -369,7 +369,7 @@ commute (``P(sum)P(max)``). Axes of size 1 only replicate. The all-replicate str
 
     def ok1(c: AxisStrategy, k: int) -> bool:
         for p, s in zip(c.inputs + c.outputs, shapes):
-            if isinstance(p, Shard) and not _pieces_ok(s[p.dim], (k,)):
+            if isinstance(p, Shard) and not no_empty_shard(s[p.dim], (k,)):
                 return False
         return True
 
@@ -394,7 +394,7 @@ commute (``P(sum)P(max)``). Axes of size 1 only replicate. The all-replicate str
                 break
             for d, axes in by_dim.items():
                 ks = [mesh_shape[a] for a in axes]
-                if len(axes) > 1 and (any(combo[a] != combo[axes[0]] for a in axes) or not _pieces_ok(s[d], ks)):
+                if len(axes) > 1 and (any(combo[a] != combo[axes[0]] for a in axes) or not no_empty_shard(s[d], ks)):
                     good = False
                 if needs_even and not _even(s[d], ks):
                     good = False
