@@ -148,3 +148,16 @@ def test_zero3_shards_what_it_can_and_notes_what_it_cannot():
     assert p.notes == ("zero3: kept replicated (no dim splits over 2 devices): scale",)
     assert "note: zero3: kept replicated (no dim splits over 2 devices): scale" in p.explain()
     assert Plan.from_json(p.to_json()) == p
+
+
+def test_megatron_leaves_unsplittable_linears_to_the_solver():
+    """A 2-wide hidden layer cannot be split over tp=4 (empty shards): megatron leaves those two
+    weights to the solver, notes it, and still pins the third (16 -> 16, column)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 2), torch.nn.ReLU(), torch.nn.Linear(2, 16),
+                            torch.nn.ReLU(), torch.nn.Linear(16, 16))
+    p = plan(m, fxpar.Cluster.local(4), (torch.randn(8, 16),), mesh={"dp": 1, "tp": 4},
+             plan="megatron").plan
+    assert p.notes == ("megatron: not split over tp=4 (a shard would be empty), layout left to "
+                       "the solver: 0.weight, 2.weight",)
+    assert p.node("p_4_weight").outputs == ("RS(0)",)

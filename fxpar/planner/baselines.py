@@ -221,14 +221,26 @@ def zero3_spec(shape, mesh_shape) -> Spec | None:
     return None
 
 
+def _megatron_unsplit(gm: fx.GraphModule, mesh: Mesh, col: dict[fx.Node, bool]) -> list[fx.Node]:
+    """Linear weights whose column (dim 0) or row (dim 1) split over ``tp`` would leave a shard
+    empty: megatron does not pin them (the solver picks their layout)."""
+    tp = mesh.shape[-1]
+    return [w for w, c in col.items()
+            if not no_empty_shard(int(w.meta[ir.VAL].shape[0 if c else 1]), (tp,))]
+
+
 def baseline_notes(kind: str, gm: fx.GraphModule, mesh: Mesh) -> tuple[str, ...]:
     """What a baseline could not do as its recipe says (shown by ``Plan.explain``)."""
-    if kind != "zero3":
-        return ()
-    kept = [f for f, info in ir.params(gm, "param").items()
-            if info.node_name is not None and info.shape and zero3_spec(info.shape, mesh.shape) is None]
-    return (f"zero3: kept replicated (no dim splits over {mesh.size} devices): {', '.join(kept)}",) \
-        if kept else ()
+    if kind == "zero3":
+        kept = [f for f, info in ir.params(gm, "param").items() if info.node_name is not None
+                and info.shape and zero3_spec(info.shape, mesh.shape) is None]
+        return (f"zero3: kept replicated (no dim splits over {mesh.size} devices): "
+                f"{', '.join(kept)}",) if kept else ()
+    if kind == "megatron":
+        free = [w.meta[ir.PARAM].fqn for w in _megatron_unsplit(gm, mesh, _col_flags(gm))]
+        return (f"megatron: not split over {mesh.axis_names[-1]}={mesh.shape[-1]} (a shard would "
+                f"be empty), layout left to the solver: {', '.join(free)}",) if free else ()
+    return ()
 
 
 def baseline_pins(kind: str, gm: fx.GraphModule, mesh: Mesh) -> dict[str, Spec]:
@@ -256,9 +268,13 @@ def baseline_pins(kind: str, gm: fx.GraphModule, mesh: Mesh) -> dict[str, Spec]:
         tp = names[-1]
         pins = {"input": spec(**{a: S0 for a in names[:-1]})}
         col = _col_flags(gm)
+        unsplit = set(_megatron_unsplit(gm, mesh, col))
         for w, c in col.items():
-            pins[w.meta[ir.PARAM].fqn] = spec(**{tp: S0 if c else S1})
+            if w not in unsplit:
+                pins[w.meta[ir.PARAM].fqn] = spec(**{tp: S0 if c else S1})
         for node, w in lin:
+            if w in unsplit:  # left to the solver (noted in explain)
+                continue
             out_dim = node.meta[ir.VAL].ndim - 1
             pins[node.name] = spec(**{a: S0 for a in names[:-1]},
                                    **{tp: f"S({out_dim})" if col[w] else "P(sum)"})
