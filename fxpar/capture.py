@@ -11,7 +11,9 @@ Contract of :func:`capture`
   models get their tensor inputs moved to ``meta``; real models keep their own tensors untouched).
 * Python control flow is resolved by the example inputs (``if targets is None``, ``if n > 2``);
   data-dependent control flow (``if x.sum() > 0``) cannot be captured and raises
-  :class:`~fxpar.errors.CaptureError` naming each frontend tried and why it failed.
+  :class:`~fxpar.errors.CaptureError` naming each frontend tried and why it failed. A
+  data-dependent output SHAPE (``nonzero``, ``unique``...) raises :class:`CaptureError` naming
+  the node and op (no fallback to another frontend: static shapes are fxpar's premise).
 * Parameters and buffers are identified by fully qualified name: ``gm.meta[PARAMS]`` is an
   ordered ``{fqn: ParamInfo}`` and the node holding each carries ``node.meta[PARAM]``; user inputs
   carry ``node.meta[INPUT]`` (keys and helpers in :mod:`fxpar.ir`). Tied weights (GPT-2's
@@ -152,14 +154,52 @@ def capture(
             continue
         try:
             if fe == "symbolic_trace":
-                return _symbolic_trace(model, args, kwargs)
-            return _export(model, args, kwargs, strict=fe == "export_strict", decompose=decompose)
+                gm = _symbolic_trace(model, args, kwargs)
+            else:
+                gm = _export(model, args, kwargs, strict=fe == "export_strict", decompose=decompose)
         except Exception as e:  # noqa: BLE001 - every frontend failure is reported, none hidden
             failures[label] = e
-            reasons.append(f"{label}: {_first_line(e)}")
+            dd = "data-dependent output shape: " if type(e).__name__ in _DATA_DEPENDENT_ERRORS else ""
+            reasons.append(f"{label}: {dd}{_first_line(e)}")
+            continue
+        _refuse_data_dependent(gm, type(model).__name__)  # final: no other frontend can do better
+        return gm
     err = CaptureError(f"could not capture {type(model).__name__}: " + "; ".join(reasons))
     err.failures = failures  # type: ignore[attr-defined]
     raise err from next(iter(failures.values()), None)
+
+
+#: export's errors for a size known only at run time (an op such as ``combinations`` whose fake
+#: kernel leaves an unbacked size export cannot bind): reported as a data-dependent shape.
+_DATA_DEPENDENT_ERRORS = frozenset({"GuardOnDataDependentSymNode", "PendingUnbackedSymbolNotFound",
+                                    "DataDependentOutputException", "DynamicOutputShapeException"})
+
+
+def _refuse_data_dependent(gm: fx.GraphModule, owner: str) -> None:
+    """Raise :class:`CaptureError` naming the first node whose output shape depends on the
+    data (``nonzero``, ``argwhere``, ``unique``, ``masked_select``...: export gives it an
+    unbacked size ``u0``). fxpar plans static shapes (every spec's local shape is computed up
+    front), so such a graph cannot be planned; without this check the planner would fail on
+    ``int(u0)`` with a raw ``GuardOnDataDependentSymNode``. Deterministic, so every rank raises
+    the same error."""
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            continue
+        v = n.meta.get(ir.VAL)
+        if v is None:
+            continue
+        try:
+            syms = free_unbacked_symbols(v)
+        except Exception:  # noqa: BLE001 - a value free_unbacked_symbols cannot walk has none
+            syms = set()
+        if syms:
+            raise CaptureError(
+                f"could not capture {owner}: node {n.name} ({n.target}) has a data-dependent "
+                f"output shape (sizes {sorted(map(str, syms))} known only at run time); fxpar "
+                "plans static shapes, so ops such as nonzero, argwhere, unique, masked_select "
+                "and boolean-mask indexing are not supported")
 
 
 def run_captured(gm: fx.GraphModule, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

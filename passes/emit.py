@@ -6,7 +6,7 @@ Contract (last pass, per rank):
   the edge's collectives with this rank's groups and its gradient plan
   (``S(0)R -> RR: all_gather(dp [0, 2]) | grad ...``);
 * the graph holds op nodes only (no ``call_module``: nothing stateful);
-* the graph is run once on ``meta`` tensors of the local shapes (communication ops answer
+* the graph is run once on fake CPU tensors of the local shapes (communication ops answer
   with their destination's local shape) and every tensor's shape is compared with the
   expected local shape: a mismatch (a size argument the localize pass missed) raises
   :class:`fxpar.PlanError` naming the node, op and spec, on every rank, before any data moves;
@@ -26,7 +26,7 @@ from fxpar.passes.infra import PassContext, PassResult, graph_pass
 
 __all__ = ["emit_pass", "RankGraphModule"]
 
-_META = torch.device("meta")
+_DEV = torch.device("cpu")  # the device of the fake tensors of the shape check
 
 
 class RankGraphModule(fx.GraphModule):
@@ -47,10 +47,18 @@ def _text(n: fx.Node, coord) -> str | None:
 
 
 def _check(gm: fx.GraphModule) -> None:
+    """Run ``gm`` on fake CPU tensors of the placeholders' local shapes; compare every shape.
+
+    Fake tensors, not ``meta`` ones: a fake CPU tensor runs the shape logic the real CPU run
+    (and capture, which traced with fake tensors) uses, while a few ``meta`` kernels disagree
+    with it (``native_batch_norm`` in eval mode: ``meta`` gives ``save_mean`` the channel
+    count, CPU and fake give ``(0,)``), which would reject a plan that runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     class Check(fx.Interpreter):
         def call_function(self, target, args, kwargs):
-            # factories (arange...) and .to(device) must stay on meta here
-            args, kwargs = pytree.tree_map_only(torch.device, lambda d: _META, (args, kwargs))
+            # factories (arange...) and .to(device) stay on the fake device here
+            args, kwargs = pytree.tree_map_only(torch.device, lambda d: _DEV, (args, kwargs))
             return super().call_function(target, args, kwargs)
 
         def run_node(self, n):
@@ -67,10 +75,11 @@ def _check(gm: fx.GraphModule) -> None:
                                 f"{tuple(want.shape)}")
             return out
 
-    args = [torch.empty(n.meta[ir.VAL].shape, dtype=n.meta[ir.VAL].dtype, device="meta")
-            if isinstance(n.meta.get(ir.VAL), torch.Tensor) else n.meta.get(ir.VAL)
-            for n in gm.graph.find_nodes(op="placeholder")]
-    Check(gm).run(*args)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        args = [torch.empty(n.meta[ir.VAL].shape, dtype=n.meta[ir.VAL].dtype, device=_DEV)
+                if isinstance(n.meta.get(ir.VAL), torch.Tensor) else n.meta.get(ir.VAL)
+                for n in gm.graph.find_nodes(op="placeholder")]
+        Check(gm).run(*args)
 
 
 @graph_pass(requires=(localized, only_op_nodes), ensures=(only_op_nodes,))

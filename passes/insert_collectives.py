@@ -20,7 +20,8 @@ each edge ``producer -> consumer`` (input ``p`` of the consumer):
 An output whose spec is ``Partial`` gets the edge to its finalized spec (``P -> R``) before the
 ``output`` node (to the spec ``annotate`` put on the output node: a pin, else ``P -> R``).
 A ``getitem`` of a multi-output node keeps the producer's element spec and
-the edge goes after it. Every inserted node carries ``meta[EDGE]`` and ``meta[SPECS]``;
+the edge goes after it; the getitem's consumers then read that edge's output (in the spec the
+plan gave the getitem), and their own edges start from it. Every inserted node carries ``meta[EDGE]`` and ``meta[SPECS]``;
 ``gm.meta[EDGES]`` holds every edge by name; ``gm.meta[REPLICA_AXES]`` maps each trainable parameter to its replica axes. A Megatron MLP
 (``col`` then ``row``) gets exactly one forward collective (the row output's all-reduce) and
 one gradient all-reduce (the ``f`` edge at the column input)::
@@ -156,7 +157,20 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         out.meta[ir.VAL] = v
         return out
 
+    # A getitem's edge goes after it, so its consumers read the edge's output (in the layout
+    # the plan gave the getitem); their own edges (processed later: uses are in node order)
+    # start from that node and that spec, not from the getitem itself.
+    moved: dict[fx.Node, fx.Node] = {}
     for a, o, n, p, dst in uses:
+        if a in moved:
+            value = moved[a]
+            src = value.meta[ir.SPECS][0]
+            edge = edge_for(a, o, n.name, src, dst, grad_in_spec(_strategy(n), p))
+            if edge is not None:
+                out = insert(edge, n, value, _val(a, o))
+                n.replace_input_with(value, out)
+                modified = True
+            continue
         src = a.meta[ir.SPECS][o]
         if n.target is operator.getitem:
             # The getitem keeps the element's layout; the edge goes after it.
@@ -170,6 +184,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             out = insert(edge, nxt, n, _val(a, o))
             for u in users:
                 u.replace_input_with(n, out)
+            moved[n] = out
             modified = True
             continue
         edge = edge_for(a, o, n.name, src, dst, grad_in_spec(_strategy(n), p))

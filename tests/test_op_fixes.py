@@ -121,3 +121,213 @@ def raw_storage_worker():
 def test_raw_storage_ops_after_a_gather_match_eager(pools):
     """``resize_``/``as_strided``/``view`` read the gathered tensor's storage: no padding."""
     assert all(all(r) for r in pools(4).run(raw_storage_worker))
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. raw crashes -> fxpar errors (and dtypes gloo lacks)
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("f,op", [
+    (lambda x: torch.nonzero(x > 0), "nonzero"),
+    (lambda x: torch.argwhere(x > 0), "argwhere"),
+    (lambda x: torch.unique(x), "unique"),
+    (lambda x: torch.unique_consecutive(x), "unique_consecutive"),
+    (lambda x: x[x > 0], "index"),
+])
+def test_data_dependent_shapes_are_a_capture_error(f, op):
+    with pytest.raises(fxpar.CaptureError, match="data-dependent output shape") as ei:
+        _compile(f, torch.randn(4, 5), cluster=fxpar.Cluster.local(4))
+    assert op in str(ei.value)
+
+
+def test_combinations_is_a_data_dependent_capture_error():
+    with pytest.raises(fxpar.CaptureError, match="data-dependent output shape"):
+        _compile(lambda x: torch.combinations(x.flatten()[:6]), torch.randn(4, 5),
+                 cluster=fxpar.Cluster.local(4))
+
+
+def _lse_dims(x):
+    return torch.logsumexp(x * 2, dim=(0, 2))
+
+
+def _lse_keep(x):
+    return torch.logsumexp(x, dim=1, keepdim=True)
+
+
+@pytest.mark.parametrize("f", [_lse_dims, _lse_keep])
+def test_logsumexp_plans_with_its_reduction_rule(f):
+    """``logsumexp`` takes a list of dims (it had the softmax rule: ``TypeError``); only kept
+    dims are sharded."""
+    prog = _compile(f, torch.randn(4, 6, 8))
+    for gm in _all_ranks(prog):
+        (n,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.logsumexp.default)
+        (spec,) = n.all_input_nodes[0].meta[ir.SPECS] if ir.SPECS in n.all_input_nodes[0].meta else (None,)
+        dims = {d % 3 for d in n.args[1]}
+        (ins,) = [s for s in n.meta[ir.IN_SPECS] if s is not None]
+        assert not any(getattr(p, "dim", None) in dims for p in ins), (ins, dims)
+
+
+def _dropout_out(x):
+    return F.dropout(x * 2, 0.5, training=True)
+
+
+def dropout_output_worker():
+    """A dropout whose output is the graph output, for inference and for a training step."""
+    torch.manual_seed(0)
+    x = torch.randn(8, 6)
+    prog = _compile(_dropout_out, x, cluster=fxpar.Cluster.local(2), mesh={"dp": 2})
+    out = prog.runner()(x)
+    kept = out != 0
+    torch.testing.assert_close(out[kept], (x * 4)[kept])  # scaled by 1/(1-p)
+    lin = nn.Linear(6, 6)
+    model = nn.Sequential(lin, nn.Dropout(0.5))
+    tprog = fxpar.compile(model, fxpar.Cluster.local(2), (x,), loss_fn=F.mse_loss,
+                          example_targets=(torch.zeros(8, 6),), plan="dp", mesh={"dp": 2},
+                          optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    loss = tprog.runner().step(x, torch.zeros(8, 6))
+    return bool(kept.any()), float(loss)
+
+
+@pytest.mark.timeout(120)
+def test_dropout_as_graph_output(pools):
+    res = pools(2).run(dropout_output_worker)
+    assert all(k for k, _ in res)
+    assert res[0][1] == res[1][1]  # the same loss on every rank
+
+
+def _int16_out(x):
+    return (x * 10).to(torch.int16) + 1
+
+
+def _int16_sum(x):
+    return torch.sum((x * 10).to(torch.int16), dim=1, dtype=torch.int16)
+
+
+def wire_dtypes_worker():
+    """Every collective kind on dtypes gloo lacks, against the expected slices."""
+    import torch.distributed as dist
+
+    from fxpar.reshard import reshard_plan
+    from fxpar.runtime.redistribute import distribute, execute
+
+    mesh = fxpar.Mesh(fxpar.Cluster.local(4), {"a": 2, "b": 2})
+    coord = tuple(mesh.coord(dist.get_rank()))
+    done = []
+    for dt in (torch.int16, torch.uint16, torch.uint32, torch.uint64, torch.complex64):
+        full = (torch.arange(60).reshape(5, 4, 3) % 50).to(dt)
+        for src, dst in [("S(0)S(1)", "RR"), ("S(0)R", "S(1)R"), ("P(sum)R", "RR"), ("P(sum)R", "S(1)R")]:
+            plan = reshard_plan(src, dst, mesh, (5, 4, 3), dt)
+            local = distribute(full, src, mesh, coord)
+            out = execute(plan, local, mesh)
+            want = distribute(full, dst, mesh, coord)
+            assert out.dtype == dt and torch.equal(out, want), (dt, src, dst, out, want)
+            done.append((str(dt), src, dst))
+    x = torch.linspace(-3, 3, 125).reshape(5, 5, 5)  # the same on every rank
+    for f in (_int16_out, _int16_sum):
+        prog = _compile(f, x)
+        out = prog.runner()(x)
+        assert out.dtype == torch.int16 and torch.equal(out, f(x)), f.__name__
+        done.append(f.__name__)
+    return done
+
+
+@pytest.mark.timeout(180)
+def test_dtypes_gloo_lacks_still_run(pools):
+    """int16/uint16/uint32/uint64 (and complex all-to-all) travel as a dtype gloo has:
+    ``RuntimeError: Invalid scalar type`` before."""
+    for done in pools(4).run(wire_dtypes_worker):
+        assert "_int16_out" in done and len(done) == 22
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. random ops are refused (all of torch.Tag.nondeterministic_seeded but dropout)
+# ---------------------------------------------------------------------------------------------
+RANDOM = {
+    "cauchy_": lambda x: x.clone().cauchy_(),
+    "exponential_": lambda x: x.clone().exponential_(),
+    "geometric_": lambda x: x.clone().geometric_(0.5),
+    "log_normal_": lambda x: x.clone().log_normal_(),
+    "normal": lambda x: torch.normal(x, x.abs() + 1),
+    "randint_like": lambda x: torch.randint_like(x, 10),
+    "rrelu": lambda x: F.rrelu(x, training=True),
+    "feature_alpha_dropout": lambda x: F.feature_alpha_dropout(x, 0.5, training=True),
+    "bernoulli": lambda x: torch.bernoulli(x.sigmoid()),
+    "rand_like": lambda x: torch.rand_like(x) + x,
+}
+
+
+@pytest.mark.parametrize("op", sorted(RANDOM))
+def test_random_ops_refused_naming_the_node(op):
+    """Replicas would draw different numbers: a PlanError naming the node, on every plan
+    (sharded or not), before anything runs."""
+    with pytest.raises(fxpar.PlanError, match="random ops other than dropout") as ei:
+        _all_ranks(_compile(RANDOM[op], torch.randn(4, 6)))
+    assert f"node {op.rstrip('_')}" in str(ei.value) or f"({op}" in str(ei.value) \
+        or op.split("_")[0] in str(ei.value), str(ei.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. rules that chose what the op cannot run locally
+# ---------------------------------------------------------------------------------------------
+def _expand_copy(x):
+    return torch.expand_copy(x[:, :1], (5, 5, 5)) * 2
+
+
+def _view_copy(x):
+    return torch.view_copy(x * 2, (25, 5))
+
+
+def _bn_eval_stats(x):
+    return torch.ops.aten.native_batch_norm(x, torch.ones(5), torch.zeros(5), torch.zeros(5),
+                                            torch.ones(5), False, 0.1, 1e-5)[0] * 2
+
+
+def _const_index(x):
+    return (x * 2)[torch.tensor([0, 2, 1])]
+
+
+def _const_index_dim1(x):
+    return (x * 2)[:, torch.tensor([0, 2, 1])]
+
+
+def _maxpool_bwd(x):
+    y = x[:, :, :4].unsqueeze(-1).expand(5, 5, 4, 2) * 1
+    _, idx = F.max_pool2d(y, 2, return_indices=True)
+    return torch.ops.aten.max_pool2d_with_indices_backward(
+        torch.ones_like(y)[:, :, ::2, ::2], y, [2, 2], [2, 2], [0, 0], [1, 1], False, idx)
+
+
+LOCAL = [_expand_copy, _view_copy, _bn_eval_stats, _const_index, _const_index_dim1, _maxpool_bwd]
+
+
+@pytest.mark.parametrize("f", LOCAL, ids=lambda f: f.__name__)
+@pytest.mark.parametrize("cheap", [True, False], ids=["cheap", "local"])
+def test_local_programs_emit_on_every_rank(f, cheap):
+    """expand_copy/view_copy need their size argument localized (as expand/view); the eval
+    native_batch_norm's empty saved stats are checked on fake CPU tensors, not on ``meta``
+    kernels that disagree; a lifted constant is replicated (every rank holds all of it)."""
+    x = torch.linspace(-2, 2, 125).reshape(5, 5, 5)
+    _all_ranks(_compile(f, x, cluster=_cheap() if cheap else fxpar.Cluster.local(4)))
+
+
+def _mha(q, w, b, ow, ob):
+    return F.multi_head_attention_forward(q, q, q, 8, 2, w, b, None, None, False, 0.0, ow, ob,
+                                          training=False, need_weights=False)[0]
+
+
+def test_multi_head_attention_forward_emits_on_every_rank():
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(5, 4, 8, generator=g), torch.randn(24, 8, generator=g), torch.randn(24, generator=g),
+            torch.randn(8, 8, generator=g), torch.randn(8, generator=g))
+    _all_ranks(_compile(_mha, *args))
+
+
+def local_numeric_worker():
+    x = torch.linspace(-2, 2, 125).reshape(5, 5, 5)
+    for f in LOCAL:
+        _run_vs_eager(f, (x,))
+    return True
+
+
+@pytest.mark.timeout(240)
+def test_local_programs_match_eager(pools):
+    assert all(pools(4).run(local_numeric_worker))

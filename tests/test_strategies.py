@@ -49,7 +49,8 @@ def _node(op, args, kwargs):
     return node
 
 
-_LOCALIZE_SIZE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default}
+_LOCALIZE_SIZE = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.expand.default,
+                  aten.view_copy.default, aten.expand_copy.default}
 
 
 def _reduce(ts, op):
@@ -210,6 +211,10 @@ CASES = {
     "sum_all": (aten.sum.default, (r(4, 6),), {}, ((2,),)),
     "mean_keep": (aten.mean.dim, (r(4, 6), [-1], True), {}, ((2,), (2, 2))),
     "amax": (aten.amax.default, (r(4, 6), [0]), {}, ((2,),)),
+    "logsumexp": (aten.logsumexp.default, (r(4, 6, 3), [0, 2]), {}, ((2,), (2, 2))),
+    "logsumexp_keep": (aten.logsumexp.default, (r(4, 6, 3), [1], True), {}, ((2,), (2, 2))),
+    "expand_copy": (aten.expand_copy.default, (r(4, 1, 3), [4, 5, 3]), {}, ((2,), (2, 2))),
+    "view_copy": (aten.view_copy.default, (r(4, 6, 2), [24, 2]), {}, ((2,), (2, 2))),
     "softmax": (aten._softmax.default, (r(4, 6), 1, False), {}, ((2,), (2, 2))),
     "softmax_int": (aten.softmax.int, (r(4, 6), 0), {}, ((2,),)),
     "log_softmax": (aten.log_softmax.int, (r(4, 6), -1), {}, ((2,),)),

@@ -39,7 +39,9 @@ Step semantics on mesh axis ``i`` of size ``G`` (coordinate ``k`` on it):
 
 gloo in torch 2.13 supports every collective used here on CPU (all-gather into a tensor,
 reduce-scatter of a tensor incl. avg, all-reduce incl. avg, equal-split all-to-all), so no
-emulation is needed.
+emulation is needed; but not every dtype (no int16, uint16/32/64, float8; no complex
+all-to-all): such buffers travel bit-cast to ``uint8`` (data movement) or in a wider dtype
+(reductions), see :func:`_to_wire`, so every plan runs whatever its dtypes.
 
 >>> import torch
 >>> from fxpar.spec import Spec
@@ -251,6 +253,51 @@ def _start(step, local: torch.Tensor, mesh_shape: tuple[int, ...], shape: Sequen
     raise ReshardError(f"unknown reshard step kind {kind!r} ({step})")
 
 
+#: Dtypes every backend fxpar runs on (gloo, NCCL) moves and reduces natively.
+_NATIVE = frozenset({torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool, torch.float16,
+                     torch.bfloat16, torch.float32, torch.float64})
+#: Reductions of other dtypes run in a wider dtype holding every value (sum wraps the same way
+#: once cast back: two's complement arithmetic is modulo 2**bits; max/min are order-preserving).
+_WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+
+
+def _to_wire(buf: torch.Tensor, kind: str, op: str) -> torch.Tensor:
+    """``buf`` as a dtype the backend supports (gloo has no int16, uint16/32/64, float8, nor
+    complex all-to-all: ``RuntimeError: Invalid scalar type``). Data movement (all_gather,
+    all_to_all) only copies bytes, so any other dtype is sent bit-cast to ``uint8`` (a view:
+    the flat last dim grows by the element size). Reductions need arithmetic: int16/uint16/
+    uint32 reduce in a wider integer, uint64 sums as int64 bits (the same modulo 2**64),
+    float8 in float32; complex reduces natively. A reduction with no exact wire form (max/min
+    of uint64) raises :class:`ReshardError` naming the dtype and op. :func:`_from_wire` undoes it.
+    """
+    dt = buf.dtype
+    if dt in _NATIVE:
+        return buf
+    if kind in ("all_gather", "all_to_all"):
+        return buf.view(torch.uint8)
+    if dt.is_complex:
+        return buf
+    if dt in _WIDER:
+        return buf.to(_WIDER[dt])
+    if dt == torch.uint64 and op == "sum":
+        return buf.view(torch.int64)
+    if dt.is_floating_point and op in ("sum", "max", "min"):
+        return buf.to(torch.float32)
+    raise ReshardError(f"{kind} with reduce op {op!r} of dtype {dt}: no backend-supported dtype "
+                       "represents it exactly; keep this tensor replicated (or in another dtype)")
+
+
+def _from_wire(r: torch.Tensor, dtype: torch.dtype, kind: str) -> torch.Tensor:
+    """What came back from a collective run on :func:`_to_wire`'s buffer, as ``dtype``."""
+    if r.dtype == dtype:
+        return r
+    if r.dtype == torch.uint8 and kind in ("all_gather", "all_to_all"):
+        return r.view(dtype)
+    if dtype == torch.uint64 and r.dtype == torch.int64:
+        return r.view(dtype)
+    return r.to(dtype)
+
+
 def _launch_comms(comms: Sequence[_Comm], device_mesh, mesh_shape) -> tuple[list, list]:
     """Launch the collectives of one round, coalesced: one collective per (axis, kind, op,
     dtype), none waited on. Every member of an axis group has the same requests with the same
@@ -276,6 +323,8 @@ def _launch_comms(comms: Sequence[_Comm], device_mesh, mesh_shape) -> tuple[list
             continue
         parts = [comms[k].data for k in idx]
         buf = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        dtype = buf.dtype
+        buf = _to_wire(buf.contiguous(), kind, op)  # a dtype the backend has (same bytes moved)
         name = device_mesh.get_group(axis).group_name
         if kind == "all_reduce":
             h = f.all_reduce(buf, op, name)
@@ -284,8 +333,9 @@ def _launch_comms(comms: Sequence[_Comm], device_mesh, mesh_shape) -> tuple[list
         elif kind == "reduce_scatter":
             h = f.reduce_scatter_tensor(buf.reshape(-1), op, G, name)
         else:
-            h = f.all_to_all_single(buf.reshape(-1), [total] * G, [total] * G, name)
-        waiting.append((kind, G, idx, sizes, h))
+            m = buf.shape[-1]  # per-member block, in wire elements
+            h = f.all_to_all_single(buf.reshape(-1), [m] * G, [m] * G, name)
+        waiting.append((kind, G, idx, sizes, h, dtype))
     return out, waiting
 
 
@@ -293,8 +343,8 @@ def _finish_comms(comms: Sequence[_Comm], launched: tuple[list, list]) -> list[t
     """Wait for what :func:`_launch_comms` started; the new local tensors in order."""
     f = _ops()
     out, waiting = launched
-    for kind, G, idx, sizes, h in waiting:
-        r = f.wait_tensor(h)
+    for kind, G, idx, sizes, h, dtype in waiting:
+        r = _from_wire(f.wait_tensor(h), dtype, kind)
         if kind in ("all_gather", "all_to_all"):
             r = r.view(G, -1)
         off = 0

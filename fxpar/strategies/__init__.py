@@ -12,7 +12,11 @@ N-d mesh: the input specs it requires (``Strategy.inputs[i]`` for ``node.all_inp
 ``None`` for a non-tensor input) and the output specs it produces (one per tensor output). The
 all-replicate strategy is always first; the order is deterministic; no duplicates.
 
-* placeholders / ``get_attr``: every spec of ``{R, S(d)}`` per axis that fits the shape;
+* placeholders: every spec of ``{R, S(d)}`` per axis that fits the shape (the runner feeds
+  each rank its shard);
+* ``get_attr`` (lifted tensor constants, buffers of the graph module itself): replicated only.
+  Every rank's graph holds the whole constant (nothing slices it), so a sharded spec would
+  claim a piece the rank does not have; a sharded consumer gets it through a local ``chunk``;
 * ops with a rule (:func:`strategy_rule`: the record's, or the pointwise rule for any ATen op
   tagged pointwise): the rule's one-axis choices expanded over the mesh
   (:func:`fxpar.strategies.base.expand`);
@@ -90,7 +94,13 @@ def strategies_for(node: fx.Node, mesh) -> list[Strategy]:
     """Every candidate strategy of ``node`` on ``mesh`` (at least one); see the module doc."""
     if node.op == "output":
         raise ValueError("strategies_for: the output node has no strategies")
-    if node.op in ("placeholder", "get_attr"):
+    if node.op == "get_attr":  # a constant: every rank holds it whole (module docstring)
+        from fxpar.spec import Spec
+
+        shp = tensor_shape(node)
+        rep = Spec.replicate(mesh.ndim)
+        return [Strategy((), () if shp is None else (rep,), name="const")]
+    if node.op == "placeholder":
         return placeholder_strategies(node, mesh)
     rule = _rule(node) if node.op == "call_function" else None
     if rule is None:

@@ -1,4 +1,4 @@
-"""Reductions (sum, mean, amax, amin, argmax, argmin, histc), softmax/log_softmax, cumsum, sort,
+"""Reductions (sum, mean, amax, amin, argmax, argmin, histc, logsumexp), softmax/log_softmax, cumsum, sort,
 topk and other ops along one dim.
 
 Sharding a kept dim shards the output; sharding a reduced dim leaves each device a partial
@@ -45,6 +45,25 @@ def reduce_rule(node):
         yield choice(node, {"self": P()}, [P()], "P")
 
 
+@register(aten.logsumexp, cost=reduction_cost, saves="input0")
+def logsumexp_rule(node):
+    """``logsumexp(x, dim: int[], keepdim)``: a kept dim may be sharded (``S(d) -> S(d')``); the
+    reduced dims must be whole (there is no ``Partial`` that combines log-sum-exps).
+
+    ``logsumexp(x[4, 6, 8], [0, 2])``: ``S1: S(1) -> S(0)`` only.
+    """
+    b = bound(node)
+    a = tensor_shape(b["self"])
+    dims = b.get("dim")
+    dims = list(range(len(a))) if dims is None or (isinstance(dims, (list, tuple)) and not dims) else dims
+    dims = {d % max(len(a), 1) for d in ([dims] if isinstance(dims, int) else dims)}
+    keep = bool(b.get("keepdim", False))
+    for d in range(len(a)):
+        if d not in dims:
+            od = d if keep else d - sum(1 for r in dims if r < d)
+            yield choice(node, {"self": S(d)}, [S(od)], f"S{od}")
+
+
 def along_dim_rule(node, key="self", dim_key="dim"):
     """Ops needing one dim whole; other dims map 1:1 to every output (same rank)."""
     b = bound(node)
@@ -64,7 +83,7 @@ def along_dim_rule(node, key="self", dim_key="dim"):
 
 @register(aten.diff, aten.special_log_softmax)
 @register(aten.sort, aten.topk, cost=reduction_cost)
-@register(aten.cumprod, aten.logsumexp, cost=reduction_cost, saves="input0")
+@register(aten.cumprod, cost=reduction_cost, saves="input0")
 @register(aten.cumsum, cost=reduction_cost, saves="nothing")
 @register(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, cost=softmax_cost, saves="output")
 def softmax_rule(node):

@@ -70,7 +70,7 @@ def _first_non1(dims, shape):
 
 
 @register(aten.squeeze_, aten.unsqueeze_)  # in-place: priced as squeeze/unsqueeze
-@register(aten.view_copy, cost=copy_cost)
+@register(aten.view_copy, cost=copy_cost, local=shape_arg(1, "default"))
 @register(aten.flatten, cost=maybe_copy_cost, view="if_contiguous", saves="nothing")
 @register(aten.reshape, cost=maybe_copy_cost, view="if_contiguous", saves="nothing", local=shape_arg(1, "default"))
 @register(aten.unflatten, cost=view_cost, view=True, local=unflatten_sizes)
@@ -107,7 +107,7 @@ def permute_rule(node: fx.Node):
     yield choice(node, {"self": P()}, [P()], "P")
 
 
-@register(aten.expand_copy, cost=copy_cost)
+@register(aten.expand_copy, cost=copy_cost, local=shape_arg(1, "default"))
 @register(aten.expand, cost=view_cost, view=True, saves="nothing", local=shape_arg(1, "default"))
 def expand_rule(node: fx.Node):
     a, o = tensor_shape(bound(node)["self"]), tensor_shape(node)
@@ -247,6 +247,14 @@ declare(aten.as_strided, aten.diagonal, aten.unfold, aten.real, aten.imag, aten.
         torch.sym_sum, torch.sym_max, torch.sym_min, torch.sym_not, torch.sym_float, torch.sym_int, torch.sym_ite,
         torch.sym_sqrt, cost=view_cost, view=True)
 declare(aten.size, aten.sym_size, aten.detach_, cost=view_cost, view=True, differentiable=False)
+# Ops that read or rewrite raw storage (sizes/strides/offsets of the WHOLE buffer): replicate-only
+# by design, not a missing rule. A shard's storage is not a slice of the global storage
+# (``x.resize_((25, 5))`` on a ``[5, 5, 5]`` tensor keeps its first 125 elements in memory
+# order; ``as_strided`` addresses elements by global strides), so no sharded layout computes
+# the right piece locally. They run on the whole tensor, which the runtime hands over
+# contiguous (fxpar.runtime.redistribute: layout contract), as eager would.
+declare(aten.resize_, aten.resize_as_, aten.set_, aten.as_strided_, aten.as_strided_copy,
+        cost=copy_cost)
 # Data movement without a sharding rule (replicated), priced as copies.
 declare(aten.repeat, aten.flip, aten.roll, cost=copy_cost, saves="nothing")
 declare(aten.repeat_interleave, aten.tile, aten.hstack, aten.vstack, aten.concatenate, aten.split_copy,
