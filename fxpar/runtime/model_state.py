@@ -739,6 +739,54 @@ class ModelStates:
                 out[fqn] = torch.zeros_like(p.tensor)
         return {fqn: out[fqn] for fqn in self._params}
 
+    def optimizer_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict]]:
+        """The optimizer state of every parameter in its local STORAGE shape (per-element
+        states gathered over the ``s_os`` subgroup; scalars such as Adam's ``step`` as they
+        are), and the param groups' hyperparameters with ``"params"`` as FQN lists. Collective
+        over the optimizer subgroups; for checkpoints, not the hot path."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for p in self._params.values():
+            st = self.optimizer.state.get(p.master, {})
+            out[p.fqn] = {k: self._whole(p, v) if torch.is_tensor(v) and v.numel() == p.cos and v.ndim
+                          else v for k, v in st.items()}
+        fqn_of = {id(p.master): p.fqn for p in self._params.values()}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [fqn_of[id(t)] for t in g["params"]]} for g in self.optimizer.param_groups]
+        return out, groups
+
+    def _whole(self, p: _Param, chunk: torch.Tensor) -> torch.Tensor:
+        if p.lay.os_pg is None:
+            return chunk[:p.numel].view(p.tensor.shape).clone()
+        out = torch.empty(p.lay.s_os * p.cos, dtype=chunk.dtype, device=chunk.device)
+        dist.all_gather_into_tensor(out, chunk.contiguous(), group=p.lay.os_pg)
+        order = p.lay.os_order.to(chunk.device)
+        return out.view(p.lay.s_os, p.cos).index_select(0, order).reshape(-1)[:p.numel].view(p.tensor.shape)
+
+    def load_optimizer_state(self, state: Mapping[str, Mapping[str, torch.Tensor]],
+                             groups: list[dict] | None = None) -> None:
+        """Inverse of :meth:`optimizer_state`: per parameter, storage-shaped states are cut to this
+        rank's chunk (zero padding), scalars taken as they are; each param group's
+        hyperparameters are taken from the saved group that held its first parameter."""
+        for fqn, st in state.items():
+            p = self._param(fqn)
+            chunk = {}
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.ndim and v.numel() == p.numel:
+                    c = torch.zeros(p.cos, dtype=v.dtype, device=p.master.device)
+                    lo = p.lay.k * p.cos
+                    c[:p.real].copy_(v.reshape(-1)[lo:lo + p.real])
+                    chunk[k] = c
+                else:
+                    chunk[k] = v.to(p.master.device) if torch.is_tensor(v) else v
+            self.optimizer.state[p.master] = chunk
+        if groups:
+            saved = {f: g for g in groups for f in g["params"]}
+            fqn_of = {id(p.master): p.fqn for p in self._params.values()}
+            for g in self.optimizer.param_groups:
+                src = saved.get(fqn_of[id(g["params"][0])]) if g["params"] else None
+                if src is not None:
+                    g.update({k: v for k, v in src.items() if k != "params"})
+
     def shard_info(self, fqn: str) -> dict:
         """What this rank keeps of ``fqn``: factors, chunk indices and lengths, flat ranges."""
         p = self._param(fqn)

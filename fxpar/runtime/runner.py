@@ -256,6 +256,21 @@ class Runner:
         self.states.scale_grads(float(coef))
         return total
 
+    def save_checkpoint(self, path) -> None:
+        """Write this rank's shards of parameters, buffers and optimizer state to ``path`` with
+        ``torch.distributed.checkpoint``, keyed by the model's FQNs with DTensor layouts, so it
+        loads under any plan and world size, or into a plain module (:mod:`fxpar.runtime.checkpoint`).
+        Collective."""
+        from fxpar.runtime.checkpoint import save
+
+        save(self, path)
+
+    def load_checkpoint(self, path) -> None:
+        """Load a checkpoint written under any plan into this runner's shards (collective)."""
+        from fxpar.runtime.checkpoint import load
+
+        load(self, path)
+
     def optimizer_step(self) -> None:
         """Optimizer step on the local shards, parameters restored, gradients zeroed."""
         self.states.step()

@@ -1,0 +1,95 @@
+"""DCP checkpoints across plans: saved under megatron on 2 ranks, loaded under zero3 on 2
+ranks, under dp on 4 ranks, and into a plain module + AdamW in one process; the next steps'
+losses equal an uninterrupted run (optimizer state included)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+STEPS = 2
+
+
+def _gpt(seed: int):
+    from examples.models import GPT
+
+    torch.manual_seed(seed)
+    m = GPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=16)
+    g = torch.Generator().manual_seed(7)
+    batches = [torch.randint(0, 64, (8, 16), generator=g) for _ in range(2 + STEPS)]
+    return m, [(b, b.roll(1, 1)) for b in batches]
+
+
+def _opt(ps):
+    return torch.optim.AdamW(ps, lr=1e-2)
+
+
+def _runner(seed: int, plan: str, mesh: dict, **kw):
+    import fxpar
+
+    m, batches = _gpt(seed)
+    prog = fxpar.compile(m, fxpar.Cluster.local(dist.get_world_size()), batches[0], plan=plan,
+                         mesh=mesh, optimizer=_opt, time_limit=20)
+    return prog.runner(**kw), batches
+
+
+def save_worker(path: str):
+    """Train 2 steps under megatron, save, train STEPS more: the uninterrupted losses."""
+    runner, batches = _runner(0, "megatron", {"dp": 1, "tp": 2})
+    for b in batches[:2]:
+        runner.step(*b)
+    runner.save_checkpoint(path)
+    return [runner.step(*b).item() for b in batches[2:]]
+
+
+def load_worker(path: str, plan: str, mesh: dict, s_os: int = 1):
+    """Another plan (and other initial weights): load, then the same STEPS batches."""
+    runner, batches = _runner(1, plan, mesh, s_os=s_os)
+    runner.load_checkpoint(path)
+    return [runner.step(*b).item() for b in batches[2:]]
+
+
+@pytest.fixture(scope="module")
+def saved(pools, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ckpt") / "step2")
+    losses = pools(2).run(save_worker, path)
+    assert losses[0] == losses[1]
+    return path, losses[0]
+
+
+@pytest.mark.timeout(300)
+def test_load_under_zero3_on_2_ranks(pools, saved):
+    path, want = saved
+    for got in pools(2).run(load_worker, path, "zero3", {"dp": 2}):
+        assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.timeout(300)
+def test_load_under_dp_on_4_ranks_with_sharded_optimizer(pools, saved):
+    path, want = saved
+    for got in pools(4).run(load_worker, path, "dp", {"dp": 4}, 2):
+        assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_load_into_a_plain_module(saved):
+    """No fxpar on the loading side: torch's own state-dict helpers and DCP."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    path, want = saved
+    model, batches = _gpt(1)
+    opt = _opt(model.parameters())
+    sd = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(sd, checkpoint_id=path)
+    model.load_state_dict(sd["model"])
+    set_optimizer_state_dict(model, opt, sd["optim"])
+    got = []
+    for b in batches[2:]:
+        loss = model(*b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        got.append(loss.item())
+    assert got == pytest.approx(want, rel=1e-5)
