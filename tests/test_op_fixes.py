@@ -331,3 +331,76 @@ def local_numeric_worker():
 @pytest.mark.timeout(240)
 def test_local_programs_match_eager(pools):
     assert all(pools(4).run(local_numeric_worker))
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. a baseline plan on a calibrated cluster
+# ---------------------------------------------------------------------------------------------
+CALIBRATED = os.path.join(os.path.dirname(__file__), "data", "calibrated_4proc_cluster.json")
+
+
+def _gpt_repro():
+    """The issue's repro: GPT, a (8, 128) batch with rolled targets, the saved calibration of a
+    real 4-process ``Cluster.calibrate()`` (copied from shared/repros)."""
+    from examples.models import GPT
+
+    torch.manual_seed(0)
+    m = GPT(vocab=512, d_model=256, n_heads=4, n_layers=4, seq_len=128)
+    return m, torch.randint(0, 512, (8, 128))
+
+
+def _zero3_gpt_on_calibrated(**kw):
+    m, idx = _gpt_repro()
+    with open(CALIBRATED) as f:
+        cluster = fxpar.Cluster.from_json(f.read())
+    return m, idx, fxpar.compile(m, cluster, (idx, idx.roll(1, 1)), plan="zero3", **kw)
+
+
+@pytest.mark.timeout(120)
+def test_zero3_on_a_calibrated_cluster_emits_every_rank():
+    """The calibrated cluster's plan has two collectives from ``add`` (to ``layer_norm`` and
+    an all-to-all to ``add_1``) and one from ``add_1``. The old runtime registered each edge's
+    module under the requested node name ``{kind}__{producer}_{k}``: ``wait__add_1`` (add's
+    second) and add_1's first collide, the second module replaced the first, and node
+    ``wait__add_1`` ran add_1's all-gather: ``computes local shape (8, 128, 256) but its spec
+    S(2) -> S(0) ...``. Communication nodes now name their edge in their arguments (no
+    name-keyed modules), so every node runs its own edge, with its local shape."""
+    _, _, prog = _zero3_gpt_on_calibrated()
+    for gm in _all_ranks(prog):
+        edges = gm.meta[ir.EDGES]
+        seen = set()
+        for n in gm.graph.find_nodes(op="call_function", target=torch.ops.fxpar.wait.default):
+            e = edges[n.args[2]]
+            assert e.name not in seen
+            seen.add(e.name)
+            assert tuple(n.args[3]) == tuple(n.meta[ir.VAL].shape)  # the local destination shape
+        if "add->add_1" in edges:
+            assert edges["add->add_1"].fwd.steps[0].kind == "all_to_all"
+
+
+def calibrated_zero3_step_worker():
+    """One training step of the repro on 4 ranks against one process (loss and gradients)."""
+    import copy
+
+    import torch.distributed as dist
+
+    from fxpar.runtime.redistribute import distribute
+
+    m, idx, prog = _zero3_gpt_on_calibrated(optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    ref = copy.deepcopy(m)
+    runner = prog.runner()
+    loss = runner.forward_backward(idx, idx.roll(1, 1))
+    want = ref(idx, idx.roll(1, 1))
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-4, atol=1e-5)
+    params = dict(ref.named_parameters())
+    for fqn, g in runner.states.grads().items():
+        exp = distribute(params[fqn].grad, runner.specs[fqn], runner.mesh.shape, runner.coord)
+        torch.testing.assert_close(g, exp, rtol=1e-3, atol=1e-5, msg=lambda s: f"grad of {fqn}: {s}")
+    return dist.get_rank(), float(loss)
+
+
+@pytest.mark.timeout(300)
+def test_zero3_on_a_calibrated_cluster_trains_like_one_process(pools):
+    res = pools(4).run(calibrated_zero3_step_worker)
+    assert len({loss for _, loss in res}) == 1
