@@ -329,7 +329,10 @@ def baddbmm_cost(args, kwargs, out):
 
 
 def _matmul_flops(a: tuple[int, ...], b: tuple[int, ...]) -> float:
-    """``torch.matmul`` semantics: 1-d operands are promoted, batch dims broadcast."""
+    """``torch.matmul`` semantics: 1-d operands are promoted, batch dims broadcast; a 0-d
+    operand (``inner``/``tensordot`` with a scalar) is a scaling: one flop per element."""
+    if not a or not b:
+        return float(math.prod(a) * math.prod(b))
     if len(a) == 1 and len(b) == 1:
         return 2.0 * a[0]
     if len(a) == 1:

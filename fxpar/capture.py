@@ -195,11 +195,13 @@ def _refuse_data_dependent(gm: fx.GraphModule, owner: str) -> None:
         except Exception:  # noqa: BLE001 - a value free_unbacked_symbols cannot walk has none
             syms = set()
         if syms:
+            what = ("output shape (sizes" if isinstance(v, (torch.Tensor, tuple, list))
+                    else "output value (a Python number read from a tensor, as .item() does:")
             raise CaptureError(
                 f"could not capture {owner}: node {n.name} ({n.target}) has a data-dependent "
-                f"output shape (sizes {sorted(map(str, syms))} known only at run time); fxpar "
-                "plans static shapes, so ops such as nonzero, argwhere, unique, masked_select "
-                "and boolean-mask indexing are not supported")
+                f"{what} {sorted(map(str, syms))} known only at run time); fxpar plans static "
+                "shapes, so ops such as nonzero, argwhere, unique, masked_select, boolean-mask "
+                "indexing and .item() are not supported")
 
 
 def run_captured(gm: fx.GraphModule, model: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:

@@ -404,3 +404,21 @@ def calibrated_zero3_step_worker():
 def test_zero3_on_a_calibrated_cluster_trains_like_one_process(pools):
     res = pools(4).run(calibrated_zero3_step_worker)
     assert len({loss for _, loss in res}) == 1
+
+
+def test_item_is_a_data_dependent_value():
+    with pytest.raises(fxpar.CaptureError, match="data-dependent output value") as ei:
+        _compile(lambda x: x * x.sum().item(), torch.randn(4, 5), cluster=fxpar.Cluster.local(4))
+    assert "item" in str(ei.value)
+
+
+@pytest.mark.parametrize("f", [
+    lambda x: torch.argmax(x, 0),
+    lambda x: torch.argmin(x, 0, keepdim=True),
+    lambda x: torch.index_select(x, 0, torch.tensor([0])),
+    lambda x: torch.inner(x, torch.ones(5, 5)),
+], ids=["argmax", "argmin", "index_select", "inner"])
+def test_zero_dim_inputs_plan(f):
+    """0-d inputs: rules and cost formulas divided by the rank (``% len(shape)``: raw
+    ZeroDivisionError / CostRuleError before); now the replicated fallback."""
+    _all_ranks(_compile(f, torch.tensor(1.5)))

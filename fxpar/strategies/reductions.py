@@ -98,6 +98,8 @@ def argmax_rule(node):
     if b.get("dim") is None:
         return
     a = tensor_shape(b["self"])
+    if not a:  # a 0-d input: nothing to shard (replicated fallback)
+        return
     dim = b["dim"] % len(a)
     keep = bool(b.get("keepdim"))
     for d in range(len(a)):

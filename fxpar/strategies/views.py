@@ -188,6 +188,8 @@ def select_rule(node: fx.Node):
 def index_select_rule(node: fx.Node):
     b = bound(node)
     a = tensor_shape(b["self"])
+    if not a:  # a 0-d input: nothing to shard (replicated fallback)
+        return
     dim = b["dim"] % len(a)
     for d in range(len(a)):
         if d != dim:
