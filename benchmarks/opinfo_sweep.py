@@ -79,6 +79,9 @@ def main(argv=None) -> int:
                        "rtol": T.RTOL, "atol": T.ATOL, "samples_per_op": a.samples or "all",
                        "case_timeout_s": a.case_timeout, "budget_s": a.budget or None,
                        "ops_requested": a.ops or "all of op_db (float32 on CPU)"},
+            "scope": (f"first {a.samples} samples of each op: {len(cases)} of the "
+                      f"{sum(sample_counts.values())} float32 samples of {len(names)} ops"
+                      if a.samples else f"all {len(cases)} float32 samples of {len(names)} ops"),
             "complete": final and len(ran) == len(cases),
             "cases_planned": len(cases), "cases_run": len(results),
             "not_run": [] if len(ran) == len(cases) else

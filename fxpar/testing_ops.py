@@ -22,8 +22,9 @@ Outcome of one case (:data:`OUTCOMES`):
 * ``skip`` — not fxpar's business: the sample itself fails eagerly, or generating it is not
   deterministic across ranks.
 
-Ops whose eager result changes with the RNG seed (random ops) are compared on shape and dtype
-only (``random`` in the record).
+Random ops (an aten op tagged ``nondeterministic_seeded`` runs, or the eager result changes
+with the seed) and ops whose output is uninitialized memory (:data:`UNINITIALIZED`) are compared on shape and dtype only (``random``
+in the record).
 
 How it runs: :func:`run_cases` drives a :class:`fxpar.testing.WorkerPool` of 4 ranks; each pool
 call runs a batch of cases in :func:`worker_batch` on every rank. Every rank regenerates the
@@ -52,7 +53,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["OUTCOMES", "MESH", "Case", "Result", "free_comm_cluster", "op_names", "op_by_name",
+__all__ = ["OUTCOMES", "UNINITIALIZED", "MESH", "Case", "Result", "free_comm_cluster", "op_names", "op_by_name",
            "num_samples", "run_cases", "worker_batch", "summarize", "op_outcomes"]
 
 OUTCOMES = ("pass", "fxpar_error", "wrong", "crash", "skip")
@@ -62,6 +63,10 @@ MESH = {"dp": 2, "tp": 2}
 WORLD = 4
 DTYPE = torch.float32
 RTOL, ATOL = 1e-4, 1e-4
+#: ops whose output is uninitialized memory: compared on shape and dtype only (as DTensor's
+#: op test skips them)
+UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
+                           "new_empty_strided"})
 
 
 def free_comm_cluster(world: int = WORLD):
@@ -244,6 +249,31 @@ def _compare(out, ref, random: bool) -> str:
     return ""
 
 
+class _SeededOps:
+    """A dispatch mode that notes whether an op tagged ``nondeterministic_seeded`` runs."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+                    outer.hit = True
+                return func(*args, **(kwargs or {}))
+
+        self.hit = False
+        self._mode = Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+
 def _is_sharded(plan) -> bool:
     """Some op node (not an input) has a non-replicated input or output spec."""
     for n in plan.nodes:
@@ -269,12 +299,17 @@ def _run_one(case: Case, cluster, mesh, time_limit: float) -> dict:
         rec["inputs"] = " ".join(f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
                                  for t in xs)
         rec["phase"] = "eager"
+        seeded = _SeededOps()
         with torch.no_grad():
             torch.manual_seed(0)
             ref = mod(*_clone(xs))
             torch.manual_seed(1)
-            ref2 = mod(*_clone(xs))
-        rec["random"] = _compare(ref2, ref, False) != ""
+            with seeded:
+                ref2 = mod(*_clone(xs))
+        # random: an aten op tagged nondeterministic_seeded ran (OpInfo wraps some random ops
+        # in a fixed seed, so eager alone may look deterministic), or the seed changed it
+        rec["random"] = (seeded.hit or _compare(ref2, ref, False) != ""
+                         or case.op in UNINITIALIZED)
         rec["phase"] = "compile"
         t0 = time.perf_counter()
         prog = fxpar.compile(mod, cluster, tuple(_clone(xs)), training=False, plan="auto",
@@ -420,6 +455,9 @@ def _merge(case: Case, recs: list[dict]) -> Result:
                  round(r0.get("time", 0.0), 3))
     if len({r["fp"] for r in recs}) > 1:
         res.outcome, res.error = "skip", "sample generation differs across ranks"
+    elif {r["outcome"] for r in recs} == {"pass", "wrong"}:
+        bad = [i for i, r in enumerate(recs) if r["outcome"] == "wrong"]
+        res.error = f"wrong on ranks {bad} only: {res.error}"[:400]
     elif len({(r["outcome"], r["error"]) for r in recs}) > 1 and res.outcome != "crash":
         # ranks that disagree on the outcome (one rank errs, another passes) are a bug
         by = {i: f"{r['outcome']} ({r['error']})" if r["error"] else r["outcome"]
@@ -496,7 +534,8 @@ def op_outcomes(results: list[Result]) -> dict[str, tuple[str, str]]:
     out: dict[str, tuple[str, str]] = {}
     for r in results:
         if r.op not in out or _SEVERITY[r.outcome] > _SEVERITY[out[r.op][0]]:
-            out[r.op] = (r.outcome, r.error)
+            out[r.op] = (r.outcome, f"sample {r.sample} ({r.inputs or 'no tensors'}), "
+                                    f"{r.phase}: {r.error}")
     return out
 
 
@@ -516,7 +555,13 @@ def summarize(results: list[Result]) -> dict:
                                      / max(1, counts["pass"]), 1),
         "int_arg_cases": sum(1 for r in results if r.int_args),
         "random_cases": sum(1 for r in results if r.random),
+        # random ops that compiled and ran (values unchecked): refused or RNG-sharded by fxpar?
+        "random_pass_ops": sorted({r.op for r in results if r.random and r.outcome == "pass"}),
         "explain_missing_unsharded": sorted({r.op for r in ran if r.explain_ok is False}),
+        # an fxpar error should say which op: its aten name, its node, or the OpInfo's name
+        "fxpar_error_not_naming_op": sorted({
+            r.op for r in results if r.outcome == "fxpar_error"
+            and not any(w in r.error for w in ("aten.", "node ", r.op.split(".")[-1]))}),
         "wrong": sorted({r.op for r in results if r.outcome == "wrong"}),
         "crash": sorted({r.op for r in results if r.outcome == "crash"}),
     }
