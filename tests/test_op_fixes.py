@@ -422,3 +422,25 @@ def test_zero_dim_inputs_plan(f):
     """0-d inputs: rules and cost formulas divided by the rank (``% len(shape)``: raw
     ZeroDivisionError / CostRuleError before); now the replicated fallback."""
     _all_ranks(_compile(f, torch.tensor(1.5)))
+
+
+def _as_strided_of_transposed(x):
+    return (x * 2).t().as_strided((6, 5), (5, 1))
+
+
+def test_storage_reader_after_a_collective_of_a_view_is_refused():
+    """``as_strided`` reads eager's storage: if its input is a view (``t``) that the plan
+    shards and gathers, the gathered tensor is not that storage: a PlanError naming the node
+    (else a silent wrong result); plans gathering before the view stay valid."""
+    x = torch.arange(30.).reshape(5, 6)
+    for pins in ({"t": "S(0)S(1)"}, {}):
+        try:
+            prog = _compile(_as_strided_of_transposed, x, pins=pins)
+            gms = _all_ranks(prog)
+        except fxpar.PlanError as e:
+            assert pins and "as_strided" in str(e) and "reads its input's storage" in str(e), str(e)
+            continue
+        assert not pins, "the pinned plan gathers a sharded t(): it must be refused"
+        for gm in gms:
+            (n,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.as_strided.default)
+            assert ir.EDGE not in n.args[0].meta

@@ -17,6 +17,8 @@ The shared rewrites live here; each family file names the ones its ops use:
 * :func:`shape_arg` — a size argument becomes the output's local shape (``view``, ``reshape``,
   ``expand``, ``new_*``, ``zeros``/``ones``/``empty``/``full``); :func:`unflatten_sizes`;
   :func:`arange_bounds` — a sharded ``arange`` gets this rank's bounds;
+* :func:`reads_storage` — ops that address storage (``as_strided``, ``resize_``...) refuse an
+  input that arrives through a collective when eager's input is a view into a larger storage;
 * :func:`refuse_random` — every op tagged ``torch.Tag.nondeterministic_seeded`` without an
   entry of its own (replicas would draw different numbers): no hand list;
 * dropout (:mod:`.pointwise`) and the vocabulary-parallel lookup (:mod:`.embedding`) have theirs
@@ -45,7 +47,7 @@ from fxpar.errors import PlanError
 from fxpar.strategies.base import record_for
 
 __all__ = ["LocalContext", "LocalRule", "local_rule", "shape_arg", "unflatten_sizes", "arange_bounds",
-           "refuse_random", "shard_key"]
+           "refuse_random", "reads_storage", "shard_key"]
 
 
 @dataclass(frozen=True)
@@ -151,6 +153,48 @@ def refuse_random(node: fx.Node, lctx: LocalContext) -> None:
     numbers (silently wrong), so they are refused."""
     raise PlanError(f"node {node.name} ({node.target}): random ops other than dropout are not "
                     "supported under sharding yet (replicas would draw different values)")
+
+
+def _storage_plain(v) -> bool:
+    """Whether eager's tensor ``v`` (a fake value with eager strides) is its whole storage in
+    row-major order: contiguous, offset 0, no other elements in the storage."""
+    try:
+        return (v.is_contiguous() and v.storage_offset() == 0
+                and v.untyped_storage().nbytes() == v.numel() * v.element_size())
+    except Exception:  # noqa: BLE001 - a value without a storage to inspect: assume not
+        return False
+
+
+def reads_storage(node: fx.Node, lctx: LocalContext) -> None:
+    """Ops that address their input's STORAGE (``as_strided``, ``resize_``, ``set_``...; they
+    are replicate-only). After a collective the input is a fresh contiguous tensor holding
+    exactly the values (the runtime's layout contract), which is the storage eager would read
+    only when eager's input is itself a plain tensor; if eager's input is a view into a
+    larger or permuted storage (``x.t().as_strided(...)`` with the ``t`` sharded and gathered), the
+    rank program would read other elements, so :class:`PlanError` names the node.
+
+    >>> import torch, torch.fx as fx
+    >>> g = fx.Graph(); x = g.placeholder("x")
+    >>> w = g.call_function(torch.ops.aten.clone.default, (x,)); w.meta["fxpar_edge"] = "e"
+    >>> w.meta["fxpar_global_val"] = torch.empty(6, 5).t()
+    >>> a = g.call_function(torch.ops.aten.as_strided.default, (w, [5, 6], [6, 1]))
+    >>> reads_storage(a, LocalContext((2,), (0,), torch.device("cpu")))
+    Traceback (most recent call last):
+    ...
+    fxpar.errors.PlanError: node as_strided_default (aten.as_strided.default) reads its input's storage, ...
+    """
+    src = node.args[0] if node.args else None
+    if not isinstance(src, fx.Node) or ir.EDGE not in src.meta:
+        return  # its input is computed on this rank as eager computes it: the same storage
+    eager = src.meta.get(ir.GLOBAL_VAL)
+    if eager is None or _storage_plain(eager):
+        return
+    raise PlanError(f"node {node.name} ({node.target}) reads its input's storage, but its input "
+                    f"{src.name} arrives through a collective as a fresh tensor while eager's is "
+                    f"a view (shape {tuple(eager.shape)}, strides {tuple(eager.stride())}, "
+                    f"offset {eager.storage_offset()}) of a storage laid out otherwise: the rank program "
+                    "would read other elements. Keep the view's producer replicated (pin it to "
+                    "R) or apply the op to a contiguous tensor")
 
 
 def shard_key(spec, coord) -> list[int]:

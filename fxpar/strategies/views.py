@@ -29,7 +29,7 @@ import torch.fx as fx
 from fxpar.cost.compute import copy_cost, creation_cost, maybe_copy_cost, view_cost
 from fxpar.strategies.base import (P, R, S, AxisStrategy, bound, choice, declare, out_shapes, register,
                                    tensor_shape)
-from fxpar.strategies.local import shape_arg, unflatten_sizes
+from fxpar.strategies.local import reads_storage, shape_arg, unflatten_sizes
 
 aten = torch.ops.aten
 
@@ -238,7 +238,7 @@ def pad_rule(node: fx.Node):
 
 # Views without a sharding rule (replicated): aliases, and shape/metadata queries and runtime
 # assertions that move no data (free, ``view=True``).
-declare(aten.as_strided, aten.diagonal, aten.unfold, aten.real, aten.imag, aten.view_as_real, aten.view_as_complex,
+declare(aten.diagonal, aten.unfold, aten.real, aten.imag, aten.view_as_real, aten.view_as_complex,
         aten.lift_fresh, aten.movedim, aten.moveaxis, aten.swapdims, aten.view_as, aten.expand_as, aten.numpy_T,
         aten.mT, aten.dim, aten.numel, aten.stride, aten.sym_stride, aten.sym_numel, aten.storage_offset,
         aten.sym_storage_offset, aten.item, aten._assert_async, aten._assert_scalar, aten._assert_tensor_metadata,
@@ -255,8 +255,11 @@ declare(aten.size, aten.sym_size, aten.detach_, cost=view_cost, view=True, diffe
 # order; ``as_strided`` addresses elements by global strides), so no sharded layout computes
 # the right piece locally. They run on the whole tensor, which the runtime hands over
 # contiguous (fxpar.runtime.redistribute: layout contract), as eager would.
+# ``reads_storage`` refuses an input that arrives through a collective when eager's input is a
+# view into a larger storage (the gathered tensor is not that storage).
+declare(aten.as_strided, cost=view_cost, view=True, local=reads_storage)
 declare(aten.resize_, aten.resize_as_, aten.set_, aten.as_strided_, aten.as_strided_copy,
-        cost=copy_cost)
+        cost=copy_cost, local=reads_storage)
 # Data movement without a sharding rule (replicated), priced as copies.
 declare(aten.repeat, aten.flip, aten.roll, cost=copy_cost, saves="nothing")
 declare(aten.repeat_interleave, aten.tile, aten.hstack, aten.vstack, aten.concatenate, aten.split_copy,
