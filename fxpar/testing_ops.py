@@ -35,8 +35,9 @@ be listed by ``Plan.explain()``). Every case has a deadline (``SIGALRM`` in the 
 process groups' timeout set to the same value, so a hung collective raises); after a case
 that timed out or ended differently on different ranks (phase or error), the ranks stop and
 the driver restarts the pool before the next case (nothing of a failed case can leak into
-the next). A rank that dies or hangs past the pool's deadline is found by the progress
-file each rank writes, recorded as ``crash`` and the batch resumes after it.
+the next). A watchdog in the driver notices a rank that dies, or ranks whose progress files
+stop moving (a hang the alarm cannot break); the case they were on is recorded as ``crash``
+and the batch resumes after it on a fresh pool.
 """
 
 from __future__ import annotations
@@ -468,14 +469,61 @@ def _merge(case: Case, recs: list[dict]) -> Result:
     return res
 
 
+def _run_batch(pool, args: tuple, case_timeout: float, n: int, workdir: str) -> list:
+    """``pool.run(worker_batch, *args)`` with a watchdog: a rank that dies, or whose progress
+    file has not moved for ``2 * case_timeout + 30`` s (a hang the rank's own alarm could not
+    break), fails the call at once instead of at the batch's deadline."""
+    import threading
+
+    box: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            box["out"] = pool.run(worker_batch, *args, timeout=2 * case_timeout * (n + 1) + 60)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            box["err"] = e
+
+    th = threading.Thread(target=call, daemon=True)
+    th.start()
+    stall = 2 * case_timeout + 30
+    while th.is_alive():
+        th.join(0.5)
+        if not th.is_alive():
+            break
+        procs = list(pool._procs)
+        dead = [r for r, p in enumerate(procs) if not p.is_alive()]
+        now = time.time()
+        stuck = []
+        for r in range(pool.world_size):
+            try:
+                if now - os.path.getmtime(os.path.join(workdir, f"progress_{r}")) > stall:
+                    stuck.append(r)
+            except OSError:
+                pass
+        if dead or (stuck and len(stuck) == pool.world_size):
+            why = (f"rank(s) {dead} died" if dead else
+                   f"no rank progressed for {stall:.0f} s")
+            # answer for every rank, so pool.run returns now (it then tears the pool down)
+            for r in range(pool.world_size):
+                pool._results.put((r, pool._calls, ("error", f"opinfo watchdog: {why}")))
+            th.join(30)
+            break
+    if "err" in box:
+        raise box["err"]
+    if "out" not in box:
+        from fxpar.errors import CollectiveTimeoutError
+
+        raise CollectiveTimeoutError("opinfo batch did not return")
+    return box["out"]
+
+
 def run_cases(pool, cases: list[Case], *, case_timeout: float = 60.0, batch: int = 25,
               mesh: dict | None = None, on_result=None, deadline: float | None = None
               ) -> list[Result]:
     """Run ``cases`` on ``pool`` (a started :class:`fxpar.testing.WorkerPool` of 4 ranks), in
     batches of ``batch``; ``on_result(result)`` is called as results come in. ``deadline``
     (``time.monotonic()`` value): no new batch starts after it (the rest are not run)."""
-    from fxpar.errors import CollectiveTimeoutError
-    from fxpar.testing import WorkerError
+    from fxpar.errors import FxparError
 
     results: list[Result] = []
     todo = list(cases)
@@ -487,12 +535,15 @@ def run_cases(pool, cases: list[Case], *, case_timeout: float = 60.0, batch: int
             for r in range(pool.world_size):
                 with open(os.path.join(workdir, f"progress_{r}"), "w") as f:
                     f.write("0")
+            if not pool.alive:  # (re)start it before the watchdog looks at its processes
+                pool.close(force=True)
+                pool.start()
             try:
-                outs = pool.run(worker_batch, [(c.op, c.sample) for c in chunk], workdir,
-                                case_timeout, mesh, timeout=case_timeout * (len(chunk) + 2) + 30)
-            except (WorkerError, CollectiveTimeoutError) as e:
-                # a rank died or hung past the pool's deadline: the case it was running is
-                # a crash; the pool restarts on its next call
+                outs = _run_batch(pool, ([(c.op, c.sample) for c in chunk], workdir,
+                                         case_timeout, mesh), case_timeout, len(chunk), workdir)
+            except FxparError as e:  # WorkerError, CollectiveTimeoutError
+                # a rank died or hung past what its own alarm could break: the case it was
+                # running is a crash; the pool restarts before the next batch
                 pool.close(force=True)
                 done = []
                 for r in range(pool.world_size):
@@ -501,11 +552,13 @@ def run_cases(pool, cases: list[Case], *, case_timeout: float = 60.0, batch: int
                             done.append(int(f.read().strip() or 0))
                     except (OSError, ValueError):
                         done.append(0)
-                i = min(done)
+                i = min(min(done), len(chunk) - 1)
+                msg = str(e).strip().splitlines()
+                why = next((l.strip() for l in msg if "watchdog" in l), msg[0] if msg else "")
                 res = Result(chunk[i].op, chunk[i].sample, "crash",
-                             ("rank died or hung: " + _first_line(e))[:400], "unknown")
-                # the cases before i are re-run: their records were lost with the pool
-                todo = chunk[:i] + todo[len(chunk):] if i else todo[len(chunk):]
+                             f"rank died or hung: {why}"[:400], "unknown")
+                # the records of the cases before i were lost with the call: they run again
+                todo = chunk[:i] + chunk[i + 1:] + todo[len(chunk):]
                 results.append(res)
                 if on_result:
                     on_result(res)
@@ -522,7 +575,7 @@ def run_cases(pool, cases: list[Case], *, case_timeout: float = 60.0, batch: int
                 if on_result:
                     on_result(res)
             if any(o["stopped"] for o in outs):
-                pool.close(force=True)  # restarted (a fresh process group) on the next call
+                pool.close(force=True)  # restarted (a fresh process group) before the next batch
             todo = chunk[n:] + todo[len(chunk):]
     return results
 
