@@ -85,8 +85,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import io
 import itertools
+import logging
 import operator
+import os
+import traceback
 import warnings
 from collections import defaultdict
 from collections.abc import Iterator, Mapping, Sequence
@@ -147,26 +151,49 @@ def capture(
     order = FRONTENDS if frontend == "auto" else (frontend,)
     failures: dict[str, BaseException] = {}
     reasons: list[str] = []
+    debug = os.environ.get("FXPAR_DEBUG") == "1"
     for fe in order:
         label = _LABEL[fe]
         if fe == "symbolic_trace" and decompose:
             reasons.append(f"{label}: skipped (decompose=True needs an ATen-level graph)")
             continue
         try:
-            if fe == "symbolic_trace":
-                gm = _symbolic_trace(model, args, kwargs)
-            else:
-                gm = _export(model, args, kwargs, strict=fe == "export_strict", decompose=decompose)
+            with _quiet_torch_logs(debug):
+                if fe == "symbolic_trace":
+                    gm = _symbolic_trace(model, args, kwargs)
+                else:
+                    gm = _export(model, args, kwargs, strict=fe == "export_strict", decompose=decompose)
         except Exception as e:  # noqa: BLE001 - every frontend failure is reported, none hidden
             failures[label] = e
-            dd = "data-dependent output shape: " if type(e).__name__ in _DATA_DEPENDENT_ERRORS else ""
-            reasons.append(f"{label}: {dd}{_first_line(e)}")
+            name = type(e).__name__
+            dd = ("data-dependent value: " if name == "GuardOnDataDependentSymNode"  # a branch
+                  else "data-dependent output shape: " if name in _DATA_DEPENDENT_ERRORS else "")
+            reasons.append(f"{label}: {dd}{_first_line(e)}" +
+                           ("\n" + "".join(traceback.format_exception(e)) if debug else ""))
             continue
         _refuse_data_dependent(gm, type(model).__name__)  # final: no other frontend can do better
         return gm
     err = CaptureError(f"could not capture {type(model).__name__}: " + "; ".join(reasons))
     err.failures = failures  # type: ignore[attr-defined]
     raise err from next(iter(failures.values()), None)
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs(debug: bool):
+    """Hold back torch's own log output while a frontend is tried: export logs ERROR-level
+    tracebacks and graph dumps for a model it then fails on, and fxpar's :class:`CaptureError`
+    already names each frontend's reason (``FXPAR_DEBUG=1``: logs shown, full tracebacks in
+    the error)."""
+    if debug:
+        yield
+        return
+    prev = logging.root.manager.disable
+    logging.disable(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):  # graph dumps written to stderr
+            yield
+    finally:
+        logging.disable(prev)
 
 
 #: export's errors for a size known only at run time (an op such as ``combinations`` whose fake

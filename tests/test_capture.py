@@ -560,3 +560,39 @@ def test_example_models_docstrings():
 
     res = doctest.testmod(examples.models, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
     assert res.failed == 0
+
+
+_NOISY = """
+import torch, fxpar
+class M(torch.nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow: no frontend can capture it
+            return x * 2
+        return x
+try:
+    fxpar.capture(M(), (torch.randn(4),))
+except fxpar.CaptureError as e:
+    print(e)
+"""
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_capture_failure_is_quiet(debug):
+    """Only fxpar's error reaches the user: torch's log records and graph dumps of the
+    frontends that failed are held back (stderr empty); ``FXPAR_DEBUG=1`` shows them and puts
+    each frontend's full traceback into the error."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "FXPAR_DEBUG"}
+    if debug:
+        env["FXPAR_DEBUG"] = "1"
+    p = subprocess.run([sys.executable, "-c", _NOISY], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.stdout.startswith("could not capture M: export(non-strict): ")
+    assert "export(strict): " in p.stdout and "symbolic_trace: " in p.stdout
+    if debug:
+        assert "Traceback (most recent call last)" in p.stdout and p.stderr
+    else:
+        assert p.stderr == "" and "Traceback" not in p.stdout
