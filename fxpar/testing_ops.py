@@ -54,8 +54,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["OUTCOMES", "UNINITIALIZED", "MESH", "Case", "Result", "free_comm_cluster", "op_names", "op_by_name",
-           "num_samples", "run_cases", "worker_batch", "summarize", "op_outcomes"]
+__all__ = ["MESH", "OUTCOMES", "UNINITIALIZED", "Case", "Result", "free_comm_cluster", "num_samples",
+           "op_by_name", "op_names", "op_outcomes", "run_cases", "samples", "summarize",
+           "worker_batch"]
 
 OUTCOMES = ("pass", "fxpar_error", "wrong", "crash", "skip")
 #: severity order when several samples / ranks of one op disagree
@@ -125,6 +126,11 @@ def _samples(name: str) -> list:
             pass
         _SAMPLES[name] = list(op_by_name(name).sample_inputs("cpu", DTYPE, requires_grad=False))
     return _SAMPLES[name]
+
+
+def samples(name: str) -> list:
+    """The op's float32 CPU ``SampleInput`` list (deterministic: seeded by the op's name)."""
+    return _samples(name)
 
 
 def num_samples(name: str) -> int:
@@ -245,7 +251,7 @@ def _compare(out, ref, random: bool) -> str:
             except AssertionError as e:
                 lines = [l.strip() for l in str(e).splitlines() if l.strip()]
                 return f"output {i}: " + "; ".join(lines[:3])[:300]
-        elif not random and a != b and not (a != a and b != b):  # NaN == NaN
+        elif not random and a != b and not (_isnan(a) and _isnan(b)):
             return f"output {i}: {a!r}, eager {b!r}"
     return ""
 
@@ -273,6 +279,10 @@ class _SeededOps:
 
     def __exit__(self, *exc):
         return self._mode.__exit__(*exc)
+
+
+def _isnan(x) -> bool:
+    return isinstance(x, float) and x != x  # noqa: PLR0124 - NaN is the value unequal to itself
 
 
 def _is_sharded(plan) -> bool:
@@ -357,7 +367,7 @@ def _set_timeouts(td):
     for pg in list(c10d._world.pg_map):
         try:
             old[pg] = pg._get_backend(torch.device("cpu")).options._timeout
-        except Exception:  # noqa: BLE001 - not a gloo group: leave it alone
+        except Exception:  # noqa: BLE001, S112 - not a gloo group: leave it alone
             continue
         c10d._set_pg_timeout(td, pg)
     c10d.default_pg_timeout = td
@@ -587,8 +597,8 @@ def op_outcomes(results: list[Result]) -> dict[str, tuple[str, str]]:
     out: dict[str, tuple[str, str]] = {}
     for r in results:
         if r.op not in out or _SEVERITY[r.outcome] > _SEVERITY[out[r.op][0]]:
-            out[r.op] = (r.outcome, f"sample {r.sample} ({r.inputs or 'no tensors'}), "
-                                    f"{r.phase}: {r.error}")
+            where = f"sample {r.sample} ({r.inputs or 'no tensors'}), {r.phase}"
+            out[r.op] = (r.outcome, f"{where}: {r.error}")
     return out
 
 
