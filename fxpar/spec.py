@@ -43,6 +43,7 @@ __all__ = [
     "Shard",
     "Spec",
     "as_spec",
+    "partial_reducible",
     "chunk_bounds",
     "grad_in_spec",
     "grad_out_spec",
@@ -287,3 +288,19 @@ def grad_in_spec(strategy, p: int) -> Spec:
 
 
 _SUM = Partial("sum")
+
+
+def partial_reducible(dtype, reduce_op: str) -> bool:
+    """Whether a ``Partial(reduce_op)`` tensor of ``dtype`` can be reduced exactly by fxpar's
+    collectives on every backend. The runtime reduces dtypes a backend lacks in a wider one
+    (:func:`fxpar.runtime.redistribute._to_wire`); ``max``/``min`` of ``uint64`` has none (no
+    wider integer holds it, its int64 bits do not order the same), so the planner offers no
+    strategy with such an output (:func:`fxpar.strategies.strategies_for`).
+
+    >>> import torch
+    >>> partial_reducible(torch.int16, "sum"), partial_reducible(torch.uint64, "max")
+    (True, False)
+    """
+    import torch
+
+    return not (dtype == torch.uint64 and reduce_op in ("max", "min"))

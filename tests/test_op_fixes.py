@@ -444,3 +444,25 @@ def test_storage_reader_after_a_collective_of_a_view_is_refused():
         for gm in gms:
             (n,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.as_strided.default)
             assert ir.EDGE not in n.args[0].meta
+
+
+def _amax_u64(x):
+    return torch.amax((x * 10).to(torch.uint64), dim=1)
+
+
+def test_uint64_max_is_never_partial():
+    """``P(max)`` of uint64 has no exact wire dtype: the planner never offers it (the sharded
+    reduced dim is gathered first), so the plan runs; other dims may still be sharded."""
+    from torch.distributed.tensor import Partial
+
+    prog = _compile(_amax_u64, torch.linspace(0, 3, 125).reshape(5, 5, 5))
+    for gm in _all_ranks(prog):
+        (n,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.amax.default)
+        assert not any(isinstance(p, Partial) for p in n.meta[ir.SPECS][0]), n.meta[ir.SPECS]
+
+
+def test_uint64_max_partial_is_not_a_candidate():
+    """Asking for ``P(max)`` of a uint64 amax (a pin) finds no such strategy: PlanError at plan
+    time, not a ReshardError on every rank at run time."""
+    with pytest.raises(fxpar.PlanError, match="amax"):
+        _compile(_amax_u64, torch.linspace(0, 3, 125).reshape(5, 5, 5), pins={"amax": "P(max)R"})

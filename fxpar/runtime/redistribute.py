@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import torch
 
 from fxpar.errors import ReshardError
-from fxpar.spec import Partial, Replicate, Spec, as_spec, chunk_bounds
+from fxpar.spec import Partial, Replicate, Spec, as_spec, chunk_bounds, partial_reducible
 
 __all__ = ["execute", "execute_many", "execute_step", "start", "finish", "Pending", "distribute", "assemble",
            "as_device_mesh"]
@@ -275,6 +275,9 @@ def _to_wire(buf: torch.Tensor, kind: str, op: str) -> torch.Tensor:
         return buf
     if kind in ("all_gather", "all_to_all"):
         return buf.view(torch.uint8)
+    if not partial_reducible(dt, op):  # the planner offers no such Partial; a hand-made plan
+        raise ReshardError(f"{kind} with reduce op {op!r} of dtype {dt}: no backend-supported "
+                           "dtype represents it exactly; keep this tensor replicated")
     if dt.is_complex:
         return buf
     if dt in _WIDER:

@@ -20,6 +20,8 @@ all-replicate strategy is always first; the order is deterministic; no duplicate
 * ops with a rule (:func:`strategy_rule`: the record's, or the pointwise rule for any ATen op
   tagged pointwise): the rule's one-axis choices expanded over the mesh
   (:func:`fxpar.strategies.base.expand`);
+* strategies with a ``Partial`` output the collectives cannot reduce exactly on its dtype
+  (:func:`fxpar.spec.partial_reducible`) are dropped;
 * ops without a rule: ONE all-replicate strategy with ``unsharded=True``
   (:func:`unsharded_strategy`, THE replicate-only fallback).
 
@@ -106,7 +108,25 @@ def strategies_for(node: fx.Node, mesh) -> list[Strategy]:
     if rule is None:
         return [unsharded_strategy(node, mesh.ndim)]
     out = expand(node, rule(node) or (), mesh.shape, mesh.axis_names)
+    out = [s for s in out if _reducible(node, s)]
     return out or [unsharded_strategy(node, mesh.ndim)]
+
+
+def _reducible(node: fx.Node, strat: Strategy) -> bool:
+    """False when an output of ``strat`` is ``Partial`` with a reduce op the collectives cannot
+    run exactly on that output's dtype (:func:`fxpar.spec.partial_reducible`: ``max``/``min``
+    of ``uint64``): such a strategy is never offered, so the plan keeps the reduction whole."""
+    from torch.distributed.tensor import Partial
+
+    from fxpar.spec import partial_reducible
+
+    v = node.meta.get("val")
+    vals = [t for t in (v if isinstance(v, (tuple, list)) else [v]) if isinstance(t, torch.Tensor)]
+    for t, spec in zip(vals, strat.outputs):
+        for p in spec:
+            if isinstance(p, Partial) and not partial_reducible(t.dtype, p.reduce_op):
+                return False
+    return True
 
 
 def is_unsharded(node: fx.Node) -> bool:
