@@ -90,11 +90,14 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
          example_kwargs: Mapping[str, Any] | None = None, *, mesh=None, plan: str = "auto",
          pins: Mapping[str, object] | None = None, memory_budget: float | None = None,
          time_limit: float | None = 60.0, options: PlannerOptions | None = None,
-         strategies: Callable | None = None, graph: fx.GraphModule | None = None) -> Planned:
+         strategies: Callable | None = None, graph: fx.GraphModule | None = None,
+         progress: Callable[[str], None] | None = None) -> Planned:
     """Capture ``model`` and plan it on ``cluster`` (module docstring for ``plan=`` kinds).
 
     ``mesh``: a :class:`Mesh` or ``{"dp": 2, "tp": 4}``; ``None`` picks one. ``pins`` add to
     a baseline's own pins. ``graph``: an already captured graph (skips capture).
+    ``progress(line)`` is called once per candidate mesh as it is planned (its build and
+    solve times and predicted step, or why it failed).
     Raises :class:`PlanError` when no plan fits ``memory_budget`` (default device memory).
     """
     if plan not in PLAN_KINDS:
@@ -121,10 +124,16 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
             p, bp, sol = plan_and_keep(gm, msh, pins=all_pins, options=opts,
                                        strategies=strategies, kind=plan)
         except PlanError as e:
+            if progress is not None:
+                progress(f"{msh!r}: no plan ({str(e).splitlines()[0][:120]})")
             if len(meshes) == 1:
                 raise
             errors.append(f"{msh!r}: {e}")
             continue
+        if progress is not None:
+            progress(f"{msh!r}: build {p.stats.get('build_s', 0):.2f} s, solve "
+                     f"{p.stats.get('solve_s', 0):.2f} s ({p.stats.get('strategies', '?')} "
+                     f"strategies), predicted step {p.time * 1e3:.4g} ms")
         tried.append((repr(msh), p.time))
         if best is None or p.time < best.time:
             best, best_mesh, kept = p, msh, (bp, sol)

@@ -94,15 +94,20 @@ class _Phases:
     def __init__(self) -> None:
         self.times: dict[str, float] = {}
 
-    def run(self, name: str, fn, *a, **kw):
+    def run(self, name: str, fn, *a, lines: bool = False, **kw):
+        """Time ``fn(*a, **kw)``; ``lines``: the phase prints lines of its own (``say``)."""
         import time
 
-        print(f"[fxpar] {name} ...", end="", file=sys.stderr, flush=True)
+        print(f"[fxpar] {name} ...", end="\n" if lines else "", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         out = fn(*a, **kw)
         self.times[name] = time.perf_counter() - t0
-        print(f" {self.times[name]:.2f} s", file=sys.stderr, flush=True)
+        print(f"{f'[fxpar] {name}:' if lines else ''} {self.times[name]:.2f} s", file=sys.stderr, flush=True)
         return out
+
+    @staticmethod
+    def say(line: str) -> None:
+        print(f"[fxpar]   {line}", file=sys.stderr, flush=True)
 
 
 def _plan_target(args, phases: _Phases):
@@ -111,11 +116,9 @@ def _plan_target(args, phases: _Phases):
     model, inputs, kwargs = phases.run("build model (your code)", _load_target, args.target)
     gm = phases.run("capture", fxpar.capture, model, inputs, kwargs)
     mesh = _parse_mesh(args.mesh) if args.mesh else None
-    planned = phases.run(f"plan {args.plan}", fxpar.plan, model, _cluster(args), inputs, kwargs,
-                         mesh=mesh, plan=args.plan, graph=gm, time_limit=args.time_limit)
-    for m, t in planned.tried:
-        print(f"[fxpar]   candidate {m}: predicted step {t * 1e3:.4g} ms", file=sys.stderr)
-    return planned
+    return phases.run(f"plan {args.plan}", fxpar.plan, model, _cluster(args), inputs, kwargs,
+                      mesh=mesh, plan=args.plan, graph=gm, time_limit=args.time_limit,
+                      progress=phases.say, lines=True)
 
 
 def cmd_plan(args) -> None:
