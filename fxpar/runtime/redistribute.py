@@ -56,6 +56,7 @@ tensor([[6., 7.],
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -193,6 +194,13 @@ class _Comm:
     finish: Callable[[torch.Tensor], torch.Tensor]
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _local_shape(spec: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...],
+                 coord: tuple[int, ...]) -> tuple[int, ...]:
+    """``spec.local_shape`` memoized: the same few (spec, shape, coordinate) recur every step."""
+    return tuple(spec.local_shape(shape, mesh_shape, coord))
+
+
 def _start(step, local: torch.Tensor, mesh_shape: tuple[int, ...], shape: Sequence[int],
            coord: Sequence[int]) -> torch.Tensor | _Comm:
     """The new local tensor for a local step, or the :class:`_Comm` a collective step needs."""
@@ -211,7 +219,7 @@ def _start(step, local: torch.Tensor, mesh_shape: tuple[int, ...], shape: Sequen
     if kind == "rescale":
         return local * G if dst_p.reduce_op == "avg" else local / G
     # The destination's local shape gives every size needed (dim pieces and this rank's chunk).
-    out_shape = step.dst.local_shape(shape, mesh_shape, coord)
+    out_shape = _local_shape(step.dst, tuple(shape), tuple(mesh_shape), tuple(coord))
 
     if kind == "all_reduce":
         x = local.contiguous()
@@ -386,7 +394,7 @@ def _prepare(plan, local: torch.Tensor, mesh_shape, coord) -> None:
     if mesh_shape != tuple(plan.mesh.shape):
         raise ReshardError(f"plan {plan} is for mesh shape {tuple(plan.mesh.shape)} "
                            f"({plan.mesh!r}) but the device mesh has shape {mesh_shape}")
-    want = plan.src.local_shape(plan.shape, mesh_shape, coord)
+    want = _local_shape(plan.src, tuple(plan.shape), tuple(mesh_shape), tuple(coord))
     if tuple(local.shape) != want:
         raise ReshardError(
             f"plan {plan}: local tensor of shape {tuple(local.shape)} at mesh coordinate {coord} "
