@@ -138,9 +138,6 @@ class Edge:
         g = "no grad" if self.bwd is None else f"grad {self.bwd.src} -> {self.bwd.dst}: {steps(self.bwd)}"
         return f"{self.fwd.src} -> {self.fwd.dst}: {steps(self.fwd)} | {g}"
 
-    def local_shape(self, spec, coord) -> tuple[int, ...]:
-        return spec.local_shape(self.fwd.shape, self.fwd.mesh.shape, coord)
-
     def grad(self, g: torch.Tensor, device_mesh) -> torch.Tensor:
         """The producer-side gradient: scaled, then the gradient plan."""
         if self.scale != 1.0:
