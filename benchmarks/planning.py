@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 import fxpar  # noqa: E402
 from fxpar.api import plan  # noqa: E402
-from fxpar.planner import PlannerOptions, build_problem, default_strategies, plan_graph  # noqa: E402
+from fxpar.planner import PlannerOptions, default_strategies, plan_graph  # noqa: E402
 
 
 def llama3_8b(layers: int = 32):

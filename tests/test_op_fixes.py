@@ -10,7 +10,6 @@ tensors, so the sharded paths are really exercised.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
