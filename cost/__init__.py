@@ -3,8 +3,9 @@
 ==============  ===============================================================================
 ``comm``        ring collectives (AxoNN eq. 1–3 + α per step), placement-aware bandwidth (eq. 10
                 generalized, leaf-spine level from AMSP §V-D), per-axis convenience
-``calibration`` fitting measured collective times to α and β (used by ``Cluster.calibrate``)
-``compute``     FLOPs and bytes per ATen op, forward and backward; roofline time
+``calibration`` fitting measured collective times to α and β, compute times to rate curves
+                (used by ``Cluster.calibrate``)
+``compute``     FLOPs and bytes per ATen op, forward and backward; roofline or calibrated time
 ``memory``      model states under (s_p, s_g, s_os) sharding, activation liveness, stage peaks
 ``pipeline``    GPipe / 1F1B / interleaved / eager-1F1B bubbles, warm-ups and step time
 ``reshard``     cost of one per-axis redistribution step

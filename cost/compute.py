@@ -77,6 +77,7 @@ __all__ = [
     "node_cost",
     "graph_cost",
     "roofline_time",
+    "calibrated_time",
     "op_time",
     "Rule",
     "CostRuleError",
@@ -837,7 +838,74 @@ def roofline_time(flops: float, nbytes: float, cluster, efficiency: float = 0.5,
                nbytes / (cluster.memory_bandwidth * memory_efficiency))
 
 
+def calibrated_time(flops: float, nbytes: float, profile, *, gemm: bool = True,
+                    gemm_size: float | None = None) -> float:
+    """Kernel seconds from a measured :class:`fxpar.cluster.ComputeProfile`:
+    ``max(flops / R_gemm(size), bytes / R_mem(bytes))`` (no per-op overhead; see :func:`op_time`).
+
+    ``R_gemm`` is the measured GEMM rate looked up at ``size`` = ``gemm_size`` (the FLOPs of
+    one GEMM call) or else ``flops``; ``R_mem`` the measured elementwise bandwidth looked up at
+    ``nbytes``; both interpolated in log-log (:func:`fxpar.cost.calibration.interp_loglog`).
+    Non-GEMM work (``gemm=False``: pointwise, norms, reductions) is priced at the fastest
+    measured GEMM rate for its FLOPs, so such ops are bound by their bytes.
+
+    >>> from fxpar.cluster import ComputeProfile
+    >>> p = ComputeProfile(gemm=((1e3, 1e9), (1e7, 1e11)), memory=((1e3, 1e9), (1e9, 1e10)),
+    ...                    op_overhead=0.0, bwd_op_overhead=0.0)
+    >>> round(calibrated_time(1e5, 0, p) * 1e6, 6)                 # 1e5 FLOPs at 10 GFLOP/s
+    10.0
+    >>> round(calibrated_time(1e5, 0, p, gemm=False) * 1e6, 6)     # at the 100 GFLOP/s peak
+    1.0
+    >>> round(calibrated_time(0, 1e9, p), 6)                        # 1 GB at 10 GB/s
+    0.1
+    """
+    from fxpar.cost.calibration import interp_loglog
+
+    if flops <= 0 and nbytes <= 0:
+        return 0.0
+    t_f = 0.0
+    if flops > 0:
+        rate = (interp_loglog(profile.gemm, gemm_size if gemm_size else flops) if gemm
+                else profile.peak_flops)
+        t_f = flops / rate
+    t_b = nbytes / interp_loglog(profile.memory, nbytes) if nbytes > 0 else 0.0
+    return max(t_f, t_b)
+
+
 def op_time(cost: OpCost, cluster, efficiency: float = 0.5, memory_efficiency: float = 0.8) -> tuple[float, float]:
-    """``(forward, backward)`` roofline seconds of one op."""
-    return (roofline_time(cost.fwd_flops, cost.fwd_bytes, cluster, efficiency, memory_efficiency),
-            roofline_time(cost.bwd_flops, cost.bwd_bytes, cluster, efficiency, memory_efficiency))
+    """``(forward, backward)`` seconds of one op.
+
+    Without a measured compute profile (``cluster.compute is None``): the roofline
+    (:func:`roofline_time`) of each direction. With one (:meth:`fxpar.Cluster.calibrate`),
+    ``efficiency``/``memory_efficiency`` are not used; the measured curves are::
+
+        t_fwd = calibrated_time(fwd_flops, fwd_bytes, size = fwd_flops) + op_overhead
+        t_bwd = calibrated_time(bwd_flops, bwd_bytes, size = fwd_flops) + bwd_op_overhead
+                (t_bwd = 0 when the op has no backward work)
+
+    A backward GEMM is looked up at the forward GEMM's size: each gradient GEMM of a matmul
+    has the forward's ``M·K·N``. Every op pays ``op_overhead`` forward (views too: they are
+    dispatched like any op).
+
+    >>> from fxpar import Cluster
+    >>> from fxpar.cluster import ComputeProfile
+    >>> prof = ComputeProfile(gemm=((1e3, 1e9), (1e7, 1e11)), memory=((1e3, 1e10), (1e9, 1e10)),
+    ...                       op_overhead=5e-6, bwd_op_overhead=2e-5)
+    >>> c = Cluster.local(2, compute=prof)
+    >>> f, b = op_time(OpCost(1e5, 2e5, 0, 0, "matmul"), c)      # 10 GFLOP/s at 1e5 FLOPs
+    >>> round(f * 1e6, 6), round(b * 1e6, 6)                    # 10 + 5 µs, 20 + 20 µs
+    (15.0, 40.0)
+    >>> [round(t * 1e6, 6) for t in op_time(ZERO, c)]            # a view: dispatch only
+    [5.0, 0.0]
+    """
+    prof = getattr(cluster, "compute", None)
+    if prof is None:
+        return (roofline_time(cost.fwd_flops, cost.fwd_bytes, cluster, efficiency, memory_efficiency),
+                roofline_time(cost.bwd_flops, cost.bwd_bytes, cluster, efficiency, memory_efficiency))
+    gemm = cost.kind in GEMM_KINDS
+    size = cost.fwd_flops if cost.fwd_flops > 0 else None
+    f = calibrated_time(cost.fwd_flops, cost.fwd_bytes, prof, gemm=gemm, gemm_size=size) + prof.op_overhead
+    if cost.bwd_flops <= 0 and cost.bwd_bytes <= 0:
+        return f, 0.0
+    b = calibrated_time(cost.bwd_flops, cost.bwd_bytes, prof, gemm=gemm, gemm_size=size)
+    return f, b + prof.bwd_op_overhead

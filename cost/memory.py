@@ -57,6 +57,9 @@ __all__ = [
     "model_state_bytes",
     "ActivationMemory",
     "activation_memory",
+    "RecomputeMemory",
+    "recompute_memory",
+    "schedule_activation_peak",
     "stage_peak_memory",
     "in_flight_microbatches",
 ]
@@ -197,24 +200,9 @@ class ActivationMemory:
         return max(0, self.peak_bytes - self.saved_bytes)
 
 
-def activation_memory(gm: fx.GraphModule, *,
-                      requires_grad: Iterable[fx.Node] | Callable[[fx.Node], bool] = ()) -> ActivationMemory:
-    """Liveness of the tensors of a forward graph during training (see module docstring).
-
-    Views alias their base (``view``, ``transpose``, ``split`` ... cost nothing); a saved view
-    keeps its whole base alive. Parameters and buffers are model states, not activations.
-    Ops without a rule save all their tensor inputs (conservative).
-
-    >>> import torch
-    >>> mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
-    >>> gm = torch.export.export(mlp, (torch.randn(8, 64),)).graph_module
-    >>> am = activation_memory(gm)
-    >>> am.saved_bytes == 4 * (8 * 64 + 8 * 256)   # x for dW1, relu output (for dW2 and relu')
-    True
-    """
-    flags = grad_flags(gm, requires_grad)
-    nodes = list(gm.graph.nodes)
-    index = {n: i for i, n in enumerate(nodes)}
+def _storage_roots(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[dict, dict]:
+    """``(root, is_param)``: the node owning each node's storage (a view's base) and whether
+    that storage is a model state (parameter, buffer, attribute)."""
     root: dict[fx.Node, fx.Node] = {}
     is_param: dict[fx.Node, bool] = {}
     for n in nodes:
@@ -229,9 +217,51 @@ def activation_memory(gm: fx.GraphModule, *,
         alias = is_view(target) or (is_view_if_contiguous(target) and src is not None and _is_contig(src))
         if target is operator.getitem and src is not None and isinstance(_val(src), (list, tuple)):
             # an element of a multi-output op: its own storage, unless the op is a view (split)
-            alias = src.op != "call_module" and is_view(_node_target(src, gm))
+            t = _node_target(src, gm) if src.op != "call_module" else None
+            alias = t is not None and (is_view(t) or t in _MULTI_VIEWS)
+            if alias:  # the element at index k views the op's k-th tensor input
+                k = n.args[1] if isinstance(n.args[1], int) else 0
+                ins = _list_inputs(src)
+                if t in _MULTI_VIEWS and k < len(ins):
+                    root[n] = root.get(ins[k], ins[k])
+                    is_param[n] = is_param.get(root[n], False)
+                    continue
         root[n] = root[src] if alias and src is not None else n
         is_param[n] = is_param.get(root[n], False) if alias else False
+    return root, is_param
+
+
+#: multi-output ops whose k-th output is a view of their k-th tensor input (measured: a loss
+#: on ``broadcast_tensors`` outputs saves the broadcast inputs' storages, nothing new)
+_MULTI_VIEWS = {torch.ops.aten.broadcast_tensors.default}
+
+
+def _list_inputs(n: fx.Node) -> list[fx.Node]:
+    a = n.args[0] if n.args else None
+    return [x for x in a if isinstance(x, fx.Node)] if isinstance(a, (list, tuple)) else []
+
+
+def activation_memory(gm: fx.GraphModule, *,
+                      requires_grad: Iterable[fx.Node] | Callable[[fx.Node], bool] = (),
+                      only: Callable[[fx.Node], bool] | None = None) -> ActivationMemory:
+    """Liveness of the tensors of a forward graph during training (see module docstring).
+
+    Views alias their base (``view``, ``transpose``, ``split`` ... cost nothing); a saved view
+    keeps its whole base alive. Parameters and buffers are model states, not activations.
+    Ops without a rule save all their tensor inputs (conservative). ``only``: count the saves
+    of those nodes alone (what a part of the graph keeps, e.g. outside recomputed layers).
+
+    >>> import torch
+    >>> mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    >>> gm = torch.export.export(mlp, (torch.randn(8, 64),)).graph_module
+    >>> am = activation_memory(gm)
+    >>> am.saved_bytes == 4 * (8 * 64 + 8 * 256)   # x for dW1, relu output (for dW2 and relu')
+    True
+    """
+    flags = grad_flags(gm, requires_grad)
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    root, is_param = _storage_roots(gm, nodes)
 
     # forward last use of every storage root (uses of aliases count)
     last_use: dict[fx.Node, int] = {}
@@ -246,6 +276,8 @@ def activation_memory(gm: fx.GraphModule, *,
     backward_transient = 0
     for n in nodes:
         if n.op in ("placeholder", "get_attr", "output") or not flags.get(n, False):
+            continue
+        if only is not None and not only(n):
             continue
         target = _node_target(n, gm) if n.op != "call_module" else None
         if is_view(target):
@@ -318,6 +350,87 @@ def activation_memory(gm: fx.GraphModule, *,
                             int(input_bytes), tuple(r.name for r in saved))
 
 
+@dataclass(frozen=True)
+class RecomputeMemory:
+    """Activation bytes of one microbatch when ``layers`` are recomputed (each under its own
+    checkpoint, as the runtime does: :mod:`fxpar.runtime.recompute`):
+
+    * ``stash_bytes``: held from the forward to the backward: every recomputed layer's inputs
+      (activations entering its node range; parameters are model states) and what the other
+      nodes save, each storage once;
+    * ``rebuilt_bytes``: the largest recomputed layer's own saved bytes, live while that layer's
+      backward runs (one layer at a time);
+    * ``layers``: the recomputed layers found in the graph.
+    """
+
+    stash_bytes: int
+    rebuilt_bytes: int
+    layers: tuple[str, ...]
+
+
+def recompute_memory(gm: fx.GraphModule, layers: Iterable[str], *,
+                     requires_grad: Iterable[fx.Node] | Callable[[fx.Node], bool] = ()) -> RecomputeMemory:
+    """Per-layer recomputation's activation bytes for one microbatch (:class:`RecomputeMemory`).
+
+    A layer's node range runs from its first to its last node (:func:`fxpar.layers.layer_of`);
+    a value defined before the range and used in it is an input the layer keeps.
+
+    >>> import torch
+    >>> class Block(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.fc = torch.nn.Linear(64, 64)
+    ...     def forward(self, x):
+    ...         return torch.tanh(self.fc(x))
+    >>> class Net(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
+    ...     def forward(self, x):
+    ...         for b in self.blocks:
+    ...             x = b(x)
+    ...         return x
+    >>> gm = torch.export.export(Net(), (torch.randn(8, 64),)).graph_module
+    >>> activation_memory(gm).saved_bytes // 2048    # x, tanh 0 (also block 1's input), tanh 1
+    3
+    >>> rm = recompute_memory(gm, ["blocks.0", "blocks.1"])
+    >>> rm.stash_bytes // 2048, rm.rebuilt_bytes // 2048   # the block inputs; one block's saves
+    (2, 2)
+    """
+    from fxpar.layers import layer_of
+
+    nodes = list(gm.graph.nodes)
+    want = set(layers)
+    span: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        if n.op in ("placeholder", "output", "get_attr"):
+            continue
+        lay = layer_of(n)
+        if lay in want:
+            span.setdefault(lay, [i, i])[1] = i
+    region: dict[fx.Node, str] = {}
+    for lay, (a, b) in span.items():
+        for n in nodes[a:b + 1]:
+            region[n] = lay
+    rest = activation_memory(gm, requires_grad=requires_grad, only=lambda n: n not in region)
+    root, is_param = _storage_roots(gm, nodes)
+    kept = set(rest.saved)
+    stash = rest.saved_bytes
+    for n, lay in region.items():
+        for a in n.all_input_nodes:
+            if region.get(a) == lay:
+                continue
+            r = root.get(a, a)
+            if is_param.get(r, False) or r.name in kept or not isinstance(_val(r), torch.Tensor):
+                continue
+            kept.add(r.name)
+            stash += _nbytes_val(_val(r))
+    rebuilt = max((activation_memory(gm, requires_grad=requires_grad,
+                                     only=lambda n, lay=lay: region.get(n) == lay).saved_bytes
+                   for lay in span), default=0)
+    return RecomputeMemory(int(stash), int(rebuilt), tuple(sorted(span)))
+
+
 def _is_buffer(n: fx.Node) -> bool:
     info = n.meta.get("fxpar_param")
     return info is not None and getattr(info, "kind", None) == "buffer"
@@ -331,6 +444,29 @@ def _is_contig(n: fx.Node) -> bool:
         return True
 
 
+def schedule_activation_peak(schedule: str, stage: int, stages: int, m: int,
+                             chunk_bytes: Sequence[float], v: int = 1) -> float:
+    """The most activation bytes stage ``stage`` holds at once under ``schedule``: its action
+    order (:func:`fxpar.cost.pipeline.schedule_actions`) walked with ``chunk_bytes[c]`` added
+    at each forward of chunk ``c`` and released at its backward. Equal chunks give
+    ``in_flight_microbatches × Σ chunk_bytes``; unequal ones (the last chunk holds the loss)
+    give what the schedule really keeps, which that closed form over- or under-states
+    (measured: tests/test_memory_measured.py).
+
+    >>> schedule_activation_peak("1f1b", 0, 4, 8, [100])
+    400
+    >>> schedule_activation_peak("interleaved", 1, 2, 4, [100, 150], v=2)  # 2 of chunk 0, 1 of chunk 1
+    350
+    """
+    from fxpar.cost.pipeline import schedule_actions
+
+    live = peak = 0
+    for kind, _, c in schedule_actions(schedule, stage, stages, m, v):
+        live += chunk_bytes[c] if kind == "F" else -chunk_bytes[c]
+        peak = max(peak, live)
+    return peak
+
+
 def stage_peak_memory(model_state: float, activation: ActivationMemory | float, in_flight: float, *,
                       recompute: bool = False, input_bytes: float | None = None,
                       transient_bytes: float | None = None) -> float:
@@ -342,13 +478,22 @@ def stage_peak_memory(model_state: float, activation: ActivationMemory | float, 
       backward, at the cost of one extra forward).
 
     ``activation`` is an :class:`ActivationMemory` (its ``saved_bytes``, ``input_bytes`` and
-    ``transient_bytes`` are used) or the saved bytes of one microbatch.
+    ``transient_bytes`` are used) or the saved bytes of one microbatch. The recompute formula
+    above checkpoints the stage as ONE region (only the stage input stashed); the runtime
+    checkpoints each recomputed layer, which stashes every recomputed layer's input and what
+    the other nodes save: pass the :class:`RecomputeMemory` of :func:`recompute_memory` for
+    that (``model_state + in_flight·stash + rebuilt + transient``; measured exact in
+    tests/test_memory_measured.py, where the stage-input form understates a 2-layer stage's
+    stash by half).
 
     >>> stage_peak_memory(10e9, 1e9, in_flight=4)                  # 1F1B, stage 0 of 4
     14000000000.0
     >>> stage_peak_memory(10e9, 1e9, in_flight=4, recompute=True, input_bytes=0.05e9)
     11200000000.0
     """
+    if isinstance(activation, RecomputeMemory):  # per-layer recomputation, measured-exact stash
+        return (model_state + in_flight * activation.stash_bytes + activation.rebuilt_bytes
+                + float(transient_bytes or 0.0))
     if isinstance(activation, ActivationMemory):
         a = float(activation.saved_bytes)
         a_in = float(activation.input_bytes if input_bytes is None else input_bytes)

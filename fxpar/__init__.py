@@ -16,6 +16,7 @@ from fxpar.errors import (
     PassError,
     PlanError,
     ReshardError,
+    ScheduleError,
     SpecError,
 )
 from fxpar.spec import Partial, Placement, Replicate, Shard, Spec
@@ -25,20 +26,24 @@ from fxpar import ir
 from fxpar.capture import capture, run_captured
 from fxpar.ir import InputInfo, OutputInfo, ParamInfo, TensorMeta
 from fxpar.reshard import ReshardPlan, ReshardStep, reshard_plan
+from fxpar.crossmesh import CrossMeshPlan, cross_mesh_plan
 from fxpar.plan_data import EdgePlan, NodePlan, Plan, StepCost
 from fxpar.planner import PlannerOptions, plan_graph
 from fxpar.api import Planned, compile, plan
 from fxpar.program import Program, Runner, load
+from fxpar.schedule import Action, Schedule
+from fxpar.sim import SimResult, simulate
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CaptureError", "ClusterError", "CollectiveTimeoutError", "FxparError", "MaterializeError", "MeshError",
-    "PassError", "PlanError", "ReshardError", "SpecError",
+    "PassError", "PlanError", "ReshardError", "ScheduleError", "SpecError",
     "Partial", "Placement", "Replicate", "Shard", "Spec",
     "Cluster", "Mesh",
     "ir", "capture", "run_captured", "InputInfo", "OutputInfo", "ParamInfo", "TensorMeta",
-    "reshard_plan", "ReshardPlan", "ReshardStep",
+    "reshard_plan", "ReshardPlan", "ReshardStep", "cross_mesh_plan", "CrossMeshPlan",
     "Plan", "NodePlan", "EdgePlan", "StepCost", "PlannerOptions", "plan_graph",
     "plan", "compile", "Planned", "Program", "Runner", "load",
+    "Action", "Schedule", "SimResult", "simulate",
 ]

@@ -21,11 +21,13 @@ order and keeps the first that plans; ``auto`` keeps the fastest of all meshes t
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.fx as fx
 
@@ -51,6 +53,8 @@ class Planned:
     tried: tuple[tuple[str, float], ...] = ()
     problem: BuiltProblem | None = field(default=None, repr=False, compare=False)
     solution: Solution | None = field(default=None, repr=False, compare=False)
+    #: a pipeline plan's stage chunk graphs (what :class:`fxpar.program.Program` emits)
+    stage_graphs: tuple = field(default=(), repr=False, compare=False)
 
     def explain(self) -> str:
         return self.plan.explain()
@@ -91,17 +95,34 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
          pins: Mapping[str, object] | None = None, memory_budget: float | None = None,
          time_limit: float | None = 60.0, options: PlannerOptions | None = None,
          strategies: Callable | None = None, graph: fx.GraphModule | None = None,
-         progress: Callable[[str], None] | None = None) -> Planned:
+         progress: Callable[[str], None] | None = None, schedule="1f1b",
+         microbatches: int = 1, chunks: int = 1, split_points: Sequence[str] | None = None,
+         boundary: str = "auto") -> Planned:
     """Capture ``model`` and plan it on ``cluster`` (module docstring for ``plan=`` kinds).
 
-    ``mesh``: a :class:`Mesh` or ``{"dp": 2, "tp": 4}``; ``None`` picks one. ``pins`` add to
+    ``mesh``: a :class:`Mesh` or ``{"dp": 2, "tp": 4}``; ``None`` picks one; with a ``"pp"``
+    axis, a pipeline plan (``schedule``, ``microbatches``, ``chunks``, ``split_points``,
+    ``boundary``: see :func:`compile`). ``pins`` add to
     a baseline's own pins. ``graph``: an already captured graph (skips capture).
     ``progress(line)`` is called once per candidate mesh as it is planned (its build and
     solve times and predicted step, or why it failed).
     Raises :class:`PlanError` when no plan fits ``memory_budget`` (default device memory).
     """
+    if isinstance(plan, Mapping) or (plan == "auto" and mesh is None and graph is None
+                                     and model is not None and _multi_node(cluster)):
+        return _plan_joint(model, cluster, example_inputs, example_kwargs, plan=plan,
+                           options=options, memory_budget=memory_budget, time_limit=time_limit,
+                           progress=progress)
     if plan not in PLAN_KINDS:
         raise PlanError(f"unknown plan {plan!r}; one of {PLAN_KINDS}")
+    if mesh is not None and "pp" in (mesh.axis_names if isinstance(mesh, Mesh) else dict(mesh)):
+        args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+        kw = {k: v for k, v in (("memory_budget", memory_budget), ("time_limit", time_limit),
+                                ("options", options), ("pins", pins)) if v is not None}
+        return _compile_pipeline(model, model, cluster, args, example_kwargs, optimizer=None,
+                                 plan=plan, training=model.training, prefetch=1, emit=False,
+                                 schedule=schedule, microbatches=microbatches, chunks=chunks,
+                                 split_points=split_points, mesh=mesh, boundary=boundary, **kw)
     gm = graph if graph is not None else capture(model, example_inputs, example_kwargs)
     opts = options or PlannerOptions()
     kw = {k: v for k, v in (("memory_budget", memory_budget), ("time_limit", time_limit))}
@@ -149,7 +170,8 @@ def compile(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | tor
             example_kwargs: Mapping[str, Any] | None = None, *, loss_fn: Callable | None = None,
             example_targets: Sequence[Any] = (), optimizer: Callable | None = None,
             plan: str | Plan = "auto", training: bool = True, prefetch: int = 1,
-            emit: bool = True, **kwargs):
+            emit: bool = True, schedule: str = "1f1b", microbatches: int = 1, chunks: int = 1,
+            split_points: Sequence[str] | None = None, **kwargs):
     """Compile ``model`` for ``cluster``: plan it and return a :class:`fxpar.program.Program`
     (``.plan``, ``.explain()``, ``.rank_graph(r)``, ``.save(path)``, ``.runner()``).
 
@@ -160,12 +182,28 @@ def compile(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | tor
     ``training=False`` captures the model in eval mode and plans the forward only.
     ``emit=False`` stops after planning and returns a :class:`Planned`. Other keyword
     arguments go to :func:`plan` (``mesh``, ``pins``, ``memory_budget``...).
+
+    **Pipelines**: a mesh with a ``"pp"`` axis (``mesh={"pp": 2, "dp": 1, "tp": 2}``) splits
+    the model into ``pp·chunks`` stage chunks (at ``split_points``, module FQNs each chunk
+    starts at, or balanced by the cost model), plans each on its stage's submesh and runs
+    ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"eager-1f1b"``, ``"zb-h1"``, or
+    a :class:`fxpar.Schedule`, e.g. written by hand)
+    over ``microbatches`` slices of the batch (dim 0 of every tensor input); ``boundary=``
+    ``"auto"``/``"send_recv"``/``"scatter_gather"`` says how values cross between stages.
+    :mod:`fxpar.planner.stages` and :mod:`fxpar.runtime.interpreter` say how.
     """
     from fxpar.program import Program
 
     args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
     targets = tuple(example_targets)
     wrapped = WithLoss(model, loss_fn, len(args), len(targets)) if loss_fn is not None else model
+    mesh = kwargs.get("mesh")
+    if mesh is not None and "pp" in (mesh.axis_names if isinstance(mesh, Mesh) else dict(mesh)):
+        return _compile_pipeline(model, wrapped, cluster, args + targets, example_kwargs,
+                                 optimizer=optimizer, plan=plan, training=training,
+                                 prefetch=prefetch, emit=emit, schedule=schedule,
+                                 microbatches=microbatches, chunks=chunks,
+                                 split_points=split_points, **kwargs)
     was_training = model.training
     model.train(training)
     try:
@@ -181,4 +219,166 @@ def compile(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | tor
     if not emit:
         return planned
     return Program(planned.plan, planned.graph, wrapped, optimizer=optimizer, training=training,
-                   prefetch=prefetch)
+                   prefetch=prefetch, stage_graphs=list(planned.stage_graphs) or None)
+
+
+def _multi_node(cluster) -> bool:
+    return getattr(cluster, "nodes", 1) > 1
+
+
+#: user-tuple keys (``plan={...}``) and what they fix in the joint search
+TUPLE_KEYS = ("pp", "dp", "tp", "microbatch", "schedule", "chunks", "recompute", "s_g", "s_os")
+
+
+def _global_batch(args, kwargs) -> int:
+    sizes = {int(x.shape[0]) for x in (*args, *(kwargs or {}).values())
+             if isinstance(x, torch.Tensor) and x.ndim}
+    if len(sizes) != 1:
+        raise PlanError(f"the joint search splits every tensor input along dim 0 (the batch); "
+                        f"the inputs' dim-0 sizes are {sorted(sizes) or 'none'}")
+    return sizes.pop()
+
+
+def _plan_joint(model, cluster, args, example_kwargs, *, plan, options, memory_budget,
+                time_limit, progress) -> Planned:
+    """``plan="auto"`` on a multi-node cluster without a mesh, or a user tuple ``plan={...}``:
+    the joint search of :mod:`fxpar.planner.joint` on the model captured with one sample,
+    then the winner planned for real (captured at its microbatch shape; a pipeline when it
+    has stages or microbatches, else one SPMD step). ``plan.schedule["search"]`` keeps the
+    ranked configurations for ``explain()``."""
+    from fxpar.planner.joint import search
+
+    only = dict(plan) if isinstance(plan, Mapping) else {}
+    bad = set(only) - set(TUPLE_KEYS)
+    if bad:
+        raise PlanError(f"plan={only}: unknown keys {sorted(bad)}; a degree tuple takes {TUPLE_KEYS}")
+    args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
+    B = _global_batch(args, example_kwargs)
+    opts = options or PlannerOptions()
+    over = {k: v for k, v in (("memory_budget", memory_budget), ("time_limit", time_limit))
+            if v is not None}
+    opts = dataclasses.replace(opts, **over) if over else opts
+
+    def cap(rows: int) -> fx.GraphModule:
+        m = B // rows
+        return capture(model, tuple(_microbatch(x, m, f"#{i}") for i, x in enumerate(args)),
+                       {k: _microbatch(v, m, repr(k)) for k, v in (example_kwargs or {}).items()} or None)
+
+    probe = cap(1)
+    res = search(probe, cluster, batch=B, options=opts, only=only)
+    c = res.best
+    if progress is not None:
+        progress(f"joint search: {res.tried} configurations, {res.over_memory} over memory; "
+                 f"best {c.name}: {c.step * 1e3:.4g} ms")
+    rows = c.dp * c.microbatch
+    gm = probe if rows == 1 else cap(rows)
+    pins = res.pins(c, probe, gm)  # the layouts the search priced
+    dropped: list[str] = []
+    targets = {n.name: n.target for n in gm.graph.nodes}
+    for _ in range(len(pins)):
+        try:
+            return _plan_config(gm, probe, cluster, c, res, opts, pins, dropped)
+        except PlanError as e:
+            # a value whose op cannot take the priced layout (no such strategy): let the
+            # planner choose it, and say so; any other error is the user's
+            bad = re.search(r"pin '([^']+)' -> node '[^']+': no strategy", str(e))
+            if bad is None or bad.group(1) in ("input",):
+                raise
+            # and every pin on a node of the same op (one retry per op, not per node)
+            same = [k for k in pins if k == bad.group(1) or
+                    (targets.get(k) is not None and targets.get(k) is targets.get(bad.group(1)))]
+            for k in same:
+                pins.pop(k)
+            dropped.extend(same)
+    raise PlanError(f"joint search: no pin of {c.name} could be kept")
+
+
+def _plan_config(gm, probe, cluster, c, res, opts, pins, dropped) -> Planned:
+    """The search's winner ``c`` planned on ``gm`` (captured at its microbatch shape)."""
+    from fxpar.planner.joint import _NO_LIMIT, unit_start_names
+    from fxpar.planner.stages import plan_pipeline, simulate_plan
+
+    notes = ((f"joint search: the planner chose the layout of {', '.join(dropped)} "
+              "(no strategy takes the priced one)",) if dropped else ())
+    if c.pp == 1 and c.microbatches == 1:
+        mesh = Mesh(cluster, {"dp": c.dp, "tp": c.tp})
+        p, bp, sol = plan_and_keep(gm, mesh, pins=pins, options=opts)
+        p = dataclasses.replace(p, notes=p.notes + res.notes() + notes)
+        return Planned(p, gm, ((c.name, p.time),), bp, sol)
+    mesh = Mesh(cluster, {"pp": c.pp, "dp": c.dp, "tp": c.tp})
+    pplan, chunks = plan_pipeline(
+        gm, mesh, schedule=c.schedule, microbatches=c.microbatches, chunks=c.chunks,
+        options=dataclasses.replace(opts, memory_budget=_NO_LIMIT), boundary="scatter_gather",
+        pins=pins, start_nodes=unit_start_names(probe, c.starts))
+    layers = sorted({lay for st in pplan.stages for lay in st.layers}) if c.recompute else []
+    # chunks were planned with no intra-op limit (memory is the search's); show the real one
+    stages = tuple(dataclasses.replace(st, plan=dataclasses.replace(st.plan, budget=int(res.budget)))
+                   for st in pplan.stages)
+    pplan = dataclasses.replace(
+        pplan, stages=stages, memory=int(c.memory), budget=int(res.budget), notes=notes,
+        schedule={**pplan.schedule, "recompute": layers,
+                  "state": {"s_p": 1, "s_g": c.s_g, "s_os": c.s_os},
+                  "search": res.summary()})
+    if c.recompute:  # the step with the recomputed forwards
+        res_ = simulate_plan(pplan)
+        pplan = dataclasses.replace(pplan, time=float(res_.step_time),
+                                    schedule={**pplan.schedule, "bubble": float(res_.bubble_fraction)})
+    return Planned(pplan, gm, ((c.name, pplan.time),),
+                   stage_graphs=tuple(ch.graph for ch in chunks))
+
+
+def _microbatch(x, m: int, name: str):
+    """The first of ``m`` equal slices of ``x`` along dim 0 (a pipeline is captured at the
+    microbatch shape); non-tensors pass through."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    if x.ndim == 0 or x.shape[0] % m:
+        raise PlanError(f"input {name}: {m} microbatches do not divide its batch dimension "
+                        f"(shape {tuple(x.shape)}); every tensor input is split along dim 0")
+    return x[: x.shape[0] // m]
+
+
+def _compile_pipeline(model, wrapped, cluster, args, example_kwargs, *, optimizer, plan,
+                      training, prefetch, emit, schedule, microbatches, chunks, split_points,
+                      mesh, **kwargs):
+    """:func:`compile` for a mesh with a ``pp`` axis (see there)."""
+    from fxpar.planner.stages import plan_pipeline
+    from fxpar.program import Program
+
+    if not isinstance(plan, str) or plan not in PLAN_KINDS:
+        raise PlanError(f"pipeline plans take plan='auto' or a baseline name, got {plan!r}")
+    from fxpar.schedule import Schedule
+
+    if isinstance(schedule, Schedule):
+        microbatches = schedule.microbatches
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise PlanError(f"microbatches={microbatches!r}: need a positive integer")
+    m = _as_mesh(mesh, cluster)
+    if m.ndim == 1:  # stages of one device: name the (size-1) data-parallel axis
+        m = Mesh.from_devices(cluster, ["pp", "dp"], np.asarray(m.devices).reshape(-1, 1))
+    if split_points is not None and wrapped is not model:  # FQNs of the user's model
+        split_points = [p if p.startswith("model.") else "model." + p for p in split_points]
+    mb_args = tuple(_microbatch(x, microbatches, f"#{i}") for i, x in enumerate(args))
+    mb_kwargs = {k: _microbatch(v, microbatches, repr(k)) for k, v in (example_kwargs or {}).items()}
+    unknown = set(kwargs) - {"pins", "options", "memory_budget", "time_limit", "boundary"}
+    if unknown:
+        raise PlanError(f"pipeline compile does not take {sorted(unknown)}")
+    opts = kwargs.get("options") or PlannerOptions()
+    over = {k: kwargs[k] for k in ("memory_budget", "time_limit") if k in kwargs}
+    if over:
+        opts = dataclasses.replace(opts, **over)
+    was_training = model.training
+    model.train(training)
+    try:
+        with (frozen_params(model) if not training else contextlib.nullcontext()):
+            gm = capture(wrapped, mb_args, mb_kwargs or None)
+    finally:
+        model.train(was_training)
+    pplan, chunks_ = plan_pipeline(gm, m, schedule=schedule, microbatches=microbatches,
+                                   chunks=chunks, split_points=split_points,
+                                   pins=kwargs.get("pins"), options=opts, kind=plan,
+                                   boundary=kwargs.get("boundary", "auto"))
+    if not emit:
+        return Planned(pplan, gm)
+    return Program(pplan, gm, wrapped, optimizer=optimizer, training=training,
+                   prefetch=prefetch, stage_graphs=[c.graph for c in chunks_])

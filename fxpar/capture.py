@@ -166,14 +166,23 @@ def capture(
         except Exception as e:  # noqa: BLE001 - every frontend failure is reported, none hidden
             failures[label] = e
             name = type(e).__name__
-            dd = ("data-dependent value: " if name == "GuardOnDataDependentSymNode"  # a branch
-                  else "data-dependent output shape: " if name in _DATA_DEPENDENT_ERRORS else "")
-            reasons.append(f"{label}: {dd}{_first_line(e)}" +
+            dd = ("data-dependent value" if name == "GuardOnDataDependentSymNode"  # a branch
+                  # an op returning a Python value read from tensor data (torch.equal)
+                  else "data-dependent output value" if name == "DataDependentOutputException"
+                  else "data-dependent output shape" if name in _DATA_DEPENDENT_ERRORS else "")
+            if dd:  # name the op and the line that made it (not just the model's class)
+                dd = f"{dd}{_failure_site(e)}: "
+            reasons.append(f"{label}: {dd}{_sorted_symbol_sets(_first_line(e))}" +
                            ("\n" + "".join(traceback.format_exception(e)) if debug else ""))
             continue
         _refuse_data_dependent(gm, type(model).__name__)  # final: no other frontend can do better
         return gm
-    err = CaptureError(f"could not capture {type(model).__name__}: " + "; ".join(reasons))
+    why = ""
+    if any(type(f).__name__ in _DATA_DEPENDENT_ERRORS for f in failures.values()):
+        why = (" (fxpar plans static shapes and static control flow: an op whose output shape "
+               "depends on tensor values, a Python value read from a tensor (torch.equal, "
+               ".item()), or a branch or size taken from one, cannot be captured)")
+    err = CaptureError(f"could not capture {type(model).__name__}: " + "; ".join(reasons) + why)
     err.failures = failures  # type: ignore[attr-defined]
     raise err from next(iter(failures.values()), None)
 
@@ -200,6 +209,73 @@ def _quiet_torch_logs(debug: bool):
 #: kernel leaves an unbacked size export cannot bind): reported as a data-dependent shape.
 _DATA_DEPENDENT_ERRORS = frozenset({"GuardOnDataDependentSymNode", "PendingUnbackedSymbolNotFound",
                                     "DataDependentOutputException", "DynamicOutputShapeException"})
+
+
+def _sorted_symbol_sets(msg: str) -> str:
+    """torch prints sets of unbacked symbols (``{u2, u1, u3}``) in hash order, which differs
+    between processes: sorted, every rank raises the same message.
+
+    >>> _sorted_symbol_sets("Pending unbacked symbols {u10, u2, u1} not in returned outputs")
+    'Pending unbacked symbols {u1, u2, u10} not in returned outputs'
+    """
+    import re
+
+    def sort(m: re.Match) -> str:
+        syms = sorted(m.group(1).split(", "), key=lambda t: (t[0], int(t[1:])))
+        return "{" + ", ".join(syms) + "}"
+
+    return re.sub(r"\{([a-z]\d+(?:, [a-z]\d+)*)\}", sort, msg)
+
+
+def _failure_site(e: BaseException) -> str:
+    """Where a tracing error happened, as `` at OP in API, called from USER (FILE:LINE: `SRC`)``:
+    the ATen op being traced (the innermost frame of torch's dispatch that holds it), the public
+    torch function it happened in (``torch.nn.functional.gaussian_nll_loss``: a check on a
+    tensor value in Python), and the innermost frame of the caller's own code (outside torch
+    and ``fxpar.capture``). Parts that cannot be found are left out; ``""`` when none is."""
+    import linecache
+    import sysconfig
+
+    frames = []
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen and len(seen) < 8:
+        seen.add(id(e))
+        tb = e.__traceback__
+        while tb is not None:
+            frames.append((tb.tb_frame, tb.tb_lineno))
+            tb = tb.tb_next
+        e = e.__cause__ or e.__context__
+    stdlib = sysconfig.get_paths().get("stdlib") or "\0"
+    op = user = api = None
+    for i, (fr, line) in enumerate(frames):
+        fn = fr.f_locals.get("func")
+        if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            op = fn
+        mod = str(fr.f_globals.get("__name__") or "")
+        path = fr.f_code.co_filename
+        if (mod and mod.split(".")[0] != "torch" and mod != __name__
+                and not path.startswith(stdlib) and not path.startswith("<")):
+            user, api = (fr, line), None
+        elif user is not None and mod.startswith("torch.") and not any(
+                part.startswith("_") for part in mod.split(".")) and not mod.startswith(
+                ("torch.fx", "torch.export", "torch.utils", "torch.overrides",
+                 "torch.nn.modules.module")):
+            api = (fr, line)
+    parts = []
+    if op is not None:
+        parts.append(f"at {op}")
+    if api is not None:
+        fr, line = api
+        parts.append(f"in {fr.f_globals['__name__']}.{fr.f_code.co_qualname} "
+                     f"({os.path.basename(fr.f_code.co_filename)}:{line})")
+    if user is not None:
+        fr, line = user
+        path = fr.f_code.co_filename
+        rel = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
+        src = linecache.getline(path, line).strip()
+        src = f": `{src[:80]}`" if src else ""
+        parts.append(f"called from {fr.f_code.co_qualname} ({rel}:{line}{src})")
+    return (" " + ", ".join(parts)) if parts else ""
 
 
 def _refuse_data_dependent(gm: fx.GraphModule, owner: str) -> None:

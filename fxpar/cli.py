@@ -3,6 +3,7 @@
 ``fxpar demo``                 compile a small GPT for 4 local processes, print the plan and
                                rank 0's program, train it on 4 gloo processes next to a
                                single-process run, then plan a bigger GPT on a DGX A100 node
+                               and show the small one as a 2-stage pipeline (schedule, bubble)
 ``fxpar presets``              list the cluster presets
 ``fxpar reshard SRC DST ...``  print the cheapest redistribution between two specs, e.g.
                                ``fxpar reshard "S(0)S(1)" RR --cluster dgx-a100 --nodes 2
@@ -114,11 +115,19 @@ def _plan_target(args, phases: _Phases):
     import fxpar
 
     model, inputs, kwargs = phases.run("build model (your code)", _load_target, args.target)
-    gm = phases.run("capture", fxpar.capture, model, inputs, kwargs)
     mesh = _parse_mesh(args.mesh) if args.mesh else None
+    if mesh is not None and "pp" in mesh:  # a pipeline: captured at the microbatch shape
+        return phases.run(f"capture + plan {args.plan} pipeline", fxpar.plan, model,
+                          _cluster(args), inputs, kwargs, mesh=mesh, plan=args.plan,
+                          time_limit=args.time_limit, **_pipeline_args(args))
+    gm = phases.run("capture", fxpar.capture, model, inputs, kwargs)
     return phases.run(f"plan {args.plan}", fxpar.plan, model, _cluster(args), inputs, kwargs,
                       mesh=mesh, plan=args.plan, graph=gm, time_limit=args.time_limit,
                       progress=phases.say, lines=True)
+
+
+def _pipeline_args(args) -> dict:
+    return dict(schedule=args.schedule, microbatches=args.microbatches, chunks=args.chunks)
 
 
 def cmd_plan(args) -> None:
@@ -188,15 +197,19 @@ def cmd_dump(args) -> None:
     model, inputs, kwargs = phases.run("build model (your code)", _load_target, args.target)
     prog = phases.run(f"capture + plan {args.plan}", fxpar.compile, model, _cluster(args), inputs,
                       kwargs, plan=args.plan, training=not args.inference, time_limit=args.time_limit,
-                      mesh=_parse_mesh(args.mesh) if args.mesh else None)
+                      mesh=_parse_mesh(args.mesh) if args.mesh else None, **_pipeline_args(args))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    # a pipeline: one program per stage chunk on each of its ranks
+    files = ([(f"rank{r}_chunk{st.index}.py", r, st.index) for st in prog.plan.stages
+              for r in st.plan.mesh["devices"]] if prog.plan.stages else
+             [(f"rank{r}.py", r, None) for r in prog.mesh.devices])
 
     def emit():
-        for r in prog.mesh.devices:
-            (out / f"rank{r}.py").write_text(prog.rank_graph(r).print_readable(print_output=False))
-    phases.run(f"emit {prog.mesh.size} rank programs", emit)
-    print(f"wrote {prog.mesh.size} files to {out}/ (rank0.py ... rank{prog.mesh.size - 1}.py)")
+        for name, r, k in files:
+            (out / name).write_text(prog.rank_graph(r, chunk=k).print_readable(print_output=False))
+    phases.run(f"emit {len(files)} rank programs", emit)
+    print(f"wrote {len(files)} files to {out}/ ({files[0][0]} ... {files[-1][0]})")
 
 
 def _import_examples():
@@ -282,6 +295,17 @@ def cmd_demo(args) -> None:
                          mesh={"dp": 2, "tp": 4})
     print(planned.explain())
 
+    print("\n== 5. pipelines: the same small GPT in 2 stages (mesh pp=2), 1F1B over 4 microbatches ==")
+    model, batch = _demo_model_and_batch()
+    pipe = fxpar.compile(model, fxpar.Cluster.local(2), batch, mesh={"pp": 2}, schedule="1f1b",
+                         microbatches=4, optimizer=_demo_optimizer)
+    print(pipe.explain().split("\n-- stage ")[0])   # the pipeline table (each stage's plan follows)
+    print(pipe.schedule.text(compute_only=True))      # rank x step grid: F/B of stage, microbatch
+    sim = pipe.simulate()                             # discrete-event simulation of the action lists
+    print(f"simulated step {sim.step_time * 1e3:.2f} ms, bubble {sim.bubble_fraction:.1%} "
+          f"(equal stages: (p-1)/m = 25%); runner = pipe.runner(); runner.step(idx, tgt) under "
+          "torch.distributed runs it")
+
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="fxpar", description="auto-parallelizing compiler for PyTorch")
@@ -306,6 +330,9 @@ def main(argv: list[str] | None = None) -> None:
         q.add_argument("--mesh", help="axes, e.g. dp=4,tp=8 (default: searched)")
         q.add_argument("--plan", default="auto", help="auto, dp, zero3, megatron or axonn")
         q.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per mesh")
+        q.add_argument("--schedule", default="1f1b", help="pipeline schedule (a pp axis in --mesh)")
+        q.add_argument("--microbatches", type=int, default=1, help="pipeline microbatches")
+        q.add_argument("--chunks", type=int, default=1, help="chunks per pipeline rank (interleaved)")
         if name == "plan":
             q.add_argument("--json", help="write the plan here")
         else:

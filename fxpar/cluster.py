@@ -15,7 +15,12 @@ Device ``d`` lives on node ``d // devices_per_node``; node ``n`` under leaf swit
 A cluster may carry a measured communication :class:`Profile` (from :meth:`Cluster.calibrate`):
 latency α and bandwidth β fitted per collective, per level (``intra`` / ``inter``) and per
 group size. The cost functions in :mod:`fxpar.cost.comm` prefer those numbers over the
-nominal link figures.
+nominal link figures. It may also carry a measured :class:`ComputeProfile` (GEMM rate as a
+function of a GEMM's FLOPs, elementwise bandwidth as a function of the bytes moved, per-op
+overheads forward and backward), measured on every rank at once, which
+:func:`fxpar.cost.compute.op_time` prefers over ``peak_flops``·efficiency and
+``memory_bandwidth``. ``Cluster.local(n).calibrate()`` (on a live group of ``n`` ranks) is the
+one call that gives both.
 
 >>> from fxpar.cluster import Cluster
 >>> c = Cluster.preset("dgx-a100", nodes=2)
@@ -28,7 +33,9 @@ True
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import math
 import socket
 import statistics
 import time
@@ -37,7 +44,7 @@ from dataclasses import dataclass, field
 
 from fxpar.errors import ClusterError
 
-__all__ = ["Cluster", "Profile", "ProfileEntry", "COLLECTIVES"]
+__all__ = ["Cluster", "Profile", "ProfileEntry", "ComputeProfile", "COLLECTIVES"]
 
 GB = 1e9
 GiB = 2**30
@@ -78,6 +85,88 @@ class Profile:
             return None
         return min(cands, key=lambda e: (abs(math.log2(e.group_size) - math.log2(max(group_size, 1))),
                                          -e.group_size))
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """Measured compute of one device (rank) while every rank runs the same kernels at once.
+
+    * ``gemm``: ``((flops, rate), ...)`` ascending in ``flops``: the FLOP/s a square float32
+      GEMM of ``flops = 2·n³`` FLOPs reached, kernel only (the dispatch removed,
+      :func:`fxpar.cost.calibration.rate_points`);
+    * ``memory``: ``((bytes, rate), ...)``: bytes/s of an elementwise add moving ``bytes``
+      (two reads and one write), kernel only;
+    * ``op_overhead``: seconds per forward op beyond its kernel (dispatch + autograd record,
+      a 1-element op on a tensor that requires grad); ``bwd_op_overhead``: seconds per
+      backward node (autograd engine + the gradient kernel's dispatch);
+    * ``dispatch``: seconds of a 1-element op without autograd (removed from the curves);
+    * ``ranks``: how many ranks measured concurrently.
+
+    :func:`fxpar.cost.compute.calibrated_time` reads it:
+    ``t = max(flops / gemm_rate(flops), bytes / memory_rate(bytes)) + overhead``.
+
+    >>> p = ComputeProfile(gemm=((2e3, 1e9), (2e6, 8e9)), memory=((1e4, 2e10), (1e8, 5e9)),
+    ...                    op_overhead=5e-6, bwd_op_overhead=1e-5)
+    >>> p.peak_flops / 1e9, p.memory_bandwidth / 1e9
+    (8.0, 5.0)
+    """
+
+    gemm: tuple[tuple[float, float], ...]
+    memory: tuple[tuple[float, float], ...]
+    op_overhead: float
+    bwd_op_overhead: float
+    dispatch: float = 0.0
+    ranks: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("gemm", "memory"):
+            pts = tuple(sorted((float(w), float(r)) for w, r in getattr(self, name)))
+            if not pts or not all(w > 0 and r > 0 and math.isfinite(w) and math.isfinite(r)
+                                  for w, r in pts):
+                raise ClusterError(f"ComputeProfile.{name} needs positive finite (size, rate) "
+                                   f"points, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, pts)
+        for name in ("op_overhead", "bwd_op_overhead", "dispatch"):
+            v = float(getattr(self, name))
+            if not (v >= 0 and math.isfinite(v)):
+                raise ClusterError(f"ComputeProfile.{name} must be a finite number >= 0, got {v!r}")
+            object.__setattr__(self, name, v)
+
+    @property
+    def peak_flops(self) -> float:
+        """The fastest GEMM rate measured (FLOP/s)."""
+        return max(r for _, r in self.gemm)
+
+    @property
+    def memory_bandwidth(self) -> float:
+        """The elementwise rate at the largest size measured (bytes/s): DRAM, not cache."""
+        return self.memory[-1][1]
+
+    def to_dict(self) -> dict:
+        return dict(gemm=[list(p) for p in self.gemm], memory=[list(p) for p in self.memory],
+                    op_overhead=self.op_overhead, bwd_op_overhead=self.bwd_op_overhead,
+                    dispatch=self.dispatch, ranks=self.ranks)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ComputeProfile:
+        try:
+            return cls(gemm=tuple(tuple(p) for p in d["gemm"]),
+                       memory=tuple(tuple(p) for p in d["memory"]),
+                       op_overhead=d["op_overhead"], bwd_op_overhead=d["bwd_op_overhead"],
+                       dispatch=d.get("dispatch", 0.0), ranks=int(d.get("ranks", 1)))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ClusterError(f"bad compute profile in cluster JSON: {type(e).__name__}: {e}") from e
+
+
+class _ClassOrInstanceMethod:
+    """A method callable on the class (``self`` is ``None``) or on an instance."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+
+    def __get__(self, obj, cls):
+        return functools.wraps(self.fn)(functools.partial(self.fn, cls, obj))
 
 
 # Nominal figures for the presets of DESIGN §4 (unidirectional; see module docstring).
@@ -134,6 +223,8 @@ class Cluster:
     device_type: str = "generic"
     name: str = "custom"
     profile: Profile = field(default_factory=Profile)
+    #: measured compute (from :meth:`calibrate`); ``None``: the nominal roofline
+    compute: ComputeProfile | None = None
 
     def __post_init__(self) -> None:
         for f in ("nodes", "devices_per_node"):
@@ -211,18 +302,27 @@ class Cluster:
                 f" ({self.device_memory / GiB:.0f} GiB, {self.peak_flops / 1e12:.0f} TFLOP/s each); "
                 f"intra {self.intra_node_bandwidth / GB:.0f} GB/s, "
                 f"inter {self.inter_node_bandwidth / GB:.1f} GB/s per node{sw}"
-                + (f"; calibrated ({len(self.profile.entries)} fits)" if self.profile.entries else ""))
+                + (f"; calibrated ({len(self.profile.entries)} fits)" if self.profile.entries else "")
+                + (f"; compute measured (GEMM up to {self.compute.peak_flops / 1e9:.3g} GFLOP/s, "
+                   f"{self.compute.memory_bandwidth / GB:.3g} GB/s, "
+                   f"{self.compute.op_overhead * 1e6:.3g} µs/op)" if self.compute else ""))
 
     # -- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["profile"] = [dataclasses.asdict(e) for e in self.profile.entries]
+        if self.compute is None:  # JSON of an uncalibrated cluster stays as it was
+            d.pop("compute")
+        else:
+            d["compute"] = self.compute.to_dict()
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Cluster:
         d = dict(d)
         d["profile"] = Profile(tuple(ProfileEntry(**e) for e in d.get("profile", ())))
+        if d.get("compute") is not None:
+            d["compute"] = ComputeProfile.from_dict(d["compute"])
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:
@@ -237,23 +337,42 @@ class Cluster:
         return cls.from_dict(json.loads(text))
 
     # -- calibration --------------------------------------------------------------------
-    @classmethod
-    def calibrate(cls, group=None, *, sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22),
+    @_ClassOrInstanceMethod
+    def calibrate(cls, self, group=None, *, sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**22),
                   collectives: Sequence[str] = COLLECTIVES, iters: int = 5,
-                  group_sizes: Sequence[int] | None = None, base: Cluster | None = None) -> Cluster:
-        """Measure collectives on a live process group and return a cluster built from them.
+                  group_sizes: Sequence[int] | None = None, base: Cluster | None = None,
+                  compute: bool = True, gemm_sizes: Sequence[int] = (16, 32, 64, 128, 256, 512),
+                  memory_sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**24),
+                  min_time: float = 0.05) -> Cluster:
+        """Measure collectives and compute on a live process group; return a cluster built from them.
 
-        Collective over all ranks of ``group`` (default: the world). Every rank must call it.
-        For each collective, group size (powers of two up to the world, groups of consecutive
-        ranks, as :func:`torch.distributed.new_subgroups` makes them) and message size it
-        times ``iters`` runs after a warm-up, takes the slowest rank per run and the median
-        over runs, and fits α and β with :func:`fxpar.cost.calibration.fit_alpha_beta`.
-        Ranks are grouped into nodes by host name. The returned cluster carries the fits in
-        ``profile`` and its nominal intra/inter-node latency and bandwidth are the all-reduce
-        fits of the largest group at that level.
+        ``Cluster.calibrate()`` starts from ``Cluster.local(world)``; ``cluster.calibrate()``
+        (e.g. ``Cluster.local(4, device_memory=...).calibrate()``) from that cluster; ``base=``
+        overrides both. Every rank must call it, and every rank gets the same cluster.
 
-        Sizes are bytes of the per-device buffer in the convention of
-        :func:`fxpar.cost.comm.collective_time` (for all-gather: the input shard).
+        **Collectives** over all ranks of ``group`` (default: the world). For each collective,
+        group size (powers of two up to the world, groups of consecutive ranks, as
+        :func:`torch.distributed.new_subgroups` makes them) and message size it times
+        ``iters`` runs after a warm-up, takes the slowest rank per run and the median over
+        runs, and fits α and β with :func:`fxpar.cost.calibration.fit_alpha_beta`. Ranks are
+        grouped into nodes by host name. The returned cluster carries the fits in ``profile``
+        and its nominal intra/inter-node latency and bandwidth are the all-reduce fits of the
+        largest group at that level. Sizes are bytes of the per-device buffer in the
+        convention of :func:`fxpar.cost.comm.collective_time` (for all-gather: the input shard).
+
+        **Compute** (``compute=True``), on every rank at the same time (ranks of one host
+        share its cores and memory bandwidth, so this is what each gets during training):
+        a float32 GEMM ``n×n @ n×n`` per ``n`` in ``gemm_sizes`` (``2n³`` FLOPs), an
+        elementwise add of two tensors of each of ``memory_sizes`` bytes (three times that
+        moved), a 1-element op without autograd (the dispatch) and a chain of 1-element ops
+        that require grad, forward then backward (per-op overheads). Each is repeated until
+        one run lasts ``min_time`` (the same count on every rank; longer than a scheduler
+        time slice, so ranks that share a core are measured sharing it rather than taking
+        turns); per run the slowest rank's
+        time per call, then the median over ``iters`` runs
+        (:func:`fxpar.cost.calibration.median_of_max`). The result is ``compute``
+        (:class:`ComputeProfile`); ``peak_flops`` and ``memory_bandwidth`` become its
+        fastest GEMM rate and its largest-size bandwidth.
         """
         import torch.distributed as dist
 
@@ -306,7 +425,8 @@ class Cluster:
             es = [e for e in entries if e.collective == "all_reduce" and e.level == level]
             return max(es, key=lambda e: e.group_size) if es else None
 
-        base = base or cls.local(world)
+        if base is None:
+            base = self if self is not None else cls.local(world)
         intra, inter = best("intra"), best("inter")
         updates: dict = dict(nodes=len(node_names), devices_per_node=dpn, profile=profile,
                              name=f"calibrated-{base.name}")
@@ -316,6 +436,10 @@ class Cluster:
             updates.update(inter_node_bandwidth=inter.bandwidth, inter_node_latency=inter.latency)
         elif intra:  # a single node: nothing crosses nodes, keep inter equal to intra
             updates.update(inter_node_bandwidth=intra.bandwidth, inter_node_latency=intra.latency)
+        if compute:
+            prof = _measure_compute(group, device, gemm_sizes, memory_sizes, iters, min_time)
+            updates.update(compute=prof, peak_flops=prof.peak_flops,
+                           memory_bandwidth=prof.memory_bandwidth)
         return dataclasses.replace(base, **updates)
 
 
@@ -396,3 +520,82 @@ def _time_collective(coll: str, nbytes: int, sub, gsize: int, device, iters: int
         dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=world_group)
         times.append(dt.item())
     return statistics.median(times)
+
+
+def _concurrent_times(fn, iters: int, group, min_time: float, sync) -> list[float]:
+    """Run ``fn(reps) -> [seconds per call, ...]`` on every rank at once; per component the
+    median over ``iters`` runs of the slowest rank (``median_of_max``). ``reps`` is chosen
+    from a warm-up so that a run lasts about ``min_time``, the same on every rank."""
+    import torch
+    import torch.distributed as dist
+
+    from fxpar.cost.calibration import median_of_max
+
+    warm = torch.tensor([max(fn(1))], dtype=torch.float64)
+    sync()
+    dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=group)
+    reps = int(min(100_000, max(1, math.ceil(min_time / max(warm.item(), 1e-9)))))
+    world = dist.get_world_size(group)
+    runs = []
+    for _ in range(max(1, iters)):
+        dist.barrier(group=group)
+        mine = torch.tensor(fn(reps), dtype=torch.float64)
+        every = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine, group=group)
+        runs.append(torch.stack(every).tolist())  # [rank][component]
+    return [median_of_max([[r[k] for r in run] for run in runs]) for k in range(len(runs[0][0]))]
+
+
+def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
+                     min_time: float) -> ComputeProfile:
+    """The :class:`ComputeProfile` of this group's ranks (see :meth:`Cluster.calibrate`)."""
+    import torch
+    import torch.distributed as dist
+
+    from fxpar.cost.calibration import rate_points
+
+    sync = (torch.cuda.synchronize if device.type == "cuda" else (lambda: None))
+
+    def loop(op):
+        def fn(reps: int) -> list[float]:
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                op()
+            sync()
+            return [(time.perf_counter() - t0) / reps]
+        return fn
+
+    one = torch.ones(1, device=device)
+    dispatch = _concurrent_times(loop(lambda: torch.add(one, one)), iters, group, min_time, sync)[0]
+
+    leaf = torch.ones(1, device=device, requires_grad=True)
+
+    def chain(reps: int) -> list[float]:
+        sync()
+        t0 = time.perf_counter()
+        y = leaf
+        for _ in range(reps):
+            y = y * 1.0
+        sync()
+        t1 = time.perf_counter()
+        y.backward()
+        sync()
+        return [(t1 - t0) / reps, (time.perf_counter() - t1) / reps]
+
+    fwd_over, bwd_over = _concurrent_times(chain, iters, group, min_time, sync)
+    gemm_t = []
+    for n in gemm_sizes:
+        a = torch.randn(n, n, device=device)
+        b = torch.randn(n, n, device=device)
+        gemm_t.append(_concurrent_times(loop(lambda: torch.mm(a, b)), iters, group, min_time, sync)[0])
+    mem_t = []
+    for nbytes in memory_sizes:
+        a = torch.randn(max(1, nbytes // 4), device=device)
+        b = torch.randn_like(a)
+        mem_t.append(_concurrent_times(loop(lambda: torch.add(a, b)), iters, group, min_time, sync)[0])
+    return ComputeProfile(
+        gemm=rate_points([2.0 * n ** 3 for n in gemm_sizes], gemm_t, dispatch),
+        memory=rate_points([3.0 * max(1, nb // 4) * 4 for nb in memory_sizes], mem_t, dispatch),
+        op_overhead=max(fwd_over, 0.0), bwd_op_overhead=max(bwd_over, 0.0), dispatch=dispatch,
+        ranks=dist.get_world_size(group))

@@ -52,3 +52,8 @@ class MaterializeError(FxparError):
 
 class CollectiveTimeoutError(FxparError):
     """A multi-process collective did not finish in time (a hang is reported, never waited on)."""
+
+
+class ScheduleError(FxparError, ValueError):
+    """A pipeline schedule is malformed or deadlocks (an unmatched send or receive, a backward
+    before its forward); the message names the rank, the step index and the action at fault."""

@@ -211,6 +211,8 @@ class InputInfo:
     shape: tuple[int, ...] | None
     dtype: torch.dtype | None
     value: Any = None
+    #: a pipeline stage's boundary input (an earlier stage's activation): carries a gradient
+    requires_grad: bool = False
 
     @property
     def is_tensor(self) -> bool:
@@ -421,7 +423,8 @@ def grad_flags(gm: fx.GraphModule, extra: Any = (), *, prune: bool = True) -> di
     """Which nodes carry a gradient, in one forward walk (every node but ``output`` gets a flag).
 
     Sources: parameters (``meta[PARAM]`` with ``requires_grad``, or a fake value that requires
-    grad) and the nodes in ``extra`` (an iterable, or a predicate). A node carries a gradient when
+    grad), inputs whose :class:`InputInfo` ``requires_grad`` (a pipeline stage's boundary
+    values) and the nodes in ``extra`` (an iterable, or a predicate). A node carries a gradient when
     some input does and, with ``prune`` (the default, what costs and gradient layouts use), its
     value is floating point and its op is differentiable (:func:`is_differentiable`); a
     ``call_module`` with trainable parameters always does. ``prune=False`` is plain reachability
@@ -447,7 +450,9 @@ def grad_flags(gm: fx.GraphModule, extra: Any = (), *, prune: bool = True) -> di
                 out[n] = n.op != "get_attr" and any(out.get(a, False) for a in n.all_input_nodes)
             continue
         if n.op in ("placeholder", "get_attr"):
-            out[n] = is_trainable_param(n) or bool(pred(n))
+            info = n.meta.get(INPUT)
+            out[n] = (is_trainable_param(n) or bool(pred(n))
+                      or bool(info is not None and info.requires_grad))
             continue
         v = n.meta.get(VAL, n.meta.get("example_value"))
         floats = _is_float(v) or (isinstance(v, (list, tuple)) and any(

@@ -76,8 +76,13 @@ class Mesh:
 
     @classmethod
     def from_devices(cls, cluster: Cluster, axis_names: Sequence[str], devices) -> Mesh:
-        """A mesh over an explicit (nested) array of device ids, e.g. ``[[0, 2], [1, 3]]``."""
+        """A mesh over an explicit (nested) array of device ids, e.g. ``[[0, 2], [1, 3]]``;
+        leading size-1 dimensions beyond the axis names are dropped (``["tp"]`` over
+        ``[[4, 5, 6, 7]]`` is a 1-d mesh of 4)."""
         arr = np.asarray(devices, dtype=np.int64)
+        k = arr.ndim - len(axis_names)
+        if k > 0 and all(s == 1 for s in arr.shape[:k]):
+            arr = arr.reshape(arr.shape[k:])
         if arr.ndim != len(axis_names):
             raise MeshError(f"{len(axis_names)} axis names {tuple(axis_names)} for a {arr.ndim}-d device array")
         m = object.__new__(cls)

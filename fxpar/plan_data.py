@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from fxpar.errors import PlanError
 from fxpar.units import fmt_bytes
 
-__all__ = ["Plan", "NodePlan", "EdgePlan", "StepCost", "BASELINES", "PLAN_KINDS"]
+__all__ = ["Plan", "StagePlan", "NodePlan", "EdgePlan", "StepCost", "BASELINES", "PLAN_KINDS"]
 
 #: Baseline plans priced by the same cost model (see :func:`fxpar.planner.baseline_pins`).
 BASELINES = ("dp", "zero3", "megatron", "axonn")
@@ -102,8 +102,64 @@ class NodePlan:
         return Strategy(self.inputs, self.outputs, self.strategy_name, self.unsharded)
 
 
+def _search_lines(search: Mapping | None) -> list[str]:
+    """The joint search's ranked configurations (:mod:`fxpar.planner.joint`) as a table."""
+    if not search:
+        return []
+    out = [f"joint search: {search['tried']} configurations priced, {search['over_memory']} over "
+           f"the {fmt_bytes(search['budget'])} budget; simulated best:"]
+    best = search["ranked"][0]["step"] if search["ranked"] else 0.0
+    for i, r in enumerate(search["ranked"]):
+        out.append(f"  {i + 1}. {r['name']}: step {_fmt_ms(r['step'])} ms "
+                   f"(x{r['step'] / best:.3f}), pipeline {_fmt_ms(r['pipeline'])} ms + dp "
+                   f"{_fmt_ms(r['dp_comm'])} ms, {fmt_bytes(r['memory'])}")
+    return out
+
+
 def _fmt_ms(t: float) -> str:
     return "-" if t == 0 else f"{t * 1e3:.4g}"
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage chunk: ``index`` (0..p·v−1), the pipeline rank ``rank`` it runs on
+    (``index % p``), the ``layers`` it runs, the boundary values it receives (``inputs``) and
+    sends (``outputs``) by node name, and its intra-op ``plan`` on the stage's submesh."""
+
+    index: int
+    rank: int
+    layers: tuple[str, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    plan: Plan
+    #: bytes each device sends to the next chunk per microbatch (its outputs' local shards,
+    #: ``1/t`` of one under scatter/gather)
+    send_bytes: int = 0
+    #: per output: the submesh axis it crosses by scatter/gather (Megatron §4.1: each of the
+    #: ``t`` ranks of that axis sends ``1/t``, the receivers all-gather), ``""``: whole shards
+    scatter: tuple[str, ...] = ()
+    #: seconds of one boundary transfer to the next chunk, and of its gradient back
+    send_time: float = 0.0
+    back_time: float = 0.0
+    #: the layouts its boundary inputs arrive in and its outputs leave in (printed specs);
+    #: where an output's differs from the next chunk's input, a cross-mesh reshard moves it
+    in_specs: tuple[str, ...] = ()
+    out_specs: tuple[str, ...] = ()
+    #: the graph node its first layer starts at (what re-splitting a re-captured model needs)
+    start: str = ""
+
+    @property
+    def submesh(self) -> Mapping:
+        """The stage's submesh (axis names, shape, global device ids)."""
+        return self.plan.mesh
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> StagePlan:
+        return cls(d["index"], d["rank"], tuple(d["layers"]), tuple(d["inputs"]),
+                   tuple(d["outputs"]), Plan.from_dict(d["plan"]), int(d.get("send_bytes", 0)),
+                   tuple(d.get("scatter", ())), float(d.get("send_time", 0.0)),
+                   float(d.get("back_time", 0.0)), tuple(d.get("in_specs", ())),
+                   tuple(d.get("out_specs", ())), d.get("start", ""))
 
 
 @dataclass(frozen=True)
@@ -126,6 +182,10 @@ class Plan:
     stats: Mapping = field(default_factory=dict, compare=False)
     #: what a named baseline could not do as its recipe says (e.g. a parameter zero3 keeps whole)
     notes: tuple[str, ...] = ()
+    #: pipeline plans: one :class:`StagePlan` per stage chunk (empty for one SPMD step)
+    stages: tuple[StagePlan, ...] = ()
+    #: pipeline plans: ``{"name", "microbatches", "chunks", "bubble"}`` (empty otherwise)
+    schedule: Mapping = field(default_factory=dict)
 
     # -- lookups -----------------------------------------------------------------------
     def node(self, name: str) -> NodePlan:
@@ -190,7 +250,10 @@ class Plan:
 
     # -- explain -----------------------------------------------------------------------
     def explain(self, max_ops: int = 4) -> str:
-        """A readable per-layer table, then totals, communication and the unsharded ops."""
+        """A readable per-layer table, then totals, communication and the unsharded ops (a
+        pipeline plan: the schedule and a per-stage table, then each stage's own plan)."""
+        if self.stages:
+            return self._explain_pipeline(max_ops)
         head = (f"plan {self.kind} on {self.mesh_str}: step {_fmt_ms(self.time)} ms (compute "
                 f"{_fmt_ms(self.compute)} ms = fwd {_fmt_ms(self.compute_fwd)} + bwd "
                 f"{_fmt_ms(self.compute_bwd)}, comm {_fmt_ms(self.comm)} ms), memory "
@@ -224,6 +287,34 @@ class Plan:
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
+    def _explain_pipeline(self, max_ops: int) -> str:
+        sc = self.schedule
+        lines = [f"plan {self.kind} on {self.mesh_str}: pipeline of {len(self.stages)} stage "
+                 f"chunks, schedule {sc.get('name')} (chunks {sc.get('chunks', 1)}), "
+                 f"{sc.get('microbatches')} microbatches; predicted step {_fmt_ms(self.time)} ms, "
+                 f"bubble {100 * sc.get('bubble', 0.0):.1f}%, memory {fmt_bytes(self.memory)} "
+                 "per device (largest stage, one microbatch live)"]
+        table = [("stage", "rank", "layers", "fwd ms", "bwd ms", "comm ms", "receives", "sends")]
+        for st in self.stages:
+            p = st.plan
+            lay = st.layers if len(st.layers) <= 4 else (*st.layers[:2], "...", st.layers[-1])
+            table.append((str(st.index), str(st.rank), " ".join(lay), _fmt_ms(p.compute_fwd),
+                          _fmt_ms(p.compute_bwd), _fmt_ms(p.comm), ", ".join(st.inputs) or "-",
+                          ", ".join(st.outputs) or "-"))
+        widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
+        lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()
+                  for row in table]
+        lines += _search_lines(sc.get("search"))
+        if sc.get("recompute"):
+            lines.append(f"recomputation: {len(sc['recompute'])} layers re-run their forward in backward")
+        if sc.get("state"):
+            lines.append("model states over dp: " + ", ".join(f"{k}={v}" for k, v in sc["state"].items()))
+        for st in self.stages:
+            lines.append(f"-- stage {st.index} --")
+            lines.append(st.plan.explain(max_ops))
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
     def __str__(self) -> str:
         return (f"Plan({self.kind} on {self.mesh_str}: {self.time * 1e3:.4g} ms, "
                 f"{fmt_bytes(self.memory)}/device, {len(self.nodes)} nodes)")
@@ -232,6 +323,7 @@ class Plan:
     def to_dict(self, with_stats: bool = True) -> dict:
         d = asdict(self)
         d["mesh"] = dict(self.mesh)
+        d["stages"] = [dict(asdict(st), plan=st.plan.to_dict(with_stats)) for st in self.stages]
         if not with_stats:
             d.pop("stats")
         return d
@@ -253,6 +345,7 @@ class Plan:
             mesh["devices"] = tuple(mesh["devices"])
             rest = {k: v for k, v in d.items() if k not in ("nodes", "edges", "mesh")}
             rest["notes"] = tuple(rest.get("notes", ()))
+            rest["stages"] = tuple(StagePlan.from_dict(x) for x in rest.get("stages", ()))
             return cls(nodes=nodes, edges=edges, mesh=mesh, **rest)
         except (KeyError, TypeError) as e:
             raise PlanError(f"not a valid fxpar plan: {e}") from e

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -48,7 +48,7 @@ class Program:
 
     def __init__(self, plan: Plan, graph: fx.GraphModule, model: torch.nn.Module, *,
                  optimizer: Callable | None = None, training: bool = True,
-                 prefetch: int = 1) -> None:
+                 prefetch: int = 1, stage_graphs: Sequence[fx.GraphModule] | None = None) -> None:
         if graph.meta.get(ir.FRONTEND) == "symbolic_trace":
             raise FxparError("fxpar.compile needs an ATen-level capture (torch.export); this model "
                              "was only capturable with symbolic_trace")
@@ -60,9 +60,98 @@ class Program:
         self._dist: fx.GraphModule | None = None
         self._ranks: dict[tuple[int, str], fx.GraphModule] = {}
         self.timings: dict[str, float] = {}
+        #: pipeline programs: one sub-program per stage chunk (its plan, its graph), and the
+        #: schedule the interpreter runs (``None`` for one SPMD step)
+        self.stage_programs: list[Program] = []
+        self.schedule = None
+        if plan.stages:
+            from fxpar.planner.stages import schedule_of
+
+            if stage_graphs is None or len(stage_graphs) != len(plan.stages):
+                raise PlanError("a pipeline plan needs its stage chunk graphs "
+                                "(fxpar.compile(..., mesh={'pp': ...}) builds them)")
+            self.stage_programs = [Program(st.plan, g, model, optimizer=optimizer,
+                                           training=training, prefetch=prefetch)
+                                   for st, g in zip(plan.stages, stage_graphs)]
+            self.schedule = schedule_of(plan)
 
     def explain(self) -> str:
         return self.plan.explain()
+
+    def simulate(self):
+        """The step predicted from the plan's costs (:func:`fxpar.sim.simulate` over the
+        schedule's action lists; one SPMD step: a one-stage, one-microbatch schedule)."""
+        from fxpar.planner.stages import simulate_plan
+        from fxpar.schedule import Schedule
+        from fxpar.sim import simulate
+
+        if self.plan.stages:
+            return simulate_plan(self.plan)
+        p = self.plan
+        return simulate(Schedule.build("1f1b", stages=1, microbatches=1),
+                        fwd=p.compute_fwd + sum(e.time for e in p.edges if e.direction == "fwd"),
+                        bwd=p.compute_bwd + sum(e.time for e in p.edges if e.direction != "fwd"))
+
+    # -- pipelines -------------------------------------------------------------------------
+    def device_mesh(self):
+        """The ``DeviceMesh`` of the whole mesh (made once; collective on first use)."""
+        from fxpar.runtime.redistribute import as_device_mesh
+
+        return as_device_mesh(self.mesh)
+
+    def flat_batch(self, args, kwargs) -> list:
+        """The flat user inputs of a global batch for a pipeline program: every tensor input is
+        ``microbatches`` times its captured (microbatch) shape along dim 0."""
+        from fxpar.capture import flatten_inputs
+
+        flat = flatten_inputs(tuple(args), dict(kwargs), self.graph.meta[ir.INPUT_TREE])
+        m = self.plan.schedule["microbatches"]
+        for info, x in zip(ir.user_inputs(self.graph), flat, strict=True):
+            if not info.is_tensor:
+                continue
+            want = (info.shape[0] * m, *info.shape[1:])
+            if not isinstance(x, torch.Tensor) or tuple(x.shape) != want:
+                got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise FxparError(f"input {info.name!r}: got {got}, the pipeline program was "
+                                 f"compiled for a global batch of shape {want} ({m} microbatches "
+                                 f"of {tuple(info.shape)})")
+        return flat
+
+    def user_index(self, name: str) -> int:
+        """Index of the user input placeholder ``name`` in :meth:`flat_batch`."""
+        return next(i for i, info in enumerate(ir.user_inputs(self.graph)) if info.node_name == name)
+
+    def loss_rank(self) -> int:
+        """The global rank that broadcasts a pipeline step's loss (the last chunk's first)."""
+        return int(self.plan.stages[-1].plan.mesh["devices"][0])
+
+    def replica_group(self, fqn: str, rank: int):
+        """``fqn``'s replica group for ``rank`` over the WHOLE mesh: the axes its gradient is
+        a partial sum over, and the pipeline ranks holding a copy when there are several
+        (a tied embedding/LM head). Every rank computes the same partition for one key."""
+        from fxpar.runtime.model_state import ReplicaGroup
+
+        holders = sorted({st.rank for st, sp in zip(self.plan.stages, self.stage_programs)
+                          if fqn in ir.params(sp.graph)})
+        axes: list[str] = []
+        for st, sp in zip(self.plan.stages, self.stage_programs):
+            for a in sp.distributed_graph.meta.get(ir.REPLICA_AXES, {}).get(fqn, ()):
+                if a not in axes:
+                    axes.append(a)
+        pp = self.mesh.axis_names.index("pp")
+        arr = np.asarray(self.mesh.devices).reshape(self.mesh.shape)
+        key = "+".join(axes)
+        idx = [self.mesh.axis_names.index(a) for a in axes]
+        if len(holders) > 1:
+            arr = np.take(arr, holders, axis=pp)
+            idx.append(pp)
+            key += f"|pp{','.join(map(str, holders))}"
+        if not idx:
+            return None
+        rest = [i for i in range(arr.ndim) if i not in idx]
+        groups = arr.transpose(rest + idx).reshape(-1, int(np.prod([arr.shape[i] for i in idx])))
+        all_ = tuple(tuple(int(x) for x in g) for g in groups)
+        return ReplicaGroup(key, next(g for g in all_ if rank in g), all_)
 
     @property
     def distributed_graph(self) -> fx.GraphModule:
@@ -72,8 +161,17 @@ class Program:
             self._dist = run_passes(_copy(self.graph), ctx, GLOBAL_PASSES)
         return self._dist
 
-    def rank_graph(self, rank: int, device: str = "cpu") -> fx.GraphModule:
-        """Rank ``rank``'s GraphModule (local shapes, explicit collectives and waits)."""
+    def rank_graph(self, rank: int, device: str = "cpu", chunk: int | None = None) -> fx.GraphModule:
+        """Rank ``rank``'s GraphModule (local shapes, explicit collectives and waits); for a
+        pipeline, that of stage chunk ``chunk`` (default: the rank's first chunk)."""
+        if self.plan.stages:
+            mine = [st.index for st in self.plan.stages if rank in st.plan.mesh["devices"]]
+            if chunk is None and not mine:
+                raise PlanError(f"rank {rank} is not in the plan's mesh {self.mesh!r}")
+            k = mine[0] if chunk is None else chunk
+            if k not in mine:
+                raise PlanError(f"stage chunk {k} does not run on rank {rank} (its chunks: {mine})")
+            return self.stage_programs[k].rank_graph(rank, device)
         key = (rank, device)
         if key not in self._ranks:
             if rank not in self.mesh.devices:
@@ -84,9 +182,10 @@ class Program:
                                           already_run=[p.__name__ for p in GLOBAL_PASSES])
         return self._ranks[key]
 
-    def runner(self, weights: Any = None, *, s_g: int = 1, s_os: int = 1, seed: int = 0,
+    def runner(self, weights: Any = None, *, s_g: int | None = None, s_os: int | None = None, seed: int = 0,
                local_batch: bool = False, device: str | None = None,
-               bucket_bytes: int = 25 * 2**20, regather: bool = True) -> Runner:
+               bucket_bytes: int = 25 * 2**20, regather: bool = True,
+               recompute=None) -> Runner:
         """This rank's :class:`Runner` (collective: every rank of the mesh calls it).
 
         ``weights``: ``None`` (the model's own real tensors), a state dict of full tensors, a
@@ -95,12 +194,28 @@ class Program:
         replica group (AMSP; ZeRO-1 = ``(1, N)``, ZeRO-2 = ``(N, N)``). ``regather``: free
         a gathered parameter after its forward use and gather it again in backward (what the
         planner prices, ZeRO-3); ``False`` keeps it for backward (more memory, less traffic).
+        ``s_g``/``s_os``/``recompute`` left out: what the plan chose (the joint search's
+        ``plan.schedule["state"]`` and ``["recompute"]``), else 1, 1 and none.
         """
+        state = self.plan.schedule.get("state", {})
+        s_g = state.get("s_g", 1) if s_g is None else s_g
+        s_os = state.get("s_os", 1) if s_os is None else s_os
+        if self.plan.stages:
+            from fxpar.runtime.interpreter import PipelineRunner
+
+            if local_batch:
+                raise FxparError("a pipeline runner takes the global batch (local_batch=False)")
+            return PipelineRunner(self, weights, s_g=s_g, s_os=s_os, seed=seed, device=device,
+                                  bucket_bytes=bucket_bytes, regather=regather,
+                                  recompute=recompute)
         return Runner(self, weights, s_g=s_g, s_os=s_os, seed=seed, local_batch=local_batch,
-                      device=device, bucket_bytes=bucket_bytes, regather=regather)
+                      device=device, bucket_bytes=bucket_bytes, regather=regather,
+                      recompute=recompute)
 
     # -- save / load -----------------------------------------------------------------------
     def save(self, path) -> None:
+        """The plan, the model's parameter signature and the captured input shapes (a
+        pipeline's: one microbatch's) as JSON; :func:`load` rebuilds the program."""
         d = dict(fxpar_program=1, plan=self.plan.to_dict(), signature=model_signature(self.graph),
                  inputs=[dict(name=i.name, path=i.path, shape=list(i.shape) if i.is_tensor else None,
                               dtype=str(i.dtype).removeprefix("torch.") if i.is_tensor else None,
@@ -160,5 +275,11 @@ def load(path, model: torch.nn.Module, *, optimizer: Callable | None = None,
     if sig != d["signature"]:
         raise PlanError(f"{path}: the plan was made for another model (parameter signature "
                         f"{d['signature'][:12]}, this model {sig[:12]})")
+    chunks = None
+    if plan.stages:  # the same chunks again, from where each started
+        from fxpar.stages import split_stages
+
+        chunks = [c.graph for c in split_stages(gm, len(plan.stages),
+                                                start_nodes=[st.start for st in plan.stages])]
     return Program(plan, gm, wrapped, optimizer=optimizer, training=training,
-                   prefetch=d.get("prefetch", 1))
+                   prefetch=d.get("prefetch", 1), stage_graphs=chunks)

@@ -73,6 +73,7 @@ import torch
 from fxpar.cost.reshard import LOCAL_KINDS, step_cost
 from fxpar.errors import ReshardError, SpecError
 from fxpar.spec import Partial, Placement, Replicate, Shard, Spec, as_spec
+from fxpar.units import dtype_name, fmt_time
 
 __all__ = ["ReshardPlan", "ReshardStep", "LOCAL_KINDS", "reshard_plan", "reshard_costs", "reshard_cost_table", "step_kind", "as_dtype"]
 
@@ -94,7 +95,7 @@ class ReshardStep:
     time: float
 
     def __str__(self) -> str:
-        return f"{self.src} -> {self.dst}: {self.kind} on {self.axis_name} ({_fmt_time(self.time)})"
+        return f"{self.src} -> {self.dst}: {self.kind} on {self.axis_name} ({fmt_time(self.time)})"
 
 
 @dataclass(frozen=True, repr=False)
@@ -128,38 +129,25 @@ class ReshardPlan:
         return " -> ".join(str(s) for s in self.specs)
 
     def __repr__(self) -> str:
-        return (f"ReshardPlan({self}, shape={self.shape}, {_dtype_name(self.dtype)}, "
-                f"time={_fmt_time(self.time)})")
+        return (f"ReshardPlan({self}, shape={self.shape}, {dtype_name(self.dtype)}, "
+                f"time={fmt_time(self.time)})")
 
     def describe(self) -> str:
         """A table: one row per step with its collective, mesh axis name, bytes and time."""
-        head = (f"reshard {self.src} -> {self.dst} of {_dtype_name(self.dtype)}"
+        head = (f"reshard {self.src} -> {self.dst} of {dtype_name(self.dtype)}"
                 f"{list(self.shape)} on {self.mesh!r}: {len(self.steps)} step"
-                f"{'' if len(self.steps) == 1 else 's'}, {_fmt_time(self.time)}")
+                f"{'' if len(self.steps) == 1 else 's'}, {fmt_time(self.time)}")
         if not self.steps:
             return head + " (nothing to do)"
         rows = [("#", "step", "collective", "axis", "bytes", "time")]
         for k, s in enumerate(self.steps, 1):
             rows.append((str(k), f"{s.src} -> {s.dst}", s.kind, s.axis_name, str(s.nbytes),
-                         _fmt_time(s.time)))
+                         fmt_time(s.time)))
         widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
         lines = ["  " + "  ".join(v.rjust(w) if c in (0, 4) else v.ljust(w)
                                   for c, (v, w) in enumerate(zip(r, widths))).rstrip()
                  for r in rows]
         return "\n".join([head] + lines)
-
-
-def _fmt_time(t: float) -> str:
-    if t == 0:
-        return "0 s"
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if t >= scale:
-            return f"{t / scale:.3g} {unit}"
-    return f"{t / 1e-9:.3g} ns"
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def as_dtype(dtype: torch.dtype | str) -> torch.dtype:

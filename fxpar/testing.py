@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import queue
+import signal
 import tempfile
 import time
 import traceback
@@ -132,6 +133,18 @@ class WorkerPool:
     def alive(self) -> bool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
+    def _dead(self, answered: set[int]) -> dict[int, str]:
+        """Ranks whose process exited without answering, with how it ended (OOM kill, signal)."""
+        out = {}
+        for r, p in enumerate(self._procs):
+            if r not in answered and p.exitcode is not None:
+                code = p.exitcode
+                how = (f"killed by {signal.Signals(-code).name}" if code < 0
+                       else f"exited with code {code}")
+                out[r] = (f"rank {r}'s process {how} without answering "
+                          "(SIGKILL is what the kernel's out-of-memory killer sends)")
+        return out
+
     # -- work ---------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], *args, timeout: float | None = None,
             grace: float = 5.0, **kwargs) -> list[Any]:
@@ -149,12 +162,18 @@ class WorkerPool:
         errors: dict[int, str] = {}
         name = getattr(fn, "__qualname__", repr(fn))
         while len(out) + len(errors) < self.world_size:
+            if errors:  # the others get `grace` seconds from the first error
+                deadline = min(deadline, time.monotonic() + grace)
             left = deadline - time.monotonic()
-            if errors:
-                left = min(left, grace)
             try:
-                rank, cid, (kind, payload) = self._results.get(timeout=max(0.05, left))
+                rank, cid, (kind, payload) = self._results.get(timeout=min(1.0, max(0.05, left)))
             except queue.Empty:
+                dead = self._dead(set(out) | set(errors))
+                if dead:  # a killed rank answers nothing: say so instead of waiting out the limit
+                    errors.update(dead)
+                    continue
+                if left > 1.0:
+                    continue
                 missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
                 self.close(force=True)
                 if errors:

@@ -46,6 +46,12 @@ def _text(n: fx.Node, coord) -> str | None:
     return None if not specs else ", ".join(map(str, specs))
 
 
+def _replicated(n: fx.Node) -> bool:
+    """Every input and output spec of ``n`` is replicated (it runs on whole tensors)."""
+    specs = [*(n.meta.get(ir.IN_SPECS) or ()), *(n.meta.get(ir.SPECS) or ())]
+    return bool(specs) and all(s is None or s.is_replicated for s in specs)
+
+
 def _check(gm: fx.GraphModule) -> None:
     """Run ``gm`` on fake CPU tensors of the placeholders' local shapes; compare every shape.
 
@@ -53,7 +59,8 @@ def _check(gm: fx.GraphModule) -> None:
     (and capture, which traced with fake tensors) uses, while a few ``meta`` kernels disagree
     with it (``native_batch_norm`` in eval mode: ``meta`` gives ``save_mean`` the channel
     count, CPU and fake give ``(0,)``), which would reject a plan that runs."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses.fake_tensor import (DataDependentOutputException,
+                                               DynamicOutputShapeException, FakeTensorMode)
 
     class Check(fx.Interpreter):
         def call_function(self, target, args, kwargs):
@@ -62,12 +69,24 @@ def _check(gm: fx.GraphModule) -> None:
             return super().call_function(target, args, kwargs)
 
         def run_node(self, n):
+            want = n.meta.get(ir.VAL)
             try:
                 out = super().run_node(n)
+            except (DataDependentOutputException, DynamicOutputShapeException) as e:
+                # a data-dependent op (nonzero, argwhere...) whose shape capture could fix
+                # anyway (an empty input): fake tensors cannot run it. Replicated, the rank
+                # runs it on the whole input, so capture's value holds; sharded, it would not.
+                if not _replicated(n) or not isinstance(want, torch.Tensor):
+                    raise PlanError(
+                        f"rank program: node {n.name} ({n.target}) has a data-dependent output "
+                        f"(fake tensors cannot compute it: {type(e).__name__}) and is planned "
+                        f"{n.meta.get(ir.SPEC_TEXT)}: only a replicated data-dependent op is "
+                        "supported") from e
+                out = torch.empty_strided(want.shape, want.stride(), dtype=want.dtype,
+                                          device=_DEV)
             except Exception as e:  # noqa: BLE001 - re-raised with the node named
                 raise PlanError(f"rank program: node {n.name} ({n.target}) fails on its local "
                                 f"shapes (spec {n.meta.get(ir.SPEC_TEXT)}): {e}") from e
-            want = n.meta.get(ir.VAL)
             if isinstance(out, torch.Tensor) and isinstance(want, torch.Tensor) \
                     and tuple(out.shape) != tuple(want.shape):
                 raise PlanError(f"rank program: node {n.name} ({n.target}) computes local shape "

@@ -14,8 +14,9 @@ Contract (per rank, ``ctx.coord`` set; runs after insert_collectives):
   chain here): size arguments of ``view``/``reshape``/``expand``/factories/``unflatten`` become
   local, a sharded ``arange`` gets its local bounds, a vocabulary-parallel ``embedding`` calls
   :func:`fxpar.runtime.ops.vocab_parallel_embedding` with this rank's first row, a training
-  ``aten.dropout`` is ``torch.ops.fxpar.sharded_dropout`` keyed by the node's index
-  (the site) and this rank's shard coordinates; random ops without an entry raise
+  ``aten.dropout`` is ``torch.ops.fxpar.sharded_dropout`` keyed by the node's name (the site:
+  its crc32, unique across a pipeline's chunk graphs, which keep the model graph's names) and
+  this rank's shard coordinates; random ops without an entry raise
   :class:`fxpar.PlanError` naming the node (replicas would silently diverge).
 
 Example (``view(x[4, 6], [4, 2, 3])`` with ``x`` ``S(0)`` on a 2-way axis, coordinate 1):
@@ -23,6 +24,8 @@ the node becomes ``view(x, [2, 2, 3])``.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import torch
 import torch.fx as fx
@@ -49,7 +52,7 @@ def localize_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         raise PlanError("localize_pass needs this rank's mesh coordinate (ctx.coord)")
     dev = torch.device(ctx.device)
     glob_shape: dict[fx.Node, tuple[int, ...]] = {}
-    for i, n in enumerate(list(gm.graph.nodes)):
+    for n in list(gm.graph.nodes):
         specs = n.meta.get(ir.SPECS)
         v = n.meta.get(ir.VAL)
         if isinstance(v, torch.Tensor):
@@ -70,5 +73,6 @@ def localize_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         n.args, n.kwargs = pytree.tree_map_only(torch.device, lambda d: dev, (n.args, n.kwargs))
         rule = local_rule(n.target)
         if rule is not None:
-            rule(n, LocalContext(tuple(ctx.mesh.shape), tuple(ctx.coord), dev, glob_shape, site=i))
+            rule(n, LocalContext(tuple(ctx.mesh.shape), tuple(ctx.coord), dev, glob_shape,
+                                 site=zlib.crc32(n.name.encode())))
     return PassResult(gm, True)

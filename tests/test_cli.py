@@ -81,3 +81,16 @@ def test_bad_target_is_a_clear_exit(tmp_path):
     (tmp_path / "x.py").write_text("def build():\n    return 1\n")
     with pytest.raises(SystemExit, match="must return"):
         main(["plan", f"{tmp_path / 'x.py'}:build", *COMMON])
+
+
+def test_pipeline_plan_and_dump(target, tmp_path, capsys):
+    """A pp axis in --mesh plans a pipeline (explain says so) and dumps one program per stage
+    chunk on each of its ranks."""
+    _, t = target
+    pp = ["--cluster", "local", "--nodes", "4", "--mesh", "pp=2,tp=2", "--microbatches", "2"]
+    main(["plan", t, *pp])
+    out = capsys.readouterr().out
+    assert out.startswith("plan auto on Mesh(pp=2, tp=2)") and "2 microbatches" in out
+    main(["dump", t, *pp, "--out", str(tmp_path / "ranks")])
+    files = sorted(p.name for p in (tmp_path / "ranks").iterdir())
+    assert files == ["rank0_chunk0.py", "rank1_chunk0.py", "rank2_chunk1.py", "rank3_chunk1.py"]

@@ -58,6 +58,14 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("fxpar.spec", ("fxpar.strategies", "fxpar.planner", "fxpar.solver", "fxpar.passes",
                     "fxpar.runtime")),
     ("fxpar.units", ("fxpar.",)),
+    # pipeline schedules and the simulator: plain data over fxpar.errors and fxpar.cost (no torch
+    # at all: tests/test_schedule.py checks their imports statically)
+    ("fxpar.schedule", ("fxpar.planner", "fxpar.solver", "fxpar.passes", "fxpar.runtime", "ortools")),
+    ("fxpar.sim", ("fxpar.planner", "fxpar.solver", "fxpar.passes", "fxpar.runtime", "ortools")),
+    # cross-mesh resharding (issue #11): the planner never runs collectives (the runtime imports
+    # it, not the other way round); its cost functions see bytes, device ids and a cluster only
+    ("fxpar.crossmesh", ("fxpar.runtime", "fxpar.planner", "fxpar.solver", "fxpar.passes", "ortools")),
+    ("fxpar.cost.crossmesh", ("fxpar.crossmesh", "fxpar.reshard", "fxpar.mesh", "fxpar.spec")),
 ]
 
 def _applies(rule: str, mod: str) -> bool:
@@ -133,6 +141,27 @@ def test_the_check_sees_a_forbidden_edge():
                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
     got = json.loads(p.stdout.strip().splitlines()[-1])["fxpar.planner.intra_op"]["loaded"]
     assert "fxpar.solver.ilp" in got and any(m.startswith("ortools") for m in got)
+
+
+def _all_imports(path: Path) -> set[str]:
+    """Every module named by an import statement anywhere in a file (function bodies too)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
+
+
+def test_cost_crossmesh_is_pure():
+    """``cost/crossmesh.py`` prices transfers from numbers: no process groups, not even inside a
+    function (the dynamic check above only sees fxpar modules and module-level imports)."""
+    names = _all_imports(PACKAGE_DIRS["fxpar.cost"] / "crossmesh.py")
+    bad = sorted(n for n in names if n.startswith(("torch.distributed", "fxpar.runtime", "fxpar.planner",
+                                                   "fxpar.solver", "fxpar.crossmesh")))
+    assert not bad, f"cost/crossmesh.py imports {bad}"
+    assert "fxpar.cost.comm" in names  # the check reads the file it means to
 
 
 # ---------------------------------------------------------------------------------------------

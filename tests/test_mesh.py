@@ -80,3 +80,14 @@ def test_to_device_mesh_matches_groups(pools):
     for rank, groups in enumerate(pools(4).run(_device_mesh_groups)):
         for ax in m.axis_names:
             assert tuple(groups[ax]) == m.group_of(rank, ax)
+
+
+def test_from_devices_drops_leading_unit_dims():
+    """The cross-mesh issue's own spelling: one axis name over ``[[4, 5, 6, 7]]``."""
+    import fxpar
+
+    c = fxpar.Cluster.local(8)
+    m = fxpar.Mesh.from_devices(c, ["tp"], [[4, 5, 6, 7]])
+    assert m.shape == (4,) and m.devices == (4, 5, 6, 7)
+    with pytest.raises(fxpar.MeshError):
+        fxpar.Mesh.from_devices(c, ["tp"], [[0, 1], [2, 3]])

@@ -144,6 +144,37 @@ def test_combinations_is_a_data_dependent_capture_error():
                  cluster=fxpar.Cluster.local(4))
 
 
+def _narrow_at(x, i):
+    return torch.narrow(x, 1, i, 2)  # a tensor start: the view's offset is known at run time
+
+
+def _split_at(x, i):
+    return torch.tensor_split(x, i, dim=0)
+
+
+def _var_checked(x, t, v):
+    return F.gaussian_nll_loss(x, t, v)  # checks ``torch.any(var < 0)`` in Python
+
+
+@pytest.mark.parametrize("f,inputs,where", [
+    (_narrow_at, (torch.randn(5, 5, 5), torch.tensor(1)), "at aten.narrow.Tensor"),
+    (_split_at, (torch.randn(5, 5), torch.tensor(2)),
+     "at aten.tensor_split.tensor_indices_or_sections"),
+    (_var_checked, (torch.randn(5), torch.randn(5), torch.rand(5) + 0.1),
+     "in torch.nn.functional.gaussian_nll_loss"),
+], ids=["narrow", "tensor_split", "gaussian_nll_loss"])
+def test_data_dependent_trace_errors_name_the_op_and_the_line(f, inputs, where):
+    """A data-dependent error raised while export traces (not a node of a finished graph)
+    names the op (or torch function) and the user's line that called it, not only the
+    module's class."""
+    with pytest.raises(fxpar.CaptureError) as ei:
+        _compile(f, *inputs, cluster=fxpar.Cluster.local(4))
+    msg = str(ei.value)
+    assert where in msg, msg
+    assert f"called from {f.__name__} (" in msg and "test_op_fixes.py:" in msg, msg
+    assert "data-dependent" in msg and "fxpar plans static shapes" in msg, msg
+
+
 def _lse_dims(x):
     return torch.logsumexp(x * 2, dim=(0, 2))
 
@@ -465,3 +496,235 @@ def test_uint64_max_partial_is_not_a_candidate():
     time, not a ReshardError on every rank at run time."""
     with pytest.raises(fxpar.PlanError, match="amax"):
         _compile(_amax_u64, torch.linspace(0, 3, 125).reshape(5, 5, 5), pins={"amax": "P(max)R"})
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. found by the full op_db sweep (benchmarks/opinfo_sweep.py)
+# ---------------------------------------------------------------------------------------------
+def _scatter_reduce_0d(x, i, s):
+    return torch.scatter_reduce(x * 2, 0, i, s, "mean", include_self=False)
+
+
+def _gather_0d(x, i):
+    return torch.gather(x * 2, 0, i)
+
+
+def _argwhere_empty(x):
+    return torch.argwhere(x)
+
+
+def _nonzero_empty(x):
+    return torch.nonzero(x * 2)
+
+
+def _histc_data_range(x):
+    return torch.histc(x * 2, bins=4, min=0, max=0)  # min == max: bins span the data's range
+
+
+def _histc_fixed_range(x):
+    return torch.histc(x * 2, bins=4, min=-3, max=3)
+
+
+def _transpose_0d(x):
+    return torch.transpose(x * 2, 0, -1)
+
+
+def _diff_prepend_append(x, pre, app):
+    return torch.diff(x * 2, n=2, dim=0, prepend=pre, append=app)
+
+
+def _alpha_dropout_eval(x):
+    return F.alpha_dropout(x * 2, 0.5, training=False)  # draws nothing: x * 2
+
+
+def _dropout2d_eval(x):
+    return F.dropout2d(x * 2, 0.5, training=False)
+
+
+def _rrelu_eval(x):
+    return F.rrelu(x * 2, training=False)
+
+
+#: cases the sweep found: (function, inputs)
+SWEEP = [(_alpha_dropout_eval, (torch.linspace(-2, 2, 60).reshape(4, 5, 3),)),
+         (_dropout2d_eval, (torch.linspace(-2, 2, 60).reshape(4, 5, 3),)),
+         (_rrelu_eval, (torch.linspace(-2, 2, 60).reshape(4, 5, 3),)),
+         (_diff_prepend_append, (torch.linspace(-2, 2, 25).reshape(5, 5) ** 2,
+                                 torch.linspace(0, 1, 5).reshape(1, 5), torch.ones(2, 5))),
+         (_transpose_0d, (torch.tensor(1.5),)),
+         (_histc_data_range, (torch.linspace(-2, 5, 25).reshape(5, 5),)),
+         (_histc_fixed_range, (torch.linspace(-2, 5, 25).reshape(5, 5),)),
+         (_scatter_reduce_0d, (torch.tensor(1.5), torch.tensor(0), torch.tensor(4.0))),
+         (_gather_0d, (torch.tensor(1.5), torch.tensor(0))),
+         (_argwhere_empty, (torch.randn(5, 0),)),
+         (_nonzero_empty, (torch.randn(0, 3),))]
+
+
+@pytest.mark.parametrize("f,inputs", SWEEP, ids=lambda v: getattr(v, "__name__", ""))
+@pytest.mark.parametrize("cheap", [True, False], ids=["cheap", "local"])
+def test_sweep_cases_emit_on_every_rank(f, inputs, cheap):
+    """gather/scatter/scatter_reduce accept 0-d tensors: the rule offers nothing to shard (it
+    divided by the rank before: ZeroDivisionError). argwhere/nonzero of an empty tensor have a
+    static shape capture can fix: the emit-time check, on fake tensors that cannot run a
+    data-dependent op, takes capture's value for the replicated node (it raised before)."""
+    _all_ranks(_compile(f, *inputs, cluster=_cheap() if cheap else fxpar.Cluster.local(4)))
+
+
+def sweep_numeric_worker():
+    for f, inputs in SWEEP:
+        _run_vs_eager(f, inputs)
+    return True
+
+
+@pytest.mark.timeout(180)
+def test_sweep_cases_match_eager(pools):
+    assert all(pools(4).run(sweep_numeric_worker))
+
+
+def test_a_failing_sharding_rule_is_a_plan_error_naming_the_op(monkeypatch):
+    """A rule that raises on some call is a bug, but the user gets a PlanError naming the node,
+    the op, the rule and the input shapes, not a raw traceback from inside the planner."""
+    import fxpar.strategies as strategies
+
+    def broken_rule(node):
+        yield from ()
+        raise ZeroDivisionError("integer modulo by zero")
+
+    real = strategies._rule
+    monkeypatch.setattr(strategies, "_rule", lambda n: broken_rule
+                        if n.target is torch.ops.aten.gather.default else real(n))
+    with pytest.raises(fxpar.PlanError, match=r"aten\.gather\.default.*broken_rule.*"
+                                              r"ZeroDivisionError") as ei:
+        _compile(_gather_0d, torch.tensor(1.5), torch.tensor(0))
+    assert "input shapes [(), ()]" in str(ei.value)
+
+
+def _combinations_r4(x):
+    return torch.combinations(x, r=4)
+
+
+def test_data_dependent_error_is_the_same_in_every_process():
+    """torch prints the unbacked symbols of a failed trace as a set (hash order differs between
+    processes); fxpar sorts them, so every rank raises the same message."""
+    import re
+
+    with pytest.raises(fxpar.CaptureError) as ei:
+        _compile(_combinations_r4, torch.randn(1), cluster=fxpar.Cluster.local(4))
+    sets = re.findall(r"\{(u\d+(?:, u\d+)+)\}", str(ei.value))
+    assert sets, str(ei.value)
+    for s in sets:
+        syms = s.split(", ")
+        assert syms == sorted(syms, key=lambda t: int(t[1:])), str(ei.value)
+    assert "at aten.combinations.default" in str(ei.value)
+
+
+def _equal(a, b):
+    return torch.equal(a, b)
+
+
+def test_equal_is_a_data_dependent_output_value():
+    """torch.equal returns a Python bool read from the data: a data-dependent VALUE (not a
+    shape), named with its op."""
+    with pytest.raises(fxpar.CaptureError, match="data-dependent output value at aten.equal"):
+        _compile(_equal, torch.randn(3), torch.randn(3), cluster=fxpar.Cluster.local(4))
+
+
+# mean losses: the sweep found nn.functional.linear_cross_entropy wrong (P(avg) of local means
+# is not the mean when shards hold different numbers of ignored targets; NaN for a shard that
+# holds only those). The local program now divides its summed loss by the global weight.
+_IGNORED = torch.tensor([1, 1, 1, 0, 2, 3, 1])  # ignore_index=1: the first shard holds only ignored
+
+
+def _ce_mean_ignore(x, t):
+    return F.cross_entropy(x * 2, t, ignore_index=1)
+
+
+def _ce_mean_weighted(x, t, w):
+    return F.cross_entropy(x * 2, t, weight=w, ignore_index=1, label_smoothing=0.1)
+
+
+def _nll_mean_ignore(x, t):
+    return F.nll_loss(F.log_softmax(x * 2, 1), t, ignore_index=1)
+
+
+MEAN_LOSSES = [
+    (_ce_mean_ignore, (torch.linspace(-2, 2, 28).reshape(7, 4), _IGNORED)),
+    (_ce_mean_weighted, (torch.linspace(-2, 2, 84).reshape(7, 4, 3), _IGNORED[:, None].expand(7, 3) * 1,
+                         torch.tensor([0.5, 1.0, 2.0, 3.0]))),
+    (_nll_mean_ignore, (torch.linspace(-2, 2, 28).reshape(7, 4), _IGNORED)),
+]
+
+
+@pytest.mark.parametrize("f,inputs", MEAN_LOSSES, ids=lambda v: getattr(v, "__name__", ""))
+def test_mean_loss_is_sharded_with_the_global_denominator(f, inputs):
+    from fxpar.strategies.losses import sharded_mean_loss
+
+    for gm in _all_ranks(_compile(f, *inputs)):
+        assert gm.graph.find_nodes(op="call_function", target=sharded_mean_loss), gm.code
+
+
+def mean_loss_worker():
+    for f, inputs in MEAN_LOSSES:  # summed in another order than eager's: not bit-equal
+        out = _compile(f, *inputs).runner()(*inputs)
+        torch.testing.assert_close(out, f(*inputs), rtol=1e-5, atol=1e-6)
+    return True
+
+
+@pytest.mark.timeout(180)
+def test_mean_loss_with_ignored_targets_matches_eager(pools):
+    assert all(pools(4).run(mean_loss_worker))
+
+
+class _Classifier(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 5)
+
+    def forward(self, x, t):
+        return F.cross_entropy(self.lin(x), t, ignore_index=1)
+
+
+def mean_loss_training_worker():
+    """A training step with an unevenly ignored mean loss: loss and gradients as one process."""
+    import copy
+
+    from fxpar.runtime.redistribute import distribute
+
+    torch.manual_seed(0)
+    m = _Classifier()
+    x, t = torch.randn(7, 4), _IGNORED.clone()
+    ref = copy.deepcopy(m)
+    prog = fxpar.compile(m, _cheap(), (x, t), plan="auto", mesh=MESH4, training=True,
+                         time_limit=20, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    runner = prog.runner()
+    loss = runner.forward_backward(x, t)
+    want = ref(x, t)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+    params = dict(ref.named_parameters())
+    for fqn, g in runner.states.grads().items():
+        exp = distribute(params[fqn].grad, runner.specs[fqn], runner.mesh.shape, runner.coord)
+        torch.testing.assert_close(g, exp, rtol=1e-4, atol=1e-6)
+    from fxpar.strategies.losses import sharded_mean_loss
+
+    return bool(prog.rank_graph(0).graph.find_nodes(op="call_function", target=sharded_mean_loss))
+
+
+@pytest.mark.timeout(180)
+def test_mean_loss_with_ignored_targets_trains_like_one_process(pools):
+    res = pools(4).run(mean_loss_training_worker)
+    assert all(res), "the loss was not sharded: the test proves nothing"
+
+
+def test_histc_is_sharded_only_over_a_fixed_range():
+    """histc(min == max) bins the data's own range, which a shard does not know (the sweep
+    found it wrong): kept whole. A fixed range shards (counts add up)."""
+    x = torch.linspace(-2, 5, 25).reshape(5, 5)
+
+    def histc_in_spec(f):
+        gm = _compile(f, x).rank_graph(0)
+        (n,) = gm.graph.find_nodes(op="call_function", target=torch.ops.aten.histc.default)
+        return n.meta[ir.IN_SPECS][0]
+
+    assert histc_in_spec(_histc_data_range).is_replicated
+    assert not histc_in_spec(_histc_fixed_range).is_replicated

@@ -153,15 +153,122 @@ def test_ilp_equals_brute_force_on_random_problems():
 def test_dp_and_cp_sat_paths_both_equal_brute_force():
     """The memory-free DP answers when its optimum fits the budget, CP-SAT otherwise; both
     paths are exercised and both give the brute-force optimum (also with the DP off)."""
-    methods = []
+    methods, filtered = [], []
     for seed in range(400, 460):
         p = random_problem(seed)
         best = oracle(p)
-        s = check_against(p, best)
+        s = check_against(p, best, bound_filter=False)
+        f = check_against(p, best)
         check_against(p, best, dp=False)
         if s is not None:
             methods.append(s.stats["method"])
+            filtered.append(f.stats["method"])
     assert methods.count("dp") >= 5 and methods.count("cp-sat") >= 3, methods
+    assert sum(m.startswith("filter+") for m in filtered) >= 2, filtered
+
+
+# --- bound filtering (fxpar.solver.bounds) ----------------------------------------------------
+
+def _class_optima(red):
+    """Every optimal feasible class assignment of a reduced problem, by enumeration."""
+    vals = [(red.value(list(x)), x) for x in itertools.product(*[range(d) for d in red.dom])
+            if feasible(red, list(x))]
+    if not vals:
+        return None, []
+    best = min(v for v, _ in vals)
+    return best, [x for v, x in vals if v == best]
+
+
+def test_forest_bound_marginals_bound_every_assignment_through_the_value():
+    """mu_c(v) <= min { F(x) : x_c = v } by enumeration (memory-free, dense graphs with
+    cycles, so the forest really drops edges), and the forest's minimiser costs >= its bound."""
+    from fxpar.solver.bounds import forest_bound
+
+    dropped = 0
+    for seed in range(600, 700):
+        p = random_problem(seed)
+        q = StrategyProblem(cost=p.cost, edges=[(a, b, r) for a, b, r in p.edges], names=p.names)
+        red = reduce_problem(q, reductions=("edges",))
+        if not red.dom:
+            continue
+        b = forest_bound(red)
+        dropped += len(red.edges) - len(b.tree)
+        allx = list(itertools.product(*[range(d) for d in red.dom]))
+        vals = np.array([red.value(list(x)) for x in allx], dtype=np.float64)
+        assert b.lower <= vals.min() + 1e-6
+        assert red.value(b.x) >= b.lower - 1e-6
+        for c in range(len(red.dom)):
+            for v in range(red.dom[c]):
+                exact = min(val for val, x in zip(vals, allx) if x[c] == v)
+                assert b.marginals[c][v] <= exact + 1e-6
+    assert dropped >= 5
+
+
+@pytest.mark.parametrize("reductions", [ALL_REDUCTIONS, frozenset({"edges"})])
+def test_filter_never_drops_an_optimal_value(reductions):
+    """bound_and_filter keeps every value of every optimal feasible assignment (enumerated),
+    with and without memory points (Lagrange multipliers), and its upper bound is feasible."""
+    from fxpar.solver.bounds import bound_and_filter
+
+    removed = with_points = 0
+    for seed in range(700, 790):
+        p = random_problem(seed)
+        try:
+            red = reduce_problem(p, reductions=reductions)
+        except PlanError:
+            continue
+        if not red.dom or any(c > (red.budget or c) for c, _, _ in red.points):
+            continue
+        best, optima = _class_optima(red)
+        f = bound_and_filter(red)
+        if best is None:
+            assert f.x is None or not feasible(red, f.x)
+            continue
+        assert f.lower <= best + 1e-6
+        if f.x is None:
+            continue
+        assert feasible(red, f.x) and red.value(f.x) == f.upper >= best
+        for x in optima:
+            assert all(x[c] in f.keep[c] for c in range(len(red.dom))), (seed, x, f.keep)
+        removed += sum(red.dom) - sum(k.size for k in f.keep)
+        with_points += bool(red.points) and red.budget is not None
+    assert removed >= 10 and with_points >= 3
+
+
+def test_filter_gap_stays_within_the_gap():
+    """filter_gap=0.05 drops more, and the answer is within 5% of brute force."""
+    for seed in range(800, 840):
+        p = random_problem(seed)
+        best = oracle(p)
+        if best is None:
+            continue
+        s = solve(p, dp=False, filter_gap=0.05)
+        assert p.violations(s.choice) == []
+        assert s.objective <= best.objective * 1.05 + 1e-12
+        assert s.bound <= best.objective + 1e-12
+
+
+def test_filter_solves_a_large_domain_chain_with_a_skip_edge():
+    """Domains of 300 values on a chain with a residual edge: bucket elimination's table
+    (300^3) is over its cap, the filter leaves few values and the answer equals the optimum
+    of the exact DP run with the cap lifted."""
+    from fxpar.solver.dp import eliminate
+
+    rng = np.random.default_rng(3)
+    n, k = 6, 300
+    pos = rng.integers(0, 40, size=(n, k, 2))
+    cost = [rng.random(k) for _ in range(n)]
+    edges = {}
+    for i in range(n - 1):
+        edges[(i, i + 1)] = 0.05 * np.abs(pos[i][:, None] - pos[i + 1][None]).sum(-1)
+    edges[(1, 4)] = 0.02 * np.abs(pos[1][:, None] - pos[4][None]).sum(-1)
+    p = StrategyProblem(cost=cost, edges=edges)
+    s = solve(p)
+    assert s.status == "OPTIMAL" and s.stats["method"].startswith("filter+")
+    assert s.stats["filter"]["kept"] < s.stats["filter"]["values"] // 10
+    red = reduce_problem(p)
+    x, v = eliminate(red, max_table=10**8)
+    assert s.objective == pytest.approx(sum(p.evaluate(red.decode(x))[:2]), rel=1e-12)
 
 
 def test_bucket_elimination_equals_enumeration_on_dense_graphs():
@@ -432,3 +539,19 @@ def test_docstring_examples():
     for mod in (pkg, problem, reduce, ilp, dp):
         res = doctest.testmod(mod, optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
         assert res.failed == 0, mod.__name__
+
+
+def test_a_gap_limit_is_reported_as_feasible_with_its_gap():
+    """CP-SAT stopped by relative_gap_limit says OPTIMAL; solve reports FEASIBLE unless its
+    bound proves the answer, and the answer is within the limit of brute force."""
+    for seed in range(900, 930):
+        p = random_problem(seed)
+        best = oracle(p)
+        if best is None:
+            continue
+        s = solve(p, dp=False, bound_filter=False, params={"relative_gap_limit": 0.5})
+        assert s.objective <= best.objective * 1.5 + 1e-12
+        if s.status == "OPTIMAL":
+            assert s.objective == pytest.approx(best.objective, rel=1e-9, abs=1e-12)
+        else:
+            assert s.bound <= best.objective + 1e-12 and s.gap > 0

@@ -18,6 +18,7 @@ from torch.distributed.tensor import Partial
 from fxpar import Cluster, Mesh
 from fxpar.strategies import is_unsharded, strategies_for
 from fxpar.strategies.embedding import is_vocab_parallel
+from fxpar.strategies.losses import sharded_mean_call
 
 aten = torch.ops.aten
 torch.manual_seed(0)
@@ -91,7 +92,11 @@ def simulate(node, strat, mesh_shape, gen):
         kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
         if node.target in _LOCALIZE_SIZE:  # the localize-shapes pass: size args -> local out shape
             args = (args[0], list(strat.outputs[0].local_shape(glist[0].shape, mesh_shape, c))) + tuple(args[2:])
-        if node.target is aten.embedding.default and is_vocab_parallel(strat.inputs[0], strat.inputs[1]):
+        mean_loss = sharded_mean_call(node, strat.inputs, lambda n: n.meta["val"].shape, mesh_shape, c)
+        if mean_loss is not None:  # the local program of a mean loss with its input sharded
+            fn, margs = mean_loss
+            out = fn(*fx.node.map_arg(margs, lambda n: env[n]))
+        elif node.target is aten.embedding.default and is_vocab_parallel(strat.inputs[0], strat.inputs[1]):
             w, ids = args[0], args[1]
             lo = strat.inputs[0].global_slices(ins[0].meta["val"].shape, mesh_shape, c)[0].start
             inside = (ids >= lo) & (ids < lo + w.shape[0])
@@ -220,6 +225,7 @@ CASES = {
     "log_softmax": (aten.log_softmax.int, (r(4, 6), -1), {}, ((2,),)),
     "argmax": (aten.argmax.default, (r(4, 6), 1), {}, ((2,),)),
     "cumsum": (aten.cumsum.default, (r(4, 6), 1), {}, ((2,),)),
+    "diff_prepend": (aten.diff.default, (r(5, 4), 2, 0, r(1, 4), r(2, 4)), {}, ((2,), (2, 2))),
     "topk": (aten.topk.default, (r(4, 6), 2), {}, ((2,),)),
     "sort": (aten.sort.default, (r(4, 6), 0), {}, ((2,),)),
     "histc": (aten.histc.default, (r(4, 6), 5, -1.0, 1.0), {}, ((2,), (2, 2))),
@@ -234,6 +240,13 @@ CASES = {
     "ce_sum": (aten.cross_entropy_loss.default, (r(4, 5, 2), ri(5, 4, 2), None, 2), {}, ((2,), (2, 2))),
     "ce_mean": (aten.cross_entropy_loss.default, (r(4, 5), ri(5, 4)), {}, ((2,), (2, 2))),
     "nll_fwd": (aten.nll_loss_forward.default, (r(4, 5), ri(5, 4), None, 2, -100), {}, ((2,),)),
+    # mean with ignored targets spread unevenly over uneven shards, class weights, smoothing
+    "ce_mean_ignore": (aten.cross_entropy_loss.default, (r(5, 4), ri(4, 5), None, 1, 1), {},
+                       ((2,), (2, 2))),
+    "ce_mean_weight": (aten.cross_entropy_loss.default,
+                       (r(5, 4, 3), ri(4, 5, 3), r(4).abs() + 0.1, 1, 2, 0.1), {}, ((2,), (2, 2))),
+    "nll_fwd_mean": (aten.nll_loss_forward.default, (r(5, 4), ri(4, 5), r(4).abs() + 0.1, 1, 1), {},
+                     ((2,), (2, 2))),
     "conv2d": (aten.conv2d.default, (r(2, 4, 5, 5), r(6, 4, 3, 3), r(6)), {}, ((2,), (2, 2))),
     "convolution_T": (aten.convolution.default, (r(2, 4, 5, 5), r(4, 6, 3, 3), None, [1, 1], [0, 0], [1, 1],
                                                  True, [0, 0], 1), {}, ((2,),)),

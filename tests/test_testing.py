@@ -44,3 +44,21 @@ def test_hang_becomes_timeout(pools):
     with pytest.raises(CollectiveTimeoutError, match="_hang"):
         pool.run(_hang, timeout=3)
     assert pool.run(_allreduce_rank)[0] == (0, 3.0)
+
+
+def _die_on_one():
+    import os
+    import signal
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)  # what the out-of-memory killer does
+    dist.barrier()
+
+
+@pytest.mark.timeout(120)
+def test_killed_rank_is_named_with_its_signal(pools):
+    """A rank that dies answers nothing; the error says which one and how (not only the
+    survivors' 'connection reset by peer'), and the next call gets a fresh pool."""
+    pool = pools(3)
+    with pytest.raises(WorkerError, match=r"rank 1's process killed by SIGKILL"):
+        pool.run(_die_on_one, grace=1.0, timeout=60)
+    assert pool.run(_allreduce_rank)[1] == (1, 3.0)

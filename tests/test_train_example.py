@@ -1,5 +1,6 @@
 """examples/train.py under torchrun on 2 gloo ranks: crashed after step 4 (checkpoint at step 3),
-restarted, it resumes from step 3 and its losses continue exactly as an uninterrupted run's."""
+restarted, it resumes from step 3 and its losses continue exactly as an uninterrupted run's;
+the same run as a 2-stage pipeline gives the same losses."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--steps", "6", "--ckpt-every", "3", "--mesh", "dp=2"]
 
 
-def _run(cwd: Path, *extra: str) -> subprocess.CompletedProcess:
+def _run(cwd: Path, *extra: str, args=ARGS) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "examples" / "train.py"), *ARGS, "--loss-log", "log.jsonl", *extra]
+           str(ROOT / "examples" / "train.py"), *args, "--loss-log", "log.jsonl", *extra]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240)
 
 
@@ -42,3 +43,12 @@ def test_kill_and_resume(tmp_path):
     assert [s for s, _ in after] == [4, 5, 6]
     assert all(loss == want[s] for s, loss in after), (after, want)
     assert want[6] != want[1]  # it trained
+
+    # the same training as a 2-stage pipeline (4 microbatches): the same losses
+    pp = tmp_path / "pp"
+    pp.mkdir()
+    piped = _run(pp, "--mesh", "pp=2", "--microbatches", "4", "--schedule", "1f1b",
+                 args=ARGS[:4])
+    assert piped.returncode == 0, piped.stderr[-3000:]
+    assert [s for s, _ in _log(pp)] == [1, 2, 3, 4, 5, 6]
+    assert all(loss == pytest.approx(want[s], rel=1e-4) for s, loss in _log(pp)), (_log(pp), want)

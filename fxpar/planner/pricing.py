@@ -184,10 +184,14 @@ class EdgePricer:
     a whole matrix is memoized by content (interned ids, shape, dtype, flags), so the tied
     copies of a repeated block reuse the first copy's matrices. Every entry is the same float
     sum as the pairwise formula ``ft + bt + ft`` (same order of additions).
+
+    ``grad_steps``: backward passes per optimizer step (a pipeline chunk's microbatches); a
+    parameter's gradient reshard is paid once per step, so its ``bt`` counts ``1/grad_steps``.
     """
 
-    def __init__(self, mesh):
+    def __init__(self, mesh, grad_steps: int = 1):
         self.mesh = mesh
+        self.grad_steps = grad_steps
         self._ids: dict[Spec, int] = {}
         self._specs: list[Spec] = []
         self._gout: list[int] = []            # id -> id of grad_out_spec(spec)
@@ -258,6 +262,8 @@ class EdgePricer:
                 go = np.array([self._gout_id(int(x)) for x in us], np.int64)
                 ugo, gk = np.unique(go, return_inverse=True)
                 B = self._table(ug, ugo, shape, dtype)          # [gin, grad_out]
+                if is_param and self.grad_steps > 1:
+                    B = B / self.grad_steps
                 Rs = F + B[np.ix_(gj, gk[si_])].T
                 if is_param:
                     Rs = Rs + F

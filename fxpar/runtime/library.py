@@ -25,16 +25,43 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["define"]
+__all__ = ["TensorMeta", "define"]
 
 _LIBS: dict[str, torch.library.Library] = {}
+
+
+class TensorMeta:
+    """What a custom op's backward sees of a tensor argument: ``shape``, ``dtype``, ``device``.
+
+    >>> TensorMeta(torch.zeros(2, 3)).shape
+    torch.Size([2, 3])
+    """
+
+    __slots__ = ("shape", "dtype", "device")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.shape, self.dtype, self.device = t.shape, t.dtype, t.device
+
+    def size(self, dim: int | None = None):
+        return self.shape if dim is None else self.shape[dim]
+
+
+def _meta(a):
+    if isinstance(a, torch.Tensor):
+        return TensorMeta(a)
+    if isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a):
+        return type(a)(_meta(x) for x in a)
+    return a
 
 
 def define(schema: str, impl: Callable, *, fake: Callable, backward: Callable | None = None,
            differentiable: bool = True) -> torch._ops.OpOverload:
     """Define ``ns::name(...)`` from its schema; returns the op's default overload.
 
-    ``backward(args, *grads)`` returns one gradient (or ``None``) per argument;
+    ``backward(args, *grads)`` returns one gradient (or ``None``) per argument; in ``args``
+    a tensor argument is its :class:`TensorMeta` (shape, dtype, device; no storage), so an op
+    keeps no activation alive for its backward (what autograd saves goes through
+    ``saved_tensors_hooks``: recomputation and memory accounting see all of it).
     ``differentiable=False`` marks the outputs as carrying no gradient (a token, a mask)."""
     qualname, _, sig = schema.partition("(")
     ns, name = qualname.split("::")
@@ -47,7 +74,7 @@ def define(schema: str, impl: Callable, *, fake: Callable, backward: Callable | 
     class Fn(torch.autograd.Function):
         @staticmethod
         def forward(ctx, *args):
-            ctx.args = args
+            ctx.args = tuple(_meta(a) for a in args)
             with torch._C._AutoDispatchBelowAutograd():
                 out = op(*args)
             if not differentiable:

@@ -479,7 +479,9 @@ class ModelStates:
                 p.master[:real].copy_(p.tensor.detach().reshape(-1)[lo:lo + real])
         p.version = p.tensor._version
 
-    def _make_optimizer(self, optimizer, param_groups) -> torch.optim.Optimizer:
+    def _make_optimizer(self, optimizer, param_groups) -> torch.optim.Optimizer | None:
+        if not self._params:  # a rank with nothing to train (a pipeline stage of loss ops)
+            return None
         if param_groups is None:
             return optimizer([p.master for p in self._params.values()])
         groups: dict[tuple, dict] = {}
@@ -641,7 +643,8 @@ class ModelStates:
             if g is not None and g.dtype != torch.float32:
                 g = g.float()
             p.master.grad = g
-        self.optimizer.step()
+        if self.optimizer is not None:
+            self.optimizer.step()
         gathers = []
         for bk in self._buckets:
             lay = bk.lay
@@ -751,7 +754,8 @@ class ModelStates:
                           else v for k, v in st.items()}
         fqn_of = {id(p.master): p.fqn for p in self._params.values()}
         groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [fqn_of[id(t)] for t in g["params"]]} for g in self.optimizer.param_groups]
+                   "params": [fqn_of[id(t)] for t in g["params"]]}
+                  for g in (self.optimizer.param_groups if self.optimizer is not None else ())]
         return out, groups
 
     def _whole(self, p: _Param, chunk: torch.Tensor) -> torch.Tensor:
@@ -779,7 +783,7 @@ class ModelStates:
                 else:
                     chunk[k] = v.to(p.master.device) if torch.is_tensor(v) else v
             self.optimizer.state[p.master] = chunk
-        if groups:
+        if groups and self.optimizer is not None:
             saved = {f: g for g in groups for f in g["params"]}
             fqn_of = {id(p.master): p.fqn for p in self._params.values()}
             for g in self.optimizer.param_groups:
@@ -804,7 +808,7 @@ class ModelStates:
                    for bk in self._buckets if bk.reduced is not None)
         master = sum(p.master.numel() * 4 for p in self._params.values() if not p.master_is_view)
         states = 0
-        for st in self.optimizer.state.values():
+        for st in (self.optimizer.state.values() if self.optimizer is not None else ()):
             for v in st.values():
                 if torch.is_tensor(v) and v.dim() > 0:
                     states += v.numel() * v.element_size()

@@ -11,7 +11,10 @@
 4. binds what the rank graph names at call time (:class:`~fxpar.runtime.bindings.Bindings`:
    edges, process groups, the gradient sink, the RNG tracker): the graph itself holds no
    state, so several runners of one Program coexist;
-5. ``runner.step(*batch)`` slices this rank's piece of the global batch (or takes a local batch
+5. with ``recompute`` (layer names, ``"all"``, or the plan's ``schedule["recompute"]``), the
+   graph runs through :class:`~fxpar.runtime.recompute.Recompute`: those layers keep only
+   their inputs for backward and run their forward again there (activation checkpointing);
+6. ``runner.step(*batch)`` slices this rank's piece of the global batch (or takes a local batch
    with ``local_batch=True``), runs forward and backward, reduces gradients, steps the
    optimizer on local shards and returns the loss (the same value on every rank).
 """
@@ -31,8 +34,10 @@ from fxpar.errors import FxparError, PlanError
 from fxpar.mesh import Mesh
 from fxpar.runtime.bindings import Bindings, bind
 from fxpar.runtime.comm import REDISTRIBUTE as _REDIST, START as _START, WAIT as _WAIT
+from fxpar.runtime.recompute import Recompute, known_layers, resolve
 
-__all__ = ["Runner", "replica_group"]
+__all__ = ["Runner", "TrainingSteps", "replica_group", "check_world", "clip_grad_norm",
+           "recompute_layers"]
 
 
 
@@ -56,34 +61,135 @@ def _edge_of(n: fx.Node) -> str | None:
     return n.args[-3] if n.target in (_WAIT, _REDIST) else None
 
 
-class Runner:
+def check_world(plan, mesh) -> int:
+    """This rank, after checking (collectively, over the whole world) that every rank holds
+    the same plan and the world has the mesh's size; :class:`PlanError` on every rank if not.
+    The hash exchange comes first: a check that fails on some ranks only (a plan for another
+    world size on one rank) must not leave the others hanging."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise FxparError("Program.runner() needs an initialized torch.distributed process "
+                         "group (run under torchrun)")
+    world = dist.get_world_size()
+    hashes: list = [None] * world
+    dist.all_gather_object(hashes, plan.hash)
+    if len(set(hashes)) != 1:
+        bad = {r: h[:12] for r, h in enumerate(hashes)}
+        raise PlanError(f"ranks hold different plans (plan hash by rank: {bad}); every rank "
+                        "must compute or load the same plan")
+    if world != mesh.size:
+        raise PlanError(f"the plan is for {mesh.size} ranks ({mesh!r}) but the world has "
+                        f"{world} ranks")
+    return dist.get_rank()
+
+
+def recompute_layers(program, recompute, known) -> frozenset[str]:
+    """The layers a runner recomputes: ``recompute`` as given (``"all"``, layer names, or
+    ``()``/``False`` for none), or with ``None`` the plan's choice
+    (``plan.schedule["recompute"]``, what the joint planner writes), checked against the
+    program's layers ``known`` (:func:`fxpar.runtime.recompute.resolve`)."""
+    if recompute is None:
+        sched = getattr(program.plan, "schedule", None) or {}
+        recompute = sched.get("recompute") if hasattr(sched, "get") else None
+    if recompute is False:
+        recompute = None
+    pre = "model." if getattr(program.model, "fxpar_wraps_loss", False) else ""
+    return resolve(recompute, known, prefix=pre)
+
+
+def clip_grad_norm(states, specs, mesh, replica, max_norm: float, norm_type: float,
+                   device) -> torch.Tensor:
+    """:meth:`Runner.clip_grad_norm_` for any runner: ``specs`` the storage spec of each
+    parameter on ``mesh`` (the mesh its shards are laid out on), ``replica`` the mesh axes its
+    gradient is reduced over (those copies are counted by ``states``, the others here)."""
+    import torch.distributed as dist
+
+    if states is None:
+        raise FxparError("clip_grad_norm_ needs a program compiled with training=True")
+    norm_type = float(norm_type)
+    copies = {}
+    for fqn, spec in specs.items():
+        axes = replica.get(fqn, ())
+        copies[fqn] = int(np.prod([g for a, (g, pl) in enumerate(zip(mesh.shape, spec))
+                                   if pl.is_replicate() and mesh.axis_names[a] not in axes]))
+    term = states.grad_norm_term(norm_type, copies).to(device)
+    inf = norm_type == float("inf")
+    dist.all_reduce(term, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+    total = term if inf else term.pow(1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    states.scale_grads(float(coef))
+    return total
+
+
+class TrainingSteps:
+    """What every runner does the same way once it has ``forward_backward`` and ``states``
+    (a :class:`~fxpar.runtime.model_state.ModelStates`): where gradients go, steps and
+    checkpoints."""
+
+    def _sink(self, edge, grad: torch.Tensor) -> None:
+        """Gradient of one parameter use (``fxpar.sink_grad``), in the consumer's gradient
+        layout, scaled: straight to the model states, or through its gradient plan (launched
+        with the rest of its bucket, finished after backward: ``ModelStates``) on the mesh of
+        the graph that runs (the active bindings)."""
+        from fxpar.runtime.bindings import current
+
+        if not edge.bwd.steps:
+            self.states.add_grad(edge.param, grad)
+        else:
+            self.states.add_planned_grad(edge.param, grad, edge.bwd, current().device_mesh,
+                                         edge.bucket, edge.name)
+
+    def _leaf_hook(self, fqn: str):
+        """A parameter leaf's post-accumulate hook: its gradient (the sum of its direct uses)
+        to the model states."""
+        def hook(p: torch.Tensor) -> None:
+            self.states.add_grad(fqn, p.grad)
+            p.grad = None
+        return hook
+
+    def save_checkpoint(self, path) -> None:
+        """Write this rank's shards of parameters, buffers and optimizer state to ``path`` with
+        ``torch.distributed.checkpoint``, keyed by the model's FQNs with DTensor layouts, so it
+        loads under any plan and world size, or into a plain module (:mod:`fxpar.runtime.checkpoint`).
+        Collective."""
+        from fxpar.runtime.checkpoint import save
+
+        save(self, path)
+
+    def load_checkpoint(self, path) -> None:
+        """Load a checkpoint written under any plan into this runner's shards (collective)."""
+        from fxpar.runtime.checkpoint import load
+
+        load(self, path)
+
+    def optimizer_step(self) -> None:
+        """Optimizer step on the local shards, parameters restored, gradients zeroed."""
+        self.states.step()
+        self.states.zero_grad()
+
+    def step(self, *args, **kwargs) -> torch.Tensor:
+        """One training step on the global batch ``(*args, **kwargs)`` (the same on every rank;
+        a :class:`Runner` with ``local_batch=True``: this rank's piece): forward and backward
+        (a pipeline: its schedule), gradient reduction, optimizer step. Returns the detached
+        loss (the same on every rank)."""
+        loss = self.forward_backward(*args, **kwargs)
+        self.optimizer_step()
+        return loss
+
+
+class Runner(TrainingSteps):
     """One rank's executable program (module docstring); build with :meth:`Program.runner`."""
 
     def __init__(self, program, weights=None, *, s_g=1, s_os=1, seed=0,
                  local_batch=False, device=None, bucket_bytes=25 * 2**20,
-                 regather=True) -> None:
-        import torch.distributed as dist
-
+                 regather=True, recompute=None) -> None:
         from fxpar.runtime.materialize import local_state
         from fxpar.runtime.model_state import ModelStates
         from fxpar.runtime.rng import RNGTracker
 
-        if not dist.is_initialized():
-            raise FxparError("Program.runner() needs an initialized torch.distributed process "
-                             "group (run under torchrun)")
         mesh = program.mesh
-        world, rank = dist.get_world_size(), dist.get_rank()
-        # the hash exchange comes first, over the whole world: a check that fails on some ranks
-        # only (a plan for another world size on one rank) must not leave the others hanging
-        hashes: list = [None] * world
-        dist.all_gather_object(hashes, program.plan.hash)
-        if len(set(hashes)) != 1:
-            bad = {r: h[:12] for r, h in enumerate(hashes)}
-            raise PlanError(f"ranks hold different plans (plan hash by rank: {bad}); every rank "
-                            "must compute or load the same plan")
-        if world != mesh.size:
-            raise PlanError(f"the plan is for {mesh.size} ranks ({mesh!r}) but the world has "
-                            f"{world} ranks")
+        rank = check_world(program.plan, mesh)
         self.program, self.rank, self.mesh = program, rank, mesh
         self.coord = mesh.coord(rank)
         self.device = device or "cpu"
@@ -120,6 +226,9 @@ class Runner:
             self.state[info.fqn] = t.requires_grad_(True) if trainable else t
         self._order = [n.meta[ir.PARAM].fqn for n in holders]
         self.tracker = RNGTracker(seed)
+        #: the layers whose forward is recomputed in backward (:mod:`fxpar.runtime.recompute`)
+        self.recompute = recompute_layers(program, recompute, known_layers(gm))
+        self._rc = None
         edges = gm.meta.get(ir.EDGES, {})
         self.bindings = Bindings(edges, mesh, tuple(self.coord), sink=self._sink, tracker=self.tracker)
         self.states = None
@@ -153,21 +262,10 @@ class Runner:
                 if k:
                     self.states.expect(f, k)
 
-    def _sink(self, edge, grad: torch.Tensor) -> None:
-        """Gradient of one parameter use (``fxpar.sink_grad``), in the consumer's gradient
-        layout, scaled: straight to the model states, or through its gradient plan (launched
-        with the rest of its bucket, finished after backward: ``ModelStates``)."""
-        if not edge.bwd.steps:
-            self.states.add_grad(edge.param, grad)
-        else:
-            self.states.add_planned_grad(edge.param, grad, edge.bwd, self.bindings.device_mesh,
-                                         edge.bucket, edge.name)
-
-    def _leaf_hook(self, fqn: str):
-        def hook(p: torch.Tensor) -> None:
-            self.states.add_grad(fqn, p.grad)
-            p.grad = None
-        return hook
+    @property
+    def recomputed(self) -> int:
+        """Recomputed layer forwards run in backward so far (0 without ``recompute``)."""
+        return self._rc.recomputed if self._rc is not None else 0
 
     # -- batches ---------------------------------------------------------------------------
     def _local_inputs(self, args, kwargs) -> list:
@@ -197,8 +295,13 @@ class Runner:
     def forward(self, *args, **kwargs):
         """Run the local program; returns the flat local outputs (finalized: no Partial)."""
         ins = self._local_inputs(args, kwargs)
+        fn = self.gm
+        if self.recompute:
+            if self._rc is None or self._rc.gm is not self.gm:
+                self._rc = Recompute(self.gm, self.recompute)
+            fn = self._rc
         with bind(self.bindings):
-            return self.gm(*[self.state[f] for f in self._order], *ins)
+            return fn(*[self.state[f] for f in self._order], *ins)
 
     def forward_backward(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward on the batch, gradients reduced (``states.grads()`` shows
@@ -237,52 +340,9 @@ class Runner:
 
         ``‖g‖_p = (Σ_ranks Σ_{owned chunks} |g|^p · s_g / (n · copies))^(1/p)``;
         ``p = inf``: the max over ranks of the max ``|g|``."""
-        import torch.distributed as dist
-
-        if self.states is None:
-            raise FxparError("clip_grad_norm_ needs a program compiled with training=True")
-        norm_type = float(norm_type)
-        replica = self.gm.meta.get(ir.REPLICA_AXES, {})
-        copies = {}
-        for fqn, spec in self.specs.items():
-            axes = replica.get(fqn, ())
-            copies[fqn] = int(np.prod([g for a, (g, pl) in enumerate(zip(self.mesh.shape, spec))
-                                       if pl.is_replicate() and self.mesh.axis_names[a] not in axes]))
-        term = self.states.grad_norm_term(norm_type, copies).to(self.device)
-        inf = norm_type == float("inf")
-        dist.all_reduce(term, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
-        total = term if inf else term.pow(1.0 / norm_type)
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        self.states.scale_grads(float(coef))
-        return total
-
-    def save_checkpoint(self, path) -> None:
-        """Write this rank's shards of parameters, buffers and optimizer state to ``path`` with
-        ``torch.distributed.checkpoint``, keyed by the model's FQNs with DTensor layouts, so it
-        loads under any plan and world size, or into a plain module (:mod:`fxpar.runtime.checkpoint`).
-        Collective."""
-        from fxpar.runtime.checkpoint import save
-
-        save(self, path)
-
-    def load_checkpoint(self, path) -> None:
-        """Load a checkpoint written under any plan into this runner's shards (collective)."""
-        from fxpar.runtime.checkpoint import load
-
-        load(self, path)
-
-    def optimizer_step(self) -> None:
-        """Optimizer step on the local shards, parameters restored, gradients zeroed."""
-        self.states.step()
-        self.states.zero_grad()
-
-    def step(self, *args, **kwargs) -> torch.Tensor:
-        """One training step on the global batch ``(*args, **kwargs)`` (the same on every rank;
-        with ``local_batch=True`` this rank's piece): forward, backward, gradient
-        reduction, optimizer step. Returns the detached loss (the same on every rank)."""
-        loss = self.forward_backward(*args, **kwargs)
-        self.optimizer_step()
-        return loss
+        return clip_grad_norm(self.states, self.specs, self.mesh,
+                              self.gm.meta.get(ir.REPLICA_AXES, {}), max_norm, norm_type,
+                              self.device)
 
     def __call__(self, *args, gather: bool = True, **kwargs):
         """Inference: the model's outputs in its own structure, gathered to their global form

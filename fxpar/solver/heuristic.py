@@ -62,13 +62,17 @@ def _groups(red: Reduced) -> list[list[int]]:
     return list(out.values())
 
 
-def greedy(red: Reduced, sweeps: int = 20) -> list[int]:
-    """A good, usually feasible, assignment of class values (see the module docstring)."""
+def greedy(red: Reduced, sweeps: int = 20, start: list[int] | None = None) -> list[int]:
+    """A good, usually feasible, assignment of class values (see the module docstring);
+    ``start``: where the descent begins (default: each class at its cheapest value; with
+    equality constraints a start that breaks one is replaced by the default)."""
     nb = _neighbours(red)
     groups = _groups(red)
     x = [0] * len(red.dom)
     for g in groups:
         v = int(np.argmin(sum(red.cost[c] for c in g)))
+        if start is not None and all(start[c] == start[g[0]] for c in g):
+            v = int(start[g[0]])
         for c in g:
             x[c] = v
 

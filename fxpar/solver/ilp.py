@@ -6,12 +6,13 @@ The only module of fxpar that imports OR-Tools.
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import numpy as np
 from ortools.sat.python import cp_model
 
 from fxpar.errors import PlanError
+from fxpar.solver.bounds import bound_and_filter
 from fxpar.solver.dp import eliminate
 from fxpar.solver.heuristic import feasible, greedy
 from fxpar.solver.problem import Solution, StrategyProblem
@@ -123,7 +124,8 @@ def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
           det_time_limit: float | None = None, workers: int = 1, seed: int = 0,
           reductions: Collection[str] = ALL_REDUCTIONS, edge_encoding: str | None = None,
           scale: float | None = None, log: bool = False, hint: bool = True,
-          params: dict | None = None, dp: bool = True) -> Solution:
+          params: dict | None = None, dp: bool = True, bound_filter: bool = True,
+          filter_gap: float = 0.0, start: Sequence[int] | None = None) -> Solution:
     """Optimal (or, under a time limit, best found) strategy per node of ``problem``.
 
     Deterministic: the model is built in a canonical order and CP-SAT runs with a fixed
@@ -140,6 +142,17 @@ def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
     (:mod:`fxpar.solver.dp`, exact); if that optimum fits the budget it is the answer
     (``stats["method"] == "dp"``), else (or when its tables would be too large) CP-SAT
     solves the full program (``"cp-sat"``).
+
+    ``start``: a strategy per node (a known assignment) used as CP-SAT's hint when it is
+    feasible and better than the greedy one.
+
+    ``bound_filter``: when the DP does not decide it, first drop every value whose
+    spanning-forest lower bound exceeds a feasible assignment's cost
+    (:mod:`fxpar.solver.bounds`, exact) and solve the problem restricted to what is left
+    (reduced again, DP again, CP-SAT last); ``stats["filter"]`` records the values before and
+    after, the bounds and the time. ``filter_gap > 0`` also drops values within that
+    relative gap of the upper bound: the answer is then within ``filter_gap`` of the optimum
+    (``status`` ``"FEASIBLE"`` unless the bound proves it).
 
     >>> p = StrategyProblem(cost=[[1.0, 2.0], [3.0, 0.5]], edges={(0, 1): [[0, 4], [4, 0]]},
     ...                     names=["mm", "relu"])
@@ -164,6 +177,13 @@ def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
         stats["dp_s"] = time.perf_counter() - t1
         if exact is not None and not feasible(red, exact[0]):
             exact = None  # memory binds: the relaxation's optimum is not a plan
+    if red.dom and exact is None and bound_filter:
+        got = _filtered_solve(problem, red, t0, stats, time_limit=time_limit,
+                              det_time_limit=det_time_limit, workers=workers, seed=seed,
+                              reductions=reductions, edge_encoding=edge_encoding, scale=scale,
+                              log=log, hint=hint, params=params, dp=dp, filter_gap=filter_gap)
+        if got is not None:
+            return got
     if not red.dom or exact is not None:  # decided by the reductions or by the DP
         x: list[int] = exact[0] if exact is not None else []
         status, bound_units = "OPTIMAL", 0
@@ -176,6 +196,11 @@ def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
         if red.budget is not None:
             model.add_memory(red.budget)
         x0 = greedy(red) if hint else None
+        if hint and start is not None:  # a given assignment, when it is better
+            xs = _encode(red, start)
+            if xs is not None and feasible(red, xs) and (
+                    not feasible(red, x0) or red.value(xs) <= red.value(x0)):
+                x0 = xs
         if x0 is not None:
             for c, xs in enumerate(model.x):
                 for v, var in enumerate(xs):
@@ -188,6 +213,9 @@ def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
         stats["branches"] = s.num_branches
         status = _STATUS.get(code, str(code))
         bound_units = int(np.floor(s.best_objective_bound + 1e-9))
+        if (status == "OPTIMAL" and {"relative_gap_limit", "absolute_gap_limit"} & set(params or {})
+                and int(np.ceil(s.best_objective_bound - 1e-6)) < int(round(s.objective_value))):
+            status = "FEASIBLE"  # stopped by a gap limit (params): not proven optimal
         if status == "INFEASIBLE":
             _raise_memory(problem, time_limit, workers, seed, reductions)
         if status in ("OPTIMAL", "FEASIBLE"):
@@ -213,6 +241,74 @@ def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
     stats["objective_units"] = units
     return Solution(problem.names, choice, obj, nc, ec, peaks, status, bound, gap,
                     time.perf_counter() - t0, stats)
+
+
+def _encode(red: Reduced, choice: Sequence[int]) -> list[int] | None:
+    """Class values that decode to ``choice`` (``None`` if the reduced problem lost it)."""
+    members: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for i, (c, f) in enumerate(red.node_map):
+        if c < 0:
+            if int(f[0]) != int(choice[i]):
+                return None
+        else:
+            members.setdefault(c, []).append((i, f))
+    x = [0] * len(red.dom)
+    for c, ms in members.items():
+        ok = np.ones(red.dom[c], dtype=bool)
+        for i, f in ms:
+            ok &= f == int(choice[i])
+        if not ok.any():
+            return None
+        x[c] = int(np.argmax(ok))
+    return x
+
+
+def _filtered_solve(problem: StrategyProblem, red: Reduced, t0: float, stats: dict, *,
+                    time_limit, filter_gap, **kw) -> Solution | None:
+    """Bound filtering (:func:`fxpar.solver.bounds.bound_and_filter`) then :func:`solve` on
+    the problem restricted to the surviving values; ``None`` when nothing was filtered."""
+    t1 = time.perf_counter()
+    f = bound_and_filter(red, gap=filter_gap)
+    kept = int(sum(k.size for k in f.keep))
+    info = {"values": int(sum(red.dom)), "kept": kept, "rounds": f.rounds,
+            "lower_s": red.offset + f.lower / red.scale,
+            "upper_s": None if f.upper is None else red.offset + f.upper / red.scale}
+    if f.upper is None or kept == sum(red.dom):
+        info["s"] = time.perf_counter() - t1
+        stats["filter"] = info
+        return None
+    allowed: dict[int, set[int]] = {}
+    for i, (c, fmap) in enumerate(red.node_map):
+        if c >= 0:
+            allowed.setdefault(i, set()).update(fmap[f.keep[c]].tolist())
+    sub = problem.restricted(allowed)
+    info["s"] = time.perf_counter() - t1
+    left = None if time_limit is None else max(1.0, time_limit - (time.perf_counter() - t0))
+    ub_choice = red.decode(f.x)
+    inner = solve(sub, time_limit=left, bound_filter=False, start=ub_choice, **kw)
+    choice = inner.choice
+    nc, ec, peaks = problem.evaluate(choice)
+    obj = nc + ec
+    unc, uec, upeaks = problem.evaluate(ub_choice)
+    if unc + uec < obj:  # a time limit stopped the inner search above the upper bound
+        choice, nc, ec, peaks, obj = ub_choice, unc, uec, upeaks, unc + uec
+    status, bound = inner.status, max(inner.bound, info["lower_s"])
+    if filter_gap > 0:  # the filtered problem's bound holds for the original only within gap
+        bound = min(bound, info["upper_s"] / (1.0 + filter_gap), obj)
+        bound = max(bound, info["lower_s"])
+        if bound < obj * (1 - 1e-12):
+            status = "FEASIBLE"
+    gap = 0.0 if status == "OPTIMAL" else (obj - bound) / obj if obj > 0 else 0.0
+    st = dict(stats)
+    st.update({k: v for k, v in inner.stats.items() if k in ("method", "dp_s", "branches",
+                                                            "build_s", "objective_units")})
+    st["filter"] = info
+    st["filtered"] = {k: inner.stats.get(k) for k in ("classes", "values", "class_edges",
+                                                      "class_points", "reduce_s", "solve_s")}
+    st["method"] = f"filter+{inner.stats.get('method')}"
+    st["solve_s"] = time.perf_counter() - t1
+    return Solution(problem.names, choice, obj, nc, ec, peaks, status,
+                    obj if status == "OPTIMAL" else bound, gap, time.perf_counter() - t0, st)
 
 
 def min_peak_memory(problem: StrategyProblem, *, time_limit: float | None = 30.0,

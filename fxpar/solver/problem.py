@@ -122,17 +122,24 @@ class StrategyProblem:
         items = (edges.items() if isinstance(edges, Mapping)
                  else [((e[0], e[1]), e[2]) for e in edges])
         acc: dict[tuple[int, int], np.ndarray] = {}
-        for (a, b), r in _sorted_edges(items, node):
-            r = np.array(r, dtype=np.float64)
+        mats: dict[int, tuple[object, np.ndarray]] = {}  # id -> (object, checked copy)
+        for (a, b), r0 in _sorted_edges(items, node):
+            # the copies of a repeated block hand over the same matrix objects: one read-only
+            # copy each (a 4-D mesh GPT-20B has 1231 edges of up to 1665x624 entries)
+            got = mats.get(id(r0))
+            r = got[1] if got is not None else np.array(r0, dtype=np.float64)
             if a == b:
                 raise PlanError(f"self edge on node {names[a]!r}")
             if r.shape != (costs[a].size, costs[b].size):
                 raise PlanError(f"edge {names[a]!r}->{names[b]!r}: matrix {r.shape}, expected "
                                 f"{(costs[a].size, costs[b].size)}")
-            if not np.all(np.isfinite(r)) or np.any(r < 0):
-                raise PlanError(f"edge {names[a]!r}->{names[b]!r}: costs must be finite, >= 0")
+            if got is None:
+                if not np.all(np.isfinite(r)) or np.any(r < 0):
+                    raise PlanError(f"edge {names[a]!r}->{names[b]!r}: costs must be finite, >= 0")
+                mats[id(r0)] = (r0, _ro(r))
             acc[a, b] = acc[a, b] + r if (a, b) in acc else r
-        edge_t = tuple((a, b, _ro(r)) for (a, b), r in sorted(acc.items(), key=lambda x: x[0]))
+        edge_t = tuple((a, b, r if not r.flags.writeable else _ro(r))
+                       for (a, b), r in sorted(acc.items(), key=lambda x: x[0]))
 
         live_t = tuple(tuple(sorted({node(x, "live") for x in pt})) for pt in live)
         t = len(live_t)
@@ -184,6 +191,29 @@ class StrategyProblem:
     def allowed(self, i: int) -> tuple[int, ...]:
         """Strategy indices node ``i`` may pick (its pin, else all)."""
         return self.pins.get(i, tuple(range(self.cost[i].size)))
+
+    def restricted(self, allowed: Mapping[int, Collection[int]]) -> StrategyProblem:
+        """The same problem with node ``i`` further restricted to ``allowed[i]`` (intersected
+        with its pin); shares every array with ``self`` (no copy, no re-validation).
+
+        >>> p = StrategyProblem(cost=[[1.0, 2.0, 3.0], [0.0, 1.0]])
+        >>> p.restricted({0: [1, 2]}).allowed(0), p.allowed(0)
+        ((1, 2), (0, 1, 2))
+        """
+        pins = dict(self.pins)
+        for i, ks in allowed.items():
+            i = int(i)
+            s = sorted(set(int(k) for k in ks) & set(self.allowed(i)))
+            if not s:
+                raise PlanError(f"restricted: node {self.names[i]!r} left without a strategy")
+            if len(s) < self.cost[i].size:
+                pins[i] = tuple(s)
+        out = object.__new__(StrategyProblem)
+        for f in ("names", "cost", "mem", "edges", "live", "live_const", "live_names",
+                  "budget", "ties"):
+            object.__setattr__(out, f, getattr(self, f))
+        object.__setattr__(out, "pins", dict(sorted(pins.items())))
+        return out
 
     def evaluate(self, choice: Sequence[int]) -> tuple[float, float, tuple[int, ...]]:
         """``(node cost s, edge cost s, peak bytes per liveness point)`` of a full assignment.

@@ -123,6 +123,14 @@ class Reduced:
 
 _DIRECT_MIN_DELTA = 4096  # entries of an edge matrix below which _min_delta goes direct
 
+#: dead-end elimination and follower merging of a class cost about ``n²·Σ_e m_e`` operations
+#: (``n`` values, ``m_e`` columns of each incident edge): a class above this is skipped
+#: (skipping a reduction is always exact). On 4-D meshes a class has 600-1700 values and the
+#: tests cost seconds each while removing few of them; the bound filter
+#: (:mod:`fxpar.solver.bounds`) shrinks such domains first and the pinned problem is reduced
+#: again, this time with small classes.
+DEE_WORK_LIMIT = 50_000_000
+
 
 def _unique_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(u, inv)`` with ``a == u[inv]``: the distinct rows of ``a`` (sorted)."""
@@ -342,11 +350,18 @@ class _Reducer:
         for dct in (self.members, self.cost, self.adj, self.cmem):
             del dct[c]
 
+    def _too_big(self, c: int) -> bool:
+        n = self.cost[c].size
+        return n * n * sum(a.shape[1] for a in self.adj[c].values()) > DEE_WORK_LIMIT
+
     def _prune(self, c: int) -> bool:
         """Goldstein dead-end elimination: drop u if some other v is never worse, whatever
         the neighbours pick, and never uses more memory. Equal values: the lower index stays."""
         cost = self.cost[c]
         n = cost.size
+        if self._too_big(c):
+            self.stats["skipped_dee"] = self.stats.get("skipped_dee", 0) + 1
+            return False
         slack = cost[:, None] - cost[None, :]
         for a in self.adj[c].values():
             slack = slack + _min_delta(a)
@@ -378,6 +393,8 @@ class _Reducer:
         is at least as good as every other value of j whatever j's other neighbours pick and
         uses no more memory (conditional dead-end elimination). Then x_j = v*(x_p) loses
         nothing. Returns p, or None."""
+        if self._too_big(j):
+            return None
         cj = self.cost[j]
         memdom = self._memdom(j)
         deltas = {n: _min_delta(a) for n, a in self.adj[j].items()}

@@ -44,6 +44,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fxpar.errors import FxparError, PlanError
+
 from fxpar.strategies import (attention, conv, embedding, losses, matmul, moe, norms,  # noqa: F401
                               pointwise, reductions, views)
 from fxpar.strategies.base import (RECORDS, AxisStrategy, OpRecord, Strategy, declare, expand, input_shapes,
@@ -107,7 +109,16 @@ def strategies_for(node: fx.Node, mesh) -> list[Strategy]:
     rule = _rule(node) if node.op == "call_function" else None
     if rule is None:
         return [unsharded_strategy(node, mesh.ndim)]
-    out = expand(node, rule(node) or (), mesh.shape, mesh.axis_names)
+    try:
+        out = expand(node, rule(node) or (), mesh.shape, mesh.axis_names)
+    except FxparError:
+        raise
+    except Exception as e:  # a rule that cannot handle this call: name the op, not a raw trace
+        shapes = [None if s is None else tuple(s) for s in input_shapes(node)]
+        raise PlanError(
+            f"node {node.name} ({node.target}): its sharding rule {rule.__name__} failed on "
+            f"input shapes {shapes}: {type(e).__name__}: {e} (a bug in fxpar's rule; "
+            "please report it)") from e
     out = [s for s in out if _reducible(node, s)]
     return out or [unsharded_strategy(node, mesh.ndim)]
 

@@ -44,10 +44,10 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.errors import PlanError
-from fxpar.strategies.base import record_for
+from fxpar.strategies.base import bound, record_for
 
 __all__ = ["LocalContext", "LocalRule", "local_rule", "shape_arg", "unflatten_sizes", "arange_bounds",
-           "refuse_random", "reads_storage", "shard_key"]
+           "refuse_random", "draws", "reads_storage", "shard_key"]
 
 
 @dataclass(frozen=True)
@@ -56,8 +56,8 @@ class LocalContext:
 
     ``mesh_shape``/``coord``: the mesh and this rank's coordinate on it; ``device``: where local
     tensors live; ``global_shapes``: the GLOBAL shape of every tensor node (the node's inputs
-    and the node itself); ``site``: a stable integer naming the node in its graph (its index;
-    dropout keys its random stream by it).
+    and the node itself); ``site``: a stable integer naming the node (the crc32 of its name, the same in
+    every chunk graph of a pipeline; dropout keys its random stream by it).
     """
 
     mesh_shape: tuple[int, ...]
@@ -148,9 +148,33 @@ def arange_bounds(node: fx.Node, lctx: LocalContext) -> None:
     node.target = aten.arange.start_step
 
 
+def draws(node: fx.Node) -> bool:
+    """Whether a call of a random op draws numbers: not with a probability argument (``p``,
+    ``dropout_p``) of 0 or ``train``/``training`` False (``alpha_dropout(x, p, False)`` is
+    ``x``; ``rrelu(x, training=False)`` a fixed slope).
+
+    >>> import torch, torch.fx as fx
+    >>> g = fx.Graph(); x = g.placeholder("x")
+    >>> draws(g.call_function(torch.ops.aten.alpha_dropout.default, (x, 0.5, False)))
+    False
+    >>> draws(g.call_function(torch.ops.aten.alpha_dropout.default, (x, 0.5, True)))
+    True
+    """
+    if getattr(node.target, "_schema", None) is None:
+        return True
+    b = bound(node)
+    p = b.get("dropout_p", b.get("p"))
+    train = b.get("train", b.get("training"))
+    return not ((isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0)
+                or train is False)
+
+
 def refuse_random(node: fx.Node, lctx: LocalContext) -> None:
     """Random ops without a shard-aware rewrite: ranks holding the same data would draw different
-    numbers (silently wrong), so they are refused."""
+    numbers (silently wrong), so they are refused, unless the call draws nothing
+    (:func:`draws`: then the plain op on local tensors is right)."""
+    if not draws(node):
+        return
     raise PlanError(f"node {node.name} ({node.target}): random ops other than dropout are not "
                     "supported under sharding yet (replicas would draw different values)")
 

@@ -30,6 +30,8 @@ def gather_scatter_rule(node):
     keys = [k for k in ("self", "index", "src") if tensor_shape(b.get(k)) is not None]
     shapes = {k: tensor_shape(b[k]) for k in keys}
     o = tensor_shape(node)
+    if not o:  # 0-d (torch allows it): nothing to shard (replicated fallback)
+        return
     dim = b["dim"] % len(o)
     for d in range(len(o)):
         if d == dim or any(len(s) != len(o) or s[d] != o[d] for s in shapes.values()):

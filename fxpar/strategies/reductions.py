@@ -3,7 +3,8 @@ topk and other ops along one dim.
 
 Sharding a kept dim shards the output; sharding a reduced dim leaves each device a partial
 result: ``sum`` -> ``P(sum)``, ``mean`` -> ``P(avg)`` (exact only for even shards, so flagged
-``even``), ``amax`` -> ``P(max)``, ``amin`` -> ``P(min)``; ``histc`` counts add up -> ``P(sum)``.
+``even``), ``amax`` -> ``P(max)``, ``amin`` -> ``P(min)``; ``histc`` counts add up -> ``P(sum)`` (only
+with a fixed range: ``min == max`` bins the data's own range, so it stays whole).
 ``sum`` and ``mean`` are linear: a ``P(sum)`` input gives ``P(sum)``. ``argmax``, ``softmax``,
 ``sort``, ``topk``, ``cumsum`` need their dim whole. Other reductions (``max``, ``var``, ``norm``,
 ``median``, ...) have no sharding rule (replicated). ``sum(x[4,6], [1])``::
@@ -81,7 +82,22 @@ def along_dim_rule(node, key="self", dim_key="dim"):
         yield choice(node, {key: S(d)}, [S(d)] * len(outs), f"S{d}")
 
 
-@register(aten.diff, aten.special_log_softmax)
+@register(aten.diff)
+def diff_rule(node):
+    """``diff(x, n, dim, prepend, append)``: any dim but ``dim``, with ``prepend``/``append``
+    (the same shape as ``x`` off ``dim``) sharded like ``x``."""
+    b = bound(node)
+    a, o = tensor_shape(b["self"]), tensor_shape(node)
+    if not a or len(o) != len(a):
+        return
+    dim = b.get("dim", -1) % len(a)
+    extra = [k for k in ("prepend", "append") if b.get(k) is not None]
+    for d in range(len(a)):
+        if d != dim and o[d] == a[d]:
+            yield choice(node, {"self": S(d), **{k: S(d) for k in extra}}, [S(d)], f"S{d}")
+
+
+@register(aten.special_log_softmax)
 @register(aten.sort, aten.topk, cost=reduction_cost)
 @register(aten.cumprod, cost=reduction_cost, saves="input0")
 @register(aten.cumsum, cost=reduction_cost, saves="nothing")
@@ -110,8 +126,11 @@ def argmax_rule(node):
 
 @register(aten.histc)
 def histc_rule(node):
-    a = tensor_shape(bound(node)["self"])
-    for d in range(len(a)):  # counts over disjoint shards add up
+    b = bound(node)
+    if b.get("min", 0) == b.get("max", 0):
+        return  # min == max: the bins span the data's own range, which a shard does not know
+    a = tensor_shape(b["self"])
+    for d in range(len(a)):  # counts over disjoint shards (same bins) add up
         yield choice(node, {"self": S(d)}, [P()], f"red{d}")
 
 

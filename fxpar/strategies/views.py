@@ -98,7 +98,8 @@ def permute_rule(node: fx.Node):
     perm = list(range(n))
     if "dims" in b:
         perm = [d % n for d in b["dims"]]
-    elif n == 2 or ("dim0" in b and b.get("dim0") is not None) or ("axis0" in b):
+    elif n and (n == 2 or ("dim0" in b and b.get("dim0") is not None) or ("axis0" in b)):
+        # (a 0-d tensor: transpose(x, 0, -1) is legal and swaps nothing)
         d0 = b.get("dim0", b.get("axis0", 0)) % max(n, 1)
         d1 = b.get("dim1", b.get("axis1", 1)) % max(n, 1)
         perm[d0], perm[d1] = perm[d1], perm[d0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 import torch.fx as fx
@@ -33,10 +35,11 @@ def _view_graph():
 def test_local_shapes_size_args_and_dropout(coord):
     """On dp=2 every rank holds 4 rows: view's size argument becomes [4, 4, 4]; the global
     value stays under GLOBAL_VAL; dropout becomes fxpar's sharded dropout keyed by the node's
-    index (site 2) and this rank's coordinate (dp shards the input)."""
+    name (site crc32("dropout")) and this rank's coordinate (dp shards the input)."""
     gm = run_passes(_view_graph(), PassContext(mesh=mesh(dp=2), coord=coord), [localize_pass])
     (FileCheck().check("aten.view.default(x, [4, 4, 4])")
-     .check(f"dropout = torch.ops.fxpar.sharded_dropout.default(view, 0.5, True, 2, [{coord[0]}])")
+     .check(f"dropout = torch.ops.fxpar.sharded_dropout.default(view, 0.5, True, "
+            f"{zlib.crc32(b'dropout')}, [{coord[0]}])")
      .check_not("dropout.default").run(gm.code))
     v = next(n for n in gm.graph.nodes if n.name == "view")
     assert tuple(v.meta[ir.VAL].shape) == (4, 4, 4) and v.meta[ir.VAL].device.type == "meta"

@@ -1,0 +1,529 @@
+r"""The joint search (DESIGN §10): pipeline stages × stage submesh × tensor-parallel layout ×
+microbatches × schedule × recomputation × model-state sharding, under device memory,
+minimizing the predicted step time.
+
+**Cost table.** The model is captured once at a *probe* shape (one sample per replica,
+``probe_batch``) and planned by the intra-op planner on a ``tp=t`` mesh for every candidate
+``t`` (repeated layers tied, so each distinct layer is solved once per ``t``). Per *unit* (a run
+of nodes of one layer, :func:`fxpar.stages.units`) the plan gives per-device forward and
+backward seconds, split into the part that scales with the microbatch (compute and activation
+communication) and the part that does not (communication of parameters), the saved activation
+bytes, the local parameter count and the bytes crossing the cut after it. A configuration with
+``b`` samples per replica and microbatch scales the first kind by ``b / probe_batch``.
+
+**Configurations.** ``N = p·d·t`` devices: ``p`` pipeline ranks (outermost, across nodes
+first), ``d`` data-parallel replicas, ``t`` tensor-parallel devices (innermost, inside a node);
+``b`` per replica per microbatch with ``m = B/(d·b)`` microbatches; a schedule with ``v``
+chunks per rank; recomputation of every layer or none; ZeRO-style factors ``(s_g, s_os)`` over
+``d`` (parameters replicated over ``d``: ``s_p = 1``).
+
+* stage cuts: the exact linear-partition DP over units (:func:`fxpar.stages._balanced`) on the
+  units' time at this ``(t, b)``, for ``p·v`` chunks;
+* per rank ``r``: work ``W_r = Σ_chunks (F + B)``, with recomputation ``B += F``;
+* memory of rank ``r`` (Megatron-LM §2.2 and §3.5; AMSP §IV-D):
+  ``states(Φ_r; s_g, s_os) + f_r·A_r`` without recomputation,
+  ``states + f_r·I_r + max_chunk A`` with it, where ``f_r`` =
+  :func:`fxpar.cost.pipeline.in_flight_microbatches`, ``A_r`` the rank's saved activations of
+  one microbatch and ``I_r`` its chunks' boundary inputs;
+* data parallelism once per step: AMSP's ``T_g + T_os0 + T_os1`` for the rank's parameters
+  (:func:`fxpar.cost.amsp.evaluate`, not overlapped: an upper bound);
+* step, estimate: ``m·W_max + (Σ_r W_r − W_max)/v + 2(p·v−1)·x`` (``x`` a boundary
+  transfer; uniform stages give Megatron's ``(m + (p−1)/v)·W``); the ``keep`` best by this
+  estimate are simulated exactly (:func:`fxpar.sim.simulate` on the schedule's action lists)
+  and ranked by simulated step.
+
+>>> import torch, fxpar
+>>> from examples.models import GPT
+>>> model = GPT(vocab=64, d_model=32, n_heads=2, n_layers=4, seq_len=16)
+>>> gm = fxpar.capture(model, (torch.randint(0, 64, (1, 16)),))
+>>> res = search(gm, fxpar.Cluster.preset("dgx-a100"), batch=32, tps=(1, 2), pps=(1, 2))
+>>> best = res.best
+>>> best.pp * best.dp * best.tp, best.dp * best.microbatch * best.microbatches
+(8, 32)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.cost.memory import STATE_BYTES_PER_PARAM, model_state_bytes
+from fxpar.cost.pipeline import in_flight_microbatches
+from fxpar.errors import PlanError
+from fxpar.mesh import Mesh
+from fxpar.planner.intra_op import PlannerOptions, plan_and_keep
+from fxpar.spec import Spec
+from fxpar.stages import units
+
+__all__ = ["UnitCost", "Candidate", "SearchResult", "unit_costs", "search", "SCHEDULES"]
+
+#: schedules the search tries (``chunks > 1`` only for interleaved)
+SCHEDULES = ("1f1b", "interleaved", "eager-1f1b", "zb-h1")
+_MEM_KEY = {"1f1b": "1f1b", "interleaved": "interleaved", "eager-1f1b": "eager_1f1b",
+            "zb-h1": "1f1b", "gpipe": "gpipe"}
+#: gradient bucket of the data-parallel reduction (AMSP's ``U``), bytes
+BUCKET = 25 * 2**20
+#: the intra-op budget of the cost-table plans: memory is the search's business (1 EiB)
+_NO_LIMIT = float(2**60)
+#: the largest microbatch per replica tried (Megatron-LM §3.2: small ones win with pipelines)
+MAX_MICROBATCH = 32
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One unit (a run of one layer's nodes) on a ``tp=t`` mesh at the probe microbatch, per
+    device: seconds that scale with the batch (``fwd``, ``bwd``) and that do not
+    (``fwd_fixed``, ``bwd_fixed``: parameter communication), saved activation bytes ``act``,
+    local parameter count ``params`` and the bytes crossing a cut right after it (``out``)."""
+
+    layer: str
+    start: str
+    fwd: float
+    bwd: float
+    fwd_fixed: float
+    bwd_fixed: float
+    act: float
+    params: float
+    out: float
+
+
+def _bytes_per_param(opts: PlannerOptions) -> int:
+    return int(model_state_bytes(1, optimizer=opts.optimizer, precision=opts.precision).total)
+
+
+def unit_costs(gm: fx.GraphModule, mesh: Mesh, options: PlannerOptions | None = None
+               ) -> tuple[list[UnitCost], object]:
+    """Plan ``gm`` on ``mesh`` with no memory limit (memory is the search's business) and
+    attribute the plan's costs to :func:`fxpar.stages.units` (module docstring). Returns the
+    unit costs and the :class:`~fxpar.plan_data.Plan`."""
+    opts = dataclasses.replace(options or PlannerOptions(), memory_budget=_NO_LIMIT)
+    plan = plan_and_keep(gm, mesh, options=opts)[0]
+    us = units(gm)
+    unit_of = {nd.name: i for i, (_, nodes) in enumerate(us) for nd in nodes}
+    params = {n.name for n in gm.graph.nodes if n.op == "placeholder" and ir.is_trainable_param(n)}
+    first_use: dict[str, int] = {}
+    for i, (_, nodes) in enumerate(us):
+        for nd in nodes:
+            for a in nd.all_input_nodes:
+                first_use.setdefault(a.name, i)
+    acc = [dict(fwd=0.0, bwd=0.0, fwd_fixed=0.0, bwd_fixed=0.0, act=0.0, params=0.0, out=0.0)
+           for _ in us]
+    kp = _bytes_per_param(opts)
+    for n in plan.nodes:
+        if n.name in params and n.name in first_use:
+            acc[first_use[n.name]]["params"] += n.memory / kp
+        elif n.name in unit_of:
+            a = acc[unit_of[n.name]]
+            a["fwd"] += n.fwd_time
+            a["bwd"] += n.bwd_time
+            a["act"] += n.memory
+    last = len(us) - 1
+    for e in plan.edges:
+        i = unit_of.get(e.consumer, last)
+        fixed = e.producer in params
+        key = ("fwd" if e.direction == "fwd" else "bwd") + ("_fixed" if fixed else "")
+        acc[i][key] += e.time
+    # bytes crossing the cut after unit i: values made at or before i and read after it
+    nodes = {n.name: n for n in gm.graph.nodes}
+    last_use: dict[str, int] = {}
+    for i, (_, unodes) in enumerate(us):
+        for nd in unodes:
+            for a in nd.all_input_nodes:
+                if a.name in unit_of:
+                    last_use[a.name] = max(last_use.get(a.name, -1), i)
+    shape = tuple(mesh.shape)
+    for name, j in last_use.items():
+        i, val = unit_of[name], nodes[name].meta.get(ir.VAL)
+        if j <= i or not isinstance(val, torch.Tensor):
+            continue
+        spec = Spec.parse(plan.node(name).outputs[0])
+        nb = spec.local_numel(tuple(val.shape), shape) * val.dtype.itemsize
+        for k in range(i, j):
+            acc[k]["out"] += nb
+    return [UnitCost(lay, nodes_[0].name, **a) for (lay, nodes_), a in zip(us, acc)], plan
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration and its predicted step (seconds) and peak memory (bytes per device,
+    the fullest pipeline rank). ``starts``: the unit index each chunk starts at;
+    ``simulated``: ``step`` is the simulator's (else the closed-form estimate)."""
+
+    pp: int
+    dp: int
+    tp: int
+    microbatch: int
+    microbatches: int
+    schedule: str
+    chunks: int
+    recompute: bool
+    s_g: int
+    s_os: int
+    step: float
+    memory: float
+    pipeline: float
+    dp_comm: float
+    starts: tuple[int, ...] = ()
+    simulated: bool = False
+
+    @property
+    def name(self) -> str:
+        r = " recompute" if self.recompute else ""
+        v = f" v={self.chunks}" if self.chunks > 1 else ""
+        return (f"pp={self.pp} dp={self.dp} tp={self.tp} b={self.microbatch} m={self.microbatches} "
+                f"{self.schedule}{v}{r} zero(g={self.s_g},os={self.s_os})")
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    """``ranked``: the simulated candidates, best first; ``best`` = ``ranked[0]``;
+    ``tried``/``over_memory``: configurations evaluated / rejected for memory;
+    ``smallest``: the smallest peak memory seen (what the error names when nothing fits)."""
+
+    ranked: tuple[Candidate, ...]
+    tried: int
+    over_memory: int
+    smallest: Candidate | None
+    budget: float
+    stats: Mapping = field(default_factory=dict, compare=False)
+    #: the cost table's plan per ``tp`` degree (the layouts the search priced)
+    layouts: Mapping = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def best(self) -> Candidate:
+        return self.ranked[0]
+
+    def summary(self, top: int = 6) -> dict:
+        """JSON-able: what ``explain()`` prints (the ``top`` ranked, the runner-up's gap)."""
+        return {"tried": self.tried, "over_memory": self.over_memory, "budget": self.budget,
+                "smallest": self.smallest.name if self.smallest else "",
+                "smallest_memory": self.smallest.memory if self.smallest else 0.0,
+                "ranked": [{"name": c.name, "step": c.step, "memory": c.memory,
+                            "pipeline": c.pipeline, "dp_comm": c.dp_comm}
+                           for c in self.ranked[:top]]}
+
+    def pins(self, c: Candidate, probe: fx.GraphModule, gm: fx.GraphModule | None = None
+             ) -> dict[str, str]:
+        """Pins on a ``(dp, tp)`` (sub)mesh that make the planner take the layouts this search
+        priced for ``c``: every parameter as in the ``tp`` plan and replicated over ``dp``
+        (``s_p = 1``), the batch split over ``dp``; with ``gm`` (the graph captured at the
+        configuration's microbatch), also every value that carries the batch (dim 0 is one
+        sample in ``probe``, ``dp·b`` rows in ``gm``): ``S(0)`` on ``dp`` and its ``tp`` layout,
+        so no replica computes another's rows (data parallelism is the search's choice, not
+        one the intra-op planner may undo to save a gradient reduction)."""
+        plan = self.layouts[c.tp]
+
+        def tp(name: str) -> str:
+            return "R" if c.tp == 1 else plan.node(name).outputs[0]
+
+        first = next((i.name for i in ir.user_inputs(probe) if i.is_tensor), None)
+        out = {"input": "S(0)" + (tp(first) if first else "R")}
+        for n in probe.graph.nodes:
+            if n.op == "placeholder" and ir.is_trainable_param(n):
+                out[n.name] = "R" + tp(n.name)
+        rows = c.dp * c.microbatch
+        if gm is None or rows == 1:
+            return out
+        small = {n.name: n.meta.get(ir.VAL) for n in probe.graph.nodes if n.op == "call_function"}
+        batch = {i.name for i in ir.user_inputs(gm) if i.is_tensor}  # values derived from the batch
+        for n in gm.graph.nodes:
+            v, w = n.meta.get(ir.VAL), small.get(n.name)
+            if (isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor) and v.ndim and w.ndim
+                    and int(v.shape[0]) == rows and int(w.shape[0]) == 1
+                    and tuple(v.shape[1:]) == tuple(w.shape[1:])
+                    and any(a.name in batch for a in n.all_input_nodes)):
+                out[n.name] = "S(0)" + tp(n.name)
+                batch.add(n.name)
+        return out
+
+    def notes(self) -> tuple[str, ...]:
+        """One line per ranked configuration (for a plan's ``notes``)."""
+        return tuple(f"joint search #{i + 1}: {c.name}: step {c.step * 1e3:.4g} ms, "
+                     f"{c.memory / 2**30:.3g} GiB" for i, c in enumerate(self.ranked[:6]))
+
+
+def _tp_part(plan, key: str, gm: fx.GraphModule) -> str:
+    """The ``tp`` layout of the first user input in the cost table's plan (``R`` when the
+    batch of one sample stays whole there)."""
+    first = next((i.name for i in ir.user_inputs(gm) if i.is_tensor), None)
+    return plan.node(first).outputs[0] if first is not None else "R"
+
+
+def unit_start_names(gm: fx.GraphModule, starts: Sequence[int]) -> list[str]:
+    """The first node of each chunk's first unit (what :func:`fxpar.stages.split_stages`
+    takes as ``start_nodes``; node names are the same at every captured batch size)."""
+    us = units(gm)
+    return [us[i][1][0].name for i in starts]
+
+
+@functools.lru_cache(maxsize=65536)
+def partition(times: tuple[float, ...], n: int) -> tuple[int, ...]:
+    """Start index of each of ``n`` contiguous, non-empty runs of ``times`` minimizing the
+    largest run's sum: bisection on the cap with a greedy packing check (exact to a relative
+    ``1e-12``; ``O(u·log)`` where the DP of :mod:`fxpar.stages` is ``O(n·u²)``).
+
+    >>> partition((1.0, 1.0, 1.0, 3.0), 2), partition((1.0,) * 5, 5)
+    ((0, 3), (0, 1, 2, 3, 4))
+    """
+    u = len(times)
+    if not 1 <= n <= u:
+        raise PlanError(f"{n} stage chunks for {u} units")
+
+    def pack(cap: float) -> list[int]:
+        starts, s = [0], times[0]
+        for i in range(1, u):
+            left = n - len(starts)
+            if left and (s + times[i] > cap or u - i == left):
+                starts.append(i)
+                s = times[i]
+            else:
+                s += times[i]
+        return starts
+
+    def fits(cap: float) -> bool:
+        k, s = 1, 0.0
+        for t in times:
+            if s + t > cap:
+                k, s = k + 1, t
+            else:
+                s += t
+        return k <= n
+
+    lo, hi = max(times), sum(times)
+    for _ in range(200):
+        if hi - lo <= 1e-12 * hi:
+            break
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return tuple(pack(hi))
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+@functools.lru_cache(maxsize=4096)
+def _dp_time(phi: float, layers: int, m: int, d0: int, d1: int, s_g: int, s_os: int, cluster) -> float:
+    """AMSP's per-step data-parallel terms for ``phi`` local parameters over ``d0 × d1``."""
+    from fxpar.cost.amsp import Sharding, evaluate
+
+    if d0 * d1 == 1:
+        return 0.0
+    g, o = _split(s_g, d0, d1), _split(s_os, d0, d1)
+    r = evaluate(Sharding((1, 1), g, o), phi=phi, module_params=[phi / max(1, layers)],
+                 L=max(1, layers), M=m, U=BUCKET, cluster=cluster, dp=(d0, d1))
+    return r.t_g + r.t_os0 + r.t_os1
+
+
+def _split(s: int, d0: int, d1: int) -> tuple[int, int]:
+    """A factor ``s`` of ``d0·d1`` as ``(intra, inter)``: inside the node first (AMSP eq. 7)."""
+    if s <= d0:
+        return (s, 1)
+    return (d0, s // d0)
+
+
+def _zero_options(d: int, only: Mapping) -> list[tuple[int, int]]:
+    """``(s_g, s_os)``: DDP, ZeRO-1 and ZeRO-2 over the ``d`` replicas (or the user's)."""
+    if "s_g" in only or "s_os" in only:
+        return [(only.get("s_g", 1), only.get("s_os", 1))]
+    return [(1, 1)] if d == 1 else [(1, 1), (1, d), (d, d)]
+
+
+def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
+           options: PlannerOptions | None = None, schedules: Sequence[str] = SCHEDULES,
+           pps: Sequence[int] | None = None, tps: Sequence[int] | None = None,
+           microbatches: Sequence[int] | None = None, recompute: Sequence[bool] = (False, True),
+           only: Mapping | None = None, keep: int = 8, devices: int | None = None) -> SearchResult:
+    """Search the configurations of the module docstring for ``gm`` captured with
+    ``probe_batch`` samples per replica, a global batch of ``batch``, on ``cluster``
+    (``devices``: how many of its devices, default all). ``pps``/``tps``/``microbatches``
+    restrict the degrees tried (``microbatches``: per-replica microbatch sizes ``b``);
+    ``only``: a user tuple (``{"tp": 8, "pp": 16, "dp": 8, "microbatch": 1, "schedule":
+    "interleaved", "chunks": 2, "recompute": True, "s_g": 1, "s_os": 8}``; missing keys are
+    searched). Raises
+    :class:`PlanError` naming the budget and the smallest footprint when nothing fits."""
+    from fxpar.schedule import Schedule
+    from fxpar.sim import simulate
+
+    t0 = time.perf_counter()
+    opts = options or PlannerOptions()
+    budget = opts.memory_budget if opts.memory_budget is not None else cluster.device_memory
+    n_dev = devices or cluster.num_devices
+    only = dict(only or {})
+    R = cluster.devices_per_node
+    tps = [t for t in (tps or [t for t in (1, 2, 4, 8, 16) if t <= R]) if n_dev % t == 0]
+    if "tp" in only:
+        tps = [only["tp"]]
+    n_units = len(units(gm))
+    pps = [p for p in (pps or _divisors(n_dev)) if p <= n_units]
+    if "pp" in only:
+        pps = [only["pp"]]
+    table, layouts = {}, {}
+    plan_s = 0.0
+    for t in tps:
+        t1 = time.perf_counter()
+        mesh = Mesh(cluster, tp=t) if t > 1 else Mesh(cluster, dp=1)
+        table[t], layouts[t] = unit_costs(gm, mesh, opts)
+        plan_s += time.perf_counter() - t1
+    kp, kg, kos = STATE_BYTES_PER_PARAM[_state_key(opts)]
+    scheds = [only["schedule"]] if "schedule" in only else list(schedules)
+    recs = [bool(only["recompute"])] if "recompute" in only else list(recompute)
+    cands: list[tuple[float, Candidate]] = []
+    tried = over = 0
+    smallest: Candidate | None = None
+    for t in tps:
+        us = table[t]
+        for p in pps:
+            if n_dev % (p * t):
+                continue
+            d = n_dev // (p * t)
+            if "dp" in only and only["dp"] != d or batch % d:
+                continue
+            d0 = max(1, min(d, R // t)) if p * d * t >= R else d
+            d1 = d // d0
+            layers_r = max(1, math.ceil(n_units / p))
+            bs = [b for b in _divisors(batch // d) if b <= MAX_MICROBATCH]
+            if "microbatch" in only:
+                bs = [only["microbatch"]]
+            elif microbatches is not None:
+                bs = [b for b in bs if b in microbatches]
+            for b in bs:
+                m = batch // (d * b)
+                scale = b / probe_batch
+                times = [(u.fwd + u.bwd) * scale + u.fwd_fixed for u in us]
+                tmp = 2 * BUCKET + max(u.act for u in us) * scale  # buckets, one unit's backward
+                for sname in (scheds if p > 1 else scheds[:1]):  # one rank: all the same
+                    vs = ([only["chunks"]] if "chunks" in only else [2, 4]) if sname == "interleaved" else [1]
+                    for v in vs:
+                        n = p * v
+                        if n > len(us) or (sname == "interleaved" and (p == 1 or m % p)):
+                            continue
+                        starts = partition(tuple(times), n)
+                        cc = _chunk_costs(us, starts, scale, p, d, t, cluster)
+                        for rc in recs:
+                            W = [sum(cc.F[k] * (2 if rc else 1) + cc.B[k] for k in range(r, n, p))
+                                 for r in range(p)]
+                            act = []
+                            for r in range(p):
+                                f = in_flight_microbatches(_MEM_KEY[sname], r, p, m, v)
+                                mine = range(r, n, p)
+                                act.append(tmp + (f * sum(cc.I[k] for k in mine) + max(cc.A[k] for k in mine)
+                                                  if rc else f * sum(cc.A[k] for k in mine)))
+                            est = m * max(W) + (sum(W) - max(W)) / v + 2 * sum(cc.x)
+                            phi = cc.phi
+                            for s_g, s_os in _zero_options(d, only):
+                                tried += 1
+                                mem = max(kp * phi[r] + kg * phi[r] / s_g + kos * phi[r] / s_os
+                                          + act[r] for r in range(p))
+                                dpt = max(cc.reduce[r] + _dp_time(round(phi[r]), layers_r, m, d0, d1,
+                                                                  s_g, s_os, cluster) for r in range(p))
+                                c = Candidate(p, d, t, b, m, sname, v, rc, s_g, s_os,
+                                              est + dpt, mem, est, dpt, starts)
+                                if smallest is None or mem < smallest.memory:
+                                    smallest = c
+                                if mem > budget:
+                                    over += 1
+                                    continue
+                                cands.append((c.step, c))
+    if not cands:
+        detail = f"; the smallest found: {smallest.name} at {smallest.memory / 2**30:.1f} GiB" if smallest else ""
+        raise PlanError(f"joint search: no configuration of {tried} tried fits the memory budget "
+                        f"of {budget / 2**30:.1f} GiB per device{detail}")
+    cands.sort(key=lambda sc: _rank_key(sc[1]))
+    ranked = []
+    t2 = time.perf_counter()
+    for _, c in cands[:keep]:
+        ranked.append(_simulate(c, table[c.tp], c.microbatch / probe_batch, cluster, Schedule, simulate))
+    ranked.sort(key=_rank_key)
+    return SearchResult(tuple(ranked), tried, over, smallest, float(budget),
+                        stats={"table_s": plan_s, "sim_s": time.perf_counter() - t2,
+                               "search_s": time.perf_counter() - t0}, layouts=layouts)
+
+
+
+def _rank_key(c: Candidate) -> tuple:
+    """Faster first; on a tie (to the nanosecond) fewer microbatches, chunks and
+    recomputation (less runtime overhead than the model sees), then less memory."""
+    return (round(c.step, 9), c.microbatches, c.chunks, c.recompute, c.memory)
+
+
+def _state_key(opts: PlannerOptions) -> tuple[str, str]:
+    from fxpar.cost.memory import _OPT_ALIASES, _PREC_ALIASES
+
+    return (_OPT_ALIASES.get(opts.optimizer.lower(), opts.optimizer.lower()),
+            _PREC_ALIASES.get(opts.precision.lower(), opts.precision.lower()))
+
+
+def _xfer(nbytes: float, k: int, p: int, d: int, t: int, cluster) -> float:
+    """Seconds of one boundary transfer from chunk ``k``'s rank to the next one's: every
+    device of the stage sends its shard to the same position of the next stage, all at once
+    (:func:`fxpar.planner.stages.boundary_time`; the pairs are alike, so one is priced)."""
+    if not nbytes:
+        return 0.0
+    alpha, beta = _pair_link(k % p, (k + 1) % p, d * t, cluster)
+    return alpha + nbytes / beta
+
+
+@functools.lru_cache(maxsize=4096)
+def _pair_link(src: int, dst: int, g: int, cluster) -> tuple[float, float]:
+    from fxpar.cost.comm import group_bandwidth, group_latency
+
+    pairs = [(src * g + i, dst * g + i) for i in range(g)]
+    return group_latency(pairs[0], cluster), group_bandwidth(pairs[0], cluster, concurrent=pairs)
+
+
+@dataclass(frozen=True)
+class _ChunkCosts:
+    """Per chunk: forward/backward seconds of one microbatch (``F``, ``B``), saved activation
+    bytes (``A``), boundary input bytes (``I``), transfer seconds to the next chunk (``x``);
+    per pipeline rank: local parameters (``phi``) and the parameter-gradient reductions paid
+    once per step (``reduce``)."""
+
+    F: list
+    B: list
+    A: list
+    I: list
+    x: list
+    phi: list
+    reduce: list
+
+
+def _chunk_costs(us: Sequence[UnitCost], starts, scale: float, p: int, d: int, t: int,
+                 cluster) -> _ChunkCosts:
+    n = len(starts)
+    bounds = list(starts) + [len(us)]
+    ch = [us[bounds[k]:bounds[k + 1]] for k in range(n)]
+    return _ChunkCosts(
+        F=[sum(u.fwd * scale + u.fwd_fixed for u in c) for c in ch],
+        B=[sum(u.bwd * scale for u in c) for c in ch],
+        A=[sum(u.act for u in c) * scale for c in ch],
+        I=[us[bounds[k] - 1].out * scale if bounds[k] else 0.0 for k in range(n)],
+        x=[_xfer(us[bounds[k + 1] - 1].out * scale, k, p, d, t, cluster) for k in range(n - 1)],
+        phi=[sum(u.params for k in range(r, n, p) for u in ch[k]) for r in range(p)],
+        reduce=[sum(u.bwd_fixed for k in range(r, n, p) for u in ch[k]) for r in range(p)])
+
+
+def _simulate(c: Candidate, us: list[UnitCost], scale: float, cluster, Schedule, simulate) -> Candidate:
+    cc = _chunk_costs(us, c.starts, scale, c.pp, c.dp, c.tp, cluster)
+    n = c.pp * c.chunks
+    B = [b + f for b, f in zip(cc.B, cc.F)] if c.recompute else cc.B
+    sched = Schedule.build(c.schedule, stages=c.pp, microbatches=c.microbatches, chunks=c.chunks)
+
+    def comm(action) -> float:
+        if action.kind == "SEND_F":
+            return cc.x[action.stage] if action.stage < n - 1 else 0.0
+        if action.kind == "SEND_B":
+            return cc.x[action.stage - 1] if action.stage >= 1 else 0.0
+        return 0.0
+
+    res = simulate(sched, fwd=cc.F, bwd=B, comm=comm)
+    return dataclasses.replace(c, step=float(res.step_time) + c.dp_comm,
+                               pipeline=float(res.step_time), simulated=True)

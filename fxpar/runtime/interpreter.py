@@ -1,0 +1,577 @@
+"""The pipeline interpreter: one rank runs its schedule's action list on ``torch.distributed``.
+
+A pipeline :class:`~fxpar.program.Program` holds one sub-program per stage chunk (its own plan
+on its stage's submesh, its own rank graphs). :class:`PipelineRunner` (built by
+``Program.runner()`` under torchrun, on every rank) does:
+
+1. the plan-hash exchange and world-size check of :class:`~fxpar.runtime.runner.Runner`;
+2. one ``DeviceMesh`` of the whole mesh, made on every rank (making one is collective); each
+   chunk's communication runs on the slice of it without ``pp`` (this rank's stage submesh);
+3. materializes this rank's shards of every parameter its chunks use (a parameter used by two
+   chunks of this rank is one tensor; used on two pipeline ranks, e.g. a tied embedding and LM
+   head, each holds a copy with the same layout);
+4. one :class:`~fxpar.runtime.model_state.ModelStates` for all its chunks: a parameter's
+   replica group is taken over the WHOLE mesh (the mesh axes its gradient is partial over,
+   plus, for a parameter on several pipeline ranks, those ranks), so every rank sees the same
+   partitions and the tied copies' gradients are summed as Megatron's embedding group does;
+   every gradient contribution of every microbatch is declared, so buckets reduce
+   asynchronously during the last microbatch's backward;
+5. ``step(*batch)``: the global batch is cut into ``m`` microbatches along dim 0; the actions
+   of :attr:`fxpar.schedule.Schedule.actions` for this pipeline rank run in order:
+
+   ========  ==================================================================================
+   F k i     chunk ``k``'s rank graph on microbatch ``i`` (boundary inputs as leaves that
+             require grad; user inputs sliced and distributed to this rank's local shard;
+             dropout draws from the RNG tracker at microbatch ``i``, and so does its backward)
+   B k i     ``autograd.backward`` of its outputs with their received gradients (the last
+             chunk: its loss ``/ m``, so the sum over microbatches is the whole batch's mean)
+   I k i     the input gradients only (sent back at once); the gradients reaching the nodes
+             where the weights' paths join the input path are kept for W (the zero-bubble
+             split, torch.distributed.pipelining's ``stage_backward_input``)
+   W k i     the weight gradients from those (``stage_backward_weight``), into the model
+             states
+   SEND_*    equal layouts on both sides: ``batch_isend_irecv`` of the local shards to the rank
+             at the same submesh coordinate of the neighbouring stage, or of ``1/t`` of one
+             where the plan chose scatter/gather (``StagePlan.scatter``); different layouts
+             (``StagePlan.out_specs`` vs the next chunk's ``in_specs``): the unit tasks of a
+             cross-mesh plan (:func:`fxpar.runtime.crossmesh.cross_mesh_start`), sent without
+             waiting; sends complete at the end of the step
+   RECV_*    the same, received (waited at once), scattered pieces all-gathered over their
+             submesh axis
+   ========  ==================================================================================
+
+   then gradients are finished (``ModelStates.finish_backward``), the optimizer steps on the
+   local shards, and the loss (mean over microbatches) is broadcast from the last stage.
+
+Recomputation (``recompute=``: layer names or ``"all"``; default the plan's
+``schedule["recompute"]``): a chunk holding recomputed layers runs its forward through
+:class:`~fxpar.runtime.recompute.Recompute`, so per microbatch in flight it keeps only those
+layers' inputs; each ``B`` re-runs their forward (and the collectives in them) once. Under
+ZB-H1, ``I`` and ``W`` are two backward passes: each recomputes what it needs (``W`` once per
+weight group torch's ``stage_backward_weight`` forms), correct but more recomputation than
+``B``.
+
+Tags: every message carries ``tag = 2·(k·m + i) + direction``, so sends and receives between
+one pair of ranks match by what they carry, not by arrival order (gloo; NCCL matches in order,
+which the schedules' lowering keeps).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.errors import FxparError, PlanError
+from fxpar.runtime.bindings import Bindings, bind
+from fxpar.runtime.comm import REDISTRIBUTE, START, WAIT
+from fxpar.runtime.recompute import Recompute, known_layers
+from fxpar.runtime.runner import TrainingSteps, check_world, recompute_layers
+from fxpar.stages import is_boundary
+
+__all__ = ["PipelineRunner", "SPLIT_BACKWARD"]
+
+#: whether ``I``/``W`` actions split backward into input and weight gradients (``False``: ``I``
+#: runs the whole backward, ``W`` nothing; for comparisons)
+SPLIT_BACKWARD = True
+
+
+@dataclass(eq=False)
+class _Chunk:
+    """One stage chunk on this rank: its rank graph and what running it needs."""
+
+    index: int
+    gm: fx.GraphModule
+    order: list[str]                 # parameter fqns in placeholder order
+    inputs: list[fx.Node]            # input placeholders in order
+    bindings: Bindings
+    last: bool
+    # per microbatch: (input leaves that need a gradient, outputs, regather)
+    saved: dict[int, tuple] = field(default_factory=dict)
+    # per microbatch after I: what W computes (None: I ran the whole backward)
+    pending_w: dict[int, tuple | None] = field(default_factory=dict)
+    # parameters it uses directly (their gradient accumulates on the leaf)
+    direct: list[str] = field(default_factory=list)
+    # what runs its forward: ``gm``, or a Recompute of it
+    run: object = None
+
+
+class PipelineRunner(TrainingSteps):
+    """This rank's part of a pipeline program (module docstring)."""
+
+    def __init__(self, program, weights=None, *, s_g=1, s_os=1, seed=0, device=None,
+                 bucket_bytes=25 * 2**20, regather=True, recompute=None) -> None:
+        from fxpar.runtime.materialize import local_state
+        from fxpar.runtime.model_state import ModelStates
+        from fxpar.runtime.rng import RNGTracker
+
+        check_world(program.plan, program.mesh)
+        self.program, self.mesh = program, program.mesh
+        self.rank = dist.get_rank()
+        self.device = device or "cpu"
+        self.regather = regather
+        self.schedule = program.schedule
+        mesh, sched = program.mesh, program.schedule
+        self.m = sched.microbatches
+        coord = mesh.coord(self.rank)
+        pp = mesh.axis_names.index("pp")
+        self.pp_rank = coord[pp]
+        sub_axes = tuple(a for a in mesh.axis_names if a != "pp")
+        self._dm = program.device_mesh()
+        sub_dm = self._dm[sub_axes] if len(sub_axes) > 1 else self._dm[sub_axes[0]]
+        self._sub_dm = sub_dm
+        self.tracker = RNGTracker(seed)
+        self.state: dict[str, torch.Tensor] = {}
+        self.chunks: dict[int, _Chunk] = {}
+        layouts: dict[str, tuple] = {}
+        sub_mesh = None
+        for st in program.plan.stages:
+            if st.rank != self.pp_rank:
+                continue
+            sp = program.stage_programs[st.index]
+            sub_mesh = sp.mesh
+            gm = sp.rank_graph(self.rank, self.device)
+            holders = [n for n in gm.graph.find_nodes(op="placeholder") if ir.PARAM in n.meta]
+            for n in holders:
+                f, lay = n.meta[ir.PARAM].fqn, (n.meta[ir.SPECS][0], n.meta[ir.PARAM].shape)
+                if layouts.setdefault(f, lay)[0] != lay[0]:
+                    raise PlanError(f"parameter {f!r} has layout {layouts[f][0]} in one stage "
+                                    f"chunk and {lay[0]} in chunk {st.index} of the same rank")
+            b = Bindings(gm.meta.get(ir.EDGES, {}), sub_mesh, tuple(sp.mesh.coord(self.rank)),
+                         sink=self._sink, tracker=self.tracker)
+            b._device_mesh = sub_dm
+            self.chunks[st.index] = _Chunk(
+                st.index, gm, [n.meta[ir.PARAM].fqn for n in holders],
+                [n for n in gm.graph.find_nodes(op="placeholder") if ir.INPUT in n.meta], b,
+                st.index == len(program.plan.stages) - 1)
+        self.sub_mesh, self.sub_coord = sub_mesh, tuple(sub_mesh.coord(self.rank))
+        #: the layers recomputed in backward, over the whole pipeline (the same on every rank);
+        #: each chunk runs the ones it holds (:mod:`fxpar.runtime.recompute`)
+        known = {lay for st in program.plan.stages for lay in st.layers}
+        for c in self.chunks.values():
+            known |= known_layers(c.gm)
+        self.recompute = recompute_layers(program, recompute, known)
+        for c in self.chunks.values():
+            mine = self.recompute & known_layers(c.gm)
+            c.run = Recompute(c.gm, mine) if mine else c.gm
+        #: boundary values whose layouts differ across a link: their cross-mesh plans
+        self._xm = self._cross_mesh_plans()
+        #: storage spec of every parameter and buffer on this rank (on the stage submesh)
+        self.specs = {f: spec for f, (spec, _) in layouts.items()}
+        #: the bindings of this rank's first chunk: its ``device_mesh`` is the stage submesh's
+        #: (what checkpoints lay DTensors out on)
+        self.bindings = next(iter(self.chunks.values())).bindings
+        model, pre = program.model, ""
+        if getattr(model, "fxpar_wraps_loss", False):
+            model, pre = model.model, "model."
+        local = local_state(model, {f.removeprefix(pre): v for f, v in layouts.items()},
+                            sub_mesh.shape, self.sub_coord, source=weights, seed=seed)
+        infos = {f: i for c in self.chunks.values() for f, i in ir.params(c.gm).items()}
+        for f in layouts:
+            info, t = infos[f], local[f.removeprefix(pre)].to(self.device)
+            trainable = program.training and info.kind == "param" and info.requires_grad
+            self.state[f] = t.requires_grad_(True) if trainable else t
+        self.states = None
+        #: ``I`` actions that left the weight gradients to their ``W`` (the others ran whole)
+        self.split_backwards = 0
+        if not program.training:
+            return
+        if program.optimizer is None:
+            raise FxparError("training needs an optimizer: fxpar.compile(..., optimizer="
+                             "lambda params: torch.optim.AdamW(params, lr=...))")
+        params = {f: t for f, t in self.state.items() if t.requires_grad}
+        groups = {f: program.replica_group(f, self.rank) for f in params}
+        self.states = ModelStates(params, groups, program.optimizer, s_g=s_g, s_os=s_os,
+                                  bucket_bytes=bucket_bytes)
+        # A use through a communication op sends its gradient to the sink per microbatch;
+        # direct uses accumulate on the leaf (``.grad``, in place) over every microbatch and
+        # chunk, handed to the model states once, with the last (:meth:`_direct`).
+        uses = dict.fromkeys(params, 0)
+        #: per parameter: direct-use backward passes per step, and how many ran this step
+        self._direct_n: dict[str, int] = {}
+        self._direct_seen: dict[str, int] = {}
+        for c in self.chunks.values():
+            edges = c.gm.meta.get(ir.EDGES, {})
+            for n in c.gm.graph.find_nodes(op="placeholder"):
+                f = n.meta[ir.PARAM].fqn if ir.PARAM in n.meta else None
+                if f not in params:
+                    continue
+                direct = False
+                for u in n.users:
+                    e = u.args[-3] if u.target in (WAIT, REDISTRIBUTE) else None
+                    if e is not None and edges[e].param == f:
+                        uses[f] += self.m
+                    elif u.target is not START:
+                        direct = True
+                if direct:
+                    c.direct.append(f)
+                    if f not in self._direct_n:
+                        params[f].register_post_accumulate_grad_hook(
+                            lambda p, f=f: self._direct(f))
+                        uses[f] += 1
+                    self._direct_n[f] = self._direct_n.get(f, 0) + self.m
+        for f, k in uses.items():
+            if k:
+                self.states.expect(f, k)
+
+    @property
+    def recomputed(self) -> int:
+        """Recomputed layer forwards run in backward so far, over this rank's chunks."""
+        return sum(c.run.recomputed for c in self.chunks.values() if isinstance(c.run, Recompute))
+
+    def _direct(self, fqn: str) -> None:
+        """One backward pass has accumulated into ``fqn``'s leaf; after the step's last, its
+        ``.grad`` goes to the model states (one hand-off per step, not per microbatch)."""
+        k = self._direct_seen.get(fqn, 0) + 1
+        if k < self._direct_n[fqn]:
+            self._direct_seen[fqn] = k
+            return
+        self._direct_seen[fqn] = 0
+        p = self.state[fqn]
+        self.states.add_grad(fqn, p.grad)
+        p.grad = None
+
+    # -- point to point ----------------------------------------------------------------------
+    def _peer(self, chunk: int) -> int:
+        """Global rank at this rank's submesh coordinate in ``chunk``'s stage."""
+        sub = self.program.stage_programs[chunk].mesh
+        return int(np.asarray(sub.devices).reshape(sub.shape)[self.sub_coord])
+
+    def _tag(self, k: int, i: int, direction: int) -> int:
+        return 2 * (k * self.m + i) + direction
+
+    def _piece(self, t: torch.Tensor, axis: str) -> torch.Tensor:
+        """This rank's ``1/t`` of ``t`` (flat, the last piece zero-padded) for scatter/gather
+        over submesh ``axis``."""
+        a = self.sub_mesh.axis_names.index(axis)
+        n, k = t.numel(), self.sub_mesh.shape[a]
+        size = -(-n // k)
+        flat = t.reshape(-1)
+        c = self.sub_coord[a]
+        piece = flat[c * size:(c + 1) * size]
+        return piece if piece.numel() == size else torch.cat([piece, flat.new_zeros(size - piece.numel())])
+
+    def _send(self, tensors, axes, peer: int, tag: int) -> None:
+        """Send ``tensors`` to ``peer``: whole, or this rank's piece where ``axes`` names the
+        scatter/gather axis (``""``: whole)."""
+        ops = [dist.P2POp(dist.isend, (self._piece(t, ax) if ax else t).contiguous(), peer, tag=tag)
+               for t, ax in zip(tensors, axes or [""] * len(tensors), strict=True)]
+        if ops:
+            self._sends += [(w, ops) for w in dist.batch_isend_irecv(ops)]
+
+    def _recv(self, metas, axes, peer: int, tag: int) -> list[torch.Tensor]:
+        """Receive tensors of ``metas``' shapes from ``peer``; a scattered one arrives as this
+        rank's piece and is all-gathered over its axis (Megatron's scatter/gather)."""
+        axes = axes or [""] * len(metas)
+        bufs = []
+        for v, ax in zip(metas, axes, strict=True):
+            n = v.numel()
+            k = self.sub_mesh.shape[self.sub_mesh.axis_names.index(ax)] if ax else 1
+            bufs.append(torch.empty((-(-n // k),) if ax else tuple(v.shape), dtype=v.dtype,
+                                    device=self.device))
+        ops = [dist.P2POp(dist.irecv, b, peer, tag=tag) for b in bufs]
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
+        out = []
+        for b, v, ax in zip(bufs, metas, axes):
+            if ax:
+                k = self.sub_mesh.shape[self.sub_mesh.axis_names.index(ax)]
+                full = torch.empty(k * b.numel(), dtype=b.dtype, device=self.device)
+                dist.all_gather_into_tensor(full, b, group=self._sub_dm.get_group(ax))
+                b = full[:v.numel()].view(tuple(v.shape))
+            out.append(b)
+        return out
+
+    # -- stage boundaries ----------------------------------------------------------------------
+    def _cross_mesh_plans(self) -> dict[tuple[int, int], tuple]:
+        """``{(link, value): (forward plan, gradient plan)}`` for every boundary value whose
+        layouts differ on the two sides (link ``l``: chunk ``l`` to ``l + 1``), prepared in one
+        order on every rank (making their process groups is collective over the world)."""
+        from fxpar.crossmesh import cross_mesh_plan
+        from fxpar.runtime.crossmesh import prepare_cross_mesh
+
+        st, progs = self.program.plan.stages, self.program.stage_programs
+        plans = {}
+        for l in range(len(st) - 1):
+            a, b = progs[l].mesh, progs[l + 1].mesh
+            vals = {n.name: n.meta[ir.VAL] for n in progs[l].graph.graph.nodes}
+            for j, (name, out, inp) in enumerate(zip(st[l].outputs, st[l].out_specs,
+                                                     st[l + 1].in_specs)):
+                if out == inp:
+                    continue
+                shape, dtype = tuple(vals[name].shape), vals[name].dtype
+                pair = (cross_mesh_plan(a, out, b, inp, shape=shape, dtype=dtype, strategy="send_recv"),
+                        cross_mesh_plan(b, inp, a, out, shape=shape, dtype=dtype, strategy="send_recv"))
+                for pl in pair:
+                    prepare_cross_mesh(pl)
+                plans[l, j] = pair
+        return plans
+
+    def _xtag(self, l: int, i: int, direction: int, j: int) -> int:
+        """A cross-mesh value's tag: above every send/recv tag, one per value."""
+        return 2 * len(self.program.plan.stages) * self.m * (1 + j) + self._tag(l, i, direction)
+
+    def _send_link(self, l: int, i: int, direction: int, tensors, peer: int) -> None:
+        """Send link ``l``'s values (``direction`` 0: chunk ``l``'s outputs forward, 1: their
+        gradients back): equal layouts to ``peer`` (whole or scattered), the others by their
+        cross-mesh plan, without waiting for the receivers."""
+        from fxpar.runtime.crossmesh import cross_mesh_start
+
+        st = self.program.plan.stages[l]
+        plain = [(t, ax) for j, (t, ax) in enumerate(zip(tensors, st.scatter))
+                 if (l, j) not in self._xm]
+        self._send([t for t, _ in plain], [ax for _, ax in plain], peer, self._tag(l, i, direction))
+        for j, t in enumerate(tensors):
+            if (l, j) in self._xm:
+                _, works = cross_mesh_start(self._xm[l, j][direction], t.contiguous(),
+                                            tag=self._xtag(l, i, direction, j))
+                self._sends += [(w, t) for w in works]
+
+    def _recv_link(self, l: int, i: int, direction: int, metas, peer: int) -> list[torch.Tensor]:
+        """Receive what :meth:`_send_link` sent, in value order."""
+        from fxpar.runtime.crossmesh import cross_mesh_start
+
+        st = self.program.plan.stages[l]
+        idx = [j for j in range(len(metas)) if (l, j) not in self._xm]
+        got = dict(zip(idx, self._recv([metas[j] for j in idx], [st.scatter[j] for j in idx],
+                                       peer, self._tag(l, i, direction))))
+        for j in range(len(metas)):
+            if (l, j) in self._xm:
+                got[j], _ = cross_mesh_start(self._xm[l, j][direction], None, device=self.device,
+                                             tag=self._xtag(l, i, direction, j))
+        return [got[j] for j in range(len(metas))]
+
+    # -- actions -----------------------------------------------------------------------------
+    def _boundary_inputs(self, c: _Chunk) -> list[fx.Node]:
+        return [n for n in c.inputs if is_boundary(n.meta[ir.INPUT])]
+
+    def _forward(self, k: int, i: int, batch) -> None:
+        c = self.chunks[k]
+        boundary = self._fwd_in.pop((k, i), [])
+        it = iter(boundary)
+        args, leaves = [], []
+        from fxpar.runtime.redistribute import distribute
+
+        for n in c.inputs:
+            info = n.meta[ir.INPUT]
+            if is_boundary(info):
+                x = next(it)
+                if info.requires_grad:
+                    x = x.detach().requires_grad_(True)
+                    leaves.append(x)
+                args.append(x)
+            elif not info.is_tensor:
+                args.append(info.value)
+            else:
+                j = self.program.user_index(n.name)
+                x = batch[j]
+                mb = x[i * info.shape[0]:(i + 1) * info.shape[0]]
+                args.append(distribute(mb, n.meta[ir.SPECS][0], self.sub_mesh.shape,
+                                       self.sub_coord).to(self.device))
+        from fxpar.runtime.comm import Regather
+
+        with bind(c.bindings):
+            with Regather() if (self.regather and self.states is not None) else \
+                    contextlib.nullcontext() as rg:
+                c.bindings.regather = rg
+                try:
+                    out = c.run(*[self.state[f] for f in c.order], *args)
+                finally:
+                    c.bindings.regather = None
+        out = list(out) if isinstance(out, (tuple, list)) else [out]
+        c.saved[i] = (leaves, out, rg)
+        if c.last:
+            loss = out[0]
+            if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
+                raise FxparError("the compiled model's first output is not a scalar loss; pass "
+                                 "loss_fn=... to fxpar.compile")
+            self._losses.append(loss.detach())
+        elif k + 1 in self.chunks:  # the next chunk runs here too: no transfer
+            self._fwd_in[(k + 1, i)] = [o.detach() for o in out]
+
+    def _backward(self, k: int, i: int, split: bool = False) -> None:
+        """``B`` (``split=False``) or ``I``: the chunk's backward from its output gradients.
+        ``I`` computes only the input gradients and keeps, for ``W``, the gradients that
+        reach the nodes where the weights' paths join the input path (torch.distributed.
+        pipelining's ``stage_backward_input``); with no input needing a gradient (the first
+        chunk) or a weight whose path never joins it, ``I`` runs the whole backward and ``W``
+        has nothing left."""
+        c = self.chunks[k]
+        leaves, out, rg = c.saved.pop(i)
+        if self.states is None:
+            raise FxparError("training steps need a program compiled with training=True")
+        if c.last:
+            tensors, grads = [out[0]], [torch.full_like(out[0], 1.0 / self.m)]
+        else:
+            got = self._bwd_in.pop((k, i))
+            pairs = [(o, g) for o, g in zip(out, got) if isinstance(o, torch.Tensor) and o.requires_grad]
+            tensors, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        weights = [self.state[f] for f in dict.fromkeys(c.order) if self.state[f].requires_grad]
+        with bind(c.bindings):
+            groups = self._split_input(tensors, grads, leaves, weights) if split and leaves else None
+            if groups is None and tensors:
+                torch.autograd.backward(tensors, grads)
+        c.pending_w[i] = (groups, weights, rg) if groups is not None else None
+        self.split_backwards += groups is not None
+        gs = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
+        if k - 1 in self.chunks:
+            # the previous chunk runs here too: its output gradients, in output order
+            prev = self.chunks[k - 1]
+            want = self.program.plan.stages[k - 1].outputs
+            mine = [n.name for n in self._boundary_inputs(c) if n.meta[ir.INPUT].requires_grad]
+            self._bwd_in[(k - 1, i)] = self._align(prev, want, mine, gs, i)
+        else:
+            self._bwd_out[(k, i)] = gs
+
+    @staticmethod
+    def _split_input(tensors, grads, leaves, weights):
+        """Input gradients now (into ``leaves[j].grad``); the weight groups for ``W``, or
+        ``None`` (nothing done) when some weight's path never joins the input path."""
+        from torch.distributed.pipelining._backward import (construct_reverse_graph,
+                                                            get_param_groups,
+                                                            stage_backward_input)
+        from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc as node_of
+
+        outs = [n for n in map(node_of, tensors) if n is not None]
+        rev = construct_reverse_graph(outs)
+        wnodes = [n for n in map(node_of, weights) if n is not None]
+        covered = set().union(*(g["params"] for g in get_param_groups(
+            [n for n in map(node_of, leaves) if n is not None], wnodes, rev))) if wnodes else set()
+        reached = {w for w in wnodes if w in rev}
+        if reached - covered:
+            return None
+        _, groups = stage_backward_input(tensors, grads, leaves, iter(weights))
+        return groups
+
+    def _weight(self, k: int, i: int) -> None:
+        """``W``: the weight gradients ``I`` left (torch's ``stage_backward_weight``): onto the
+        leaves (counted as the leaf hook counts a ``B``), or, for a use through a
+        communication op, to the sink on the way."""
+        from torch.distributed.pipelining._backward import stage_backward_weight
+
+        c = self.chunks[k]
+        if i not in c.pending_w:
+            raise FxparError(f"action {k}W{i}: its {k}I{i} has not run")
+        pending = c.pending_w.pop(i)
+        if pending is None:  # I ran the whole backward
+            return
+        groups, weights, rg = pending
+        with bind(c.bindings):
+            stage_backward_weight(iter(weights), groups)  # into the leaves' .grad (no hooks)
+        for f in c.direct:
+            self._direct(f)
+        del rg
+
+    def _align(self, prev: _Chunk, want, names, grads, i):
+        """The gradients of ``prev``'s outputs (in its output order) from the next chunk's
+        boundary-input gradients (``names``/``grads``); outputs without one get zeros."""
+        by = dict(zip(names, grads))
+        _, outs, _ = prev.saved[i]
+        return [by[nm] if nm in by else torch.zeros_like(o) for nm, o in zip(want, outs)]
+
+    def _run(self, action, batch) -> None:
+        k, i, kind = action.stage, action.microbatch, action.kind
+        st = self.program.plan.stages
+        if kind in ("F", "B", "I", "W"):
+            # random ops (dropout) draw by (step, microbatch, site, shard): the same mask in
+            # a microbatch's forward and its backward, whatever ran in between
+            self.tracker.set_microbatch(i)
+        if kind == "F":
+            self._forward(k, i, batch)
+        elif kind in ("B", "I"):
+            self._backward(k, i, split=kind == "I" and SPLIT_BACKWARD)
+        elif kind == "W":
+            self._weight(k, i)
+        elif kind == "SEND_F":
+            _, out, _ = self.chunks[k].saved[i]
+            self._send_link(k, i, 0, [o.detach() for o in out], self._peer(k + 1))
+        elif kind == "RECV_F":
+            metas = [n.meta[ir.VAL] for n in self._boundary_inputs(self.chunks[k])]
+            self._fwd_in[(k, i)] = self._recv_link(k - 1, i, 0, metas, self._peer(k - 1))
+        elif kind == "SEND_B":
+            c = self.chunks[k]
+            grads = self._bwd_out.pop((k, i))
+            names = [n.name for n in self._boundary_inputs(c) if n.meta[ir.INPUT].requires_grad]
+            # the previous chunk's outputs are this chunk's boundary inputs, in one order
+            by = dict(zip(names, grads))
+            vals = {n.name: n.meta[ir.VAL] for n in self._boundary_inputs(c)}
+            send = [by[nm] if nm in by else torch.zeros(tuple(vals[nm].shape), dtype=vals[nm].dtype)
+                    for nm in st[k - 1].outputs]
+            self._send_link(k - 1, i, 1, send, self._peer(k - 1))
+        elif kind == "RECV_B":
+            self._bwd_in[(k, i)] = self._recv_link(k, i, 1, self._out_metas(self.chunks[k]),
+                                                   self._peer(k + 1))
+        elif kind == "REDUCE_GRAD":
+            pass  # buckets launch as their last contribution arrives; finished after the list
+        else:
+            raise FxparError(f"action {action}: the interpreter does not run {kind!r} yet")
+
+    @staticmethod
+    def _out_metas(c: _Chunk):
+        out = next(iter(c.gm.graph.find_nodes(op="output")))
+        return [a.meta[ir.VAL] for a in out.args[0]]
+
+    # -- steps -------------------------------------------------------------------------------
+    def forward_backward(self, *args, **kwargs) -> torch.Tensor:
+        """Every action of this rank's list on the global batch; gradients reduced, no
+        optimizer step. Returns the loss (mean over microbatches; the same on every rank)."""
+        loss, work = self._schedule(args, kwargs)
+        work.wait()
+        return loss
+
+    def step(self, *args, **kwargs) -> torch.Tensor:
+        """One training step on the global batch: the schedule, gradient reduction, optimizer
+        step; the loss reaches the other stages while the optimizer steps (a rank that
+        finished early does not wait for the last stage first). Returns the detached loss
+        (the same on every rank)."""
+        loss, work = self._schedule(args, kwargs)
+        self.optimizer_step()
+        work.wait()
+        return loss
+
+    def _schedule(self, args, kwargs):
+        """The action list, gradients finished; ``(loss, work)`` of the loss's broadcast from
+        the last stage, in flight."""
+        if self.states is None:
+            raise FxparError("training steps need a program compiled with training=True")
+        batch = self.program.flat_batch(args, kwargs)
+        self._fwd_in, self._bwd_in, self._bwd_out = {}, {}, {}
+        self._losses: list[torch.Tensor] = []
+        self._sends: list = []
+        for action in self.schedule.actions[self.pp_rank]:
+            try:
+                self._run(action, batch)
+            except FxparError:
+                raise
+            except Exception as e:
+                e.add_note(f"fxpar: while running action {action} on rank {self.rank} "
+                           f"(pipeline rank {self.pp_rank})")
+                raise
+        for w, _ in self._sends:
+            w.wait()
+        self._sends.clear()
+        self.states.finish_backward()
+        self.tracker.next_step()
+        loss = torch.stack(self._losses).mean() if self._losses else torch.zeros(())
+        loss = loss.to(torch.float32).contiguous()
+        return loss, dist.broadcast(loss, src=self.program.loss_rank(), async_op=True)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """As :meth:`fxpar.runtime.runner.Runner.clip_grad_norm_`, over every stage (a tied
+        parameter's copies are one replica group, counted once). Collective."""
+        from fxpar.runtime.runner import clip_grad_norm
+
+        replica: dict[str, tuple[str, ...]] = {}
+        for st, sp in zip(self.program.plan.stages, self.program.stage_programs):
+            if st.rank == self.pp_rank:
+                for f, axes in sp.distributed_graph.meta.get(ir.REPLICA_AXES, {}).items():
+                    replica[f] = tuple(dict.fromkeys(replica.get(f, ()) + tuple(axes)))
+        return clip_grad_norm(self.states, self.specs, self.sub_mesh, replica, max_norm,
+                              norm_type, self.device)
+

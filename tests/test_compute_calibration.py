@@ -1,0 +1,149 @@
+"""Compute calibration: the fitting and lookup functions against hand-computed values, the
+measured :class:`ComputeProfile` in the cluster JSON, ``op_time`` on a calibrated cluster, and
+``Cluster.calibrate`` measuring compute on a live 2-rank gloo group."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import fxpar
+from fxpar import Cluster, ClusterError
+from fxpar.cluster import ComputeProfile
+from fxpar.cost.calibration import interp_loglog, median_of_max, rate_points
+from fxpar.cost.compute import OpCost, ZERO, calibrated_time, op_time, roofline_time
+
+PROF = ComputeProfile(gemm=((2e3, 1e9), (2e5, 1e10), (2e7, 4e10)),
+                      memory=((1e4, 4e10), (1e8, 1e10)),
+                      op_overhead=4e-6, bwd_op_overhead=1.5e-5, dispatch=2e-6, ranks=2)
+
+
+# -- pure helpers ------------------------------------------------------------------------------
+def test_rate_points_remove_dispatch_at_most_three_quarters():
+    # t = 12 µs, dispatch 2 µs: kernel 10 µs -> 2e5 / 1e-5 = 2e10; t = 2 µs: only t/4 is kept.
+    pts = rate_points([2e5, 1e3], [12e-6, 2e-6], dispatch=2e-6)
+    assert pts[0] == (1e3, pytest.approx(1e3 / 0.5e-6))
+    assert pts[1] == (2e5, pytest.approx(2e10))
+    with pytest.raises(ValueError, match="not a measurement"):
+        rate_points([1.0], [0.0])
+    with pytest.raises(ValueError, match="2 work sizes but 1 times"):
+        rate_points([1.0, 2.0], [1.0])
+
+
+def test_interp_loglog_between_and_outside():
+    pts = ((1e3, 1e9), (1e5, 1e11))
+    assert interp_loglog(pts, 1e4) == pytest.approx(1e10)          # geometric midpoint
+    assert interp_loglog(pts, 10 ** 3.5) == pytest.approx(10 ** 9.5)
+    assert interp_loglog(pts, 1.0) == 1e9 and interp_loglog(pts, 1e12) == 1e11  # held at the ends
+    # a falling segment is followed too (not forced monotone)
+    assert interp_loglog(((1.0, 8.0), (4.0, 2.0)), 2.0) == pytest.approx(4.0)
+
+
+def test_median_of_max():
+    # runs x ranks: maxima 5, 4, 7, 1 -> median 4.5
+    assert median_of_max([[5, 1], [2, 4], [7, 7], [1, 0]]) == 4.5
+
+
+# -- pricing -----------------------------------------------------------------------------------
+def test_calibrated_time_closed_form():
+    # GEMM of 2e4 FLOPs: rate sqrt(1e9·1e10) (log-midpoint of 2e3 and 2e5) = 3.1623e9
+    assert calibrated_time(2e4, 0, PROF) == pytest.approx(2e4 / math.sqrt(1e19))
+    # bytes bound: 1e6 B at log-midpoint of (1e4, 4e10), (1e8, 1e10) -> 2e10 B/s
+    assert calibrated_time(1.0, 1e6, PROF, gemm=False) == pytest.approx(1e6 / 2e10)
+    # max of the two
+    assert calibrated_time(2e7, 1e4, PROF) == pytest.approx(2e7 / 4e10)
+
+
+def test_op_time_on_calibrated_cluster():
+    c = Cluster.local(2, compute=PROF)
+    mm = OpCost(fwd_flops=2e5, bwd_flops=4e5, fwd_bytes=0, bwd_bytes=0, kind="matmul")
+    f, b = op_time(mm, c)
+    # forward: 2e5 / 1e10 + 4 µs; backward: two GEMMs of the forward's size at 1e10 + 15 µs
+    assert f == pytest.approx(2e-5 + 4e-6) and b == pytest.approx(4e-5 + 1.5e-5)
+    # an elementwise op: bytes only, at the memory curve (1e4 B -> 4e10 B/s)
+    gelu = OpCost(1e3, 1e3, 1e4, 1e4, "pointwise")
+    f, b = op_time(gelu, c)
+    assert f == pytest.approx(1e4 / 4e10 + 4e-6) and b == pytest.approx(1e4 / 4e10 + 1.5e-5)
+    assert op_time(ZERO, c) == (pytest.approx(4e-6), 0.0)
+    # efficiency arguments do not apply to measured numbers
+    assert op_time(mm, c, 0.1, 0.1) == op_time(mm, c)
+
+
+def test_uncalibrated_op_time_is_the_roofline():
+    c = Cluster.local(2)
+    assert c.compute is None
+    mm = OpCost(2e9, 4e9, 1e6, 2e6, "matmul")
+    assert op_time(mm, c) == (roofline_time(2e9, 1e6, c), roofline_time(4e9, 2e6, c))
+    assert op_time(ZERO, c) == (0.0, 0.0)
+
+
+# -- JSON ----------------------------------------------------------------------------------
+def test_json_round_trip_with_compute():
+    c = Cluster.local(4, compute=PROF)
+    back = Cluster.from_json(c.to_json())
+    assert back == c and back.compute == PROF and hash(back) == hash(c)
+    assert json.loads(c.to_json())["compute"]["op_overhead"] == 4e-6
+    assert "compute measured" in c.describe()
+
+
+def test_old_json_without_compute_loads_and_is_unchanged():
+    d = Cluster.local(2).to_dict()
+    assert "compute" not in d                       # an uncalibrated cluster writes what it did
+    old = json.dumps(d)
+    c = Cluster.from_json(old)
+    assert c.compute is None and c.to_json() == Cluster.from_json(c.to_json()).to_json()
+
+
+@pytest.mark.parametrize("bad, msg", [
+    (dict(gemm=()), "gemm"), (dict(memory=((1.0, -1.0),)), "memory"),
+    (dict(op_overhead=float("nan")), "op_overhead")])
+def test_bad_profiles_are_refused(bad, msg):
+    kw = dict(gemm=PROF.gemm, memory=PROF.memory, op_overhead=1e-6, bwd_op_overhead=1e-6)
+    with pytest.raises(ClusterError, match=msg):
+        ComputeProfile(**{**kw, **bad})
+    with pytest.raises(ClusterError, match="compute profile"):
+        Cluster.from_dict({**Cluster.local(2).to_dict(), "compute": {"gemm": []}})
+
+
+# -- live calibration ------------------------------------------------------------------------
+def _calibrate_tiny():
+    base = Cluster.local(2, device_memory=2**30)
+    return base.calibrate(sizes=(2**12,), collectives=("all_reduce",), iters=3,
+                          gemm_sizes=(8, 32, 128), memory_sizes=(2**10, 2**14, 2**20),
+                          min_time=5e-4)
+
+
+@pytest.mark.timeout(180)
+def test_calibrate_measures_compute_on_two_ranks(pools):
+    clusters = pools(2).run(_calibrate_tiny, timeout=150)
+    c = clusters[0]
+    assert clusters[1] == c, "ranks must agree on the calibrated cluster"
+    assert c.device_memory == 2**30              # called on an instance: that cluster is the base
+    p = c.compute
+    assert p is not None and p.ranks == 2
+    assert [w for w, _ in p.gemm] == [2.0 * 8**3, 2.0 * 32**3, 2.0 * 128**3]
+    rates = [r for _, r in p.gemm]
+    assert all(math.isfinite(r) and 1e6 < r < 1e13 for r in rates), rates
+    # a 128³ GEMM runs well above the rate of an 8³ one (launch-bound): the curve rises
+    assert rates[-1] > 2 * rates[0], rates
+    assert all(math.isfinite(r) and 1e6 < r < 1e13 for _, r in p.memory), p.memory
+    assert 0 < p.dispatch < 1e-3 and 0 < p.op_overhead < 1e-3 and 0 < p.bwd_op_overhead < 1e-3
+    assert c.peak_flops == max(rates) and c.memory_bandwidth == p.memory[-1][1]
+    assert Cluster.from_json(c.to_json()) == c
+
+    # planning with it prices compute by the measured curves: a different step time, and a
+    # GEMM node's forward time is exactly the calibrated formula on its local shapes
+    from examples.models import MLP
+
+    model = MLP(64, 256)
+    x = torch.randn(32, 64)
+    before = fxpar.plan(model, Cluster.local(2), (x,), mesh={"dp": 2}, plan="dp").plan
+    after = fxpar.plan(model, c, (x,), mesh={"dp": 2}, plan="dp").plan
+    assert after.compute != before.compute and after.time != before.time
+    fc1 = next(n for n in after.nodes if n.op == "linear")
+    flops = 2.0 * 16 * 64 * 256                   # local batch 16 of 32 on dp=2
+    nbytes = 4.0 * (16 * 64 + 256 * 64 + 256 + 16 * 256)
+    assert fc1.fwd_time == pytest.approx(calibrated_time(flops, nbytes, p) + p.op_overhead)

@@ -1,0 +1,309 @@
+"""The pipeline simulator (issue #10 item 5): exact closed forms from the papers, hand-derived
+timelines, memory, and the Chrome trace.
+
+Oracles: Megatron-LM §2.2 (bubble ``(p−1)/m`` and ``(p−1)/(v·m)``), the zero-bubble paper's
+ZB-H1 bubble ``(p−1)(t_f + t_i − t_w)``, timelines worked out by hand in the docstrings, and
+``fxpar.cost.pipeline`` (closed forms and a compute-only simulator written separately).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+import fxpar
+from fxpar.cost import pipeline as cp
+from fxpar.errors import ScheduleError
+from fxpar.schedule import Action, Schedule
+from fxpar.sim import SimResult, simulate
+
+
+# ---------------------------------------------------------------------------------------------
+# exact bubbles with equal stages and free transfers
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "eager-1f1b"])
+@pytest.mark.parametrize("tf,tb", [(1.0, 2.0), (0.7, 1.3)])
+def test_bubble_one_chunk(name, tf, tb):
+    """Megatron §2.2.1: bubble ``(p−1)/m``, step ``(m+p−1)(t_f+t_b)`` (eager-1F1B: the same
+    with free transfers, cross-mesh paper §4)."""
+    for p in range(1, 9):
+        for m in range(1, 17):
+            r = simulate(Schedule.build(name, stages=p, microbatches=m), fwd=tf, bwd=tb)
+            assert r.bubble_fraction == pytest.approx((p - 1) / m, abs=1e-9), (p, m)
+            assert r.step_time == pytest.approx((m + p - 1) * (tf + tb), abs=1e-9)
+            assert r.busy == pytest.approx([m * (tf + tb)] * p)
+
+
+@pytest.mark.parametrize("v", [1, 2, 4])
+def test_bubble_interleaved(v):
+    """Megatron §2.2.2: with per-chunk times ``t_f``, ``t_b`` a rank computes ``m·v(t_f+t_b)``
+    and the bubble is ``(p−1)(t_f+t_b)``: fraction ``(p−1)/(v·m)``."""
+    tf, tb = 0.5, 1.25
+    for p in range(1, 9):
+        for m in range(p, 17, p):
+            r = simulate(Schedule.build("interleaved", stages=p, microbatches=m, chunks=v), tf, tb)
+            assert r.bubble_fraction == pytest.approx((p - 1) / (v * m), abs=1e-9), (p, m, v)
+            assert r.bubble_fraction == pytest.approx(cp.bubble_fraction("interleaved", p, m, v), abs=1e-9)
+            assert r.step_time == pytest.approx((m * v + p - 1) * (tf + tb), abs=1e-9)
+
+
+def test_public_api_example():
+    sched = fxpar.Schedule.build("1f1b", stages=4, microbatches=8)
+    res = fxpar.simulate(sched, fwd=1.0, bwd=2.0)
+    assert isinstance(res, fxpar.SimResult)
+    assert res.step_time == pytest.approx(33.0) and res.bubble_fraction == pytest.approx(3 / 8)
+
+
+def test_matches_cost_model_simulator_unequal_stages():
+    """Random per-chunk times, no communication: same step time and busy time as
+    ``fxpar.cost.pipeline.simulate`` (its own compute-only event loop)."""
+    rng = random.Random(0)
+    for name, p, m, v in [("gpipe", 3, 5, 1), ("1f1b", 4, 7, 1), ("1f1b", 5, 3, 1),
+                          ("eager-1f1b", 4, 6, 1), ("interleaved", 2, 4, 2), ("interleaved", 3, 6, 3),
+                          ("interleaved", 4, 8, 2)]:
+        for _ in range(3):
+            f = [rng.uniform(0.5, 2.0) for _ in range(p * v)]
+            b = [rng.uniform(0.5, 4.0) for _ in range(p * v)]
+            r = simulate(Schedule.build(name, p, m, v), fwd=f, bwd=b)
+            ref = cp.simulate(name.replace("-", "_"), f, b, m, v=v, per_chunk=True)
+            assert r.step_time == pytest.approx(ref.step_time, rel=1e-12), (name, p, m, v)
+            assert r.busy == pytest.approx(ref.busy, rel=1e-12)
+            assert r.bubble_fraction == pytest.approx(ref.bubble_fraction, rel=1e-9, abs=1e-12)
+
+
+def test_unbalanced_gpipe_closed_form():
+    """GPipe, one slow stage (forwards and backwards both slowest on stage 2): the step is
+    ``Σ_s(f_s+b_s) + (m−1)(f_max+b_max)``; the bubble is relative to the slowest rank."""
+    f = [1.0, 1.0, 3.0, 1.0]
+    b = [2.0, 2.0, 5.0, 2.0]
+    m = 6
+    r = simulate(Schedule.build("gpipe", 4, m), fwd=f, bwd=b)
+    assert r.step_time == pytest.approx(sum(f) + sum(b) + (m - 1) * 8.0)
+    assert r.busy == pytest.approx([m * (x + y) for x, y in zip(f, b)])
+    assert r.bubble_fraction == pytest.approx(r.step_time / (m * 8.0) - 1)
+
+
+def test_callable_times():
+    """``fwd``/``bwd`` as ``callable(chunk, microbatch)``: microbatch 0 twice as slow on every
+    stage of a GPipe pipeline with p=2, m=2. Rank 0: F0 [0,2], F1 [2,3]; rank 1: F0 [2,4],
+    F1 [4,5], B0 [5,9], B1 [9,11]; rank 0: B0 [9,13], B1 [13,15]."""
+    r = simulate(Schedule.build("gpipe", 2, 2), fwd=lambda k, i: 2.0 if i == 0 else 1.0,
+                 bwd=lambda k, i: 4.0 if i == 0 else 2.0)
+    assert r.step_time == pytest.approx(15.0)
+    got = {(e.name): (e.start, e.end) for e in r.events if e.lane == "compute"}
+    assert got["1B0"] == (5.0, 9.0) and got["0B1"] == (13.0, 15.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# communication
+# ---------------------------------------------------------------------------------------------
+def test_gpipe_with_transfers_closed_form():
+    """GPipe, equal stages, transfers of ``c ≤ t_f`` seconds: the first microbatch crosses
+    ``p−1`` boundaries forward and ``p−1`` back, so the step is ``(m+p−1)(t_f+t_b) + 2(p−1)c``."""
+    for p in (2, 3, 4):
+        for m in (1, 3, 8):
+            for c in (0.25, 0.5, 1.0):
+                r = simulate(Schedule.build("gpipe", p, m), fwd=1.0, bwd=2.0, comm=c)
+                assert r.step_time == pytest.approx((m + p - 1) * 3.0 + 2 * (p - 1) * c)
+
+
+def test_eager_1f1b_hand_derived():
+    """p=2, m=3, t_f=1, t_b=2, every transfer 1 s.
+
+    1F1B: rank 0 runs F0 F1 B0 F2 B1 B2, rank 1 runs F0 B0 F1 B1 F2 B2. F0 [0,1] arrives at 2,
+    rank 1 F0 [2,3] B0 [3,5], its gradient arrives at 6; rank 0 B0 [6,8], only then F2 [8,9],
+    which arrives at 10: rank 1 idles from 8 (end of B1) to 10, F2 [10,11] B2 [11,13], gradient
+    at 14, rank 0 B2 [14,16]. Step 16: each round trip sits on the critical path.
+
+    Eager-1F1B: rank 0 runs min(m, 2·2−1) = 3 forwards first, F2 [2,3] is sent at [3,4], long
+    before rank 1 needs it (at 8): rank 1 runs F0 [2,3] B0 [3,5] F1 [5,6] B1 [6,8] F2 [8,9]
+    B2 [9,11] without a gap, gradient at 12, rank 0 B2 [12,14]. Step 14.
+
+    With free transfers both take (m+p−1)(t_f+t_b) = 12."""
+    base = simulate(Schedule.build("1f1b", 2, 3), fwd=1.0, bwd=2.0, comm=1.0)
+    eager = simulate(Schedule.build("eager-1f1b", 2, 3), fwd=1.0, bwd=2.0, comm=1.0)
+    assert base.step_time == pytest.approx(16.0)
+    assert eager.step_time == pytest.approx(14.0)
+    for name in ("1f1b", "eager-1f1b"):
+        assert simulate(Schedule.build(name, 2, 3), 1.0, 2.0).step_time == pytest.approx(12.0)
+    ev = {e.name: (e.start, e.end) for e in eager.events if e.rank == 1 and e.lane == "compute"}
+    assert ev["1F2"] == (8.0, 9.0) and ev["1B2"] == (9.0, 11.0)
+
+
+def test_eager_1f1b_vs_1f1b_sweep():
+    """Equal step time without transfers; strictly faster with them once the warm-ups differ
+    (m ≥ 3: for m ≤ 2 both schedules run the same order)."""
+    for p in range(2, 6):
+        for m in (1, 2, 3, 4, 8, 13):
+            a, b = (Schedule.build(n, p, m) for n in ("1f1b", "eager-1f1b"))
+            assert simulate(a, 1.0, 2.0).step_time == pytest.approx(simulate(b, 1.0, 2.0).step_time)
+            for c in (0.1, 0.5, 1.0):
+                ta = simulate(a, 1.0, 2.0, comm=c).step_time
+                tb = simulate(b, 1.0, 2.0, comm=c).step_time
+                if m >= 3:
+                    assert tb < ta - 1e-9, (p, m, c, ta, tb)
+                else:
+                    assert tb == pytest.approx(ta)
+
+
+def test_sends_serialize_on_the_comm_lane():
+    """Interleaved p=2, v=2, m=2 with 3-second transfers and 1-second forwards: rank 0's
+    sends 0SEND_F0 and 0SEND_F1 leave one after the other on its comm lane ([1,4], [4,7]),
+    so microbatch 1 reaches chunk 1 at 7, not 5."""
+    r = simulate(Schedule.build("interleaved", 2, 2, 2), fwd=1.0, bwd=2.0, comm=3.0)
+    ev = {e.name: (e.start, e.end) for e in r.events}
+    assert ev["0SEND_F0"] == (1.0, 4.0) and ev["0SEND_F1"] == (4.0, 7.0)
+    assert ev["1RECV_F1"] == (7.0, 7.0)
+    assert ev["1F1"][0] == 7.0
+
+
+def test_comm_callable_and_causality():
+    """Transfer time per send action; every receive completes no earlier than its send ends and
+    every compute action starts after its inputs."""
+    s = Schedule.build("interleaved", 4, 8, 2)
+    r = simulate(s, fwd=1.0, bwd=2.0, comm=lambda a: 0.3 if a.kind == "SEND_F" else 0.6)
+    ev = {(e.rank, e.name): e for e in r.events}
+    for (rank, name), e in ev.items():
+        a = Action.parse(name)
+        if a.is_send:
+            assert e.end - e.start == pytest.approx(0.3 if a.kind == "SEND_F" else 0.6)
+        if a.is_recv:
+            send = ev[(s.peer_rank(a), str(a.matching()))]
+            assert e.end >= send.end - 1e-12
+        if a.kind == "F" and a.stage > 0:
+            assert e.start >= ev[(rank, f"{a.stage}RECV_F{a.microbatch}")].end - 1e-12
+    for rank in range(4):
+        comp = sorted((e for e in r.events if e.rank == rank and e.lane == "compute"), key=lambda e: e.start)
+        assert all(x.end <= y.start + 1e-12 for x, y in zip(comp, comp[1:]))
+        assert [e.name for e in comp] == [str(a) for a in s.compute_only()[rank]]
+
+
+def test_reduce_grad_on_comm_lane():
+    r = simulate(Schedule.build("1f1b", 2, 2), fwd=1.0, bwd=2.0, reduce=5.0)
+    ev = {e.name: e for e in r.events}
+    assert ev["0REDUCE_GRAD"].start == ev["0B1"].end and ev["0REDUCE_GRAD"].lane == "comm"
+    assert r.step_time == pytest.approx(ev["0B1"].end + 5.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# zero bubble
+# ---------------------------------------------------------------------------------------------
+def test_zb_h1_closed_form():
+    """Zero-bubble paper: ZB-H1's bubble is ``(p−1)(t_f + t_i − t_w)`` against 1F1B's
+    ``(p−1)(t_f + t_i + t_w)`` (``t_i + t_w = t_b``), for ``m ≥ p`` and ``t_w ≤ t_f``."""
+    for p in range(1, 8):
+        for m in range(p, 17):
+            for tf, tb, tw in [(1.0, 2.0, 1.0), (1.0, 2.0, 0.5), (2.0, 3.0, 1.0)]:
+                r = simulate(Schedule.build("zb-h1", p, m), fwd=tf, bwd=tb, wgrad=tw)
+                ti = tb - tw
+                assert r.step_time == pytest.approx(m * (tf + tb) + (p - 1) * (tf + ti - tw)), (p, m, tf, tb, tw)
+
+
+def test_zb_h1_bubble_below_1f1b():
+    for p in range(2, 7):
+        for m in (1, 2, p, 2 * p + 1):
+            base = simulate(Schedule.build("1f1b", p, m), 1.0, 2.0)
+            zb = simulate(Schedule.build("zb-h1", p, m), 1.0, 2.0)            # W = bwd/2
+            assert zb.bubble_fraction < base.bubble_fraction - 1e-9
+            assert zb.busy == pytest.approx(base.busy)
+            # W free: nothing to move into the bubble
+            zb0 = simulate(Schedule.build("zb-h1", p, m), 1.0, 2.0, wgrad=0.0)
+            assert zb0.step_time == pytest.approx(base.step_time)
+            # the default W is bwd/2
+            zb_half = simulate(Schedule.build("zb-h1", p, m), 1.0, 2.0, wgrad=1.0)
+            assert zb_half.step_time == pytest.approx(zb.step_time)
+
+
+# ---------------------------------------------------------------------------------------------
+# memory
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "eager-1f1b"])
+def test_peak_memory_one_chunk(name):
+    """Activations in flight: GPipe ``m``, 1F1B ``min(m, p−r)`` (rank 0: ``p``), eager-1F1B
+    ``min(m, 2(p−r)−1)`` microbatches (``fxpar.cost.pipeline.warmup_forwards``)."""
+    a, st = 3.0, 10.0
+    for p in range(1, 7):
+        for m in range(1, 13):
+            r = simulate(Schedule.build(name, p, m), act_bytes=a, static_bytes=st)
+            want = [m if name == "gpipe" else min(m, p - s) if name == "1f1b" else min(m, 2 * (p - s) - 1)
+                    for s in range(p)]
+            assert r.peak_memory == pytest.approx([st + a * w for w in want]), (p, m)
+            assert want == [cp.in_flight_microbatches(name.replace("-", "_"), s, p, m) for s in range(p)]
+
+
+def test_peak_memory_1f1b_rank0_and_gpipe():
+    r = simulate(Schedule.build("1f1b", 4, 8), act_bytes=2.5)
+    assert r.peak_memory[0] == pytest.approx(4 * 2.5)
+    g = simulate(Schedule.build("gpipe", 4, 8), act_bytes=2.5)
+    assert g.peak_memory == pytest.approx([8 * 2.5] * 4)
+
+
+def test_peak_memory_interleaved_and_zb():
+    """Interleaved: chunk activations in flight = Megatron's warm-up + 1 (cost.pipeline's count),
+    each chunk holding its own bytes; ZB-H1: a microbatch lives until its W, at most ``min(m,p)``
+    per rank, so the largest rank peak equals 1F1B's."""
+    for p, m, v in [(2, 4, 2), (4, 8, 2), (3, 6, 3), (4, 4, 4)]:
+        r = simulate(Schedule.build("interleaved", p, m, v), act_bytes=1.0)
+        assert r.peak_memory == pytest.approx([cp.warmup_forwards("interleaved", s, p, m, v) for s in range(p)])
+    for p in range(1, 7):
+        for m in range(1, 13):
+            zb = simulate(Schedule.build("zb-h1", p, m), act_bytes=1.0).peak_memory
+            ref = simulate(Schedule.build("1f1b", p, m), act_bytes=1.0).peak_memory
+            assert zb == pytest.approx([min(m, p)] * p) and max(zb) == max(ref)
+
+
+def test_per_rank_static_and_per_chunk_activations():
+    s = Schedule.build("interleaved", 2, 2, 2)     # rank 0 holds chunks 0 and 2
+    r = simulate(s, act_bytes=[1.0, 0.0, 10.0, 0.0], static_bytes=[100.0, 200.0])
+    # rank 0 runs 0F0 0F1 2F0 2F1 before any backward: 2·1 + 2·10
+    assert r.peak_memory == pytest.approx([122.0, 200.0])
+
+
+# ---------------------------------------------------------------------------------------------
+# trace and errors
+# ---------------------------------------------------------------------------------------------
+def test_chrome_trace(tmp_path):
+    s = Schedule.build("interleaved", 4, 4, 2)
+    res = simulate(s, fwd=1.0, bwd=2.0, comm=0.1)
+    path = tmp_path / "trace.json"
+    d = res.to_chrome_trace(str(path))
+    loaded = json.loads(path.read_text())
+    assert loaded == json.loads(json.dumps(d))
+    ev = loaded["traceEvents"]
+    xs = [e for e in ev if e["ph"] == "X"]
+    assert {e["pid"] for e in xs} == {0, 1, 2, 3}
+    names = {e["pid"]: e["args"]["name"] for e in ev if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {r: f"rank {r}" for r in range(4)}
+    assert {e["tid"] for e in xs} == {"compute", "comm"}
+    assert sorted(e["name"] for e in xs) == sorted(str(a) for acts in s.actions.values() for a in acts)
+    for e in xs:
+        a = Action.parse(e["name"])
+        assert e["pid"] == s.rank_of(a.stage)
+        assert e["tid"] == ("compute" if a.is_compute else "comm")
+        assert e["dur"] >= 0 and e["ts"] >= 0
+    assert max(e["ts"] + e["dur"] for e in xs) == pytest.approx(res.step_time * 1e6)
+
+
+def test_result_is_frozen_and_consistent():
+    r = simulate(Schedule.build("1f1b", 3, 4), 1.0, 2.0)
+    with pytest.raises(AttributeError):
+        r.step_time = 0.0
+    assert r.idle == pytest.approx([r.step_time - b for b in r.busy])
+    assert r.ideal == pytest.approx(max(r.busy))
+    assert isinstance(r, SimResult) and len(r.events) == sum(len(a) for a in Schedule.build("1f1b", 3, 4).actions.values())
+
+
+def test_bad_inputs():
+    s = Schedule.build("1f1b", 2, 2)
+    with pytest.raises(ScheduleError, match="fwd: 3 entries"):
+        simulate(s, fwd=[1.0, 1.0, 1.0])
+    with pytest.raises(ScheduleError, match="static_bytes"):
+        simulate(s, static_bytes=[1.0])
+    with pytest.raises(ScheduleError, match="wgrad"):
+        simulate(Schedule.build("zb-h1", 2, 2), fwd=1.0, bwd=2.0, wgrad=3.0)
+    with pytest.raises(ScheduleError, match="fxpar.Schedule"):
+        simulate({0: []})
+    with pytest.raises(ScheduleError, match="fwd"):
+        simulate(s, fwd="fast")
