@@ -37,8 +37,16 @@ class WorkerError(FxparError):
 
 def _worker_main(rank: int, world: int, store_path: str, backend: str, tasks, results,
                  pg_timeout_s: float) -> None:
+    import faulthandler
+
     import torch
     import torch.distributed as dist
+
+    # A rank killed by a signal answers nothing: its stderr (C++ aborts) and a faulthandler
+    # dump of its Python stacks go to a file the pool quotes when it reports the death.
+    err = open(_stderr_path(store_path, rank), "ab", buffering=0)
+    os.dup2(err.fileno(), 2)
+    faulthandler.enable(err, all_threads=True)
 
     # Ranks share 2 cores on CI: one intra-op thread each keeps them from thrashing.
     torch.set_num_threads(1)
@@ -64,6 +72,20 @@ def _worker_main(rank: int, world: int, store_path: str, backend: str, tasks, re
     dist.destroy_process_group()
 
 
+def _stderr_path(store_path: str, rank: int) -> str:
+    return f"{store_path}.rank{rank}.stderr"
+
+
+def _tail(path: str, n: int = 4000) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - n))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
 class WorkerPool:
     """``world_size`` spawned ranks in one process group (gloo by default)."""
 
@@ -82,7 +104,7 @@ class WorkerPool:
 
         ctx = mp.get_context("spawn")
         self._tmp = tempfile.TemporaryDirectory(prefix="fxpar-pool-")
-        store = os.path.join(self._tmp.name, "store")
+        self._store = store = os.path.join(self._tmp.name, "store")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._procs = [
@@ -141,8 +163,10 @@ class WorkerPool:
                 code = p.exitcode
                 how = (f"killed by {signal.Signals(-code).name}" if code < 0
                        else f"exited with code {code}")
+                tail = _tail(_stderr_path(self._store, r)).strip()
                 out[r] = (f"rank {r}'s process {how} without answering "
-                          "(SIGKILL is what the kernel's out-of-memory killer sends)")
+                          "(SIGKILL is what the kernel's out-of-memory killer sends)"
+                          + (f"; the end of its stderr:\n{tail}" if tail else ""))
         return out
 
     # -- work ---------------------------------------------------------------------------

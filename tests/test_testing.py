@@ -54,6 +54,27 @@ def _die_on_one():
     dist.barrier()
 
 
+def _abort_on_one():
+    import os
+    import sys
+    if dist.get_rank() == 1:
+        sys.stderr.write("terminate called: a C++ enforce failed\n")
+        sys.stderr.flush()
+        os.abort()  # what a C++ exception escaping a gloo thread does
+    dist.barrier()
+
+
+@pytest.mark.timeout(120)
+def test_aborted_rank_quotes_its_stderr(pools):
+    """An abort leaves no Python traceback; the report quotes what the rank wrote to stderr
+    and faulthandler's dump of its Python stack."""
+    pool = pools(3)
+    with pytest.raises(WorkerError, match=r"(?s)killed by SIGABRT.*C\+\+ enforce failed"
+                       r".*_abort_on_one"):
+        pool.run(_abort_on_one, grace=1.0, timeout=60)
+    assert pool.run(_allreduce_rank)[2] == (2, 3.0)
+
+
 @pytest.mark.timeout(120)
 def test_killed_rank_is_named_with_its_signal(pools):
     """A rank that dies answers nothing; the error says which one and how (not only the
