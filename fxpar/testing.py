@@ -8,8 +8,9 @@ Starting a process and importing torch costs seconds, so tests keep ``N`` spawne
 ...     pool.run(my_module_level_fn, 3)            # -> [result of rank 0, ..., rank 3]
 
 ``fn`` must be picklable (a module-level function). Every call has a deadline: if a rank
-raises, the others get a short grace period and then the pool is torn down and the error is
-re-raised with every rank's traceback; if the deadline passes (a hung collective), the ranks
+raises, the others get a short grace period and the error is re-raised with every rank's
+traceback; unless every rank raised the same exception, the pool is torn down (a collective
+may be half done); if the deadline passes (a hung collective), the ranks
 are killed and :class:`fxpar.CollectiveTimeoutError` is raised. A torn-down pool restarts on
 its next call, so one hang fails one test, never the suite.
 """
@@ -84,6 +85,13 @@ def _tail(path: str, n: int = 4000) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
+
+
+def _same_error(tracebacks, ok) -> bool:
+    """Did every rank raise, and the same exception (its last line)? Then they stopped at the
+    same point and the process group is in step."""
+    last = {tb.strip().splitlines()[-1] if tb.strip() else "" for tb in tracebacks}
+    return not ok and len(last) == 1
 
 
 class WorkerPool:
@@ -209,8 +217,11 @@ class WorkerPool:
                 continue  # a late answer from a call that already failed
             (out.__setitem__ if kind == "ok" else errors.__setitem__)(rank, payload)
         if errors:
-            if len(errors) + len(out) < self.world_size:
-                self.close(force=True)  # the silent ranks may be stuck in a collective
+            if len(errors) + len(out) < self.world_size or not _same_error(errors.values(), out):
+                # silent ranks may be stuck in a collective; ranks that ended differently may
+                # have left one half done, which a later call's collective would be matched
+                # with (gloo aborts on a message of the wrong size): start afresh next call
+                self.close(force=True)
             raise WorkerError(f"{name} raised on ranks {sorted(errors)}:\n" +
                               "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
         return [out[r] for r in range(self.world_size)]

@@ -83,3 +83,19 @@ def test_killed_rank_is_named_with_its_signal(pools):
     with pytest.raises(WorkerError, match=r"rank 1's process killed by SIGKILL"):
         pool.run(_die_on_one, grace=1.0, timeout=60)
     assert pool.run(_allreduce_rank)[1] == (1, 3.0)
+
+
+def _half_done():
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1 stops before the collective")
+    dist.all_reduce(torch.ones(1000), async_op=True)  # left in flight: rank 1 never joins
+
+
+@pytest.mark.timeout(120)
+def test_ranks_that_ended_differently_get_a_fresh_pool(pools):
+    """Ranks 0 and 2 leave an all-reduce in flight that rank 1 never joined; kept, the pool
+    would match it with the next call's all-reduce (gloo aborts on the size mismatch)."""
+    pool = pools(3)
+    with pytest.raises(WorkerError, match=r"ranks \[1\][\s\S]*stops before"):
+        pool.run(_half_done, grace=1.0, timeout=60)
+    assert pool.run(_allreduce_rank) == [(0, 3.0), (1, 3.0), (2, 3.0)]
