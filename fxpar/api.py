@@ -227,7 +227,8 @@ def _multi_node(cluster) -> bool:
 
 
 #: user-tuple keys (``plan={...}``) and what they fix in the joint search
-TUPLE_KEYS = ("pp", "dp", "tp", "microbatch", "schedule", "chunks", "recompute", "s_g", "s_os")
+TUPLE_KEYS = ("pp", "dp", "tp", "microbatch", "schedule", "chunks", "recompute", "s_p", "s_g",
+              "s_os")
 
 
 def _global_batch(args, kwargs) -> int:
@@ -303,7 +304,10 @@ def _plan_config(gm, probe, cluster, c, res, opts, pins, dropped) -> Planned:
     if c.pp == 1 and c.microbatches == 1:
         mesh = Mesh(cluster, {"dp": c.dp, "tp": c.tp})
         p, bp, sol = plan_and_keep(gm, mesh, pins=pins, options=opts)
-        p = dataclasses.replace(p, notes=p.notes + res.notes() + notes)
+        # the state factors drive the runner (s_p is the parameters' specs: the pins)
+        p = dataclasses.replace(p, notes=p.notes + notes, schedule={
+            **p.schedule, "state": {"s_p": c.s_p, "s_g": c.s_g, "s_os": c.s_os},
+            "search": res.summary()})
         return Planned(p, gm, ((c.name, p.time),), bp, sol)
     mesh = Mesh(cluster, {"pp": c.pp, "dp": c.dp, "tp": c.tp})
     pplan, chunks = plan_pipeline(
@@ -317,7 +321,7 @@ def _plan_config(gm, probe, cluster, c, res, opts, pins, dropped) -> Planned:
     pplan = dataclasses.replace(
         pplan, stages=stages, memory=int(c.memory), budget=int(res.budget), notes=notes,
         schedule={**pplan.schedule, "recompute": layers,
-                  "state": {"s_p": 1, "s_g": c.s_g, "s_os": c.s_os},
+                  "state": {"s_p": c.s_p, "s_g": c.s_g, "s_os": c.s_os},
                   "search": res.summary()})
     if c.recompute:  # the step with the recomputed forwards
         res_ = simulate_plan(pplan)

@@ -284,6 +284,10 @@ class Plan:
         lines.append(f"communication: {comm or 'none'}")
         un = self.unsharded
         lines.append(f"unsharded ops (replicate-only fallback): {', '.join(un) if un else 'none'}")
+        sc = self.schedule
+        lines += _search_lines(sc.get("search"))  # a joint search's winner as one SPMD step
+        if sc.get("state"):
+            lines.append("model states over dp: " + ", ".join(f"{k}={v}" for k, v in sc["state"].items()))
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

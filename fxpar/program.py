@@ -198,8 +198,11 @@ class Program:
         ``plan.schedule["state"]`` and ``["recompute"]``), else 1, 1 and none.
         """
         state = self.plan.schedule.get("state", {})
-        s_g = state.get("s_g", 1) if s_g is None else s_g
-        s_os = state.get("s_os", 1) if s_os is None else s_os
+        # the plan's factors are over dp; the runner's are inside each parameter's replica
+        # group, which parameters sharded over s_p of the replicas (ZeRO-3) shrink by s_p
+        sp = state.get("s_p", 1)
+        s_g = state.get("s_g", 1) // sp if s_g is None else s_g
+        s_os = state.get("s_os", 1) // sp if s_os is None else s_os
         if self.plan.stages:
             from fxpar.runtime.interpreter import PipelineRunner
 

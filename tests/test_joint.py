@@ -142,3 +142,102 @@ def run_joint(steps: int = 3):
 def test_joint_plan_trains_like_one_process_on_8_ranks(pools):
     results = pools(8).run(run_joint, timeout=360)
     assert all(r == results[0] for r in results), results
+
+
+def test_zero3_is_searched_for_one_spmd_step_and_priced_by_amsp(gpt):
+    """``(s_p, s_g, s_os) = (d, d, d)`` is a candidate only without a pipeline or microbatches;
+    its memory is the states of ``Φ/d`` parameters each (AMSP §IV-D) plus the activations and
+    the largest unit's gathered parameters twice (prefetch), by hand from the unit table; its
+    data-parallel time exceeds ZeRO-2's by AMSP's ``T_p`` (the forward and backward
+    all-gathers, :func:`fxpar.cost.amsp.t_p`)."""
+    from fxpar.cost import amsp
+
+    _, gm = gpt
+    cl = fxpar.Cluster.preset("dgx-a100", nodes=2)
+    res = search(gm, cl, batch=16, only=dict(pp=1, tp=1), keep=50)
+    assert {(c.s_p, c.microbatches) for c in res.ranked if c.s_p > 1} == {(16, 1)}
+    z3 = next(c for c in res.ranked if c.s_p == 16)
+    z2 = next(c for c in res.ranked if (c.s_p, c.s_g, c.s_os, c.microbatches) == (1, 16, 16, 1))
+    assert "zero(p=16,g=16,os=16)" in z3.name
+    us, _ = unit_costs(gm, fxpar.Mesh(cl, dp=1))
+    phi = sum(u.params for u in us)
+    act = sum(u.act for u in us)
+    tmp = 2 * 25 * 2**20 + max(u.act for u in us)
+    gathered = 2 * 2 * max(u.params for u in us)  # two bf16 copies of the largest unit
+    want = model_state_bytes(phi, s_p=16, s_g=16, s_os=16).total + act + tmp + gathered
+    assert z3.memory == pytest.approx(want, rel=1e-9)
+    L, sh, P, U = len(us), amsp.Sharding((8, 2), (8, 2), (8, 2)), round(phi), 25 * 2**20
+    t_p = amsp.t_p(sh, [P / L], L, 1, cl, dp=(8, 2))
+    terms = (t_p, amsp.t_g(sh, P, 1, U, cl, dp=(8, 2)), amsp.t_os0(sh, P, U, cl, dp=(8, 2)),
+             amsp.t_os1(sh, P, cl, dp=(8, 2)))
+    assert t_p > 0 and z3.dp_comm == pytest.approx(sum(terms), rel=1e-9)
+    assert z3.dp_comm > z2.dp_comm  # the gathers cost more than ZeRO-2's saved traffic
+    # a pipeline, or microbatches, never get s_p > 1; a tuple asking for it is refused
+    assert all(c.s_p == 1 for c in search(gm, cl, batch=16, only=dict(pp=2)).ranked)
+    with pytest.raises(PlanError, match="s_p > 1 needs pp=1 and one microbatch"):
+        search(gm, cl, batch=16, only=dict(pp=2, s_p=2, s_g=2, s_os=2))
+    with pytest.raises(PlanError, match=r"s_p \| s_g \| s_os"):
+        search(gm, cl, batch=16, only=dict(pp=1, tp=1, s_p=4, s_g=2, s_os=4))
+
+
+def test_memory_bound_search_picks_zero3(gpt):
+    """A budget between ZeRO-3's footprint and every other configuration's: the search
+    answers ZeRO-3 over all replicas, and names it in explain()."""
+    _, gm = gpt
+    cl = fxpar.Cluster.preset("dgx-a100", nodes=2)
+    res = search(gm, cl, batch=16, only=dict(pp=1, tp=1, microbatch=1), keep=50)
+    z3 = min(c.memory for c in res.ranked if c.s_p > 1)
+    rest = min(c.memory for c in res.ranked if c.s_p == 1)
+    assert z3 < rest
+    opts = fxpar.planner.PlannerOptions(memory_budget=(z3 + rest) / 2)
+    best = search(gm, cl, batch=16, options=opts, only=dict(pp=1, tp=1, microbatch=1)).best
+    assert (best.s_p, best.s_g, best.s_os) == (16, 16, 16)
+
+
+def run_joint_zero3(steps: int = 3):
+    """A user tuple with ZeRO-3 over dp=2 (one SPMD step): every parameter that splits is
+    stored sharded over dp, the runner's factors come from the plan, and loss, gradients and
+    parameters follow one process through AdamW steps."""
+    import copy
+
+    import torch.distributed as dist
+    from test_runtime_parity import TOL
+    from fxpar.runtime.redistribute import distribute
+    from test_pipeline_runtime import _build
+
+    model, inputs, kwargs, loss_fn, targets = _build("gpt")
+    ref = copy.deepcopy(model)
+    opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-5)  # noqa: E731
+    tup = dict(pp=1, dp=2, tp=1, s_p=2, s_g=2, s_os=2)
+    prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), inputs, kwargs,
+                         loss_fn=loss_fn, example_targets=targets, optimizer=opt, plan=tup)
+    assert prog.plan.schedule["state"] == {"s_p": 2, "s_g": 2, "s_os": 2}
+    assert "model states over dp: s_p=2" in prog.plan.explain()
+    runner = prog.runner()
+    sharded = {f: str(s) for f, s in runner.specs.items() if runner.state[f].requires_grad}
+    assert all(s.startswith("S(") for s in sharded.values()), sharded
+    ropt = opt(ref.parameters())
+    ref_state = {"model." + k: v for k, v in ref.named_parameters()}
+    losses = []
+    for _ in range(steps):
+        loss = runner.forward_backward(*inputs, *targets, **kwargs)
+        rl = loss_fn(ref(*inputs, **kwargs), *targets)
+        rl.backward()
+        torch.testing.assert_close(loss, rl.detach(), **TOL)
+        for fqn, g in runner.states.grads().items():
+            want = distribute(ref_state[fqn].grad, runner.specs[fqn], runner.mesh.shape, runner.coord)
+            torch.testing.assert_close(g, want, **TOL, msg=lambda s: f"grad of {fqn}: {s}")
+        runner.optimizer_step()
+        ropt.step()
+        ropt.zero_grad()
+        losses.append(loss.item())
+    for fqn, t in runner.state.items():
+        want = distribute(ref_state[fqn].detach(), runner.specs[fqn], runner.mesh.shape, runner.coord)
+        torch.testing.assert_close(t.detach(), want, **TOL, msg=lambda s: f"param {fqn}: {s}")
+    return losses
+
+
+@pytest.mark.timeout(300)
+def test_joint_zero3_plan_trains_like_one_process_on_2_ranks(pools):
+    results = pools(2).run(run_joint_zero3, timeout=240)
+    assert results[0] == results[1], results

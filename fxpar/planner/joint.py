@@ -14,18 +14,22 @@ bytes, the local parameter count and the bytes crossing the cut after it. A conf
 **Configurations.** ``N = p·d·t`` devices: ``p`` pipeline ranks (outermost, across nodes
 first), ``d`` data-parallel replicas, ``t`` tensor-parallel devices (innermost, inside a node);
 ``b`` per replica per microbatch with ``m = B/(d·b)`` microbatches; a schedule with ``v``
-chunks per rank; recomputation of every layer or none; ZeRO-style factors ``(s_g, s_os)`` over
-``d`` (parameters replicated over ``d``: ``s_p = 1``).
+chunks per rank; recomputation of every layer or none; AMSP's factors ``(s_p, s_g, s_os)``
+over ``d``: DDP ``(1, 1, 1)``, ZeRO-1 ``(1, 1, d)``, ZeRO-2 ``(1, d, d)`` and, for one SPMD step
+(``p = 1``, ``m = 1``: the runtime gathers a sharded parameter per step, not per microbatch),
+ZeRO-3 ``(d, d, d)``.
 
 * stage cuts: the exact linear-partition DP over units (:func:`fxpar.stages._balanced`) on the
   units' time at this ``(t, b)``, for ``p·v`` chunks;
 * per rank ``r``: work ``W_r = Σ_chunks (F + B)``, with recomputation ``B += F``;
 * memory of rank ``r`` (Megatron-LM §2.2 and §3.5; AMSP §IV-D):
   ``states(Φ_r; s_g, s_os) + f_r·A_r`` without recomputation,
-  ``states + f_r·I_r + max_chunk A`` with it, where ``f_r`` =
+  ``states + f_r·I_r + max_chunk A`` with it, where ``states = Φ_r·(k_p/s_p + k_g/s_g +
+  k_os/s_os)`` plus, with ``s_p > 1``, the gathered parameters of the largest unit twice
+  (prefetch), ``f_r`` =
   :func:`fxpar.cost.pipeline.in_flight_microbatches`, ``A_r`` the rank's saved activations of
   one microbatch and ``I_r`` its chunks' boundary inputs;
-* data parallelism once per step: AMSP's ``T_g + T_os0 + T_os1`` for the rank's parameters
+* data parallelism once per step: AMSP's ``T_p + T_g + T_os0 + T_os1`` for the rank's parameters
   (:func:`fxpar.cost.amsp.evaluate`, not overlapped: an upper bound);
 * step, estimate: ``m·W_max + (Σ_r W_r − W_max)/v + 2(p·v−1)·x`` (``x`` a boundary
   transfer; uniform stages give Megatron's ``(m + (p−1)/v)·W``); the ``keep`` best by this
@@ -173,13 +177,16 @@ class Candidate:
     dp_comm: float
     starts: tuple[int, ...] = ()
     simulated: bool = False
+    #: parameters sharded over ``s_p`` of the ``dp`` replicas (ZeRO-3 when ``s_p = dp``)
+    s_p: int = 1
 
     @property
     def name(self) -> str:
         r = " recompute" if self.recompute else ""
         v = f" v={self.chunks}" if self.chunks > 1 else ""
         return (f"pp={self.pp} dp={self.dp} tp={self.tp} b={self.microbatch} m={self.microbatches} "
-                f"{self.schedule}{v}{r} zero(g={self.s_g},os={self.s_os})")
+                f"{self.schedule}{v}{r} zero({'p=%d,' % self.s_p if self.s_p > 1 else ''}"
+                f"g={self.s_g},os={self.s_os})")
 
 
 @dataclass(frozen=True)
@@ -213,12 +220,13 @@ class SearchResult:
     def pins(self, c: Candidate, probe: fx.GraphModule, gm: fx.GraphModule | None = None
              ) -> dict[str, str]:
         """Pins on a ``(dp, tp)`` (sub)mesh that make the planner take the layouts this search
-        priced for ``c``: every parameter as in the ``tp`` plan and replicated over ``dp``
-        (``s_p = 1``), the batch split over ``dp``; with ``gm`` (the graph captured at the
-        configuration's microbatch), also every value that carries the batch (dim 0 is one
-        sample in ``probe``, ``dp·b`` rows in ``gm``): ``S(0)`` on ``dp`` and its ``tp`` layout,
-        so no replica computes another's rows (data parallelism is the search's choice, not
-        one the intra-op planner may undo to save a gradient reduction)."""
+        priced for ``c``: every parameter as in the ``tp`` plan and, over ``dp``, replicated
+        (``s_p = 1``) or sharded (``s_p = dp``, :func:`_zero3_dp`), the batch split over
+        ``dp``; with ``gm`` (the graph captured at the configuration's microbatch), also every
+        value that carries the batch (dim 0 is one sample in ``probe``, ``dp·b`` rows in
+        ``gm``): ``S(0)`` on ``dp`` and its ``tp`` layout, so no replica computes another's rows
+        (data parallelism is the search's choice, not one the intra-op planner may undo to
+        save a gradient reduction)."""
         plan = self.layouts[c.tp]
 
         def tp(name: str) -> str:
@@ -228,7 +236,9 @@ class SearchResult:
         out = {"input": "S(0)" + (tp(first) if first else "R")}
         for n in probe.graph.nodes:
             if n.op == "placeholder" and ir.is_trainable_param(n):
-                out[n.name] = "R" + tp(n.name)
+                t_s = tp(n.name)
+                dp_s = _zero3_dp(tuple(n.meta[ir.VAL].shape), t_s, c.dp, c.tp) if c.s_p > 1 else "R"
+                out[n.name] = dp_s + t_s
         rows = c.dp * c.microbatch
         if gm is None or rows == 1:
             return out
@@ -244,10 +254,23 @@ class SearchResult:
                 batch.add(n.name)
         return out
 
-    def notes(self) -> tuple[str, ...]:
-        """One line per ranked configuration (for a plan's ``notes``)."""
-        return tuple(f"joint search #{i + 1}: {c.name}: step {c.step * 1e3:.4g} ms, "
-                     f"{c.memory / 2**30:.3g} GiB" for i, c in enumerate(self.ranked[:6]))
+
+def _zero3_dp(shape: tuple[int, ...], tp: str, d: int, t: int) -> str:
+    """The ``dp`` placement of a ZeRO-3 parameter whose ``tp`` placement is ``tp``: ``S(k)``
+    for the first dim ``k`` that ``tp`` leaves whole and that splits over ``d`` with no empty
+    shard (then the dim ``tp`` splits, over ``d`` then ``t``: the gather back to the ``tp``
+    layout is then more than an all-gather), else ``R`` (kept whole, as ``zero3`` does).
+
+    >>> _zero3_dp((8, 8), "S(0)", 2, 2), _zero3_dp((1, 8), "S(1)", 2, 2), _zero3_dp((1,), "R", 2, 1)
+    ('S(1)', 'S(1)', 'R')
+    """
+    from fxpar.strategies.base import no_empty_shard
+
+    dims = sorted(range(len(shape)), key=lambda k: tp == f"S({k})")  # stable: tp's dim last
+    for k in dims:
+        if no_empty_shard(int(shape[k]), (d, t) if tp == f"S({k})" else (d,)):
+            return f"S({k})"
+    return "R"
 
 
 def _tp_part(plan, key: str, gm: fx.GraphModule) -> str:
@@ -311,16 +334,19 @@ def _divisors(n: int) -> list[int]:
 
 
 @functools.lru_cache(maxsize=4096)
-def _dp_time(phi: float, layers: int, m: int, d0: int, d1: int, s_g: int, s_os: int, cluster) -> float:
-    """AMSP's per-step data-parallel terms for ``phi`` local parameters over ``d0 × d1``."""
+def _dp_time(phi: float, layers: int, m: int, d0: int, d1: int, s_p: int, s_g: int, s_os: int,
+             cluster) -> float:
+    """AMSP's per-step data-parallel terms ``T_p + T_g + T_os0 + T_os1`` for ``phi`` local
+    parameters in ``layers`` equal modules over ``d0 × d1`` (``T_p``: the parameter
+    all-gathers of forward and backward, zero unless ``s_p > 1``)."""
     from fxpar.cost.amsp import Sharding, evaluate
 
     if d0 * d1 == 1:
         return 0.0
-    g, o = _split(s_g, d0, d1), _split(s_os, d0, d1)
-    r = evaluate(Sharding((1, 1), g, o), phi=phi, module_params=[phi / max(1, layers)],
+    sp, g, o = _split(s_p, d0, d1), _split(s_g, d0, d1), _split(s_os, d0, d1)
+    r = evaluate(Sharding(sp, g, o), phi=phi, module_params=[phi / max(1, layers)],
                  L=max(1, layers), M=m, U=BUCKET, cluster=cluster, dp=(d0, d1))
-    return r.t_g + r.t_os0 + r.t_os1
+    return r.t_p + r.t_g + r.t_os0 + r.t_os1
 
 
 def _split(s: int, d0: int, d1: int) -> tuple[int, int]:
@@ -330,11 +356,17 @@ def _split(s: int, d0: int, d1: int) -> tuple[int, int]:
     return (d0, s // d0)
 
 
-def _zero_options(d: int, only: Mapping) -> list[tuple[int, int]]:
-    """``(s_g, s_os)``: DDP, ZeRO-1 and ZeRO-2 over the ``d`` replicas (or the user's)."""
-    if "s_g" in only or "s_os" in only:
-        return [(only.get("s_g", 1), only.get("s_os", 1))]
-    return [(1, 1)] if d == 1 else [(1, 1), (1, d), (d, d)]
+def _zero_options(d: int, only: Mapping, spmd: bool) -> list[tuple[int, int, int]]:
+    """``(s_p, s_g, s_os)``: DDP, ZeRO-1, ZeRO-2 and (``spmd``: one step, no pipeline or
+    microbatches) ZeRO-3 over the ``d`` replicas; the user's factors when they fit (AMSP's
+    rule ``s_p | s_g | s_os``, each dividing ``d``; ``s_p > 1`` only if ``spmd``)."""
+    if any(k in only for k in ("s_p", "s_g", "s_os")):
+        f = (only.get("s_p", 1), only.get("s_g", 1), only.get("s_os", 1))
+        ok = not (any(d % x for x in f) or f[1] % f[0] or f[2] % f[1]) and (f[0] == 1 or spmd)
+        return [f] if ok else []
+    if d == 1:
+        return [(1, 1, 1)]
+    return [(1, 1, 1), (1, 1, d), (1, d, d)] + ([(d, d, d)] if spmd else [])
 
 
 def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
@@ -419,20 +451,25 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                                                   if rc else f * sum(cc.A[k] for k in mine)))
                             est = m * max(W) + (sum(W) - max(W)) / v + 2 * sum(cc.x)
                             phi = cc.phi
-                            for s_g, s_os in _zero_options(d, only):
+                            for s_p, s_g, s_os in _zero_options(d, only, p == 1 and m == 1):
                                 tried += 1
-                                mem = max(kp * phi[r] + kg * phi[r] / s_g + kos * phi[r] / s_os
-                                          + act[r] for r in range(p))
+                                gathered = 2 * kp * max(u.params for u in us) if s_p > 1 else 0.0
+                                mem = max(kp * phi[r] / s_p + kg * phi[r] / s_g + kos * phi[r] / s_os
+                                          + act[r] + gathered for r in range(p))
                                 dpt = max(cc.reduce[r] + _dp_time(round(phi[r]), layers_r, m, d0, d1,
-                                                                  s_g, s_os, cluster) for r in range(p))
+                                                                  s_p, s_g, s_os, cluster) for r in range(p))
                                 c = Candidate(p, d, t, b, m, sname, v, rc, s_g, s_os,
-                                              est + dpt, mem, est, dpt, starts)
+                                              est + dpt, mem, est, dpt, starts, s_p=s_p)
                                 if smallest is None or mem < smallest.memory:
                                     smallest = c
                                 if mem > budget:
                                     over += 1
                                     continue
                                 cands.append((c.step, c))
+    if not tried and any(k in only for k in ("s_p", "s_g", "s_os")):
+        raise PlanError(f"plan={only}: no configuration takes these state factors: s_p | s_g | "
+                        "s_os, each dividing dp (AMSP eq. 3), and s_p > 1 needs pp=1 and one "
+                        "microbatch (the runtime gathers sharded parameters once per step)")
     if not cands:
         detail = f"; the smallest found: {smallest.name} at {smallest.memory / 2**30:.1f} GiB" if smallest else ""
         raise PlanError(f"joint search: no configuration of {tried} tried fits the memory budget "
