@@ -201,9 +201,7 @@ def run_joint_zero3(steps: int = 3):
     import copy
 
     import torch.distributed as dist
-    from test_runtime_parity import TOL
-    from fxpar.runtime.redistribute import distribute
-    from test_pipeline_runtime import _build
+    from test_pipeline_runtime import _build, train_and_check
 
     model, inputs, kwargs, loss_fn, targets = _build("gpt")
     ref = copy.deepcopy(model)
@@ -216,28 +214,36 @@ def run_joint_zero3(steps: int = 3):
     runner = prog.runner()
     sharded = {f: str(s) for f, s in runner.specs.items() if runner.state[f].requires_grad}
     assert all(s.startswith("S(") for s in sharded.values()), sharded
-    ropt = opt(ref.parameters())
-    ref_state = {"model." + k: v for k, v in ref.named_parameters()}
-    losses = []
-    for _ in range(steps):
-        loss = runner.forward_backward(*inputs, *targets, **kwargs)
-        rl = loss_fn(ref(*inputs, **kwargs), *targets)
-        rl.backward()
-        torch.testing.assert_close(loss, rl.detach(), **TOL)
-        for fqn, g in runner.states.grads().items():
-            want = distribute(ref_state[fqn].grad, runner.specs[fqn], runner.mesh.shape, runner.coord)
-            torch.testing.assert_close(g, want, **TOL, msg=lambda s: f"grad of {fqn}: {s}")
-        runner.optimizer_step()
-        ropt.step()
-        ropt.zero_grad()
-        losses.append(loss.item())
-    for fqn, t in runner.state.items():
-        want = distribute(ref_state[fqn].detach(), runner.specs[fqn], runner.mesh.shape, runner.coord)
-        torch.testing.assert_close(t.detach(), want, **TOL, msg=lambda s: f"param {fqn}: {s}")
-    return losses
+    return train_and_check(runner, ref, opt, inputs, targets, kwargs, loss_fn, steps)
 
 
 @pytest.mark.timeout(300)
 def test_joint_zero3_plan_trains_like_one_process_on_2_ranks(pools):
     results = pools(2).run(run_joint_zero3, timeout=240)
     assert results[0] == results[1], results
+
+
+def test_odd_replica_count_is_priced_on_its_own_nodes(gpt):
+    """pp=2 x tp=4 on 3 nodes of 8: d = 3 replicas, one per node (3 is not a multiple of the
+    node's 2 tp groups). ZeRO-1's data-parallel time minus DDP's is AMSP's, priced for a 1x3
+    grid of 3 nodes by hand."""
+    from fxpar.cost import amsp
+
+    _, gm = gpt
+    cl = fxpar.Cluster.preset("dgx-a100", nodes=3)
+    res = search(gm, cl, batch=12, only=dict(pp=2, tp=4, microbatch=1, schedule="1f1b",
+                                              recompute=False), keep=50)
+    ddp = next(c for c in res.ranked if (c.s_g, c.s_os) == (1, 1))
+    z1 = next(c for c in res.ranked if (c.s_g, c.s_os) == (1, 3))
+    assert ddp.dp == 3
+    us, _ = unit_costs(gm, fxpar.Mesh(cl, tp=4))
+    phi = max(round(sum(u.params for u in us[ddp.starts[r]:(ddp.starts + (len(us),))[r + 1]]))
+              for r in range(2))  # the fullest rank's (both ranks price alike up to it)
+
+    def terms(sh):
+        L, U, kw = 3, 25 * 2**20, dict(dp=(1, 3))
+        return (amsp.t_g(sh, phi, 4, U, cl, **kw) + amsp.t_os0(sh, phi, U, cl, **kw)
+                + amsp.t_os1(sh, phi, cl, **kw) + amsp.t_p(sh, [phi / L], L, 4, cl, **kw))
+
+    want = terms(amsp.Sharding((1, 1), (1, 1), (1, 3))) - terms(amsp.Sharding())
+    assert want != 0 and z1.dp_comm - ddp.dp_comm == pytest.approx(want, rel=1e-6)

@@ -105,7 +105,9 @@ def train_and_check(runner, ref, opt, inputs, targets, kwargs, loss_fn, steps: i
     ropt = opt(ref.parameters())
     pre = "model." if loss_fn is not None else ""
     ref_state = {pre + k: v for k, v in ref.named_parameters(remove_duplicate=False)}
-    shape, coord = runner.sub_mesh.shape, runner.sub_coord
+    # a pipeline runner's shards are on its stage's submesh; a plain runner's on its mesh
+    shape, coord = ((runner.sub_mesh.shape, runner.sub_coord) if hasattr(runner, "sub_mesh")
+                    else (runner.mesh.shape, tuple(runner.coord)))
     losses = []
     for _ in range(steps):
         loss = runner.forward_backward(*inputs, *targets, **kwargs)

@@ -343,6 +343,10 @@ def _dp_time(phi: float, layers: int, m: int, d0: int, d1: int, s_p: int, s_g: i
 
     if d0 * d1 == 1:
         return 0.0
+    # priced on the d1 nodes one stage's replicas span (AMSP tiles its grid over the cluster,
+    # which a pipeline's stages and d1 not dividing the node count would break)
+    if cluster.nodes != d1:
+        cluster = dataclasses.replace(cluster, nodes=d1)
     sp, g, o = _split(s_p, d0, d1), _split(s_g, d0, d1), _split(s_os, d0, d1)
     r = evaluate(Sharding(sp, g, o), phi=phi, module_params=[phi / max(1, layers)],
                  L=max(1, layers), M=m, U=BUCKET, cluster=cluster, dp=(d0, d1))
@@ -419,7 +423,8 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
             d = n_dev // (p * t)
             if "dp" in only and only["dp"] != d or batch % d:
                 continue
-            d0 = max(1, min(d, R // t)) if p * d * t >= R else d
+            # replicas inside a node (a divisor of d and of the node's R/t tp groups), then across
+            d0 = math.gcd(d, R // t) if p * d * t >= R else d
             d1 = d // d0
             layers_r = max(1, math.ceil(n_units / p))
             bs = [b for b in _divisors(batch // d) if b <= MAX_MICROBATCH]
