@@ -13,7 +13,8 @@ their ratio. Nothing here trains: the numbers are the cost model's.
   convention, so TFLOP/s ratios are step-time ratios) and % of the 312 TFLOP/s peak, next to
   the published figures (44–52 %).
 * **Megatron-LM Table 2**: GPT-3 175B, batch 1536, on 384 / 768 / 1536 GPUs: ZeRO-3 without
-  model parallelism (microbatch 4 / 2 / 1, ``s_p = s_g = s_os = d``) against PTD-P (t = 8,
+  model parallelism (microbatch 4 / 2 / 1, ``s_p = s_g = s_os = d``, recomputation as the
+  search finds: the paper does not say) against PTD-P (t = 8,
   p = 12, microbatch 1, interleaved, recomputation). The paper's trend: ZeRO-3 falls off as GPUs
   are added at a fixed batch (144 → 88 → 44 TFLOP/s), PTD-P holds (153 → 149 → 141).
 
@@ -122,7 +123,9 @@ def table2() -> list[dict]:
     rows = []
     for n, b, z_tf, p_tf in TABLE2:
         cl = fxpar.Cluster.preset("dgx-a100", nodes=n // 8)
-        zero3 = dict(tp=1, pp=1, dp=n, microbatch=b, recompute=False, s_p=n, s_g=n, s_os=n)
+        # recomputation left to the search (the paper does not say; without it 96 layers of
+        # activations do not fit at any of the three sizes)
+        zero3 = dict(tp=1, pp=1, dp=n, microbatch=b, s_p=n, s_g=n, s_os=n)
         ptdp = dict(tp=8, pp=12, dp=n // 96, microbatch=1, schedule="interleaved", recompute=True,
                     s_p=1, s_g=1, s_os=1)
         row = {"gpus": n, "paper_zero3_tflops": z_tf, "paper_ptdp_tflops": p_tf}
@@ -132,6 +135,9 @@ def table2() -> list[dict]:
                 row[k]["tflops"] = flops(B, l, h) / row[k]["step_s"] / n / 1e12
             except fxpar.FxparError as e:  # e.g. ZeRO-3's states and activations do not fit
                 row[k] = {"error": str(e)[:300]}
+        for k in ("zero3", "ptdp"):
+            if "step_s" in row[k] and "step_s" in row["auto"]:
+                row[f"auto_vs_{k}"] = row["auto"]["step_s"] / row[k]["step_s"]
         rows.append(row)
         fmt = lambda r: f"{r['tflops']:6.1f} TF" if "tflops" in r else "  no fit"  # noqa: E731
         print(f"{n:5d} GPUs | ZeRO-3 paper {z_tf:4d} TF, fxpar {fmt(row['zero3'])} | PTD-P paper "
@@ -152,12 +158,13 @@ def main(argv=None) -> int:
     t2 = [] if a.skip_zero3 else (print("\nMegatron-LM Table 2: ZeRO-3 vs PTD-P, GPT-3 175B, batch 1536")
                                   or table2())
     ratios = [r["auto_vs_paper"] for r in t1]
+    ratios += [r[k] for r in t2 for k in ("auto_vs_zero3", "auto_vs_ptdp") if k in r]
     summary = {"auto_never_slower_than_paper": all(x <= 1 + 1e-9 for x in ratios),
                "mean_auto_vs_paper": sum(ratios) / len(ratios) if ratios else None,
                "total_s": round(time.perf_counter() - t0, 1),
                "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    print(f"\nauto vs the paper's configuration: mean step ratio {summary['mean_auto_vs_paper']}, "
-          f"never slower: {summary['auto_never_slower_than_paper']}")
+    print(f"\nauto vs the papers' configurations (every row): mean step ratio "
+          f"{summary['mean_auto_vs_paper']:.3f}, never slower: {summary['auto_never_slower_than_paper']}")
     out = {"benchmark": "reproductions", "table1": t1, "table2": t2, "summary": summary,
            "targets": {"auto_not_slower_than_any_baseline": True, "mean_ratio_to_best_baseline": 0.85}}
     if names is None and not a.skip_zero3:  # only a full run replaces the recorded results

@@ -247,3 +247,20 @@ def test_odd_replica_count_is_priced_on_its_own_nodes(gpt):
 
     want = terms(amsp.Sharding((1, 1), (1, 1), (1, 3))) - terms(amsp.Sharding())
     assert want != 0 and z1.dp_comm - ddp.dp_comm == pytest.approx(want, rel=1e-6)
+
+
+def test_recomputation_keeps_each_units_inputs_and_rebuilds_one_unit(gpt):
+    """Per-layer recomputation (what the runtime does) on one rank, one microbatch: the values
+    crossing every unit boundary plus the largest unit's activations, by hand."""
+    _, gm = gpt
+    cl = fxpar.Cluster.preset("dgx-a100")
+    res = search(gm, cl, batch=64, only=dict(pp=1, tp=1, microbatch=8, s_g=1, s_os=1), keep=50)
+    full = next(c for c in res.ranked if not c.recompute)
+    rc = next(c for c in res.ranked if c.recompute)
+    us, _ = unit_costs(gm, fxpar.Mesh(cl, dp=1))
+    states = model_state_bytes(sum(u.params for u in us)).total
+    tmp = 2 * 25 * 2**20 + 8 * max(u.act for u in us)
+    kept = 8 * sum(u.out for u in us[:-1]) + 8 * max(u.act for u in us)
+    assert rc.memory == pytest.approx(states + tmp + kept, rel=1e-9)
+    assert full.memory == pytest.approx(states + tmp + 8 * sum(u.act for u in us), rel=1e-9)
+    assert rc.memory < full.memory

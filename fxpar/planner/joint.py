@@ -24,11 +24,11 @@ ZeRO-3 ``(d, d, d)``.
 * per rank ``r``: work ``W_r = Σ_chunks (F + B)``, with recomputation ``B += F``;
 * memory of rank ``r`` (Megatron-LM §2.2 and §3.5; AMSP §IV-D):
   ``states(Φ_r; s_g, s_os) + f_r·A_r`` without recomputation,
-  ``states + f_r·I_r + max_chunk A`` with it, where ``states = Φ_r·(k_p/s_p + k_g/s_g +
-  k_os/s_os)`` plus, with ``s_p > 1``, the gathered parameters of the largest unit twice
-  (prefetch), ``f_r`` =
-  :func:`fxpar.cost.pipeline.in_flight_microbatches`, ``A_r`` the rank's saved activations of
-  one microbatch and ``I_r`` its chunks' boundary inputs;
+  ``states + f_r·I_r + max_unit A`` with it (per-layer recomputation, as the runtime does:
+  each unit's inputs kept, one unit's activations rebuilt at a time), where ``states =
+  Φ_r·(k_p/s_p + k_g/s_g + k_os/s_os)`` plus, with ``s_p > 1``, the gathered parameters of
+  the largest unit twice (prefetch), ``f_r`` = :func:`fxpar.cost.pipeline.in_flight_microbatches`,
+  ``A_r`` the rank's saved activations of one microbatch and ``I_r`` the inputs of its units;
 * data parallelism once per step: AMSP's ``T_p + T_g + T_os0 + T_os1`` for the rank's parameters
   (:func:`fxpar.cost.amsp.evaluate`, not overlapped: an upper bound);
 * step, estimate: ``m·W_max + (Σ_r W_r − W_max)/v + 2(p·v−1)·x`` (``x`` a boundary
@@ -428,8 +428,8 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
             d1 = d // d0
             layers_r = max(1, math.ceil(n_units / p))
             bs = [b for b in _divisors(batch // d) if b <= MAX_MICROBATCH]
-            if "microbatch" in only:
-                bs = [only["microbatch"]]
+            if "microbatch" in only:  # when it divides a replica's share of the batch
+                bs = [only["microbatch"]] if (batch // d) % only["microbatch"] == 0 else []
             elif microbatches is not None:
                 bs = [b for b in bs if b in microbatches]
             for b in bs:
@@ -452,7 +452,7 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                             for r in range(p):
                                 f = in_flight_microbatches(_MEM_KEY[sname], r, p, m, v)
                                 mine = range(r, n, p)
-                                act.append(tmp + (f * sum(cc.I[k] for k in mine) + max(cc.A[k] for k in mine)
+                                act.append(tmp + (f * sum(cc.I[k] for k in mine) + max(cc.Amax[k] for k in mine)
                                                   if rc else f * sum(cc.A[k] for k in mine)))
                             est = m * max(W) + (sum(W) - max(W)) / v + 2 * sum(cc.x)
                             phi = cc.phi
@@ -525,7 +525,8 @@ def _pair_link(src: int, dst: int, g: int, cluster) -> tuple[float, float]:
 @dataclass(frozen=True)
 class _ChunkCosts:
     """Per chunk: forward/backward seconds of one microbatch (``F``, ``B``), saved activation
-    bytes (``A``), boundary input bytes (``I``), transfer seconds to the next chunk (``x``);
+    bytes (``A``), with per-layer recomputation the inputs of its units kept (``I``) and
+    the largest unit's saved bytes (``Amax``), transfer seconds to the next chunk (``x``);
     per pipeline rank: local parameters (``phi``) and the parameter-gradient reductions paid
     once per step (``reduce``)."""
 
@@ -533,6 +534,7 @@ class _ChunkCosts:
     B: list
     A: list
     I: list
+    Amax: list
     x: list
     phi: list
     reduce: list
@@ -547,7 +549,9 @@ def _chunk_costs(us: Sequence[UnitCost], starts, scale: float, p: int, d: int, t
         F=[sum(u.fwd * scale + u.fwd_fixed for u in c) for c in ch],
         B=[sum(u.bwd * scale for u in c) for c in ch],
         A=[sum(u.act for u in c) * scale for c in ch],
-        I=[us[bounds[k] - 1].out * scale if bounds[k] else 0.0 for k in range(n)],
+        I=[sum(us[i - 1].out for i in range(max(1, bounds[k]), bounds[k + 1])) * scale
+           for k in range(n)],
+        Amax=[max(u.act for u in c) * scale for c in ch],
         x=[_xfer(us[bounds[k + 1] - 1].out * scale, k, p, d, t, cluster) for k in range(n - 1)],
         phi=[sum(u.params for k in range(r, n, p) for u in ch[k]) for r in range(p)],
         reduce=[sum(u.bwd_fixed for k in range(r, n, p) for u in ch[k]) for r in range(p)])
