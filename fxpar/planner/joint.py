@@ -452,8 +452,9 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                             for r in range(p):
                                 f = in_flight_microbatches(_MEM_KEY[sname], r, p, m, v)
                                 mine = range(r, n, p)
-                                act.append(tmp + (f * sum(cc.I[k] for k in mine) + max(cc.Amax[k] for k in mine)
-                                                  if rc else f * sum(cc.A[k] for k in mine)))
+                                kept = (f * sum(cc.I[k] for k in mine) + max(cc.Amax[k] for k in mine)
+                                        if rc else f * sum(cc.A[k] for k in mine))
+                                act.append(tmp + kept)
                             est = m * max(W) + (sum(W) - max(W)) / v + 2 * sum(cc.x)
                             phi = cc.phi
                             for s_p, s_g, s_os in _zero_options(d, only, p == 1 and m == 1):
