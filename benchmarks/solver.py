@@ -112,8 +112,6 @@ def build(layers: int, hidden: int, ffn: int, tokens: int, vocab: int, mesh: Mes
     """The synthetic transformer problem (see the module docstring)."""
     names, cost, mem, out_layouts = [], [], [], []
     edges: dict[tuple[int, int], np.ndarray] = {}
-    in_layouts: dict[tuple[int, int], list] = {}   # (consumer, operand slot) -> layout per strat
-    act_b = 2.0 * tokens * hidden                   # bf16 activation [tokens, hidden]
     kinds: list[str] = []
 
     def add(name, kind, strat_cost, strat_mem, outs, ins: list[tuple[int, list, float]]):
