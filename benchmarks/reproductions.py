@@ -4,7 +4,8 @@ Each row prices a paper's hand-chosen configuration with the joint search restri
 (``only=``: its degrees, schedule, recomputation and state sharding; the microbatch size and,
 for interleaved, the chunk count left to the search where the paper does not give them) and
 ``plan="auto"`` on the same model, cluster and batch, and prints the predicted step of each and
-their ratio. Nothing here trains: the numbers are the cost model's.
+their ratio. Nothing here trains: the numbers are the cost model's. Models are built in bf16
+(activations and their communication at 2 bytes; model states by mixed-precision Adam).
 
 * **Megatron-LM Table 1** (GPT 1.7B … 1T on 32 … 3072 A100s, ``dgx-a100`` nodes; V = 51200,
   s = 2048, the paper's ``(t, p, n, B)``, interleaved schedule, recomputation): predicted
@@ -74,8 +75,8 @@ def flops(B: int, l: int, h: int) -> float:
 def capture_gpt(heads: int, h: int, layers: int):
     from examples.models import GPT
 
-    with torch.device("meta"):
-        model = GPT(vocab=V, d_model=h, n_heads=heads, n_layers=layers, seq_len=S)
+    with torch.device("meta"):  # bf16 weights and activations, as the papers train
+        model = GPT(vocab=V, d_model=h, n_heads=heads, n_layers=layers, seq_len=S).to(torch.bfloat16)
     ids = torch.zeros(1, S, dtype=torch.long, device="meta")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
