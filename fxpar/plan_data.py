@@ -248,6 +248,54 @@ class Plan:
         """Nodes that only had the replicate-only fallback (op without a sharding rule)."""
         return [f"{n.name} ({n.op})" for n in self.nodes if n.unsharded]
 
+    # -- overlap -----------------------------------------------------------------------
+    def overlap(self, prefetch: int = 1):
+        """The step as the runtime orders it (:func:`fxpar.cost.overlap.overlap`): which of
+        :attr:`comm` is exposed and which hidden behind compute. ``time`` sums the two (what
+        the solver minimizes); this replays one forward then one backward:
+
+        * an activation's collective starts after its producer, is waited before its consumer;
+        * parameter gathers, grouped per layer, start ``prefetch`` layers ahead of use
+          (:mod:`fxpar.passes.prefetch`; 0: right before it);
+        * in backward, an activation's gradient reshard and a freed parameter's re-gather
+          (ZeRO-3) are synchronous; a parameter's gradient reduction is launched once its
+          layer's gradients are all in (one bucket) and waited at the end of the step.
+
+        Returns a :class:`fxpar.cost.overlap.Overlap` (``step``, ``exposed``, ``hidden``)."""
+        from fxpar.cost.overlap import Comm, overlap
+
+        ops = [n for n in self.nodes if n.op != "placeholder"]
+        held = {n.name for n in self.nodes if n.op == "placeholder"}
+        F = len(ops)
+        fi = {n.name: i for i, n in enumerate(ops)}
+        bi = {n.name: 2 * F - 1 - i for i, n in enumerate(ops)}  # backward runs them in reverse
+        compute = [n.fwd_time for n in ops] + [n.bwd_time for n in reversed(ops)]
+        edges = [e for e in self.edges if e.consumer in fi]
+        first: dict[str, int] = {}  # gather unit (consumer's layer) -> its first use
+        last_grad: dict[str, int] = {}  # its last backward use (the bucket is then complete)
+        for e in edges:
+            if e.producer in held:
+                first[e.layer] = min(first.get(e.layer, F), fi[e.consumer])
+                last_grad[e.layer] = max(last_grad.get(e.layer, 0), bi[e.consumer])
+        units = sorted(first, key=first.get)
+        unit_no = {u: k for k, u in enumerate(units)}
+        comms = []
+        for e in edges:
+            use, back = fi[e.consumer], bi[e.consumer]
+            if e.direction == "fwd" and e.producer in held:
+                k = unit_no[e.layer]
+                issue = use if prefetch <= 0 else (first[units[k - prefetch]] if k >= prefetch else 0)
+                comms.append(Comm(e.time, min(issue, use), use))
+            elif e.direction == "fwd":
+                comms.append(Comm(e.time, fi.get(e.producer, -1) + 1, use))
+            elif e.producer in held:
+                gather = sum(st.time for st in e.steps if st.kind == "all_gather")
+                comms.append(Comm(gather, back, back))
+                comms.append(Comm(e.time - gather, last_grad[e.layer] + 1, 2 * F))
+            else:
+                comms.append(Comm(e.time, back + 1, back + 1))
+        return overlap(compute, comms)
+
     # -- explain -----------------------------------------------------------------------
     def explain(self, max_ops: int = 4) -> str:
         """A readable per-layer table, then totals, communication and the unsharded ops (a
@@ -282,6 +330,10 @@ class Plan:
         comm = ", ".join(f"{k} {a} {_fmt_ms(t)} ms ({counts[k, a]}x)"
                          for (k, a), t in self.comm_by().items() if t > 0)
         lines.append(f"communication: {comm or 'none'}")
+        if self.comm > 0:
+            ov = self.overlap()
+            lines.append(f"overlap as the runtime orders it (prefetch 1): step {_fmt_ms(ov.step)} ms, "
+                         f"communication exposed {_fmt_ms(ov.exposed)} ms, hidden {_fmt_ms(ov.hidden)} ms")
         un = self.unsharded
         lines.append(f"unsharded ops (replicate-only fallback): {', '.join(un) if un else 'none'}")
         sc = self.schedule

@@ -1,0 +1,47 @@
+"""Overlap of asynchronous communication with compute (issue #13 item 3): the pure model of
+``cost/overlap.py`` against closed forms, and ``Plan.overlap`` on a toy ZeRO-3 plan whose
+prefetched gather is hidden with a window and exposed without one."""
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.cost.overlap import Comm, overlap
+
+
+def test_closed_forms():
+    # a gather issued before op 0 and needed by op 1 hides under op 0 when it is shorter
+    r = overlap([3.0, 2.0], [Comm(2.0, 0, 1)])
+    assert (r.step, r.exposed, r.hidden) == (5.0, 0.0, 2.0)
+    # longer than the window: the excess is exposed
+    r = overlap([3.0, 2.0], [Comm(4.0, 0, 1)])
+    assert (r.step, r.exposed, r.hidden) == (6.0, 1.0, 3.0)
+    # no window (issued where it is needed): all of it exposed
+    assert overlap([3.0, 2.0], [Comm(2.0, 1, 1)]).exposed == 2.0
+    # one channel: two 2 s gathers issued together finish at 2 and 4; ops of 1 s need them
+    r = overlap([1.0, 1.0, 1.0], [Comm(2.0, 0, 1), Comm(2.0, 0, 2)])
+    assert r.step == pytest.approx(5.0) and r.exposed == pytest.approx(2.0)
+    # a reduction issued before the last op and waited at the end: max(0, t - c_last) exposed
+    r = overlap([1.0, 1.5], [Comm(2.0, 1, 2)])
+    assert r.exposed == pytest.approx(0.5) and r.hidden == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="issue <= need"):
+        overlap([1.0], [Comm(1.0, 1, 0)])
+
+
+def test_prefetched_gather_is_hidden_and_exposed_without_a_window():
+    """ZeRO-3 MLP on dp=2 with slow compute: fc2's weight gathers start when fc1 runs
+    (prefetch 1) and hide under it; with prefetch 0 they start at fc2 and are exposed, by
+    exactly their time. fc1's own gathers have nothing before them: exposed either way."""
+    from examples.models import MLP
+
+    cl = fxpar.Cluster.local(2, peak_flops=1e9, memory_bandwidth=1e9)  # compute >> comm
+    p = fxpar.plan(MLP(64, 128, 64), cl, (torch.randn(8, 64),), plan="zero3", mesh={"dp": 2}).plan
+    fwd_gather = {layer: sum(e.time for e in p.edges if e.direction == "fwd" and e.layer == layer)
+                  for layer in ("fc1", "fc2")}
+    fc1 = sum(n.fwd_time for n in p.nodes if n.layer == "fc1")
+    assert 0 < fwd_gather["fc2"] < fc1  # the window is long enough
+    w1, w0 = p.overlap(1), p.overlap(0)
+    assert w0.exposed - w1.exposed == pytest.approx(fwd_gather["fc2"], rel=1e-9)
+    assert w1.exposed >= fwd_gather["fc1"] - 1e-15
+    assert w1.step < p.time  # the planner's sum counts every collective in full
+    assert "communication exposed" in p.explain()
