@@ -39,6 +39,8 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
+
 from fxpar.errors import PlanError
 from fxpar.units import fmt_bytes
 
@@ -249,21 +251,25 @@ class Plan:
         return [f"{n.name} ({n.op})" for n in self.nodes if n.unsharded]
 
     # -- overlap -----------------------------------------------------------------------
-    def overlap(self, prefetch: int = 1):
+    def overlap(self, prefetch: int = 1, bucket_bytes: int = 25 * 2**20):
         """The step as the runtime orders it (:func:`fxpar.cost.overlap.overlap`): which of
-        :attr:`comm` is exposed and which hidden behind compute. ``time`` sums the two (what
-        the solver minimizes); this replays one forward then one backward:
+        :attr:`comm` is exposed and which hidden behind compute. ``time`` sums every edge's
+        collectives (what the solver minimizes); this replays one forward then one backward:
 
         * an activation's collective starts after its producer, is waited before its consumer;
-        * parameter gathers, grouped per layer, start ``prefetch`` layers ahead of use
-          (:mod:`fxpar.passes.prefetch`; 0: right before it);
-        * in backward, an activation's gradient reshard and a freed parameter's re-gather
-          (ZeRO-3) are synchronous; a parameter's gradient reduction is launched once its
-          layer's gradients are all in (one bucket) and waited at the end of the step.
+        * parameter gathers of one layer coalesce into one collective per kind and axis,
+          started ``prefetch`` layers ahead of use (:mod:`fxpar.passes.prefetch`; 0: right
+          before it);
+        * in backward, an activation's gradient reshard is synchronous, and so is a freed
+          parameter's re-gather (ZeRO-3; one per layer); parameter gradients are reduced in
+          buckets of ``bucket_bytes`` in the order they arrive, each launched when its last
+          gradient is in, all waited at the end of the step.
 
+        Coalesced collectives are priced again as one (``steps·α`` once) on the plan's cluster.
         Returns a :class:`fxpar.cost.overlap.Overlap` (``step``, ``exposed``, ``hidden``)."""
         from fxpar.cost.overlap import Comm, overlap
 
+        price = self._pricer()
         ops = [n for n in self.nodes if n.op != "placeholder"]
         held = {n.name for n in self.nodes if n.op == "placeholder"}
         F = len(ops)
@@ -272,29 +278,71 @@ class Plan:
         compute = [n.fwd_time for n in ops] + [n.bwd_time for n in reversed(ops)]
         edges = [e for e in self.edges if e.consumer in fi]
         first: dict[str, int] = {}  # gather unit (consumer's layer) -> its first use
-        last_grad: dict[str, int] = {}  # its last backward use (the bucket is then complete)
         for e in edges:
             if e.producer in held:
                 first[e.layer] = min(first.get(e.layer, F), fi[e.consumer])
-                last_grad[e.layer] = max(last_grad.get(e.layer, 0), bi[e.consumer])
         units = sorted(first, key=first.get)
         unit_no = {u: k for k, u in enumerate(units)}
+        gathers: dict[tuple, list] = {}  # (issue, need, kind, axis) -> steps, coalesced
+        grads: list[tuple[int, StepCost]] = []  # (ready at, reduction step)
         comms = []
         for e in edges:
             use, back = fi[e.consumer], bi[e.consumer]
             if e.direction == "fwd" and e.producer in held:
                 k = unit_no[e.layer]
                 issue = use if prefetch <= 0 else (first[units[k - prefetch]] if k >= prefetch else 0)
-                comms.append(Comm(e.time, min(issue, use), use))
+                for st in e.steps:
+                    gathers.setdefault((min(issue, first[e.layer]), first[e.layer], st.kind, st.axis),
+                                       []).append(st)
             elif e.direction == "fwd":
                 comms.append(Comm(e.time, fi.get(e.producer, -1) + 1, use))
             elif e.producer in held:
-                gather = sum(st.time for st in e.steps if st.kind == "all_gather")
-                comms.append(Comm(gather, back, back))
-                comms.append(Comm(e.time - gather, last_grad[e.layer] + 1, 2 * F))
+                last = 2 * F - 1 - first[e.layer]  # the layer's first use runs last in backward
+                for st in e.steps:
+                    if st.kind == "all_gather":  # re-gathered with its layer when first needed
+                        gathers.setdefault((back, back, "regather", st.axis, e.layer), []).append(st)
+                    else:
+                        grads.append((last, st))
             else:
                 comms.append(Comm(e.time, back + 1, back + 1))
+        for key, steps in gathers.items():
+            kind = "all_gather" if key[2] == "regather" else key[2]
+            comms.append(Comm(price(kind, key[3], steps), key[0], key[1]))
+        open_: dict[tuple[str, str], list] = {}  # (kind, axis) -> [ready, steps, bytes]
+        for ready, st in sorted(grads, key=lambda g: g[0]):
+            b = open_.setdefault((st.kind, st.axis), [0, [], 0])
+            b[0], b[2] = max(b[0], ready), b[2] + st.nbytes
+            b[1].append(st)
+            if b[2] >= bucket_bytes:
+                comms.append(Comm(price(st.kind, st.axis, b[1]), b[0] + 1, 2 * F))
+                del open_[st.kind, st.axis]
+        for (kind, axis), (ready, steps, _) in open_.items():
+            comms.append(Comm(price(kind, axis, steps), ready + 1, 2 * F))
         return overlap(compute, comms)
+
+    def _pricer(self):
+        """``price(kind, axis, steps)``: seconds of ``steps`` coalesced into one collective on
+        the plan's own mesh and cluster (the planner's :func:`fxpar.cost.comm.collective_time`),
+        or their sum where the plan does not carry them."""
+        from fxpar.cost.comm import COLLECTIVES, collective_time
+
+        try:
+            from fxpar.cluster import Cluster
+            from fxpar.mesh import Mesh
+
+            cl = Cluster.from_dict(self.mesh["cluster"])
+            mesh = Mesh.from_devices(cl, self.mesh["axis_names"],
+                                     np.asarray(self.mesh["devices"]).reshape(self.mesh["shape"]))
+        except (KeyError, TypeError, ValueError):
+            mesh = None
+
+        def price(kind: str, axis: str, steps) -> float:
+            if mesh is None or kind not in COLLECTIVES or len(steps) == 1:
+                return float(sum(st.time for st in steps))
+            groups = mesh.groups(axis)
+            return collective_time(kind, sum(st.nbytes for st in steps), groups[0], cl,
+                                   concurrent=groups)
+        return price
 
     # -- explain -----------------------------------------------------------------------
     def explain(self, max_ops: int = 4) -> str:

@@ -31,13 +31,17 @@ def test_closed_forms():
 def test_prefetched_gather_is_hidden_and_exposed_without_a_window():
     """ZeRO-3 MLP on dp=2 with slow compute: fc2's weight gathers start when fc1 runs
     (prefetch 1) and hide under it; with prefetch 0 they start at fc2 and are exposed, by
-    exactly their time. fc1's own gathers have nothing before them: exposed either way."""
+    exactly their time (one coalesced all-gather per layer, as the prefetch pass issues
+    them). fc1's own gathers have nothing before them: exposed either way."""
     from examples.models import MLP
+    from fxpar.cost.comm import collective_time
 
     cl = fxpar.Cluster.local(2, peak_flops=1e9, memory_bandwidth=1e9)  # compute >> comm
     p = fxpar.plan(MLP(64, 128, 64), cl, (torch.randn(8, 64),), plan="zero3", mesh={"dp": 2}).plan
-    fwd_gather = {layer: sum(e.time for e in p.edges if e.direction == "fwd" and e.layer == layer)
-                  for layer in ("fc1", "fc2")}
+    # a layer's gathers (weight and bias) coalesce into one all-gather: priced by hand
+    fwd_gather = {layer: collective_time("all_gather", sum(
+        st.nbytes for e in p.edges if e.direction == "fwd" and e.layer == layer for st in e.steps),
+        (0, 1), cl) for layer in ("fc1", "fc2")}
     fc1 = sum(n.fwd_time for n in p.nodes if n.layer == "fc1")
     assert 0 < fwd_gather["fc2"] < fc1  # the window is long enough
     w1, w0 = p.overlap(1), p.overlap(0)
@@ -45,3 +49,25 @@ def test_prefetched_gather_is_hidden_and_exposed_without_a_window():
     assert w1.exposed >= fwd_gather["fc1"] - 1e-15
     assert w1.step < p.time  # the planner's sum counts every collective in full
     assert "communication exposed" in p.explain()
+
+
+def test_gradient_reductions_coalesce_into_one_bucket():
+    """Data parallelism on an MLP: the four parameter gradients are reduced as ONE all-reduce
+    (one bucket, α paid once, as the runtime's model-state manager does), launched when the
+    last gradient (fc1's, in the last backward op) is in: exposed in full. Priced by hand
+    with cost.comm on the plan's own group; the plan's per-edge sum pays α four times."""
+    from examples.models import MLP
+    from fxpar.cost.comm import collective_time
+
+    cl = fxpar.Cluster.local(2)
+    p = fxpar.plan(MLP(64, 128, 64), cl, (torch.randn(8, 64),), plan="dp", mesh={"dp": 2}).plan
+    steps = [st for e in p.edges for st in e.steps]
+    assert len(steps) == 4 and {st.kind for st in steps} == {"all_reduce"}
+    bucket = collective_time("all_reduce", sum(st.nbytes for st in steps), (0, 1), cl)
+    r = p.overlap()
+    assert r.exposed == pytest.approx(bucket, rel=1e-9)
+    assert r.step == pytest.approx(p.compute + bucket, rel=1e-9)
+    assert bucket < p.comm
+    # buckets of one parameter each: every reduction but the last runs under backward compute
+    small = p.overlap(bucket_bytes=1)
+    assert small.hidden > 0 and small.exposed < p.comm
