@@ -307,6 +307,12 @@ def analyze(rows: dict) -> dict:
         **{f"spearman_resolved_{key}_ge_{t}": (summary[f"spearman_cal_resolved_{key}"] or -1) >= t
            for key in ("range", "se") for t in (0.8, 0.9)},
         "median_rel_err_le_25pct": err is not None and err <= 0.25}
+    if "overlap" in preds:  # the same targets for the overlapped prediction
+        err = summary.get("median_rel_err_overlap")
+        summary["targets_overlap"] = {
+            **{f"spearman_resolved_{key}_ge_{t}": (summary[f"spearman_overlap_resolved_{key}"] or -1) >= t
+               for key in ("range", "se") for t in (0.8, 0.9)},
+            "median_rel_err_le_25pct": err is not None and err <= 0.25}
     return summary
 
 
@@ -356,6 +362,8 @@ def report(rows: dict, summary: dict, args) -> None:
               f"fastest plan ({summary['fastest_measured']}); within noise[range]: "
               f"{summary['auto_within_noise_of_fastest']}")
     print(f"targets (calibrated): {summary['targets']}")
+    if "targets_overlap" in summary:
+        print(f"targets (calibrated, overlapped): {summary['targets_overlap']}")
 
 
 def main() -> None:
