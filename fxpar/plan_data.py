@@ -269,6 +269,10 @@ class Plan:
         Returns a :class:`fxpar.cost.overlap.Overlap` (``step``, ``exposed``, ``hidden``)."""
         from fxpar.cost.overlap import Comm, overlap
 
+        if self.stages:
+            raise PlanError("overlap() replays one SPMD step: a pipeline plan's step is its "
+                            "schedule's (Program.simulate()); call it on a stage's plan "
+                            "(plan.stages[k].plan)")
         price = self._pricer()
         ops = [n for n in self.nodes if n.op != "placeholder"]
         held = {n.name for n in self.nodes if n.op == "placeholder"}

@@ -71,3 +71,14 @@ def test_gradient_reductions_coalesce_into_one_bucket():
     # buckets of one parameter each: every reduction but the last runs under backward compute
     small = p.overlap(bucket_bytes=1)
     assert small.hidden > 0 and small.exposed < p.comm
+
+
+def test_a_pipeline_plan_sends_you_to_its_stages():
+    from examples.models import GPT
+
+    m = GPT(vocab=64, d_model=32, n_heads=2, n_layers=2, seq_len=16)
+    p = fxpar.compile(m, fxpar.Cluster.local(2), (torch.randint(0, 64, (4, 16)),),
+                      mesh={"pp": 2, "dp": 1, "tp": 1}, microbatches=2, emit=False).plan
+    with pytest.raises(fxpar.FxparError, match=r"stages\[k\]\.plan"):
+        p.overlap()
+    assert p.stages[0].plan.overlap().step > 0

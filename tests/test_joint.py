@@ -264,3 +264,34 @@ def test_recomputation_keeps_each_units_inputs_and_rebuilds_one_unit(gpt):
     assert rc.memory == pytest.approx(states + tmp + kept, rel=1e-9)
     assert full.memory == pytest.approx(states + tmp + 8 * sum(u.act for u in us), rel=1e-9)
     assert rc.memory < full.memory
+
+
+_PLAN_IN_A_PROCESS = """
+import torch, fxpar
+from examples.models import GPT
+m = GPT(vocab=64, d_model=64, n_heads=2, n_layers=4, seq_len=16)
+x = torch.zeros(32, 16, dtype=torch.long)
+print(fxpar.plan(m, fxpar.Cluster.preset("dgx-a100", nodes=2), (x,)).plan.hash)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_joint_plan_is_the_same_in_another_process():
+    """The joint search and the winner's plan do not depend on the process (string hashing,
+    allocation addresses): every rank plans alone and must agree."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONHASHSEED="12345", PYTHONPATH=str(root))
+    out = subprocess.run([sys.executable, "-c", _PLAN_IN_A_PROCESS], capture_output=True,
+                         text=True, env=env, cwd=root, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    from examples.models import GPT
+
+    m = GPT(vocab=64, d_model=64, n_heads=2, n_layers=4, seq_len=16)
+    here = fxpar.plan(m, fxpar.Cluster.preset("dgx-a100", nodes=2),
+                      (torch.zeros(32, 16, dtype=torch.long),)).plan
+    assert out.stdout.strip().splitlines()[-1] == here.hash
