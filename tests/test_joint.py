@@ -295,3 +295,27 @@ def test_joint_plan_is_the_same_in_another_process():
     here = fxpar.plan(m, fxpar.Cluster.preset("dgx-a100", nodes=2),
                       (torch.zeros(32, 16, dtype=torch.long),)).plan
     assert out.stdout.strip().splitlines()[-1] == here.hash
+
+
+def test_partial_sharding_inside_a_node_is_amsp_priced(gpt):
+    """AMSP's partial sharding on 2 nodes of 8 (d = 16 replicas, 8 per node): optimizer
+    states over a node's 8 (its LLaMA-7B choice, (1, 1, 8)) keep 12/8 bytes per parameter,
+    and its data-parallel time is AMSP's terms for that sharding on a (8, 2) grid, by hand."""
+    from fxpar.cost import amsp
+
+    _, gm = gpt
+    cl = fxpar.Cluster.preset("dgx-a100", nodes=2)
+    res = search(gm, cl, batch=16, only=dict(pp=1, tp=1, microbatch=1), keep=50)
+    got = {(c.s_p, c.s_g, c.s_os) for c in res.ranked if not c.recompute}
+    assert {(1, 1, 8), (1, 8, 8)} <= got
+    c = next(x for x in res.ranked if (x.s_p, x.s_g, x.s_os) == (1, 1, 8) and not x.recompute)
+    us, _ = unit_costs(gm, fxpar.Mesh(cl, dp=1))
+    phi = sum(u.params for u in us)
+    tmp = 2 * 25 * 2**20 + max(u.act for u in us)
+    assert c.memory == pytest.approx(model_state_bytes(phi, s_os=8).total + tmp
+                                     + sum(u.act for u in us), rel=1e-9)
+    L, P, U, kw = len(us), round(phi), 25 * 2**20, dict(dp=(8, 2))
+    sh = amsp.Sharding((1, 1), (1, 1), (8, 1))
+    want = (amsp.t_p(sh, [P / L], L, 1, cl, **kw) + amsp.t_g(sh, P, 1, U, cl, **kw)
+            + amsp.t_os0(sh, P, U, cl, **kw) + amsp.t_os1(sh, P, cl, **kw))
+    assert want > 0 and c.dp_comm == pytest.approx(want, rel=1e-9)

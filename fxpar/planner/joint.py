@@ -15,7 +15,8 @@ bytes, the local parameter count and the bytes crossing the cut after it. A conf
 first), ``d`` data-parallel replicas, ``t`` tensor-parallel devices (innermost, inside a node);
 ``b`` per replica per microbatch with ``m = B/(d·b)`` microbatches; a schedule with ``v``
 chunks per rank; recomputation of every layer or none; AMSP's factors ``(s_p, s_g, s_os)``
-over ``d``: DDP ``(1, 1, 1)``, ZeRO-1 ``(1, 1, d)``, ZeRO-2 ``(1, d, d)`` and, for one SPMD step
+over ``d``: DDP ``(1, 1, 1)``, ZeRO-1 ``(1, 1, d)``, ZeRO-2 ``(1, d, d)``, their partial forms
+inside a node ``(1, 1, d₀)``, ``(1, d₀, d₀)`` and, for one SPMD step
 (``p = 1``, ``m = 1``: the runtime gathers a sharded parameter per step, not per microbatch),
 ZeRO-3 ``(d, d, d)``.
 
@@ -360,17 +361,25 @@ def _split(s: int, d0: int, d1: int) -> tuple[int, int]:
     return (d0, s // d0)
 
 
-def _zero_options(d: int, only: Mapping, spmd: bool) -> list[tuple[int, int, int]]:
-    """``(s_p, s_g, s_os)``: DDP, ZeRO-1, ZeRO-2 and (``spmd``: one step, no pipeline or
-    microbatches) ZeRO-3 over the ``d`` replicas; the user's factors when they fit (AMSP's
-    rule ``s_p | s_g | s_os``, each dividing ``d``; ``s_p > 1`` only if ``spmd``)."""
+def _zero_options(d: int, only: Mapping, spmd: bool, d0: int = 1) -> list[tuple[int, int, int]]:
+    """``(s_p, s_g, s_os)``: DDP, ZeRO-1, ZeRO-2, AMSP's partial sharding of gradients and
+    optimizer states over the ``d0`` replicas of a node (``(1, 1, d0)``, ``(1, d0, d0)``, when
+    ``1 < d0 < d``: the runner's state groups are runs of consecutive replicas, a node's) and
+    (``spmd``: one step, no pipeline or microbatches) ZeRO-3 over the ``d`` replicas; the
+    user's factors when they fit (AMSP's rule ``s_p | s_g | s_os``, each dividing ``d``;
+    ``s_p > 1`` only if ``spmd``).
+
+    >>> _zero_options(16, {}, False, 8)
+    [(1, 1, 1), (1, 1, 16), (1, 16, 16), (1, 1, 8), (1, 8, 8)]
+    """
     if any(k in only for k in ("s_p", "s_g", "s_os")):
         f = (only.get("s_p", 1), only.get("s_g", 1), only.get("s_os", 1))
         ok = not (any(d % x for x in f) or f[1] % f[0] or f[2] % f[1]) and (f[0] == 1 or spmd)
         return [f] if ok else []
     if d == 1:
         return [(1, 1, 1)]
-    return [(1, 1, 1), (1, 1, d), (1, d, d)] + ([(d, d, d)] if spmd else [])
+    partial = [(1, 1, d0), (1, d0, d0)] if 1 < d0 < d else []
+    return [(1, 1, 1), (1, 1, d), (1, d, d)] + partial + ([(d, d, d)] if spmd else [])
 
 
 def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
@@ -457,7 +466,7 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                                 act.append(tmp + kept)
                             est = m * max(W) + (sum(W) - max(W)) / v + 2 * sum(cc.x)
                             phi = cc.phi
-                            for s_p, s_g, s_os in _zero_options(d, only, p == 1 and m == 1):
+                            for s_p, s_g, s_os in _zero_options(d, only, p == 1 and m == 1, d0):
                                 tried += 1
                                 gathered = 2 * kp * max(u.params for u in us) if s_p > 1 else 0.0
                                 mem = max(kp * phi[r] / s_p + kg * phi[r] / s_g + kos * phi[r] / s_os
