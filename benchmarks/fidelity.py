@@ -302,17 +302,13 @@ def analyze(rows: dict) -> dict:
         if best_auto:
             summary["auto_over_fastest"] = rows[best_auto]["measured_ms"] / rows[fastest]["measured_ms"]
             summary["auto_within_noise_of_fastest"] = summary["auto_over_fastest"] <= 1 + summary["noise_range"]
-    err = summary.get("median_rel_err_cal")
-    summary["targets"] = {
-        **{f"spearman_resolved_{key}_ge_{t}": (summary[f"spearman_cal_resolved_{key}"] or -1) >= t
-           for key in ("range", "se") for t in (0.8, 0.9)},
-        "median_rel_err_le_25pct": err is not None and err <= 0.25}
-    if "overlap" in preds:  # the same targets for the overlapped prediction
-        err = summary.get("median_rel_err_overlap")
-        summary["targets_overlap"] = {
-            **{f"spearman_resolved_{key}_ge_{t}": (summary[f"spearman_overlap_resolved_{key}"] or -1) >= t
-               for key in ("range", "se") for t in (0.8, 0.9)},
-            "median_rel_err_le_25pct": err is not None and err <= 0.25}
+    for pk, key in (("cal", "targets"), ("overlap", "targets_overlap")):
+        if pk in preds:
+            err = summary.get(f"median_rel_err_{pk}")
+            summary[key] = {
+                **{f"spearman_resolved_{k}_ge_{t}": (summary[f"spearman_{pk}_resolved_{k}"] or -1) >= t
+                   for k in ("range", "se") for t in (0.8, 0.9)},
+                "median_rel_err_le_25pct": err is not None and err <= 0.25}
     return summary
 
 

@@ -328,12 +328,11 @@ class Plan:
         """``price(kind, axis, steps)``: seconds of ``steps`` coalesced into one collective on
         the plan's own mesh and cluster (the planner's :func:`fxpar.cost.comm.collective_time`),
         or their sum where the plan does not carry them."""
+        from fxpar.cluster import Cluster
         from fxpar.cost.comm import COLLECTIVES, collective_time
+        from fxpar.mesh import Mesh
 
         try:
-            from fxpar.cluster import Cluster
-            from fxpar.mesh import Mesh
-
             cl = Cluster.from_dict(self.mesh["cluster"])
             mesh = Mesh.from_devices(cl, self.mesh["axis_names"],
                                      np.asarray(self.mesh["devices"]).reshape(self.mesh["shape"]))

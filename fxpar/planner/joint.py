@@ -361,6 +361,10 @@ def _split(s: int, d0: int, d1: int) -> tuple[int, int]:
     return (d0, s // d0)
 
 
+#: the user-tuple keys that fix the model-state factors
+_STATE_KEYS = ("s_p", "s_g", "s_os")
+
+
 def _zero_options(d: int, only: Mapping, spmd: bool, d0: int = 1) -> list[tuple[int, int, int]]:
     """``(s_p, s_g, s_os)``: DDP, ZeRO-1, ZeRO-2, AMSP's partial sharding of gradients and
     optimizer states over the ``d0`` replicas of a node (``(1, 1, d0)``, ``(1, d0, d0)``, when
@@ -372,8 +376,8 @@ def _zero_options(d: int, only: Mapping, spmd: bool, d0: int = 1) -> list[tuple[
     >>> _zero_options(16, {}, False, 8)
     [(1, 1, 1), (1, 1, 16), (1, 16, 16), (1, 1, 8), (1, 8, 8)]
     """
-    if any(k in only for k in ("s_p", "s_g", "s_os")):
-        f = (only.get("s_p", 1), only.get("s_g", 1), only.get("s_os", 1))
+    if any(k in only for k in _STATE_KEYS):
+        f = tuple(only.get(k, 1) for k in _STATE_KEYS)
         ok = not (any(d % x for x in f) or f[1] % f[0] or f[2] % f[1]) and (f[0] == 1 or spmd)
         return [f] if ok else []
     if d == 1:
@@ -426,6 +430,7 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
     smallest: Candidate | None = None
     for t in tps:
         us = table[t]
+        gathered = 2 * kp * max(u.params for u in us)  # ZeRO-3: the largest unit, twice (prefetch)
         for p in pps:
             if n_dev % (p * t):
                 continue
@@ -468,9 +473,8 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                             phi = cc.phi
                             for s_p, s_g, s_os in _zero_options(d, only, p == 1 and m == 1, d0):
                                 tried += 1
-                                gathered = 2 * kp * max(u.params for u in us) if s_p > 1 else 0.0
                                 mem = max(kp * phi[r] / s_p + kg * phi[r] / s_g + kos * phi[r] / s_os
-                                          + act[r] + gathered for r in range(p))
+                                          + act[r] + (gathered if s_p > 1 else 0.0) for r in range(p))
                                 dpt = max(cc.reduce[r] + _dp_time(round(phi[r]), layers_r, m, d0, d1,
                                                                   s_p, s_g, s_os, cluster) for r in range(p))
                                 c = Candidate(p, d, t, b, m, sname, v, rc, s_g, s_os,
@@ -481,7 +485,7 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                                     over += 1
                                     continue
                                 cands.append((c.step, c))
-    if not tried and any(k in only for k in ("s_p", "s_g", "s_os")):
+    if not tried and any(k in only for k in _STATE_KEYS):
         raise PlanError(f"plan={only}: no configuration takes these state factors: s_p | s_g | "
                         "s_os, each dividing dp (AMSP eq. 3), and s_p > 1 needs pp=1 and one "
                         "microbatch (the runtime gathers sharded parameters once per step)")
