@@ -176,13 +176,14 @@ def amsp_time(op: str, v: float, a: tuple[int, int], cluster, *, b: tuple[int, i
     if steps == 0:
         return 0.0
     m = v / size if coll == "all_gather" else v  # collective_time's AG convention: input shard
-    return max(steps * alpha + factor * m / beta for alpha, beta in links)
+    return max(latency + factor * m / beta for latency, beta in links)
 
 
 @functools.lru_cache(maxsize=4096)
 def _ratio_links(coll: str, a, b, dp, cluster, placement_aware: bool):
-    """Group size and the distinct ``(α, β)`` of the concurrent ratio groups (cached: the
-    planner prices the same groups for many shardings)."""
+    """Group size and the distinct ``(latency seconds, β)`` of the concurrent ratio groups
+    (:func:`fxpar.cost.comm.latency_time`; cached: the planner prices the same groups for many
+    shardings)."""
     groups = sharding_groups(cluster.devices_per_node, cluster.nodes, a, b, dp)
     links = {_link(coll, g, cluster, groups, placement_aware) for g in _representatives(groups, cluster)}
     return len(groups[0]), tuple(sorted(links))

@@ -3,7 +3,10 @@
 **Collectives.**
 
 For one collective on a group of ``G`` devices the model is ``t(m) = steps(G)·α + factor(G)·m/β``
-(:func:`fxpar.cost.comm.ring_steps_and_factor`), a line in the message size ``m``. The fit of
+(:func:`fxpar.cost.comm.ring_steps_and_factor`), a line in the message size ``m``; for a group
+spanning ``nodes`` nodes ``steps`` is the total ``intra + inter`` of
+:func:`fxpar.cost.comm.latency_steps` (the step count :func:`fxpar.cost.comm.latency_time`
+multiplies a calibrated ``"inter"`` α by, so a measured group is reproduced exactly). The fit of
 ``t = a + b·m`` minimizes the **relative** error ``Σ((a + b·m − t)/t)²``: measured sizes span
 decades, and an absolute least-squares fit lets the largest message decide alone (the small
 messages, where α matters, get errors of several ×). ``α = a/steps`` and ``β = factor/b``, with
@@ -36,15 +39,26 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fxpar.cost.comm import ring_steps_and_factor
+from fxpar.cost.comm import latency_steps, ring_steps_and_factor
 
 __all__ = ["fit_alpha_beta", "rate_points", "interp_loglog", "median_of_max"]
 
 
 def fit_alpha_beta(collective: str, group_size: int, sizes: Sequence[float],
-                   times: Sequence[float]) -> tuple[float, float, float]:
-    """``(α, β, median relative error)`` of the ring model fitted to measured ``(size, time)``."""
-    steps, factor = ring_steps_and_factor(collective, group_size)
+                   times: Sequence[float], *, nodes: int = 1,
+                   per_node: int | None = None) -> tuple[float, float, float]:
+    """``(α, β, median relative error)`` of the model fitted to measured ``(size, time)`` on a
+    group of ``group_size`` devices over ``nodes`` nodes (at most ``per_node`` on one): α is
+    the latency per step of :func:`fxpar.cost.comm.latency_steps` (intra and inter steps
+    alike: one measured latency for the whole collective).
+
+    >>> a, b, _ = fit_alpha_beta("all_reduce", 16, [1e3, 1e6], [4.2e-5 + 1.875e-6, 4.2e-5 + 1.875e-3],
+    ...                          nodes=2)        # 2·7 + 2·1 = 16 steps, factor 2·15/16
+    >>> round(a * 1e6, 3), round(b / 1e9, 3)
+    (2.625, 1.0)
+    """
+    _, factor = ring_steps_and_factor(collective, group_size)
+    steps = sum(latency_steps(collective, group_size, nodes, per_node))
     m = np.asarray(sizes, dtype=np.float64)
     t = np.asarray(times, dtype=np.float64)
     if len(m) == 1:

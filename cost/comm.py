@@ -1,20 +1,64 @@
 """Communication cost: ring collectives with placement-aware bandwidth (pure functions).
 
-Ring algorithms (AxoNN §V-A eq. 1–3, which drop latency) plus a latency α per ring step (the
-α–β model of AMSP §IV-A), for a group of ``G`` devices:
+Every collective is priced ``t = latency + factor·m/β``. The **bandwidth term** is the ring's
+(AxoNN §V-A eq. 1–3, which drop latency), for a group of ``G`` devices:
 
-====================  =====================================  ==========================
-collective            time                                   ``m`` is
-====================  =====================================  ==========================
-all_gather            ``(G−1)·(α + m/β)``                    the per-device input shard
-reduce_scatter        ``(G−1)·(α + m/(G·β))``                the full per-device buffer
-all_reduce            ``2(G−1)·(α + m/(G·β))``               the full per-device buffer
-all_to_all            ``(G−1)·(α + m/(G·β))``                the full per-device buffer
-broadcast             ``(G−1)·α + m/β`` (pipelined ring)     the buffer
-send_recv             ``α + m/β``                            the buffer
-====================  =====================================  ==========================
+====================  ====================  ==========================
+collective            ``factor·m/β``        ``m`` is
+====================  ====================  ==========================
+all_gather            ``(G−1)·m/β``         the per-device input shard
+reduce_scatter        ``(G−1)/G·m/β``       the full per-device buffer
+all_reduce            ``2(G−1)/G·m/β``      the full per-device buffer
+all_to_all            ``(G−1)/G·m/β``       the full per-device buffer
+broadcast             ``m/β`` (pipelined)   the buffer
+send_recv             ``m/β``               the buffer
+====================  ====================  ==========================
 
-With α = 0 these are exactly AxoNN eq. 1 (AG), eq. 2 (RS) and eq. 3 (AR).
+The ring is bandwidth-optimal, and it stays the bandwidth term whichever algorithm runs:
+NCCL's model gives its tree all-reduce an algorithm bandwidth of half the bus bandwidth,
+``2·m/busBw``, against the ring's ``2(G−1)/G·m/busBw`` (equal for large ``G``).
+
+The **latency term** is a number of steps at the intra-node latency ``α_i`` plus a number at
+the inter-node latency ``α_e`` (:func:`latency_steps`), for a group spanning ``N`` nodes with
+at most ``k`` members on one node (``G = N·k`` when even):
+
+====================  ======================================  =========================================
+collective            ``N = 1`` (one node: the ring)          ``N > 1`` (hierarchical)
+====================  ======================================  =========================================
+all_gather            ``(G−1)·α_i``                           ``(G−N)·α_i + (N−1)·α_e``
+reduce_scatter        ``(G−1)·α_i``                           ``(G−N)·α_i + (N−1)·α_e``
+all_reduce            ``2(G−1)·α_i``                          ``2(k−1)·α_i + 2⌈log2 N⌉·α_e``
+broadcast             ``(G−1)·α_i``                           ``(k−1)·α_i + ⌈log2 N⌉·α_e``
+all_to_all            ``(G−1)·α_i``                           ``(G−1)·α_e`` (unchanged: flat)
+send_recv             ``α_i``                                 ``α_e``
+====================  ======================================  =========================================
+
+Why these (NCCL's own cost model, ``ncclTopoTuneModel`` in ``src/graph/tuning.cc``):
+
+* **all-reduce across nodes runs NCCL's tree** (double binary tree between nodes, a chain
+  inside each node; chosen for multi-node all-reduce since NCCL 2.4 where latency matters;
+  CollNet/SHARP, where the switches reduce, has fewer inter-node hops still). NCCL prices it
+  ``2·((nRanks/nNodes − 1)·intraLat + log2(nNodes)·interLat)``: reduce up the intra-node chain
+  and the tree, broadcast back down. Here ``⌈log2 N⌉`` (NCCL truncates, ``log2i``; equal for
+  a power-of-two node count, one inter-node hop more otherwise: a tree that reaches ``N``
+  leaves). Even NCCL's ring all-reduce is priced ``2(G−N)·α_i + 2(N−1)·α_e`` there, never
+  ``2(G−1)·α_e``; the tree is the smaller at scale.
+* **all-gather and reduce-scatter run NCCL's ring**, whose steps are pipelined, not
+  bulk-synchronous: a chunk travels ``G−1`` hops and only the hops that cross a node boundary
+  pay ``α_e``. NCCL prices it ``(nsteps − nInterSteps)·intraLat + nInterSteps·interLat`` with
+  ``nInterSteps = nNodes − 1`` (the hierarchical intra-then-inter view, ``(k−1)`` and ``(N−1)``
+  stages, gives fewer intra steps; the ring's count is the one NCCL runs and prices).
+* **broadcast** as a pipelined tree: a chain inside the node, a binary tree across nodes.
+* **all-to-all** is not a ring and not a tree (every pair exchanges); it keeps ``G−1`` steps
+  at the slowest link. **send_recv** is one hop.
+
+The flat ring this replaces priced every one of the ``2(G−1)`` all-reduce steps at ``α_e`` once
+the group left a node: for data parallelism over 1024 GPUs (128 nodes × 8) that is
+``2·1023·8 µs ≈ 16 ms`` per gradient bucket, where the tree pays
+``2·7·3 µs + 2·7·8 µs = 154 µs`` (a800 figures).
+
+With α = 0 the times are exactly AxoNN eq. 1 (AG), eq. 2 (RS) and eq. 3 (AR), and on one node
+(``N = 1``) they are the ring's ``steps·α_i + factor·m/β`` exactly as before.
 
 **Placement-aware β** (AxoNN §V-B eq. 10, generalized). A group inside one node gets the
 intra-node bandwidth. A group spanning nodes runs a ring that enters and leaves each of its
@@ -31,11 +75,20 @@ a node boundary the traffic of all members of all concurrent groups adds up; its
 is set by the busiest node's egress (see :func:`group_bandwidth`).
 
 **Placement-agnostic** (AxoNN §V-C, for comparison): one bandwidth and one latency for every
-group, whatever its placement (the inter-node figures on a multi-node cluster).
+group, whatever its placement (the inter-node figures on a multi-node cluster), and the flat
+ring's step count ``steps·α`` (:func:`ring_steps_and_factor`): a deliberately naive model that
+knows nothing of nodes, so it knows no hierarchy either.
 
 **Calibration**: a cluster from :meth:`fxpar.Cluster.calibrate` carries fitted α/β per
 collective, level and group size; those replace the nominal link figures, and the sharing of
-inter-node links among concurrent rings still applies on top as a ratio.
+inter-node links among concurrent rings still applies on top as a ratio. A fitted α is the
+latency *per step* of the step count the fit divided by (:func:`fxpar.cost.calibration.fit_alpha_beta`):
+an ``"intra"`` entry is priced ``steps·α`` with the ring's steps (as the nominal model); an
+``"inter"`` entry measured one latency for a whole multi-node collective, which the fit spreads
+over the same total ``intra + inter`` steps of :func:`latency_steps` that pricing multiplies it
+by, so a measured group is reproduced exactly and other group sizes scale with the
+hierarchical step count, not the flat ring's. The placement-agnostic model multiplies the
+entry's α by the flat ring's steps (it has no hierarchy).
 
 >>> from fxpar import Cluster
 >>> from fxpar.cost.comm import group_bandwidth
@@ -60,9 +113,11 @@ from collections.abc import Sequence
 __all__ = [
     "COLLECTIVES",
     "ring_steps_and_factor",
+    "latency_steps",
     "group_level",
     "group_bandwidth",
     "group_latency",
+    "latency_time",
     "collective_time",
     "axis_collective_time",
     "axis_bandwidth",
@@ -73,10 +128,12 @@ COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_t
 
 
 def ring_steps_and_factor(collective: str, group_size: int) -> tuple[int, float]:
-    """``(steps, factor)`` with ``t = steps·α + factor·m/β`` for the ring algorithm.
+    """``(steps, factor)`` with ``t = steps·α + factor·m/β`` for the flat ring algorithm.
 
     AxoNN eq. 1–3: all-gather ``factor = G−1``, reduce-scatter ``(G−1)/G``, all-reduce
-    ``2(G−1)/G``; a group of one device costs nothing.
+    ``2(G−1)/G``; a group of one device costs nothing. ``factor`` is the bandwidth term of
+    every group; ``steps`` is the latency of a group inside one node and of the
+    placement-agnostic model (a group spanning nodes: :func:`latency_steps`).
 
     >>> ring_steps_and_factor("all_reduce", 4)
     (6, 1.5)
@@ -97,6 +154,67 @@ def ring_steps_and_factor(collective: str, group_size: int) -> tuple[int, float]
     if collective == "broadcast":
         return g - 1, 1.0
     return 1, 1.0  # send_recv
+
+
+def latency_steps(collective: str, group_size: int, nodes: int = 1,
+                  per_node: int | None = None) -> tuple[int, int]:
+    """``(intra_steps, inter_steps)``: the latency is ``intra_steps·α_i + inter_steps·α_e`` for
+    ``collective`` over ``group_size`` devices on ``nodes`` nodes, at most ``per_node`` of them
+    on one node (default ``⌈group_size/nodes⌉``); the table and sources in the module docstring.
+
+    One node is the ring, every step intra-node (``ring_steps_and_factor``'s steps):
+
+    >>> latency_steps("all_reduce", 8)
+    (14, 0)
+
+    Data parallelism over 128 nodes × 8: a chain inside the node, a tree across nodes, both
+    ways (``2·7`` and ``2·⌈log2 128⌉``) instead of 2046 flat ring steps:
+
+    >>> latency_steps("all_reduce", 1024, 128)
+    (14, 14)
+
+    One device per node (strided groups): the tree alone.
+
+    >>> latency_steps("all_reduce", 128, 128)
+    (0, 14)
+
+    Ring all-gather over 2 nodes × 8: 15 hops, one of them crosses the node boundary:
+
+    >>> latency_steps("all_gather", 16, 2), latency_steps("reduce_scatter", 16, 2)
+    ((14, 1), (14, 1))
+    >>> latency_steps("broadcast", 24, 3)                  # chain of 8, then ⌈log2 3⌉ = 2
+    (7, 2)
+    >>> latency_steps("all_to_all", 16, 2), latency_steps("send_recv", 2, 2)
+    ((0, 15), (0, 1))
+    >>> latency_steps("all_gather", 1, 1)
+    (0, 0)
+    """
+    g = group_size
+    steps, _ = ring_steps_and_factor(collective, g)
+    if steps == 0:
+        return 0, 0
+    if not 1 <= nodes <= g:
+        raise ValueError(f"latency_steps: {g} devices cannot span {nodes} nodes")
+    if nodes == 1:
+        return steps, 0
+    n = nodes
+    k = per_node if per_node is not None else -(-g // n)
+    if not -(-g // n) <= k <= g - n + 1:
+        raise ValueError(f"latency_steps: {g} devices on {n} nodes cannot put at most {k} on one")
+    depth = (n - 1).bit_length()  # ⌈log2 n⌉: depth of a binary tree over n nodes
+    if collective == "all_reduce":
+        return 2 * (k - 1), 2 * depth
+    if collective in ("all_gather", "reduce_scatter"):
+        return g - n, n - 1
+    if collective == "broadcast":
+        return k - 1, depth
+    return 0, steps  # all_to_all (G−1 at the slowest link), send_recv (one hop)
+
+
+def _span(group: Sequence[int], cluster) -> tuple[int, int]:
+    """``(nodes, most members on one node)`` of a group."""
+    per = Counter(cluster.node_of(d) for d in group)
+    return len(per), max(per.values())
 
 
 def group_level(group: Sequence[int], cluster) -> str:
@@ -200,7 +318,8 @@ def _shared_beta(group: tuple[int, ...], cluster, loads, collective: str | None)
 
 
 def group_latency(group: Sequence[int], cluster, *, placement_aware: bool = True) -> float:
-    """Per-step latency α: the slower link the ring uses (inter-node if it leaves a node).
+    """Per-hop latency α: the slower link the group uses (inter-node if it leaves a node). The
+    latency of a whole collective is :func:`latency_time`.
 
     >>> from fxpar import Cluster
     >>> c = Cluster.preset("dgx-a100", nodes=2)
@@ -212,17 +331,57 @@ def group_latency(group: Sequence[int], cluster, *, placement_aware: bool = True
     return cluster.intra_node_latency if group_level(group, cluster) == "intra" else cluster.inter_node_latency
 
 
+def latency_time(collective: str, group: Sequence[int], cluster, *, placement_aware: bool = True) -> float:
+    """Seconds of latency of one ``collective`` over ``group``: ``intra·α_i + inter·α_e`` with
+    the steps of :func:`latency_steps` (placement-agnostic: the flat ring's ``steps·α``), or the
+    cluster's calibrated α where it has one (module docstring).
+
+    >>> from fxpar import Cluster
+    >>> c = Cluster.preset("a800", nodes=128)               # α_i 3 µs, α_e 8 µs
+    >>> round(latency_time("all_reduce", range(1024), c) * 1e6, 3)   # 14·3 + 14·8 µs
+    154.0
+    >>> round(latency_time("all_reduce", range(1024), c, placement_aware=False) * 1e3, 3)  # 2046·8 µs
+    16.368
+    """
+    group = tuple(group)
+    return _latency(collective, group, cluster, placement_aware, *_span(group, cluster))
+
+
+def _latency(collective: str, group: tuple[int, ...], cluster, placement_aware: bool,
+             nodes: int, per_node: int) -> float:
+    """:func:`latency_time` given the group's span (nodes, most members on one node)."""
+    g = len(group)
+    if not placement_aware:
+        steps, _ = ring_steps_and_factor(collective, g)
+        entry = _entry(collective, g, cluster, "inter" if cluster.nodes > 1 else "intra")
+        return steps * (entry.latency if entry is not None else _agnostic_link(cluster)[0])
+    intra, inter = latency_steps(collective, g, nodes, per_node)
+    entry = _entry(collective, g, cluster, "intra" if nodes == 1 else "inter")
+    if entry is not None:
+        return (intra + inter) * entry.latency
+    return intra * cluster.intra_node_latency + inter * cluster.inter_node_latency
+
+
+def _entry(collective: str, group_size: int, cluster, level: str):
+    """The cluster's calibrated profile entry for this collective, level and size, if any."""
+    if not cluster.profile.entries:
+        return None
+    return cluster.profile.lookup(collective, level, group_size)
+
+
 def _link(collective: str, group: tuple[int, ...], cluster, concurrent, placement_aware: bool):
-    """``(α, β)`` for this collective on ``group``, calibrated where the cluster has a profile."""
-    alpha = group_latency(group, cluster, placement_aware=placement_aware)
+    """``(latency seconds, β)`` for this collective on ``group``, calibrated where the cluster
+    has a profile."""
+    nodes, per_node = _span(group, cluster)
     beta = group_bandwidth(group, cluster, concurrent=concurrent, placement_aware=placement_aware,
                            collective=collective)
-    return _calibrated(collective, group, cluster, alpha, beta, placement_aware)
+    return (_latency(collective, group, cluster, placement_aware, nodes, per_node),
+            _calibrated_beta(collective, group, cluster, beta, placement_aware))
 
 
-def _calibrated(collective: str, group: tuple[int, ...], cluster, alpha: float, beta: float,
-                placement_aware: bool) -> tuple[float, float]:
-    """Replace the nominal ``(α, β)`` by the cluster's measured profile where it has one."""
+def _calibrated_beta(collective: str, group: tuple[int, ...], cluster, beta: float,
+                     placement_aware: bool) -> float:
+    """Replace the nominal β by the cluster's measured profile where it has one."""
     if cluster.profile.entries:
         if placement_aware:
             level = group_level(group, cluster)
@@ -234,16 +393,16 @@ def _calibrated(collective: str, group: tuple[int, ...], cluster, alpha: float, 
             alone = group_bandwidth(group, cluster, placement_aware=placement_aware, collective=collective)
             # (a flat calibration fit gives β = inf: no measurable bandwidth term, no sharing)
             share = beta / alone if math.isfinite(alone) and alone > 0 else 1.0
-            alpha, beta = entry.latency, entry.bandwidth * share
-    return alpha, beta
+            beta = entry.bandwidth * share
+    return beta
 
 
 def collective_time(collective: str, nbytes: float, group: Sequence[int], cluster, *,
                     concurrent: Sequence[Sequence[int]] | None = None,
                     placement_aware: bool = True) -> float:
-    """Seconds for one ring ``collective`` of ``nbytes`` over ``group``:
-    ``steps·α + factor·nbytes/β`` (table above for what ``nbytes`` is; β from
-    :func:`group_bandwidth`, α from :func:`group_latency` or the calibrated profile).
+    """Seconds for one ``collective`` of ``nbytes`` over ``group``:
+    ``latency + factor·nbytes/β`` (tables above for what ``nbytes`` is; β from
+    :func:`group_bandwidth`, the latency from :func:`latency_time`).
 
     >>> from fxpar import Cluster
     >>> c = Cluster.preset("dgx-a100")
@@ -257,13 +416,13 @@ def collective_time(collective: str, nbytes: float, group: Sequence[int], cluste
     steps, factor = ring_steps_and_factor(collective, len(group))
     if steps == 0:
         return 0.0
-    alpha, beta = _link(collective, group, cluster, concurrent, placement_aware)
-    return steps * alpha + factor * nbytes / beta
+    latency, beta = _link(collective, group, cluster, concurrent, placement_aware)
+    return latency + factor * nbytes / beta
 
 
 @functools.lru_cache(maxsize=4096)
 def _axis_links(collective: str, mesh, axis: int, placement_aware: bool):
-    """Distinct ``(α, β)`` over the groups of one mesh axis (all run concurrently)."""
+    """Distinct ``(latency seconds, β)`` over the groups of one mesh axis (all run concurrently)."""
     groups = mesh.groups(axis)
     cluster = mesh.cluster
     if not placement_aware or all(group_level(g, cluster) == "intra" for g in groups):
@@ -273,9 +432,11 @@ def _axis_links(collective: str, mesh, axis: int, placement_aware: bool):
         loads = _level_loads(groups, cluster, collective)
         links = set()
         for g in groups:
-            beta = (cluster.intra_node_bandwidth if group_level(g, cluster) == "intra"
+            nodes, per_node = _span(g, cluster)
+            beta = (cluster.intra_node_bandwidth if nodes == 1
                     else _shared_beta(g, cluster, loads, collective))
-            links.add(_calibrated(collective, g, cluster, group_latency(g, cluster), beta, True))
+            links.add((_latency(collective, g, cluster, True, nodes, per_node),
+                       _calibrated_beta(collective, g, cluster, beta, True)))
     return tuple(sorted(links))
 
 
@@ -287,15 +448,15 @@ def axis_collective_time(collective: str, nbytes: float, mesh, axis: int | str, 
     >>> from fxpar import Cluster, Mesh
     >>> m = Mesh(Cluster.preset("perlmutter", nodes=2), dp=2, tp=4)
     >>> t_dp = axis_collective_time("all_reduce", 1e8, m, "dp")   # 4 rings share 100 GB/s
-    >>> round(t_dp * 1e3, 3)   # 2·1/2 · 1e8 / 25e9 + 2 · 8 µs
+    >>> round(t_dp * 1e3, 3)   # 2·1/2 · 1e8 / 25e9 + 2·⌈log2 2⌉ · 8 µs
     4.016
     """
     a = mesh.axis_index(axis)
     steps, factor = ring_steps_and_factor(collective, mesh.shape[a])
     if steps == 0:
         return 0.0
-    return max(steps * alpha + factor * nbytes / beta
-               for alpha, beta in _axis_links(collective, mesh, a, placement_aware))
+    return max(latency + factor * nbytes / beta
+               for latency, beta in _axis_links(collective, mesh, a, placement_aware))
 
 
 def axis_bandwidth(mesh, axis: int | str, *, collective: str = "all_reduce",

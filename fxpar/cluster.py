@@ -39,6 +39,7 @@ import math
 import socket
 import statistics
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -417,7 +418,11 @@ class Cluster:
 
         entries = []
         for (coll, level, gsize), pts in sorted(measured.items()):
-            alpha, beta, err = fit_alpha_beta(coll, gsize, [p[0] for p in pts], [p[1] for p in pts])
+            # the group of consecutive ranks measured: its nodes and most ranks on one node
+            # (the α per step of the hierarchical step count, fxpar.cost.comm.latency_steps)
+            span = Counter(hosts[:gsize])
+            alpha, beta, err = fit_alpha_beta(coll, gsize, [p[0] for p in pts], [p[1] for p in pts],
+                                              nodes=len(span), per_node=max(span.values()))
             entries.append(ProfileEntry(coll, level, gsize, alpha, beta, err))
         profile = Profile(tuple(entries))
 

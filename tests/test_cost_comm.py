@@ -19,6 +19,8 @@ from fxpar.cost.comm import (
     collective_time,
     group_bandwidth,
     group_latency,
+    latency_steps,
+    latency_time,
     ring_steps_and_factor,
 )
 
@@ -48,8 +50,12 @@ M = 1e6
     ("broadcast", (0, 1, 2, 3), 3e-6 + M / 100e9),
     # α + m/β over the inter-node link
     ("send_recv", (0, 4), 5e-6 + M / 40e9),
-    # one ring over both nodes: each node boundary crossed by one ring → β_inter
-    ("all_reduce", tuple(range(8)), 14 * (5e-6 + M / (8 * 40e9))),
+    # one all-reduce over both nodes: each node boundary crossed by one ring → β_inter for the
+    # ring's 2(G−1)/G·m; latency: a chain of 4 inside the node, a tree over 2 nodes, both ways:
+    # 2·3·α_i + 2·⌈log2 2⌉·α_e (was the flat ring's 14·α_e = 70 µs)
+    ("all_reduce", tuple(range(8)), 2 * 3 * 1e-6 + 2 * 1 * 5e-6 + 14 * M / (8 * 40e9)),
+    # ring all-gather over both nodes: 7 hops, G−N = 6 inside a node, N−1 = 1 crossing
+    ("all_gather", tuple(range(8)), 6 * 1e-6 + 1 * 5e-6 + 7 * M / 40e9),
     # all-to-all over both nodes: each node sends 4·4/8·m off-node at 40 GB/s
     ("all_to_all", tuple(range(8)), 7 * 5e-6 + max(7 / 8 * M / 100e9, 2 * M / 40e9)),
     ("all_gather", (3,), 0.0),
@@ -109,7 +115,10 @@ def test_innermost_axis_not_dividing_the_node():
     assert axis_bandwidth(mesh, "tp") == 40 * GB
     assert axis_bandwidth(mesh, "dp") == 40 * GB / 4
     t = axis_collective_time("all_reduce", M, mesh, "tp")
-    assert t == pytest.approx(6 * (5e-6 + M / (4 * 40e9)))  # the straddling group is the slowest
+    # the straddling group (2 + 2 members) is the slowest: 2·(2−1)·α_i + 2·⌈log2 2⌉·α_e
+    # + 2·3/4·m/β_inter = 12 µs + 37.5 µs (the flat ring had 6·α_e = 30 µs of latency);
+    # the intra groups: 6·α_i + 1.5·m/β_intra = 21 µs
+    assert t == pytest.approx(2 * 1e-6 + 2 * 5e-6 + 6 * M / (4 * 40e9))
 
 
 def test_leaf_spine_third_level():
@@ -143,6 +152,126 @@ def test_calibrated_profile_replaces_nominal_and_keeps_sharing():
     assert t == pytest.approx(2 * 2e-5 + 1.0 * M / (5e8 / 4))
     # no entry for this collective: nominal figures
     assert collective_time("all_gather", M, (0, 1), c) == pytest.approx(1e-6 + M / 100e9)
+
+
+# ------------------------------------------------------- hierarchical latency (N nodes × k)
+MiB = 2**20
+
+
+@pytest.mark.parametrize("coll, g, nodes, per_node, expected", [
+    ("all_reduce", 8, 1, None, (14, 0)),          # one node: the ring, 2(G−1)
+    ("all_reduce", 1024, 128, None, (14, 14)),    # 2(k−1), 2⌈log2 N⌉ = 2·7
+    ("all_reduce", 128, 128, None, (0, 14)),      # one per node: the tree alone
+    ("all_reduce", 24, 3, None, (14, 4)),         # ⌈log2 3⌉ = 2
+    ("all_reduce", 6, 3, 4, (6, 4)),              # uneven 1 + 4 + 1: k = 4
+    ("all_gather", 16, 2, None, (14, 1)),         # G−N hops inside, N−1 across
+    ("reduce_scatter", 1024, 128, None, (896, 127)),
+    ("all_gather", 6, 3, 4, (3, 2)),
+    ("broadcast", 16, 2, None, (7, 1)),           # k−1, ⌈log2 N⌉
+    ("broadcast", 8, 1, None, (7, 0)),
+    ("all_to_all", 16, 2, None, (0, 15)),         # unchanged: G−1 at the slowest link
+    ("send_recv", 2, 2, None, (0, 1)),
+    ("send_recv", 2, 1, None, (1, 0)),
+    ("all_reduce", 1, 1, None, (0, 0)),
+])
+def test_latency_steps_table(coll, g, nodes, per_node, expected):
+    assert latency_steps(coll, g, nodes, per_node) == expected
+
+
+def test_latency_steps_refuses_impossible_spans():
+    with pytest.raises(ValueError, match="cannot span"):
+        latency_steps("all_reduce", 4, 8)
+    with pytest.raises(ValueError, match="at most 1 on one"):
+        latency_steps("all_reduce", 8, 2, 1)
+
+
+def test_1024_gpu_data_parallel_all_reduce_is_a_tree():
+    """AMSP's cluster: 128 nodes × 8 A800 (α_i 3 µs, α_e 8 µs, β_intra 200, β_inter 100 GB/s),
+    one 25 MiB gradient bucket all-reduced over all 1024 GPUs."""
+    c = Cluster.preset("a800", nodes=128)
+    u = 25 * MiB
+    bw = 2 * 1023 / 1024 * u / 100e9           # one ring crosses each node once: β_inter
+    # a chain of 8 inside the node (2·7·3 µs), a tree over 128 nodes (2·7·8 µs): 154 µs
+    assert latency_time("all_reduce", range(1024), c) == pytest.approx(2 * 7 * 3e-6 + 2 * 7 * 8e-6)
+    assert collective_time("all_reduce", u, range(1024), c) == pytest.approx(154e-6 + bw)
+    # the flat ring paid 2·1023·8 µs = 16.4 ms of latency per bucket; AMSP-style DP over the
+    # nodes (8 strided groups of 128, one member per node, 8 rings sharing each node's NICs):
+    mesh = Mesh(c, dp=128, tp=8)
+    assert axis_collective_time("all_reduce", u, mesh, "dp") == pytest.approx(
+        2 * 7 * 8e-6 + 2 * 127 / 128 * u / (100e9 / 8))
+    # the whole machine as one data-parallel axis
+    assert axis_collective_time("all_reduce", u, Mesh(c, dp=1024), "dp") == pytest.approx(154e-6 + bw)
+
+
+def test_all_gather_over_two_nodes_of_eight():
+    """2 nodes × 8 (dgx-a100: α_i 3 µs, α_e 8 µs, β_inter 200 GB/s): the ring's 15 hops, one
+    crossing the node boundary; the bandwidth term is the ring's, as before."""
+    c = Cluster.preset("dgx-a100", nodes=2)
+    shard = 1e6
+    assert collective_time("all_gather", shard, range(16), c) == pytest.approx(
+        14 * 3e-6 + 1 * 8e-6 + 15 * shard / 200e9)
+    assert collective_time("reduce_scatter", 16 * shard, range(16), c) == pytest.approx(
+        14 * 3e-6 + 1 * 8e-6 + 15 / 16 * 16 * shard / 200e9)
+    # broadcast: a chain of 8 and one tree level, then the pipelined m/β
+    assert collective_time("broadcast", shard, range(16), c) == pytest.approx(
+        7 * 3e-6 + 1 * 8e-6 + shard / 200e9)
+    # the tp=8 × dp=2 mesh: 8 dp rings (i, i+8) share each node's NICs, k = 1
+    mesh = Mesh(c, dp=2, tp=8)
+    assert axis_collective_time("all_gather", shard, mesh, "dp") == pytest.approx(8e-6 + shard / 25e9)
+
+
+@pytest.mark.parametrize("coll", COLLECTIVES)
+def test_intra_node_times_unchanged(coll):
+    """Inside one node every step is an intra-node ring step: ``steps·α_i + factor·m/β_intra``
+    on a one-node cluster and for an intra-node group of a multi-node cluster alike."""
+    g = 2 if coll == "send_recv" else 8
+    steps = {"all_gather": 7, "reduce_scatter": 7, "all_reduce": 14, "broadcast": 7,
+             "all_to_all": 7, "send_recv": 1}[coll]
+    factor = {"all_gather": 7, "reduce_scatter": 7 / 8, "all_reduce": 14 / 8, "broadcast": 1,
+              "all_to_all": 7 / 8, "send_recv": 1}[coll]
+    expected = steps * 3e-6 + factor * M / 300e9
+    for nodes in (1, 4):
+        c = Cluster.preset("dgx-a100", nodes=nodes)
+        assert collective_time(coll, M, range(8, 8 + g) if nodes > 1 else range(g), c) == \
+            pytest.approx(expected, rel=1e-12)
+        assert axis_collective_time(coll, M, Mesh(c, dp=nodes * 8 // g, tp=g), "tp") == \
+            pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("coll, steps, factor", [
+    ("all_reduce", 30, 30 / 16), ("all_gather", 15, 15.0), ("reduce_scatter", 15, 15 / 16),
+    ("broadcast", 15, 1.0), ("all_to_all", 15, 15 / 16)])
+def test_placement_agnostic_keeps_the_flat_ring(coll, steps, factor):
+    """AxoNN §V-C's agnostic model: one α (inter-node) on the flat ring's steps, one β, for
+    every group (it knows no nodes, so no hierarchy)."""
+    c = Cluster.preset("perlmutter", nodes=4)       # α_e 8 µs, β_inter 100 GB/s
+    t = collective_time(coll, M, range(16), c, placement_aware=False)
+    assert t == pytest.approx(steps * 8e-6 + factor * M / 100e9, rel=1e-12)
+    # an intra-node pair is priced the same way: 2 steps of α_e for the all-reduce
+    assert collective_time("all_reduce", M, (0, 1), c, placement_aware=False) == pytest.approx(
+        2 * 8e-6 + 1.0 * M / 100e9)
+    mesh = Mesh(c, data=2, z=2, y=2, x=2)
+    assert axis_collective_time("all_reduce", M, mesh, "x", placement_aware=False) == pytest.approx(
+        2 * 8e-6 + 1.0 * M / 100e9)
+
+
+def test_calibrated_inter_entry_is_per_hierarchical_step():
+    """An "inter" profile entry's α is per step of ``intra + inter`` of :func:`latency_steps`,
+    the count the fit divided by: a measured group is reproduced exactly."""
+    from fxpar.cost.calibration import fit_alpha_beta
+
+    alpha, beta = 2e-5, 5e8
+    sizes = [1e3, 1e5, 1e6, 1e7]
+    # 2 nodes × 4, all-reduce: (2·3 + 2·1) = 8 steps (the flat ring: 14), factor 2·7/8
+    times = [8 * alpha + 14 / 8 * m / beta for m in sizes]
+    a, b, _ = fit_alpha_beta("all_reduce", 8, sizes, times, nodes=2, per_node=4)
+    assert a == pytest.approx(alpha, rel=1e-6) and b == pytest.approx(beta, rel=1e-6)
+    c = small(profile=Profile((ProfileEntry("all_reduce", "inter", 8, a, b),)))
+    for m, t in zip(sizes, times):
+        assert collective_time("all_reduce", m, range(8), c) == pytest.approx(t, rel=1e-6)
+    # the agnostic model spreads the same α over the flat ring's 14 steps
+    assert collective_time("all_reduce", M, range(8), c, placement_aware=False) == pytest.approx(
+        14 * a + 14 / 8 * M / b, rel=1e-6)
 
 
 # ---------------------------------------------------------------------------- properties
@@ -211,3 +340,17 @@ def test_flat_calibration_fit_gives_finite_times():
     c = Cluster.local(4, profile=Profile((e,)), intra_node_bandwidth=float("inf"))
     steps, _ = ring_steps_and_factor("all_reduce", 4)
     assert collective_time("all_reduce", 2**20, range(4), c) == pytest.approx(steps * 1e-4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(c=clusters, coll=st.sampled_from(COLLECTIVES), lo=st.integers(0, 31), g=st.integers(1, 32))
+def test_hierarchy_never_costs_more_latency_than_the_flat_ring(c, coll, lo, g):
+    """With α_i ≤ α_e, the hierarchical latency of any contiguous group is at most the flat
+    ring's steps at α_e (the agnostic model's latency)."""
+    n = c.num_devices
+    group = tuple(range(min(lo, n - 1), min(lo + g, n)))
+    if coll == "send_recv":
+        group = group[:2]
+    aware = latency_time(coll, group, c)
+    flat = latency_time(coll, group, c, placement_aware=False)
+    assert aware <= flat * (1 + 1e-12)
