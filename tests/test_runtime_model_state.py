@@ -271,3 +271,22 @@ def test_bad_factors_raise_on_every_rank(pools, s_g, s_os, needle):
 def test_factors_disagreeing_across_ranks_raise_everywhere(pools):
     msgs = pools(WORLD).run(_construct, [1] * WORLD, [2, 1, 1, 1])
     assert all(m is not None and "key 'dp'" in m for m in msgs), msgs
+
+
+def _bucket_layout(first_bucket_bytes):
+    named = dict(_model().named_parameters())
+    rg = ReplicaGroup("dp", tuple(range(WORLD)), ONE_GROUP)
+    ms = ModelStates(named, {k: rg for k in named}, _adamw, bucket_bytes=150,
+                     first_bucket_bytes=first_bucket_bytes)
+    return {k: ms.shard_info(k)["bucket"] for k in named}
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_first_bucket_is_small(pools):
+    """As DDP's: the first bucket (the last layers' gradients, which backward makes first)
+    closes at ``first_bucket_bytes``, the others at ``bucket_bytes``. fp32 sizes in reverse
+    order: 4.weight 60 B, 2.bias 20, 2.weight 140, 0.bias 28, 0.weight 168."""
+    small, same = pools(WORLD).run(_bucket_layout, 64)[0], pools(WORLD).run(_bucket_layout, 150)[0]
+    assert small == {"4.weight": 0, "2.bias": 0, "2.weight": 1, "0.bias": 1, "0.weight": 2}
+    assert same == {"4.weight": 0, "2.bias": 0, "2.weight": 0, "0.bias": 1, "0.weight": 1}

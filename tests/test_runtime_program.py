@@ -431,3 +431,79 @@ def test_meta_init(pools):
     assert sharded > 0
     for _, s, _ in res:
         assert s == same
+
+
+def off_critical_path_worker(local_batch: bool, steps: int = 2):
+    """dp on 2 ranks, recording every plan the runtime starts (``rt.start``) and finishes
+    (``rt.finish``) against the moment backward ends (``ModelStates.finish_backward``)."""
+    import fxpar.runtime.redistribute as rt
+    from fxpar.runtime.model_state import ModelStates
+
+    from examples.models import GPT
+
+    torch.manual_seed(0)   # runtime benchmark's GPT: its dp plan is plain data parallelism
+    m = GPT(vocab=512, d_model=128, n_heads=4, n_layers=2, seq_len=64)
+    idx = torch.randint(0, 512, (8, 64))
+    tgt = idx.roll(1, 1)
+    ref = copy.deepcopy(m)
+    prog = fxpar.compile(m, fxpar.Cluster.local(2), (idx, tgt), plan="dp", mesh={"dp": 2},
+                         time_limit=20, optimizer=_opt)
+    runner = prog.runner(local_batch=local_batch)
+    edges = runner.gm.meta[ir.EDGES]
+    names = {id(e.fwd): n for n, e in edges.items()}
+    log = []
+    start, finish, fb = rt.start, rt.finish, ModelStates.finish_backward
+
+    def spy_start(plans, *a, **kw):
+        p = start(plans, *a, **kw)
+        p.edge_names = [names.get(id(q)) for q in plans]
+        log.append(("start", p.edge_names))
+        return p
+
+    def spy_finish(p):
+        log.append(("finish", getattr(p, "edge_names", None)))
+        return finish(p)
+
+    def spy_fb(self):
+        log.append(("backward done", None))
+        return fb(self)
+
+    rt.start, rt.finish, ModelStates.finish_backward = spy_start, spy_finish, spy_fb
+    ropt = _opt(ref.parameters())
+    losses, ref_losses = [], []
+    try:
+        rank, n = dist.get_rank(), idx.shape[0] // 2
+        for _ in range(steps):
+            if local_batch:
+                sl = slice(rank * n, (rank + 1) * n)
+                losses.append(runner.step(idx[sl], tgt[sl]).item())
+            else:
+                losses.append(runner.step(idx, tgt).item())
+            rl = ref(idx, tgt)
+            rl.backward()
+            ropt.step()
+            ropt.zero_grad()
+            ref_losses.append(rl.item())
+    finally:
+        rt.start, rt.finish, ModelStates.finish_backward = start, finish, fb
+    loss_edge = next(n for n, e in edges.items() if e.consumer == "output")
+    input_edges = sorted(n for n, e in edges.items() if e.producer == "targets" and e.collective)
+    return log, loss_edge, input_edges, losses, ref_losses
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("local_batch", [False, True])
+def test_loss_reduction_and_input_edges_off_the_critical_path(pools, local_batch):
+    """The loss's all-reduce is waited after backward (backward needs none of its value; DDP
+    has no such collective at all), and with the global batch at hand no collective moves the
+    targets: each rank slices the layout the loss wants. Losses still equal one process's."""
+    for log, loss_edge, input_edges, losses, ref_losses in pools(2).run(off_critical_path_worker,
+                                                                         local_batch):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+        assert input_edges, "the dp plan of the GPT gathers the targets for the mean loss"
+        started = [e for what, es in log if what == "start" for e in es]
+        assert all((e in started) == local_batch for e in input_edges)
+        done = [i for i, (what, _) in enumerate(log) if what == "backward done"]
+        waited = [i for i, (what, es) in enumerate(log) if what == "finish" and es == [loss_edge]]
+        assert len(done) == len(waited) == 2
+        assert all(d < w for d, w in zip(done, waited))

@@ -11,7 +11,12 @@ looked up in the :class:`Bindings` active while the graph (and its backward) run
 * ``sink(edge, grad)``: where parameter gradients go (the runner's model-state manager);
 * ``tracker``: the RNG tracker of random ops (:class:`fxpar.runtime.rng.RNGTracker`);
 * ``regather``: the active :class:`fxpar.runtime.comm.Regather` (or ``None``);
-* ``pending``: collectives started and not yet waited on, by edge name.
+* ``pending``: collectives started and not yet waited on, by edge name;
+* ``given``: edges out of a batch input whose destination this rank already has, sliced
+  from the global batch the runner was handed (the collective is skipped; same values);
+* ``deferred``: a list while a training step runs (``None`` otherwise): the all-reduces of
+  graph outputs (the loss) whose wait the runner moved after backward, which needs nothing
+  of their values (DDP never reduces the loss at all; fxpar reduces it off the critical path).
 
 So one graph serves any number of runners (each with its own Bindings), prints, pickles and
 goes through ``torch.compile``. The active Bindings is process-global (not thread-local):
@@ -48,6 +53,8 @@ class Bindings:
     tracker: Any = None
     regather: Any = None
     pending: dict[str, tuple[Any, int]] = field(default_factory=dict)
+    given: dict[str, Any] = field(default_factory=dict)
+    deferred: list | None = None
     _device_mesh: Any = field(default=None, repr=False)
 
     @property

@@ -52,7 +52,9 @@ tensor (LBFGS, Adafactor, per-tensor norms) see chunks instead of tensors.
 
 Ordering and overlap. Parameters are put into buckets in *reverse registration order*
 (backward produces the last layers' gradients first), one stream of buckets per
-``(group key, dtype)``, each bucket closed once it holds ``bucket_bytes``; buckets are numbered
+``(group key, dtype)``, each bucket closed once it holds ``bucket_bytes`` (the first of a
+stream once it holds ``first_bucket_bytes``, 1 MiB by default as DDP's: the last layers'
+gradients go out early, while backward still has the rest to compute); buckets are numbered
 in creation order. A bucket's gradients live in one flat buffer (laid out ``[s_g, L]`` so that
 row ``b`` holds chunk ``b`` of every parameter of the bucket) and go out as **one** collective.
 Buckets are launched strictly in bucket-number order: bucket ``i`` is launched once all its
@@ -313,7 +315,7 @@ class ModelStates:
                  groups: Mapping[str, ReplicaGroup | None],
                  optimizer: Callable[[list], torch.optim.Optimizer],
                  s_g: int = 1, s_os: int = 1,
-                 bucket_bytes: int = 25 * 2**20, *,
+                 bucket_bytes: int = 25 * 2**20, *, first_bucket_bytes: int = 2**20,
                  factors: Mapping[str, tuple[int, int]] | None = None,
                  param_groups: Callable[[str], Mapping] | None = None,
                  reduce_dtype: torch.dtype | None = None) -> None:
@@ -322,6 +324,7 @@ class ModelStates:
             raise FxparError(f"ModelStates: no replica group given for {missing[:5]} "
                              f"(use None for parameters with nothing to reduce)")
         self.bucket_bytes = int(bucket_bytes)
+        self.first_bucket_bytes = min(int(first_bucket_bytes), self.bucket_bytes)
         factors = dict(factors or {})
         self._layouts = self._make_layouts(params, groups, s_g, s_os, factors)
         self._params: dict[str, _Param] = {}
@@ -436,6 +439,7 @@ class ModelStates:
     def _make_buckets(self, reduce_dtype) -> list[_Bucket]:
         buckets: list[_Bucket] = []
         open_: dict[tuple, _Bucket] = {}
+        closed: set[tuple] = set()   # streams whose first bucket is full
         for p in reversed(list(self._params.values())):
             if p.numel == 0:
                 continue
@@ -451,8 +455,9 @@ class ModelStates:
             bk.params.append(p)
             bk.row += p.cg
             bk.orow += p.cos
-            if bk.nbytes >= self.bucket_bytes:
+            if bk.nbytes >= (self.bucket_bytes if sk in closed else self.first_bucket_bytes):
                 del open_[sk]
+                closed.add(sk)
         for bk in buckets:
             bk.waiting = len(bk.params)
         return buckets

@@ -467,6 +467,20 @@ def start(plans: Sequence, locals_: Sequence[torch.Tensor], mesh) -> Pending:
     return Pending(list(plans), items, comm_at, launched, dm, mesh_shape, coord, list(locals_))
 
 
+def in_flight(p: Pending) -> torch.Tensor | None:
+    """The buffer that will hold the result of ``p`` once :func:`finish` waits for it, when
+    that is the whole plan (one plan, one all-reduce round in a native dtype: the reduced
+    buffer IS the result), else ``None``. Reading it before :func:`finish` reads garbage;
+    autograd may hold it (a loss: backward never reads the loss's value)."""
+    if len(p.plans) != 1 or len(p.plans[0].steps) != 1 or p.launched is None:
+        return None
+    out, waiting = p.launched
+    if len(waiting) != 1:
+        return None
+    kind, _, _, _, h, dtype = waiting[0]
+    return h if kind == "all_reduce" and h.dtype == dtype else None
+
+
 def finish(p: Pending) -> list[torch.Tensor]:
     """Wait for round 0 of :func:`start`, then run the remaining rounds; new local tensors,
     each contiguous (the layout contract of the module docstring)."""

@@ -230,6 +230,11 @@ class Runner(TrainingSteps):
         self.recompute = recompute_layers(program, recompute, known_layers(gm))
         self._rc = None
         edges = gm.meta.get(ir.EDGES, {})
+        at = {n.name: k for k, n in enumerate(self.inputs)}
+        #: edges out of a batch input through a collective: handed the global batch, a rank
+        #: slices their destination layout itself instead (``Bindings.given``)
+        self._input_edges = [(at[e.producer], e) for e in edges.values()
+                             if e.producer in at and e.collective]
         self.bindings = Bindings(edges, mesh, tuple(self.coord), sink=self._sink, tracker=self.tracker)
         self.states = None
         if program.training:
@@ -290,6 +295,10 @@ class Runner(TrainingSteps):
                     "recompile for another batch shape")
             x = x if self.local_batch else distribute(x, spec, self.mesh.shape, self.coord)
             out.append(x.to(self.device))
+        if not self.local_batch:
+            self.bindings.given = {e.name: distribute(flat[k], e.fwd.dst, self.mesh.shape,
+                                                      self.coord).to(self.device)
+                                   for k, e in self._input_edges}
         return out
 
     def forward(self, *args, **kwargs):
@@ -309,14 +318,16 @@ class Runner(TrainingSteps):
         if self.states is None:
             raise FxparError("training steps need a program compiled with training=True")
         from fxpar.runtime.comm import Regather
+        from fxpar.runtime.redistribute import finish
 
         with bind(self.bindings):
+            deferred = self.bindings.deferred = []
             with Regather() if self.regather else contextlib.nullcontext() as rg:
                 self.bindings.regather = rg
                 try:
                     out = self.forward(*args, **kwargs)
                 finally:
-                    self.bindings.regather = None
+                    self.bindings.regather = self.bindings.deferred = None
             #: gathered parameters still held between forward and backward (``regather``: 0)
             self.held_after_forward = rg.alive() if rg is not None else None
             loss = out[0] if isinstance(out, (tuple, list)) else out
@@ -326,6 +337,8 @@ class Runner(TrainingSteps):
             loss.backward()
         self.regathers = rg.count if rg is not None else 0
         self.states.finish_backward()
+        for pending in deferred:   # the loss's all-reduce (rt.in_flight): now its value is read
+            finish(pending)
         self.tracker.next_step()
         return loss.detach()
 
