@@ -251,7 +251,8 @@ class Plan:
         return [f"{n.name} ({n.op})" for n in self.nodes if n.unsharded]
 
     # -- overlap -----------------------------------------------------------------------
-    def overlap(self, prefetch: int = 1, bucket_bytes: int = 25 * 2**20):
+    def overlap(self, prefetch: int = 1, bucket_bytes: int = 25 * 2**20,
+                first_bucket_bytes: int = 2**20):
         """The step as the runtime orders it (:func:`fxpar.cost.overlap.overlap`): which of
         :attr:`comm` is exposed and which hidden behind compute. ``time`` sums every edge's
         collectives (what the solver minimizes); this replays one forward then one backward:
@@ -262,8 +263,9 @@ class Plan:
           before it);
         * in backward, an activation's gradient reshard is synchronous, and so is a freed
           parameter's re-gather (ZeRO-3; one per layer); parameter gradients are reduced in
-          buckets of ``bucket_bytes`` in the order they arrive, each launched when its last
-          gradient is in, all waited at the end of the step.
+          buckets of ``bucket_bytes`` (the first of each kind and axis ``first_bucket_bytes``,
+          as :class:`fxpar.runtime.model_state.ModelStates` makes them) in the order they
+          arrive, each launched when its last gradient is in, all waited at the end of the step.
 
         Coalesced collectives are priced again as one (``steps·α`` once) on the plan's cluster.
         Returns a :class:`fxpar.cost.overlap.Overlap` (``step``, ``exposed``, ``hidden``)."""
@@ -313,13 +315,16 @@ class Plan:
             kind = "all_gather" if key[2] == "regather" else key[2]
             comms.append(Comm(price(kind, key[3], steps), key[0], key[1]))
         open_: dict[tuple[str, str], list] = {}  # (kind, axis) -> [ready, steps, bytes]
+        closed: set[tuple[str, str]] = set()      # (kind, axis) whose first bucket is full
         for ready, st in sorted(grads, key=lambda g: g[0]):
-            b = open_.setdefault((st.kind, st.axis), [0, [], 0])
+            key = (st.kind, st.axis)
+            b = open_.setdefault(key, [0, [], 0])
             b[0], b[2] = max(b[0], ready), b[2] + st.nbytes
             b[1].append(st)
-            if b[2] >= bucket_bytes:
+            if b[2] >= (bucket_bytes if key in closed else min(first_bucket_bytes, bucket_bytes)):
                 comms.append(Comm(price(st.kind, st.axis, b[1]), b[0] + 1, 2 * F))
-                del open_[st.kind, st.axis]
+                del open_[key]
+                closed.add(key)
         for (kind, axis), (ready, steps, _) in open_.items():
             comms.append(Comm(price(kind, axis, steps), ready + 1, 2 * F))
         return overlap(compute, comms)

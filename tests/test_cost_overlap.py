@@ -71,6 +71,9 @@ def test_gradient_reductions_coalesce_into_one_bucket():
     # buckets of one parameter each: every reduction but the last runs under backward compute
     small = p.overlap(bucket_bytes=1)
     assert small.hidden > 0 and small.exposed < p.comm
+    # a first bucket of one gradient (fc2's, made first) runs under fc1's backward
+    first = p.overlap(first_bucket_bytes=1)
+    assert first.hidden > 0 and first.exposed < r.exposed
 
 
 def test_a_pipeline_plan_sends_you_to_its_stages():
