@@ -1,9 +1,10 @@
 """Runtime benchmark: training step time of fxpar's programs against hand-written PyTorch.
 
 On 2 gloo processes of this machine (spawned by this script, one intra-op thread each), the
-same small GPT (:class:`examples.models.GPT`, plain torch) is trained with AdamW by each of
-fxpar's baseline plans and by the hand-written PyTorch code a user would write for the same
-strategy:
+same small GPT (:class:`examples.models.GPT`, plain torch; two shapes: ``gpt`` with a fused
+QKV projection and 4 heads, ``gpt-qkv8`` with separate q/k/v projections and 8 heads) is
+trained with AdamW by each of fxpar's baseline plans and by the hand-written PyTorch code a
+user would write for the same strategy:
 
 ==========  ================================  ================================================
 strategy    fxpar                             hand-written PyTorch
@@ -77,7 +78,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 WORLD = 2
-MODEL = dict(vocab=512, d_model=128, n_heads=4, n_layers=2, seq_len=64)
+#: the project's benchmark GPT (fused QKV, 4 heads) and a second shape with separate q/k/v
+#: projections and 8 heads (what the issue measured: no all-to-all needed for heads)
+MODELS = {"gpt": dict(vocab=512, d_model=128, n_heads=4, n_layers=2, seq_len=64),
+          "gpt-qkv8": dict(vocab=512, d_model=128, n_heads=8, n_layers=2, seq_len=64,
+                           fused_qkv=False)}
 BATCH = 8
 LR = 1e-3
 PLANS = ("dp", "zero3", "megatron")
@@ -95,11 +100,15 @@ def _adamw(params):
 # ---------------------------------------------------------------------------------------------
 def _tp_attn_forward(self, x: torch.Tensor) -> torch.Tensor:
     """CausalSelfAttention.forward on this rank's heads: ``qkv`` is column-parallel with rows
-    permuted to [q_r k_r v_r] per rank, so its local output splits into thirds."""
+    permuted to [q_r k_r v_r] per rank, so its local output splits into thirds (separate
+    ``q``/``k``/``v``: each column-parallel, its local output is this rank's heads)."""
     import torch.nn.functional as F
 
     b, t, _ = x.shape
-    q, k, v = self.qkv(x).chunk(3, dim=2)
+    if hasattr(self, "qkv"):
+        q, k, v = self.qkv(x).chunk(3, dim=2)
+    else:
+        q, k, v = self.q(x), self.k(x), self.v(x)
     hd = q.shape[-1] // self.local_heads
     q, k, v = (z.view(b, t, self.local_heads, hd).transpose(1, 2) for z in (q, k, v))
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -151,10 +160,13 @@ class TorchSide:
             mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
             for block in model.blocks:
                 attn = block.attn
-                _permute_qkv(attn, WORLD)
+                fused = hasattr(attn, "qkv")
+                if fused:
+                    _permute_qkv(attn, WORLD)
                 attn.local_heads = attn.n_heads // WORLD
                 attn.forward = types.MethodType(_tp_attn_forward, attn)
-                parallelize_module(block, mesh, {"attn.qkv": ColwiseParallel(),
+                cols = ["attn.qkv"] if fused else ["attn.q", "attn.k", "attn.v"]
+                parallelize_module(block, mesh, {**{c: ColwiseParallel() for c in cols},
                                                  "attn.proj": RowwiseParallel(),
                                                  "mlp.fc1": ColwiseParallel(),
                                                  "mlp.fc2": RowwiseParallel()})
@@ -209,17 +221,18 @@ def _comm_summary(runner) -> dict:
 # ---------------------------------------------------------------------------------------------
 # one rank
 # ---------------------------------------------------------------------------------------------
-def _bench_plan(strategy: str, rank: int, args, batches) -> dict:
+def _bench_plan(shape: str, strategy: str, rank: int, args, batches) -> dict:
     import torch.distributed as dist
 
     import fxpar
     from examples.models import GPT
 
     torch.manual_seed(0)
-    model = GPT(**MODEL)
+    model = GPT(**MODELS[shape])
     ref0 = copy.deepcopy(model)  # the same initial weights for the PyTorch side(s)
     ref = copy.deepcopy(ref0)
-    row: dict = dict(strategy=strategy, mesh=MESHES[strategy], torch_side=TORCH_SIDE[strategy])
+    row: dict = dict(model=shape, strategy=strategy, mesh=MESHES[strategy],
+                     torch_side=TORCH_SIDE[strategy])
 
     fx_step, err = None, None
     try:
@@ -329,15 +342,17 @@ def _worker(rank: int, store_path: str, out_path: str, args) -> None:
                             timeout=timedelta(seconds=args.timeout))
     g = torch.Generator().manual_seed(1234)
     n = args.warmup + args.steps
-    batches = [(torch.randint(0, MODEL["vocab"], (BATCH, MODEL["seq_len"]), generator=g),
-                torch.randint(0, MODEL["vocab"], (BATCH, MODEL["seq_len"]), generator=g))
+    vocab, seq = MODELS["gpt"]["vocab"], MODELS["gpt"]["seq_len"]   # the same for both shapes
+    batches = [(torch.randint(0, vocab, (BATCH, seq), generator=g),
+                torch.randint(0, vocab, (BATCH, seq), generator=g))
                for _ in range(n)]
     rows = []
-    for strategy in args.plans:
-        rows.append(_bench_plan(strategy, rank, args, batches))
-        if rank == 0:
-            r = rows[-1]
-            print(f"[{strategy}] fxpar {r.get('fxpar_median_ms', float('nan')):.2f} ms, "
+    for shape in args.models:
+        for strategy in args.plans:
+            rows.append(_bench_plan(shape, strategy, rank, args, batches))
+            if rank == 0:
+                r = rows[-1]
+                print(f"[{shape} {strategy}] fxpar {r.get('fxpar_median_ms', float('nan')):.2f} ms, "
                   f"torch {r['torch_median_ms']:.2f} ms", flush=True)
     if rank == 0:
         Path(out_path).write_text(json.dumps(rows))
@@ -353,6 +368,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=60, help="measured steps per side")
     ap.add_argument("--warmup", type=int, default=5, help="unmeasured steps per side first")
     ap.add_argument("--plans", nargs="+", default=list(PLANS), choices=PLANS)
+    ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--profile", action="store_true", help="cProfile fxpar's steps on rank 0")
     ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout, s")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "runtime.json"))
@@ -367,21 +383,21 @@ def main() -> None:
                  join=True)
         rows = json.loads(Path(out_path).read_text())
 
-    print(f"\nGPT {MODEL}, global batch {BATCH}, AdamW; {WORLD} gloo ranks x 1 thread; "
+    print(f"\nGPTs {MODELS}, global batch {BATCH}, AdamW; {WORLD} gloo ranks x 1 thread; "
           f"medians over {args.steps} steps after {args.warmup} warm-up, interleaved")
-    print(f"{'strategy':<11} {'fxpar ms':>9} {'torch ms':>9} {'fxpar/torch':>12} "
+    print(f"{'model':<9} {'strategy':<11} {'fxpar ms':>9} {'torch ms':>9} {'fxpar/torch':>12} "
           f"{'paired':>7} {'mins':>6} {'max|dloss|':>11}   torch side")
     for r in rows:
         if "fxpar_error" in r:
             e = r["fxpar_error"]
-            print(f"{r['strategy']:<11} {'error':>9} {r['torch_median_ms']:>9.2f} {'-':>12} "
+            print(f"{r['model']:<9} {r['strategy']:<11} {'error':>9} {r['torch_median_ms']:>9.2f} {'-':>12} "
                   f"{'-':>7} {'-':>6} {'-':>11}   {r['torch_side']}\n"
                   f"            fxpar: {e['type']}: {e['message'][:300]}")
             continue
         sides = [(r["strategy"], r)] + ([(r["strategy"] + "+vp", r["vocab_parallel"])]
                                          if "vocab_parallel" in r else [])
         for label, v in sides:
-            print(f"{label:<11} {r['fxpar_median_ms']:>9.2f} {v['torch_median_ms']:>9.2f} "
+            print(f"{r['model']:<9} {label:<11} {r['fxpar_median_ms']:>9.2f} {v['torch_median_ms']:>9.2f} "
                   f"{v['ratio']:>12.3f} {v['paired_ratio_median']:>7.3f} {v['ratio_of_mins']:>6.3f} "
                   f"{v['loss_max_abs_diff']:>11.2e}   {v['torch_side']}")
     print("fxpar/torch: ratio of medians; paired: median of per-step ratios (same step index); "
@@ -389,12 +405,12 @@ def main() -> None:
     for r in rows:
         if "fxpar_comm" in r:
             c = r["fxpar_comm"]
-            print(f"fxpar {r['strategy']}: {c['forward_collective_edges']} edges with a forward "
+            print(f"fxpar {r['model']} {r['strategy']}: {c['forward_collective_edges']} edges with a forward "
                   f"collective, {c['backward_collective_edges']} with a gradient collective "
                   f"(of {c['edges']} edges; parameter-gradient buckets not counted)")
     for r in rows:
         for k, text in r.get("profile_rank0", {}).items():
-            print(f"\n--- {r['strategy']} / {k}: cProfile of the measured steps, rank 0 ---")
+            print(f"\n--- {r['model']} {r['strategy']} / {k}: cProfile of the measured steps, rank 0 ---")
             print(text)
 
     out = Path(args.out)
@@ -403,7 +419,8 @@ def main() -> None:
         date=datetime.datetime.now().isoformat(timespec="seconds"),
         python=platform.python_version(), torch=torch.__version__, machine=platform.machine(),
         cpus=os.cpu_count(), world=WORLD, backend="gloo", threads_per_rank=1,
-        model=dict(name="examples.models.GPT", **MODEL), global_batch=BATCH,
+        models={k: dict(name="examples.models.GPT", **v) for k, v in MODELS.items()
+                if k in args.models}, global_batch=BATCH,
         optimizer=f"AdamW(lr={LR})", steps=args.steps, warmup=args.warmup,
         sample="max over ranks of one step's wall time (barrier before each step), ms",
         order="interleaved, rotating which side goes first", rows=rows), indent=1))

@@ -30,19 +30,26 @@ __all__ = ["GPT", "Block", "CausalSelfAttention", "MLP"]
 
 
 class CausalSelfAttention(nn.Module):
-    """Multi-head causal self-attention: fused QKV projection, SDPA, output projection."""
+    """Multi-head causal self-attention: QKV projection (one fused ``qkv`` linear, or ``q``,
+    ``k``, ``v`` with ``fused_qkv=False``), SDPA, output projection."""
 
-    def __init__(self, d_model: int, n_heads: int) -> None:
+    def __init__(self, d_model: int, n_heads: int, fused_qkv: bool = True) -> None:
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
         self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        if fused_qkv:
+            self.qkv = nn.Linear(d_model, 3 * d_model)
+        else:
+            self.q, self.k, self.v = (nn.Linear(d_model, d_model) for _ in range(3))
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(x).split(d, dim=2)
+        else:
+            q, k, v = self.q(x), self.k(x), self.v(x)
         # (B, T, D) -> (B, H, T, D/H)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -64,10 +71,10 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``."""
 
-    def __init__(self, d_model: int, n_heads: int) -> None:
+    def __init__(self, d_model: int, n_heads: int, fused_qkv: bool = True) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads)
+        self.attn = CausalSelfAttention(d_model, n_heads, fused_qkv)
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = MLP(d_model, 4 * d_model)
 
@@ -77,14 +84,16 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """A tiny GPT. ``seq_len`` is the maximum sequence length (size of the position table)."""
+    """A tiny GPT. ``seq_len`` is the maximum sequence length (size of the position table);
+    ``fused_qkv=False``: separate q, k, v projections."""
 
-    def __init__(self, vocab: int, d_model: int, n_heads: int, n_layers: int, seq_len: int) -> None:
+    def __init__(self, vocab: int, d_model: int, n_heads: int, n_layers: int, seq_len: int,
+                 fused_qkv: bool = True) -> None:
         super().__init__()
         self.seq_len = seq_len
         self.tok_emb = nn.Embedding(vocab, d_model)
         self.pos_emb = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, fused_qkv) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
 

@@ -17,6 +17,17 @@ each edge ``producer -> consumer`` (input ``p`` of the consumer):
   no node: autograd accumulates its gradient on the parameter (already in the target layout)
   and the runner's post-accumulate hook hands it to the model-state manager.
 
+**Partial gradients sunk into parameter reductions.** A backward is linear in the gradient
+it receives, so a value stored ``R`` on axis ``a`` whose every use returns a ``P(sum)``
+gradient on ``a`` need not be all-reduced when its producer's only differentiable inputs are
+parameters used nowhere else, consumed in their storage layout and ``R`` on ``a``: the
+producer's backward turns the partial sum into partial parameter gradients, and ``a`` joins
+those parameters' replica axes, so the reduction happens in the model-state manager's
+asynchronous buckets instead of synchronously in backward. A GPT's learned position
+embedding under data parallelism is the case: ``wpe[arange(T)]`` is the same on every rank
+and is added to batch-sharded activations; its gradient is reduced with the other weights'
+(as DDP does), not as an activation in the middle of backward.
+
 An output whose spec is ``Partial`` gets the edge to its finalized spec (``P -> R``) before the
 ``output`` node (to the spec ``annotate`` put on the output node: a pin, else ``P -> R``).
 A ``getitem`` of a multi-output node keeps the producer's element spec and
@@ -88,12 +99,40 @@ def _replica_axes(uses, flags) -> dict[fx.Node, tuple[int, ...]]:
     return {a: tuple(sorted(s)) for a, s in out.items()}
 
 
+def _sunk(uses, flags, replica) -> dict[fx.Node, set[int]]:
+    """Producers whose output gradient stays ``P(sum)`` on some axes (module docstring), and
+    those axes; adds them to the producers' parameters' ``replica`` axes."""
+    uses_of: dict[fx.Node, list] = {}
+    for a, o, n, p, dst in uses:
+        uses_of.setdefault(a, []).append(grad_in_spec(_strategy(n), p))
+    out: dict[fx.Node, set[int]] = {}
+    for a, grads in uses_of.items():
+        if (a.op != "call_function" or not flags.get(a) or len(a.meta[ir.SPECS]) != 1
+                or len(grads) != len(a.users)):   # another user (the output, a getitem) wants R
+            continue
+        src = a.meta[ir.SPECS][0]
+        axes = {i for i, pl in enumerate(src) if isinstance(pl, Replicate)}
+        for g in grads:
+            axes &= {i for i, pl in enumerate(g) if pl == _SUM}
+        diff = [(k, x) for k, x in enumerate(a.all_input_nodes) if flags.get(x)]
+        if not axes or not diff or not all(
+                ir.PARAM in x.meta and len(x.users) == 1 and x.meta[ir.SPECS][0] == a.meta[ir.IN_SPECS][k]
+                and all(isinstance(x.meta[ir.SPECS][0][i], Replicate) for i in axes)
+                for k, x in diff):
+            continue
+        out[a] = axes
+        for _, x in diff:
+            replica[x] = tuple(sorted(set(replica.get(x, ())) | axes))
+    return out
+
+
 @graph_pass(requires=(annotated,), ensures=(comm_ops_have_edges,))
 def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     mesh, graph = ctx.mesh, gm.graph
     flags = grad_flags(gm)
     uses = list(_uses(gm))
     replica = _replica_axes(uses, flags)
+    sunk = _sunk(uses, flags, replica)
     gm.meta[ir.REPLICA_AXES] = {a.meta[ir.PARAM].fqn: tuple(mesh.axis_names[i] for i in ax)
                                 for a, ax in replica.items()}
     edges: dict[str, Edge] = gm.meta.setdefault(ir.EDGES, {})
@@ -112,6 +151,11 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         node.meta[ir.STACK_TRACE] = where.meta.get(ir.STACK_TRACE)
         return node
 
+    def grad_in(n: fx.Node, p: int) -> Spec:
+        """The gradient ``n``'s backward gives input ``p``: partial on ``n``'s sunk axes."""
+        g = grad_in_spec(_strategy(n), p)
+        return Spec(tuple(_SUM if i in sunk.get(n, ()) else pl for i, pl in enumerate(g)))
+
     def edge_for(a, o, consumer_name, src, dst, gsrc) -> Edge | None:
         v = _val(a, o)
         shape, dtype = tuple(v.shape), v.dtype
@@ -121,6 +165,8 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         bwd, scale = None, 1.0
         if needs_grad:
             target = grad_out_spec(src)
+            if a in sunk:
+                target = Spec(tuple(_SUM if i in sunk[a] else pl for i, pl in enumerate(target)))
             if param is not None:
                 target = Spec(tuple(_SUM if i in replica.get(a, ()) else pl
                                     for i, pl in enumerate(target.placements)))
@@ -165,7 +211,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if a in moved:
             value = moved[a]
             src = value.meta[ir.SPECS][0]
-            edge = edge_for(a, o, n.name, src, dst, grad_in_spec(_strategy(n), p))
+            edge = edge_for(a, o, n.name, src, dst, grad_in(n, p))
             if edge is not None:
                 out = insert(edge, n, value, _val(a, o))
                 n.replace_input_with(value, out)
@@ -187,7 +233,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             moved[n] = out
             modified = True
             continue
-        edge = edge_for(a, o, n.name, src, dst, grad_in_spec(_strategy(n), p))
+        edge = edge_for(a, o, n.name, src, dst, grad_in(n, p))
         if edge is None:
             continue
         out = insert(edge, n, a, _val(a, o))

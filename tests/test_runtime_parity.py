@@ -61,6 +61,11 @@ def _build(name: str):
 
         m = MLP(16, 64, 16)
         return m, (torch.randn(8, 16),), (torch.randn(8, 16),), nn.functional.mse_loss
+    if name == "ln-mlp":  # megatron: f's gradient all-reduce sunk into the LayerNorm's weights
+        from examples.models import MLP
+
+        m = nn.Sequential(nn.LayerNorm(16), MLP(16, 64, 16))
+        return m, (torch.randn(8, 16),), (torch.randn(8, 16),), nn.functional.mse_loss
     if name == "cnn":
         return CNN(), (torch.randn(8, 3, 8, 8),), (torch.randint(0, 10, (8,)),), nn.functional.cross_entropy
     if name == "cls":
@@ -172,6 +177,7 @@ def _check(results):
     ("gpt", "megatron", {"dp": 1, "tp": 2}, 1, 1),
     ("gpt", "auto", {"dp": 2}, 2, 2),
     ("cnn", "dp", {"dp": 2}, 1, 2),
+    ("ln-mlp", "megatron", {"tp": 2}, 1, 1),
     ("gpt2", "megatron", {"dp": 1, "tp": 2}, 1, 1),
     ("llama", "auto", {"tp": 2}, 1, 1),
     ("bert", "megatron", {"dp": 1, "tp": 2}, 1, 1),

@@ -92,6 +92,41 @@ def test_zero3_weight_gathered_right_before_use_gradient_to_sink():
     assert str(e.bwd.src) == "P(sum)" and str(e.bwd.dst) == "S(0)"
 
 
+def _position_embedding(second_use: bool):
+    """h (S(0), carries a gradient) + embedding(wpe, pos) (R: the same on every rank), on
+    dp=2; ``second_use``: wpe also feeds another replicated op."""
+    g = fx.Graph()
+    w = annotate(placeholder(g, "w", (16, 8), param="wpe.weight"), "R")
+    pos = annotate(placeholder(g, "pos", (4,), dtype=torch.int64), "R")
+    h = annotate(placeholder(g, "h", (2, 4, 8)), "S(0)")
+    h.meta[ir.VAL].requires_grad_(True)
+    e = annotate(call(g, aten.embedding.default, (w, pos), (4, 8), "embedding"), "R", ("R", "R"))
+    a = annotate(call(g, aten.add.Tensor, (h, e), (2, 4, 8), "add"), "S(0)", ("S(0)", "R"))
+    outs = [a]
+    if second_use:
+        outs.append(annotate(call(g, aten.mul.Tensor, (w, w), (16, 8), "mul"), "R", ("R", "R")))
+    out = g.output(tuple(outs))
+    out.meta[ir.IN_SPECS] = (None,) * len(outs)
+    return run_passes(module(g), PassContext(mesh=mesh(dp=2)), [insert_collectives_pass])
+
+
+def test_partial_gradient_sunk_into_the_parameter_reduction():
+    """The embedding's output gradient is a partial sum over dp (the add broadcasts it over
+    the sharded batch). Its only differentiable input is wpe, used nowhere else: no
+    synchronous all-reduce of the activation gradient; wpe's gradient is partial and dp is
+    its replica axis (reduced in the asynchronous buckets). With a second use of wpe whose
+    gradient is whole, mixing would over-count, so the activation all-reduce stays."""
+    gm = _position_embedding(second_use=False)
+    assert not gm.meta.get(ir.EDGES), gm.meta.get(ir.EDGES)
+    FileCheck().check("aten.embedding.default(w, pos)").check_not("fxpar").run(gm.code)
+    assert gm.meta[ir.REPLICA_AXES] == {"wpe.weight": ("dp",)}
+
+    gm = _position_embedding(second_use=True)
+    e = gm.meta[ir.EDGES]["embedding->add"]
+    assert not e.fwd.steps and [s.kind for s in e.bwd.steps] == ["all_reduce"]
+    assert gm.meta[ir.REPLICA_AXES] == {"wpe.weight": ()}
+
+
 def test_requires_annotated_graph():
     g = fx.Graph()
     x = placeholder(g, "x", (4,))
