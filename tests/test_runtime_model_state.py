@@ -290,3 +290,39 @@ def test_first_bucket_is_small(pools):
     small, same = pools(WORLD).run(_bucket_layout, 64)[0], pools(WORLD).run(_bucket_layout, 150)[0]
     assert small == {"4.weight": 0, "2.bias": 0, "2.weight": 1, "0.bias": 1, "0.weight": 2}
     assert same == {"4.weight": 0, "2.bias": 0, "2.weight": 0, "0.bias": 1, "0.weight": 1}
+
+
+def _buffers_reused():
+    """Plain dp (s_g = 1) for 3 rounds: the round's bucket buffers are the same storage every
+    round after the first, and held memory stays one gradient's worth."""
+    import torch.distributed as dist
+
+    named = dict(_model().named_parameters())
+    rg = ReplicaGroup("dp", tuple(range(WORLD)), ONE_GROUP)
+    ms = ModelStates(named, {k: rg for k in named}, _adamw, bucket_bytes=96)
+    model = _model()
+    same, mem, spares = [], [], None
+    for step in range(3):
+        x, y = _batch(step, 0)
+        n = B // WORLD
+        r = dist.get_rank()
+        model.zero_grad(set_to_none=True)
+        _loss(model, x[r * n:(r + 1) * n], y[r * n:(r + 1) * n]).backward()
+        for k, p in model.named_parameters():
+            ms.add_grad(k, p.grad)
+        ms.finish_backward()
+        if spares is not None:   # (the spares are kept alive here: identity, not an address)
+            same.append(all(bk.reduced is t for bk, t in zip(ms._buckets, spares)))
+        ms.step()
+        ms.zero_grad()
+        spares = [bk.spare for bk in ms._buckets]
+        mem.append(ms.memory()["grad"])
+    return same, mem, len(ms._buckets)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_bucket_buffers_are_reused(pools):
+    for same, mem, buckets in pools(WORLD).run(_buffers_reused):
+        assert buckets > 1 and same == [True, True]
+        assert mem[0] == mem[1] == mem[2] > 0

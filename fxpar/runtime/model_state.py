@@ -278,10 +278,22 @@ class _Bucket:
     launched: bool = False
     waiting: int = 0          # params not yet complete in this round
     reduced: torch.Tensor | None = None   # reduced gradient chunk(s), accumulated over rounds
+    spare: torch.Tensor | None = None     # s_g = 1: a free buffer from an earlier round
 
     @property
     def nbytes(self) -> int:
         return self.lay.s_g * self.row * self.rdtype.itemsize
+
+    def new_buf(self) -> torch.Tensor:
+        """A zeroed ``[s_g·L]`` buffer for this round: the spare one when there is one (as
+        DDP's buckets, allocated once: a fresh megabyte-sized buffer every step costs page
+        faults, measured at 10x the zeroing), else a new one. Only ``s_g = 1`` keeps a spare
+        (its buffer IS the reduced gradient, held anyway); with ``s_g > 1`` the full buffer
+        lives only until its reduce-scatter (AMSP's ``2Φ/s_g`` gradient memory)."""
+        buf, self.spare = self.spare, None
+        if buf is None:
+            return torch.zeros(self.lay.s_g * self.row, dtype=self.rdtype, device=self.device)
+        return buf.zero_()
 
 
 def _add_rows(buf2d: torch.Tensor, off: int, cg: int, flat: torch.Tensor) -> None:
@@ -530,7 +542,7 @@ class ModelStates:
         if bk.launched:
             raise FxparError(f"add_grad({fqn!r}): its bucket was already launched")
         if bk.buf is None:
-            bk.buf = torch.zeros(bk.lay.s_g * bk.row, dtype=bk.rdtype, device=bk.device)
+            bk.buf = bk.new_buf()
         with torch.no_grad():
             _add_rows(bk.buf.view(bk.lay.s_g, bk.row), p.off, p.cg, grad.detach().reshape(-1))
         if p.expected is not None and p.count == p.expected:
@@ -576,7 +588,7 @@ class ModelStates:
         bk = self._buckets[i]
         lay = bk.lay
         if bk.buf is None:  # nothing arrived (unused parameters): their gradient is zero
-            bk.buf = torch.zeros(lay.s_g * bk.row, dtype=bk.rdtype, device=bk.device)
+            bk.buf = bk.new_buf()
         if lay.s_g == 1:
             bk.out = bk.buf
             if lay.cross_pg is not None:
@@ -615,6 +627,8 @@ class ModelStates:
                 bk.reduced = bk.out
             else:
                 bk.reduced.add_(bk.out)
+                if bk.lay.s_g == 1:
+                    bk.spare = bk.out     # (it is the buffer) added: free
         self._reset_round()
 
     def _reset_round(self) -> None:
@@ -683,6 +697,8 @@ class ModelStates:
             self._advance(bk)
             if bk.work is not None:
                 bk.work.wait()
+            if bk.lay.s_g == 1 and bk.reduced is not None:
+                bk.spare = bk.reduced     # (a round's buffer) dropped: reused, not reallocated
             bk.reduced = None
         self._reset_round()
         for p in self._params.values():
@@ -807,10 +823,10 @@ class ModelStates:
                 "bucket": None if p.bucket is None else p.bucket.index}
 
     def memory(self) -> dict[str, int]:
-        """Bytes this rank holds for gradients (reduced), fp32 masters (copies only) and
-        optimizer states."""
-        grad = sum(bk.reduced.numel() * bk.reduced.element_size()
-                   for bk in self._buckets if bk.reduced is not None)
+        """Bytes this rank holds for gradients (reduced, or the spare buffer kept for the next
+        round), fp32 masters (copies only) and optimizer states."""
+        grad = sum(t.numel() * t.element_size() for bk in self._buckets
+                   for t in (bk.reduced, bk.spare) if t is not None)
         master = sum(p.master.numel() * 4 for p in self._params.values() if not p.master_is_view)
         states = 0
         for st in (self.optimizer.state.values() if self.optimizer is not None else ()):
