@@ -261,8 +261,9 @@ class Plan:
         * parameter gathers of one layer coalesce into one collective per kind and axis,
           started ``prefetch`` layers ahead of use (:mod:`fxpar.passes.prefetch`; 0: right
           before it);
-        * in backward, an activation's gradient reshard is synchronous, and so is a freed
-          parameter's re-gather (ZeRO-3; one per layer); parameter gradients are reduced in
+        * in backward, an activation's gradient reshard is synchronous; a freed parameter's
+          re-gather (ZeRO-3; one per layer) starts when the layer after it is gathered again
+          (backward prefetch; ``prefetch=0``: when needed); parameter gradients are reduced in
           buckets of ``bucket_bytes`` (the first of each kind and axis ``first_bucket_bytes``,
           as :class:`fxpar.runtime.model_state.ModelStates` makes them) in the order they
           arrive, each launched when its last gradient is in, all waited at the end of the step.
@@ -291,6 +292,7 @@ class Plan:
         unit_no = {u: k for k, u in enumerate(units)}
         gathers: dict[tuple, list] = {}  # (issue, need, kind, axis) -> steps, coalesced
         grads: list[tuple[int, StepCost]] = []  # (ready at, reduction step)
+        regathers: dict[tuple, list] = {}  # (layer, axis) -> [needed at, steps] in backward
         comms = []
         for e in edges:
             use, back = fi[e.consumer], bi[e.consumer]
@@ -306,14 +308,21 @@ class Plan:
                 last = 2 * F - 1 - first[e.layer]  # the layer's first use runs last in backward
                 for st in e.steps:
                     if st.kind == "all_gather":  # re-gathered with its layer when first needed
-                        gathers.setdefault((back, back, "regather", st.axis, e.layer), []).append(st)
+                        r = regathers.setdefault((e.layer, st.axis), [back, []])
+                        r[0] = min(r[0], back)
+                        r[1].append(st)
                     else:
                         grads.append((last, st))
             else:
                 comms.append(Comm(e.time, back + 1, back + 1))
         for key, steps in gathers.items():
-            kind = "all_gather" if key[2] == "regather" else key[2]
-            comms.append(Comm(price(kind, key[3], steps), key[0], key[1]))
+            comms.append(Comm(price(key[2], key[3], steps), key[0], key[1]))
+        # backward prefetch: a layer's re-gather starts when the layer after it is gathered
+        order = sorted(regathers, key=lambda k: regathers[k][0])   # backward order
+        for j, key in enumerate(order):
+            need, steps = regathers[key]
+            issue = regathers[order[j - 1]][0] if prefetch > 0 and j > 0 else need
+            comms.append(Comm(price("all_gather", key[1], steps), issue, need))
         open_: dict[tuple[str, str], list] = {}  # (kind, axis) -> [ready, steps, bytes]
         closed: set[tuple[str, str]] = set()      # (kind, axis) whose first bucket is full
         for ready, st in sorted(grads, key=lambda g: g[0]):

@@ -30,9 +30,11 @@ def test_closed_forms():
 
 def test_prefetched_gather_is_hidden_and_exposed_without_a_window():
     """ZeRO-3 MLP on dp=2 with slow compute: fc2's weight gathers start when fc1 runs
-    (prefetch 1) and hide under it; with prefetch 0 they start at fc2 and are exposed, by
-    exactly their time (one coalesced all-gather per layer, as the prefetch pass issues
-    them). fc1's own gathers have nothing before them: exposed either way."""
+    (prefetch 1) and hide under it; in backward, fc1's re-gather starts when fc2's is done
+    (backward prefetch) and hides under fc2's backward. With prefetch 0 both start where they
+    are needed and are exposed, by exactly their time (one coalesced all-gather per layer, as
+    the runtime issues them). fc1's forward gathers and fc2's re-gather have nothing before
+    them: exposed either way."""
     from examples.models import MLP
     from fxpar.cost.comm import collective_time
 
@@ -44,8 +46,13 @@ def test_prefetched_gather_is_hidden_and_exposed_without_a_window():
         (0, 1), cl) for layer in ("fc1", "fc2")}
     fc1 = sum(n.fwd_time for n in p.nodes if n.layer == "fc1")
     assert 0 < fwd_gather["fc2"] < fc1  # the window is long enough
+    regather = collective_time("all_gather", sum(
+        st.nbytes for e in p.edges if e.direction != "fwd" and e.layer == "fc1"
+        for st in e.steps if st.kind == "all_gather"), (0, 1), cl)
+    fc2_bwd = sum(n.bwd_time for n in p.nodes if n.layer == "fc2")
+    assert 0 < regather < fc2_bwd
     w1, w0 = p.overlap(1), p.overlap(0)
-    assert w0.exposed - w1.exposed == pytest.approx(fwd_gather["fc2"], rel=1e-9)
+    assert w0.exposed - w1.exposed == pytest.approx(fwd_gather["fc2"] + regather, rel=1e-9)
     assert w1.exposed >= fwd_gather["fc1"] - 1e-15
     assert w1.step < p.time  # the planner's sum counts every collective in full
     assert "communication exposed" in p.explain()

@@ -149,12 +149,14 @@ class Edge:
 # regather (ZeRO-3 / FSDP reshard_after_forward)
 # ---------------------------------------------------------------------------------------------
 class _Group:
-    """The parameters one coalesced start gathered: gathered again together in backward."""
+    """The parameters one start gathered (coalesced: several; a synchronous edge: one),
+    gathered again together in backward, once, when the first of them is needed."""
 
     def __init__(self, plans, shards, device_mesh) -> None:
         self.plans, self.shards, self.dm = list(plans), [t.detach() for t in shards], device_mesh
         self.packs = [0] * len(self.plans)   # saved tensors per member (counted in forward)
-        self.results: dict[int, torch.Tensor] = {}
+        self.results: dict[int, torch.Tensor] | None = None   # gathered again, until unpacked
+        self.pending = None                  # the re-gather, started ahead (prefetch)
 
 
 class Regather:
@@ -164,23 +166,30 @@ class Regather:
     communication op gathers is registered; a tensor autograd saves that is (a view of) one is
     packed as a reference to its local shard and edge, and unpacked by running the edge's
     forward plan again, then taking the same view (the gather is deterministic, so the layout
-    is the same). Parameters gathered by one coalesced start are gathered again together,
-    once, when the first of them is needed; each result is kept only until its last saved use
-    is unpacked. Collective in backward: every rank unpacks in the same (autograd) order."""
+    is the same). Parameters gathered by one start are gathered again together, once, when
+    the first of them is needed; each result is kept only until its last saved use is
+    unpacked. Backward prefetch (FSDP's ``BACKWARD_PRE``): when a group is gathered again, the
+    group registered before it in forward (the layer backward reaches next) is started, so
+    its gather runs under this layer's backward. Collective in backward: every rank unpacks
+    in the same (autograd) order, so every rank starts the same gathers in the same order."""
 
     def __init__(self) -> None:
         self.full: dict[int, tuple] = {}
+        self.groups: list[_Group] = []   # in forward (registration) order
         self.count = 0  # collective re-gathers in backward (for tests and stats)
 
     def register(self, full: torch.Tensor, edge: Edge, shard: torch.Tensor, device_mesh,
                  pending=None, index: int = 0) -> None:
         base = full if full._base is None else full._base  # views are keyed by their root
-        group = None
-        if pending is not None and len(pending.plans) > 1:
-            group = getattr(pending, "regather_group", None)
-            if group is None:
+        group = getattr(pending, "regather_group", None) if pending is not None else None
+        if group is None:
+            if pending is not None:
                 group = pending.regather_group = _Group(pending.plans, pending.inputs, device_mesh)
-        self.full[id(base)] = (weakref.ref(base), edge, shard.detach(), device_mesh, group, index)
+            else:
+                group, index = _Group([edge.fwd], [shard], device_mesh), 0
+            group.at = len(self.groups)
+            self.groups.append(group)
+        self.full[id(base)] = (weakref.ref(base), group, index)
 
     def alive(self) -> int:
         """How many gathered parameters are still held (after forward: 0 = all were freed)."""
@@ -191,24 +200,27 @@ class Regather:
         hit = self.full.get(id(base))
         if hit is None or hit[0]() is not base:
             return t
-        if hit[4] is not None:
-            hit[4].packs[hit[5]] += 1
+        hit[1].packs[hit[2]] += 1
         return (Regather, hit[1:], t.size(), t.stride(), t.storage_offset())
+
+    def _gather(self, group: _Group) -> None:
+        self.count += 1
+        got = rt.finish(group.pending) if group.pending is not None else \
+            rt.execute_many(group.plans, group.shards, group.dm)
+        group.pending = None
+        group.results = {i: t for i, t in enumerate(got) if group.packs[i] > 0}
+        prev = self.groups[group.at - 1] if group.at > 0 else None
+        if prev is not None and prev.results is None and prev.pending is None and any(prev.packs):
+            prev.pending = rt.start(prev.plans, prev.shards, prev.dm)
 
     def unpack(self, x):
         if not (isinstance(x, tuple) and x and x[0] is Regather):
             return x
-        _, (edge, shard, dm, group, index), size, stride, offset = x
-        if group is None:
-            self.count += 1
-            full = rt.execute(edge.fwd, shard, dm)
-        else:
-            if index not in group.results:
-                self.count += 1
-                got = rt.execute_many(group.plans, group.shards, group.dm)
-                group.results = {i: t for i, t in enumerate(got) if group.packs[i] > 0}
-            group.packs[index] -= 1
-            full = group.results[index] if group.packs[index] else group.results.pop(index)
+        _, (group, index), size, stride, offset = x
+        if group.results is None:
+            self._gather(group)
+        group.packs[index] -= 1
+        full = group.results[index] if group.packs[index] else group.results.pop(index)
         return full.as_strided(size, stride, offset)
 
     def __enter__(self):
