@@ -6,7 +6,9 @@ returns a :class:`Planned` (``.plan``, ``.graph``, ``.explain()``, ``.why(node)`
 
 ``plan=``: ``"auto"`` (free choice per node, on the given mesh or the best of
 :func:`fxpar.planner.candidate_meshes`) or a baseline, ``"dp"``, ``"zero3"``, ``"megatron"``,
-``"axonn"`` (:mod:`fxpar.planner.baselines`: their meshes and pins), all scored by the one
+``"axonn"`` (:mod:`fxpar.planner.baselines`: their meshes and pins), or ``"amsp"`` (AMSP's
+own program: data parallelism over every device with its searched ``(s_p, s_g, s_os)``,
+microbatches and recomputation; the joint search with ``tp = pp = 1``), all scored by the one
 cost model of :mod:`fxpar.planner`. ``axonn`` without a mesh tries AxoNN's ranked grids in
 order and keeps the first that plans; ``auto`` keeps the fastest of all meshes tried.
 
@@ -34,7 +36,7 @@ import torch.fx as fx
 from fxpar.capture import WithLoss, capture, frozen_params
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
-from fxpar.plan_data import PLAN_KINDS, Plan
+from fxpar.plan_data import BASELINES, PLAN_KINDS, SEARCHED, Plan
 from fxpar.planner import (BuiltProblem, PlannerOptions, axonn_meshes, baseline_mesh,
                            baseline_notes, baseline_pins, candidate_meshes, plan_and_keep)
 from fxpar.solver import Solution
@@ -108,6 +110,13 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
     solve times and predicted step, or why it failed).
     Raises :class:`PlanError` when no plan fits ``memory_budget`` (default device memory).
     """
+    if isinstance(plan, str) and plan in SEARCHED:
+        if mesh is not None or graph is not None or model is None:
+            raise PlanError(f"plan={plan!r} searches its own configurations ({SEARCHED[plan]}, "
+                            "over every device of the cluster): give a model, no mesh or graph")
+        return _plan_joint(model, cluster, example_inputs, example_kwargs, plan=SEARCHED[plan],
+                           options=options, memory_budget=memory_budget, time_limit=time_limit,
+                           progress=progress, kind=plan)
     if isinstance(plan, Mapping) or (plan == "auto" and mesh is None and graph is None
                                      and model is not None and _multi_node(cluster)):
         return _plan_joint(model, cluster, example_inputs, example_kwargs, plan=plan,
@@ -241,7 +250,7 @@ def _global_batch(args, kwargs) -> int:
 
 
 def _plan_joint(model, cluster, args, example_kwargs, *, plan, options, memory_budget,
-                time_limit, progress) -> Planned:
+                time_limit, progress, kind: str = "auto") -> Planned:
     """``plan="auto"`` on a multi-node cluster without a mesh, or a user tuple ``plan={...}``:
     the joint search of :mod:`fxpar.planner.joint` on the model captured with one sample,
     then the winner planned for real (captured at its microbatch shape; a pipeline when it
@@ -278,7 +287,8 @@ def _plan_joint(model, cluster, args, example_kwargs, *, plan, options, memory_b
     targets = {n.name: n.target for n in gm.graph.nodes}
     for _ in range(len(pins)):
         try:
-            return _plan_config(gm, probe, cluster, c, res, opts, pins, dropped)
+            got = _plan_config(gm, probe, cluster, c, res, opts, pins, dropped)
+            return dataclasses.replace(got, plan=dataclasses.replace(got.plan, kind=kind))
         except PlanError as e:
             # a value whose op cannot take the priced layout (no such strategy): let the
             # planner choose it, and say so; any other error is the user's
@@ -349,8 +359,9 @@ def _compile_pipeline(model, wrapped, cluster, args, example_kwargs, *, optimize
     from fxpar.planner.stages import plan_pipeline
     from fxpar.program import Program
 
-    if not isinstance(plan, str) or plan not in PLAN_KINDS:
-        raise PlanError(f"pipeline plans take plan='auto' or a baseline name, got {plan!r}")
+    if not isinstance(plan, str) or plan not in PLAN_KINDS or plan in SEARCHED:
+        raise PlanError(f"pipeline plans take plan='auto' or a baseline with pins "
+                        f"{('auto',) + BASELINES}, got {plan!r}")
     from fxpar.schedule import Schedule
 
     if isinstance(schedule, Schedule):

@@ -44,11 +44,15 @@ import numpy as np
 from fxpar.errors import PlanError
 from fxpar.units import fmt_bytes
 
-__all__ = ["Plan", "StagePlan", "NodePlan", "EdgePlan", "StepCost", "BASELINES", "PLAN_KINDS"]
+__all__ = ["Plan", "StagePlan", "NodePlan", "EdgePlan", "StepCost", "BASELINES", "SEARCHED",
+           "PLAN_KINDS"]
 
 #: Baseline plans priced by the same cost model (see :func:`fxpar.planner.baseline_pins`).
 BASELINES = ("dp", "zero3", "megatron", "axonn")
-PLAN_KINDS = ("auto",) + BASELINES
+#: Baselines that are programs of the joint search, not pins: ``amsp`` (AMSP §IV: TP = PP = 1
+#: over every device; its state sharding, microbatches and recomputation searched).
+SEARCHED = {"amsp": {"tp": 1, "pp": 1}}
+PLAN_KINDS = ("auto",) + BASELINES + tuple(SEARCHED)
 
 
 @dataclass(frozen=True)

@@ -319,3 +319,31 @@ def test_partial_sharding_inside_a_node_is_amsp_priced(gpt):
     want = (amsp.t_p(sh, [P / L], L, 1, cl, **kw) + amsp.t_g(sh, P, 1, U, cl, **kw)
             + amsp.t_os0(sh, P, U, cl, **kw) + amsp.t_os1(sh, P, cl, **kw))
     assert want > 0 and c.dp_comm == pytest.approx(want, rel=1e-9)
+
+
+def test_amsp_baseline_is_the_search_with_tp_and_pp_one(gpt):
+    """plan="amsp" (AMSP's own program: TP = PP = 1 over every device, its state sharding
+    searched) is the joint search's best among the configurations with tp = pp = 1: checked
+    against every such candidate the search prices (its ranked list with keep=all), and
+    ``auto``, which searches a superset under the same model, is never slower. Under a budget
+    that DDP's replicated states exceed, AMSP shards them."""
+    from fxpar.planner.joint import _rank_key
+
+    model, gm = gpt   # gm: the model captured with one sample, as the search's probe
+    cl = fxpar.Cluster.preset("dgx-a100", nodes=2)
+    x = torch.randint(0, 64, (32, 16))
+    a = fxpar.plan(model, cl, (x,), plan="amsp").plan
+    assert a.kind == "amsp" and not a.stages
+    assert dict(zip(a.mesh["axis_names"], a.mesh["shape"])) == {"dp": 16, "tp": 1}
+    every = search(gm, cl, batch=32, keep=10**6).ranked   # every candidate, simulated
+    flat = [c for c in every if c.tp == 1 and c.pp == 1]
+    best = min(flat, key=_rank_key)
+    assert a.schedule["search"]["ranked"][0]["name"] == best.name
+    assert fxpar.plan(model, cl, (x,)).plan.time <= a.time * (1 + 1e-9)
+    ddp = min(c.memory for c in flat if (c.s_p, c.s_g, c.s_os) == (1, 1, 1))
+    sharded = min(c.memory for c in flat if c.s_os > 1)
+    assert sharded < ddp
+    tight = fxpar.plan(model, cl, (x,), plan="amsp", memory_budget=(sharded + ddp) / 2).plan
+    assert tight.schedule["state"]["s_os"] > 1
+    with pytest.raises(PlanError, match="no mesh or graph"):
+        fxpar.plan(model, cl, (x,), plan="amsp", mesh={"dp": 16})
