@@ -8,8 +8,10 @@ returns a :class:`Planned` (``.plan``, ``.graph``, ``.explain()``, ``.why(node)`
 :func:`fxpar.planner.candidate_meshes`) or a baseline, ``"dp"``, ``"zero3"``, ``"megatron"``,
 ``"axonn"`` (:mod:`fxpar.planner.baselines`: their meshes and pins), or ``"amsp"`` (AMSP's
 own program: data parallelism over every device with its searched ``(s_p, s_g, s_os)``,
-microbatches and recomputation; the joint search with ``tp = pp = 1``), all scored by the one
-cost model of :mod:`fxpar.planner`. ``axonn`` without a mesh tries AxoNN's ranked grids in
+microbatches and recomputation; the joint search with ``tp = pp = 1``) or ``"alpa"`` (the
+joint search as Alpa runs it: placement-agnostic communication costs, replicated model
+states; its choice priced on the real cluster), all scored by the one cost model of
+:mod:`fxpar.planner`. ``axonn`` without a mesh tries AxoNN's ranked grids in
 order and keeps the first that plans; ``auto`` keeps the fastest of all meshes tried.
 
 >>> import torch, fxpar
@@ -275,7 +277,9 @@ def _plan_joint(model, cluster, args, example_kwargs, *, plan, options, memory_b
                        {k: _microbatch(v, m, repr(k)) for k, v in (example_kwargs or {}).items()} or None)
 
     probe = cap(1)
-    res = search(probe, cluster, batch=B, options=opts, only=only)
+    # alpa chooses under its own (placement-agnostic) costs; the choice is priced for real below
+    res = search(probe, cluster.placement_agnostic() if kind == "alpa" else cluster, batch=B,
+                 options=opts, only=only)
     c = res.best
     if progress is not None:
         progress(f"joint search: {res.tried} configurations, {res.over_memory} over memory; "
@@ -288,7 +292,11 @@ def _plan_joint(model, cluster, args, example_kwargs, *, plan, options, memory_b
     for _ in range(len(pins)):
         try:
             got = _plan_config(gm, probe, cluster, c, res, opts, pins, dropped)
-            return dataclasses.replace(got, plan=dataclasses.replace(got.plan, kind=kind))
+            notes = (f"{kind}: {c.name} chosen under placement-agnostic communication costs "
+                     "(one link for every group); priced here on the real cluster",) \
+                if kind == "alpa" else ()
+            return dataclasses.replace(got, plan=dataclasses.replace(
+                got.plan, kind=kind, notes=got.plan.notes + notes))
         except PlanError as e:
             # a value whose op cannot take the priced layout (no such strategy): let the
             # planner choose it, and say so; any other error is the user's

@@ -297,6 +297,24 @@ class Cluster:
             raise ClusterError(f"device {device} not in cluster {self.name} "
                                f"(devices 0..{self.num_devices - 1})")
 
+    def placement_agnostic(self) -> Cluster:
+        """The cluster as a placement-agnostic cost model sees it (AxoNN §V-C; Alpa prices its
+        stages and intra-op plans this way): one node of every device whose every link has the
+        inter-node figures (:func:`fxpar.cost.comm.group_bandwidth` with
+        ``placement_aware=False``), no leaf switches, no per-level calibrated profile.
+
+        >>> c = Cluster.preset("dgx-a100", nodes=2).placement_agnostic()
+        >>> c.nodes, c.devices_per_node, c.intra_node_bandwidth / 1e9, c.intra_node_latency
+        (1, 16, 200.0, 8e-06)
+        """
+        if self.nodes == 1:
+            return self
+        return dataclasses.replace(
+            self, nodes=1, devices_per_node=self.num_devices,
+            intra_node_bandwidth=min(self.intra_node_bandwidth, self.inter_node_bandwidth),
+            intra_node_latency=self.inter_node_latency, nodes_per_switch=None,
+            inter_switch_bandwidth=None, profile=Profile(), name=f"{self.name} (placement-agnostic)")
+
     def describe(self) -> str:
         sw = f", {self.nodes_per_switch} nodes/leaf switch" if self.nodes_per_switch else ""
         return (f"{self.name}: {self.nodes} node(s) × {self.devices_per_node} {self.device_type}"

@@ -50,8 +50,11 @@ __all__ = ["Plan", "StagePlan", "NodePlan", "EdgePlan", "StepCost", "BASELINES",
 #: Baseline plans priced by the same cost model (see :func:`fxpar.planner.baseline_pins`).
 BASELINES = ("dp", "zero3", "megatron", "axonn")
 #: Baselines that are programs of the joint search, not pins: ``amsp`` (AMSP §IV: TP = PP = 1
-#: over every device; its state sharding, microbatches and recomputation searched).
-SEARCHED = {"amsp": {"tp": 1, "pp": 1}}
+#: over every device; its state sharding, microbatches and recomputation searched); ``alpa``
+#: (stages, submeshes and intra-op layouts searched with placement-agnostic communication
+#: costs, :meth:`fxpar.Cluster.placement_agnostic`, and replicated model states; the winner
+#: is then priced on the real cluster).
+SEARCHED = {"amsp": {"tp": 1, "pp": 1}, "alpa": {"s_p": 1, "s_g": 1, "s_os": 1}}
 PLAN_KINDS = ("auto",) + BASELINES + tuple(SEARCHED)
 
 

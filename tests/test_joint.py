@@ -347,3 +347,24 @@ def test_amsp_baseline_is_the_search_with_tp_and_pp_one(gpt):
     assert tight.schedule["state"]["s_os"] > 1
     with pytest.raises(PlanError, match="no mesh or graph"):
         fxpar.plan(model, cl, (x,), plan="amsp", mesh={"dp": 16})
+
+
+def test_alpa_baseline_chooses_placement_agnostic_and_is_priced_for_real(gpt):
+    """plan="alpa": the configuration is the search's best under the placement-agnostic view
+    of the cluster (one node, every link the inter-node figures) with replicated states; the
+    plan is then priced on the real cluster, where ``auto`` (same search, true costs) is never
+    slower."""
+    from fxpar.planner.joint import _rank_key
+
+    model, gm = gpt
+    cl = fxpar.Cluster.preset("dgx-a100", nodes=2)
+    agn = cl.placement_agnostic()
+    assert agn.num_devices == cl.num_devices and agn.nodes == 1
+    assert agn.intra_node_bandwidth == cl.inter_node_bandwidth   # 200 GB/s < NVLink's 300
+    x = torch.randint(0, 64, (32, 16))
+    a = fxpar.plan(model, cl, (x,), plan="alpa").plan
+    assert a.kind == "alpa" and any("placement-agnostic" in n for n in a.notes)
+    every = search(gm, agn, batch=32, keep=10**6, only=dict(s_p=1, s_g=1, s_os=1)).ranked
+    assert a.schedule["search"]["ranked"][0]["name"] == min(every, key=_rank_key).name
+    assert a.schedule["state"] == {"s_p": 1, "s_g": 1, "s_os": 1}
+    assert fxpar.plan(model, cl, (x,)).plan.time <= a.time * (1 + 1e-9)
