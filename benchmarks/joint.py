@@ -16,7 +16,7 @@ estimate, simulated) and the planned pipeline's predicted step (the chunks' intr
 through the simulator), memory, and the ratio to the tuple. Prints a table, writes
 ``benchmarks/results/joint.json``.
 
-    python benchmarks/joint.py [--skip-llama]
+    python benchmarks/joint.py [--skip-llama] [--only-llama --out joint_llama.json]
 """
 
 from __future__ import annotations
@@ -66,15 +66,20 @@ def row(name, make, cluster, batch, seq, plan="auto"):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--skip-llama", action="store_true")
+    ap.add_argument("--only-llama", action="store_true", help="the Llama-3-8B row only")
+    ap.add_argument("--out", default=None, help="results file name under benchmarks/results/")
     a = ap.parse_args(argv)
-    a100_128 = fxpar.Cluster.preset("dgx-a100", nodes=128)
-    rows = [row("gpt3-175b", gpt3_175b, a100_128, 1536, 2048),
-            row("gpt3-175b", gpt3_175b, a100_128, 1536, 2048, plan=MEGATRON_175B)]
+    rows = []
+    if not a.only_llama:
+        a100_128 = fxpar.Cluster.preset("dgx-a100", nodes=128)
+        rows = [row("gpt3-175b", gpt3_175b, a100_128, 1536, 2048),
+                row("gpt3-175b", gpt3_175b, a100_128, 1536, 2048, plan=MEGATRON_175B)]
     if not a.skip_llama:
         rows.append(row("llama3-8b", llama3_8b, fxpar.Cluster.preset("dgx-a100", nodes=8), 64, 2048))
-    ref = rows[1]["planned_step_s"]
-    for r in rows[:2]:
-        r["vs_megatron_tuple"] = r["planned_step_s"] / ref
+    if not a.only_llama:
+        ref = rows[1]["planned_step_s"]
+        for r in rows[:2]:
+            r["vs_megatron_tuple"] = r["planned_step_s"] / ref
     print(f"{'model':10} {'plan':>8} {'plan s':>7} {'search step':>12} {'planned step':>13} "
           f"{'GiB':>6}  config")
     for r in rows:
@@ -82,12 +87,18 @@ def main(argv=None) -> int:
         print(f"{r['model']:10} {('tuple' if r['plan'] != 'auto' else 'auto'):>8} {r['plan_s']:7.1f} "
               f"{ss:>12} {r['planned_step_s']:13.2f} {r['memory_gib']:6.1f}  {r['config']}")
     out = {"benchmark": "joint", "rows": rows, "cpus": __import__("os").cpu_count(),
+           "load": __import__("os").getloadavg()[0],
            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
            "targets": {"gpt3_175b_auto_s": 30, "llama3_8b_auto_s": 5,
                        "auto_not_slower_than_megatron_tuple": True}}
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {OUT}")
+    path = OUT.parent / a.out if a.out else OUT
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():  # hand-written notes (before/after) survive a re-run
+        notes = json.loads(path.read_text()).get("notes")
+        if notes is not None:
+            out["notes"] = notes
+    path.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {path}")
     return 0
 
 

@@ -596,3 +596,56 @@ def test_capture_failure_is_quiet(debug):
         assert "Traceback (most recent call last)" in p.stdout and p.stderr
     else:
         assert p.stderr == "" and "Traceback" not in p.stdout
+
+
+def _graph_fingerprint(gm) -> list:
+    """Everything of a capture a later pass reads: code, names, targets, args, fake-value
+    shapes/dtypes/strides, module stacks, stack traces, and the submodules' code."""
+    rows = [gm.code] + [m.code for _, m in gm.named_modules() if m is not gm
+                        and isinstance(m, torch.fx.GraphModule)]
+    for n in gm.graph.nodes:
+        vals = [v for v in torch.utils._pytree.tree_leaves(n.meta.get(ir.VAL))]
+        rows.append((n.name, n.op, str(n.target), str(n.args), str(n.kwargs),
+                     [(tuple(v.shape), v.dtype, v.stride()) if isinstance(v, torch.Tensor)
+                      else repr(v) for v in vals],
+                     str(n.meta.get("nn_module_stack")), n.meta.get("stack_trace"),
+                     sorted(k for k in n.meta)))
+    return rows
+
+
+@pytest.mark.parametrize("name", ["no_grad", "llama", "mixtral"])
+def test_lazy_recompile_during_export_changes_nothing(name, monkeypatch):
+    """capture() lets export's intermediate graph modules recompile lazily (it skips ~30
+    regenerations of the whole graph's code on Llama): the graph is the same as with eager
+    recompiles, and no lazy module is left in it."""
+    import contextlib
+
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    cap = sys.modules["fxpar.capture"]  # the module; ``fxpar.capture`` is the function
+
+    if name == "no_grad":
+        class Gated(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.lin = nn.Linear(4, 4)
+
+            def forward(self, x):
+                with torch.no_grad():
+                    gate = self.lin(x).sigmoid()
+                return (self.lin(x) * gate).sum()
+
+        model, args, kw = Gated(), (torch.randn(3, 4),), {}
+    else:
+        model = hf_model(name, use_cache=False) if name == "llama" else hf_model(name)
+        ids = torch.zeros(2, 16, dtype=torch.long)
+        args, kw = (ids,), {"labels": ids}
+    lazy = capture(model, args, kw)
+    monkeypatch.setattr(cap, "_lazy_recompile", contextlib.nullcontext)
+    eager = capture(model, args, kw)
+    assert _graph_fingerprint(lazy) == _graph_fingerprint(eager)
+    assert not any(isinstance(m, _LazyGraphModule) for m in lazy.modules())
+    out = run_captured(lazy, model, *args, **kw)
+    ref = run_captured(eager, model, *args, **kw)
+    leaves = torch.utils._pytree.tree_leaves
+    torch.testing.assert_close(leaves(out), leaves(ref))
