@@ -4,7 +4,11 @@ Each row prices a paper's hand-chosen configuration with the joint search restri
 (``only=``: its degrees, schedule, recomputation and state sharding; the microbatch size and,
 for interleaved, the chunk count left to the search where the paper does not give them) and
 ``plan="auto"`` on the same model, cluster and batch, and prints the predicted step of each and
-their ratio. Nothing here trains: the numbers are the cost model's. Models are built in bf16
+their ratio. Every row also prices the searched baselines where they apply (:func:`searched`:
+``amsp``, the search with TP = PP = 1; ``alpa``, the search's choice under placement-agnostic
+communication costs, priced on the real cluster), and ``auto_vs_best_baseline`` is auto's
+step over the fastest baseline of the row (the issue's target: never above 1, mean ≤ 0.85).
+Nothing here trains: the numbers are the cost model's. Models are built in bf16
 (activations and their communication at 2 bytes; model states by mixed-precision Adam).
 
 * **Megatron-LM Table 1** (GPT 1.7B … 1T on 32 … 3072 A100s, ``dgx-a100`` nodes; V = 51200,
@@ -108,6 +112,36 @@ def price(gm, cluster, batch: int, only: dict | None) -> dict:
             "search_s": round(time.perf_counter() - t0, 2)}
 
 
+def searched(gm, cluster, batch: int) -> dict:
+    """The searched baselines (``plan="amsp"`` / ``"alpa"`` at the search level): ``amsp``, the
+    search with ``tp = pp = 1``; ``alpa``, the search's best on the placement-agnostic view of
+    the cluster with replicated states (``own_step_s``: what Alpa's model predicts), priced on
+    the real cluster with that configuration fixed."""
+    out = {}
+    try:
+        out["amsp"] = price(gm, cluster, batch, {"tp": 1, "pp": 1})
+    except fxpar.FxparError as e:
+        out["amsp"] = {"error": str(e)[:300]}
+    try:
+        t0 = time.perf_counter()
+        c = search(gm, cluster.placement_agnostic(), batch=batch,
+                   only=dict(s_p=1, s_g=1, s_os=1)).best
+        fixed = dict(tp=c.tp, pp=c.pp, dp=c.dp, microbatch=c.microbatch, schedule=c.schedule,
+                     chunks=c.chunks, recompute=c.recompute, s_p=1, s_g=1, s_os=1)
+        out["alpa"] = {**price(gm, cluster, batch, fixed), "own_step_s": c.step,
+                       "search_s": round(time.perf_counter() - t0, 2)}
+    except fxpar.FxparError as e:
+        out["alpa"] = {"error": str(e)[:300]}
+    return out
+
+
+def best_baseline(row: dict, keys) -> None:
+    """``auto_vs_best_baseline``: auto's step over the fastest of ``keys`` that has one."""
+    base = [row[k]["step_s"] for k in keys if k in row and "step_s" in row[k]]
+    if base and "step_s" in row.get("auto", {}):
+        row["auto_vs_best_baseline"] = row["auto"]["step_s"] / min(base)
+
+
 def table1(names: set[str] | None) -> list[dict]:
     rows = []
     for name, heads, h, l, t, p, n, B, tflops, pct in TABLE1:
@@ -121,17 +155,21 @@ def table1(names: set[str] | None) -> list[dict]:
                      schedule="interleaved" if p > 1 else "1f1b")
         row = {"model": name, "gpus": n, "batch": B, "paper_tflops": tflops, "paper_pct": pct,
                "capture_s": round(cap_s, 2), "paper": price(gm, cl, B, paper),
-               "auto": price(gm, cl, B, None)}
+               "auto": price(gm, cl, B, None), **searched(gm, cl, B)}
         F = flops(B, l, h)
-        for k in ("paper", "auto"):
-            row[k]["tflops"] = F / row[k]["step_s"] / n / 1e12
-            row[k]["pct"] = 100 * row[k]["tflops"] * 1e12 / PEAK
+        for k in ("paper", "auto", "amsp", "alpa"):
+            if "step_s" in row[k]:
+                row[k]["tflops"] = F / row[k]["step_s"] / n / 1e12
+                row[k]["pct"] = 100 * row[k]["tflops"] * 1e12 / PEAK
         row["auto_vs_paper"] = row["auto"]["step_s"] / row["paper"]["step_s"]
+        best_baseline(row, ("paper", "amsp", "alpa"))
         rows.append(row)
+        tf = lambda r: f"{r['tflops']:6.1f} TF" if "tflops" in r else "  no fit"  # noqa: E731
         print(f"{name:>8} {n:5d} {B:5d} | paper {tflops:4d} TF ({pct}%) | fxpar on the paper's "
-              f"config {row['paper']['tflops']:6.1f} TF ({row['paper']['pct']:4.1f}%) | auto "
-              f"{row['auto']['tflops']:6.1f} TF, x{row['auto_vs_paper']:.3f} the step | "
-              f"{row['auto']['config']}", flush=True)
+              f"config {row['paper']['tflops']:6.1f} TF ({row['paper']['pct']:4.1f}%) | amsp "
+              f"{tf(row['amsp'])} | alpa {tf(row['alpa'])} | auto {row['auto']['tflops']:6.1f} TF, "
+              f"x{row['auto_vs_paper']:.3f} the paper's step, x{row['auto_vs_best_baseline']:.3f} "
+              f"the best baseline's | {row['auto']['config']}", flush=True)
     return rows
 
 
@@ -156,6 +194,7 @@ def table2() -> list[dict]:
         for k in ("zero3", "ptdp"):
             if "step_s" in row[k] and "step_s" in row["auto"]:
                 row[f"auto_vs_{k}"] = row["auto"]["step_s"] / row[k]["step_s"]
+        best_baseline(row, ("zero3", "ptdp"))
         rows.append(row)
         fmt = lambda r: f"{r['tflops']:6.1f} TF" if "tflops" in r else "  no fit"  # noqa: E731
         print(f"{n:5d} GPUs | ZeRO-3 paper {z_tf:4d} TF, fxpar {fmt(row['zero3'])} | PTD-P paper "
@@ -197,17 +236,20 @@ def table3() -> list[dict]:
         for k, only in cases.items():
             try:
                 row[k] = price(gm, cl, B, only)
-                row[k]["mfu"] = 100 * model_flops / (row[k]["step_s"] * n * 312e12)
             except fxpar.FxparError as e:
                 row[k] = {"error": str(e)[:300]}
-        base = [row[k]["step_s"] for k in ("amsp", "zero1", "zero3") if k in row and "step_s" in row[k]]
-        if base and "step_s" in row["auto"]:
-            row["auto_vs_best_baseline"] = row["auto"]["step_s"] / min(base)
+        found = searched(gm, cl, B)
+        row["amsp_search"], row["alpa"] = found["amsp"], found["alpa"]
+        for k in (*cases, "amsp_search", "alpa"):
+            if "step_s" in row[k]:
+                row[k]["mfu"] = 100 * model_flops / (row[k]["step_s"] * n * 312e12)
+        best_baseline(row, ("amsp", "zero1", "zero3", "amsp_search", "alpa"))
         rows.append(row)
         fmt = lambda r: f"{r['mfu']:5.1f}%" if "mfu" in r else "no fit"  # noqa: E731
         print(f"{name:>9} | AMSP paper {p_amsp}%, fxpar {fmt(row['amsp']) if 'amsp' in row else 'n/a':>6} | "
               f"ZeRO-1 paper {p_z1 or '-'}%, fxpar {fmt(row['zero1'])} | ZeRO-3 paper {p_z3 or '-'}%, "
-              f"fxpar {fmt(row['zero3'])} | auto {fmt(row['auto'])} {row['auto'].get('config', '')}",
+              f"fxpar {fmt(row['zero3'])} | amsp searched {fmt(row['amsp_search'])} | alpa "
+              f"{fmt(row['alpa'])} | auto {fmt(row['auto'])} {row['auto'].get('config', '')}",
               flush=True)
     return rows
 
@@ -375,11 +417,13 @@ def table4() -> list[dict]:
                 row[k] = price(gm, cl, B, only)
             except fxpar.FxparError as e:
                 row[k] = {"error": str(e)[:300]}
-        for k in ("axonn", *cases):
+        row.update(searched(gm, cl, B))
+        for k in ("axonn", *cases, "amsp", "alpa"):
             if "step_s" in row[k]:
                 row[k]["tflops"] = F / row[k]["step_s"] / n / 1e12
                 row[k]["pct"] = 100 * row[k]["tflops"] * 1e12 / PEAK
-        base = {k: row[k]["step_s"] for k in ("axonn", "megatron", "zero3", "dp") if "step_s" in row[k]}
+        base = {k: row[k]["step_s"] for k in ("axonn", "megatron", "zero3", "dp", "amsp", "alpa")
+                if "step_s" in row[k]}
         if base and "step_s" in row["auto"]:
             best = min(base, key=base.get)
             row["best_baseline"] = best
@@ -394,7 +438,8 @@ def table4() -> list[dict]:
               f"on {grid} (data x z x y x x) {fmt(ax)}"
               + (f" ({ax['step_s']:5.1f} s, {ax['memory_gib']:.1f} GiB)" if "step_s" in ax else "")
               + f" | Megatron paper {p_meg}%, fxpar {fmt(row['megatron'])} | ZeRO-3 paper {p_z3}%, "
-              f"fxpar {fmt(row['zero3'])} | dp {fmt(row['dp'])} | auto {fmt(row['auto'])}"
+              f"fxpar {fmt(row['zero3'])} | dp {fmt(row['dp'])} | amsp {fmt(row['amsp'])} | alpa "
+              f"{fmt(row['alpa'])} | auto {fmt(row['auto'])}"
               + (f" ({row['auto']['step_s']:5.1f} s) {row['auto']['config']}" if "step_s" in row["auto"] else "")
               + (f" | auto / best baseline ({row['best_baseline']}) "
                  f"x{row['auto_vs_best_baseline']:.3f}" if "best_baseline" in row else ""),
@@ -418,16 +463,19 @@ def main(argv=None) -> int:
     t3 = [] if a.skip_amsp else (print("\nAMSP: LLaMA on 1024 A800s, 4M tokens per step") or table3())
     t4 = [] if a.skip_axonn else (print("\nAxoNN weak scaling: GPT 5B-80B on 64-1024 Perlmutter "
                                         "A100-40GB, 4M tokens per step") or table4())
-    ratios = [r["auto_vs_paper"] for r in t1]
-    ratios += [r[k] for r in t2 for k in ("auto_vs_zero3", "auto_vs_ptdp") if k in r]
-    ratios += [r["auto_vs_best_baseline"] for r in t3 if "auto_vs_best_baseline" in r]
-    ratios += [r["auto_vs_best_baseline"] for r in t4 if "auto_vs_best_baseline" in r]
-    summary = {"auto_never_slower_than_paper": all(x <= 1 + 1e-9 for x in ratios),
-               "mean_auto_vs_paper": sum(ratios) / len(ratios) if ratios else None,
-               "total_s": round(time.perf_counter() - t0, 1),
+    # per row: auto over the fastest baseline of that row (the paper's own configuration, the
+    # other papers' systems, amsp and alpa searched), so "never slower" covers every baseline
+    ratios = [r["auto_vs_best_baseline"] for t in (t1, t2, t3, t4) for r in t
+              if "auto_vs_best_baseline" in r]
+    paper = [r["auto_vs_paper"] for r in t1]
+    summary = {"auto_never_slower_than_any_baseline": all(x <= 1 + 1e-9 for x in ratios),
+               "mean_auto_vs_best_baseline": sum(ratios) / len(ratios) if ratios else None,
+               "mean_auto_vs_paper_table1": sum(paper) / len(paper) if paper else None,
+               "rows": len(ratios), "total_s": round(time.perf_counter() - t0, 1),
                "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-    print(f"\nauto vs the papers' configurations (every row): mean step ratio "
-          f"{summary['mean_auto_vs_paper']:.3f}, never slower: {summary['auto_never_slower_than_paper']}")
+    print(f"\nauto vs each row's best baseline ({len(ratios)} rows): mean step ratio "
+          f"{summary['mean_auto_vs_best_baseline']:.3f} (target <= 0.85), never slower: "
+          f"{summary['auto_never_slower_than_any_baseline']}")
     out = {"benchmark": "reproductions", "table1": t1, "table2": t2, "amsp": t3, "axonn": t4,
            "summary": summary,
            "targets": {"auto_not_slower_than_any_baseline": True, "mean_ratio_to_best_baseline": 0.85}}

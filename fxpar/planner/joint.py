@@ -80,6 +80,8 @@ BUCKET = 25 * 2**20
 _NO_LIMIT = float(2**60)
 #: the largest microbatch per replica tried (Megatron-LM §3.2: small ones win with pipelines)
 MAX_MICROBATCH = 32
+#: candidates of each schedule simulated whatever their estimate (see :func:`search`)
+PER_SCHEDULE = 2
 
 
 @dataclass(frozen=True)
@@ -494,9 +496,15 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
         raise PlanError(f"joint search: no configuration of {tried} tried fits the memory budget "
                         f"of {budget / 2**30:.1f} GiB per device{detail}")
     cands.sort(key=lambda sc: _rank_key(sc[1]))
+    # the estimate is 1F1B's bubble; other schedules' (zb-h1's, eager's) differ, so each
+    # schedule's best estimates are simulated too, not only the overall top ``keep``
+    chosen = cands[:keep]
+    for sname in {c.schedule for _, c in cands}:
+        mine = [sc for sc in cands if sc[1].schedule == sname][:PER_SCHEDULE]
+        chosen += [sc for sc in mine if all(sc[1] is not k[1] for k in chosen)]
     ranked = []
     t2 = time.perf_counter()
-    for _, c in cands[:keep]:
+    for _, c in chosen:
         ranked.append(_simulate(c, table[c.tp], c.microbatch / probe_batch, cluster, Schedule, simulate))
     ranked.sort(key=_rank_key)
     return SearchResult(tuple(ranked), tried, over, smallest, float(budget),
