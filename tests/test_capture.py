@@ -186,17 +186,20 @@ def test_control_flow_resolved_by_example_inputs():
                                m(x[:2], "sigmoid", extra=torch.ones(4)))
 
 
+class Gated(nn.Module):
+    """A ``no_grad`` region that uses a parameter (which must not train through it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            gate = self.lin(x).sigmoid()  # uses a parameter, but must not train it here
+        return (self.lin(x) * gate).sum()
+
+
 def test_no_grad_region_is_inlined_and_still_stops_gradients():
-    class Gated(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x):
-            with torch.no_grad():
-                gate = self.lin(x).sigmoid()  # uses a parameter, but must not train it here
-            return (self.lin(x) * gate).sum()
-
     for decompose in (False, True):
         torch.manual_seed(0)
         m = Gated()
@@ -625,16 +628,6 @@ def test_lazy_recompile_during_export_changes_nothing(name, monkeypatch):
     cap = sys.modules["fxpar.capture"]  # the module; ``fxpar.capture`` is the function
 
     if name == "no_grad":
-        class Gated(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.lin = nn.Linear(4, 4)
-
-            def forward(self, x):
-                with torch.no_grad():
-                    gate = self.lin(x).sigmoid()
-                return (self.lin(x) * gate).sum()
-
         model, args, kw = Gated(), (torch.randn(3, 4),), {}
     else:
         model = hf_model(name, use_cache=False) if name == "llama" else hf_model(name)
