@@ -20,10 +20,11 @@ each edge ``producer -> consumer`` (input ``p`` of the consumer):
 **Partial gradients sunk into parameter reductions.** A backward is linear in the gradient
 it receives, so a value stored ``R`` on axis ``a`` whose every use returns a ``P(sum)``
 gradient on ``a`` need not be all-reduced when its producer's only differentiable inputs are
-parameters used nowhere else, consumed in their storage layout and ``R`` on ``a``: the
-producer's backward turns the partial sum into partial parameter gradients, and ``a`` joins
-those parameters' replica axes, so the reduction happens in the model-state manager's
-asynchronous buckets instead of synchronously in backward. A GPT's learned position
+parameters used nowhere else and consumed ``R`` on ``a``: the producer's backward turns the
+partial sum into partial parameter gradients. A parameter stored ``R`` on ``a`` gets ``a`` as
+a replica axis; one stored sharded (ZeRO-3, gathered for the use) reduce-scatters its
+gradient on the use's edge. Either way the reduction happens in the model-state manager's
+asynchronous path instead of synchronously in backward. A GPT's learned position
 embedding under data parallelism is the case: ``wpe[arange(T)]`` is the same on every rank
 and is added to batch-sharded activations; its gradient is reduced with the other weights'
 (as DDP does), not as an activation in the middle of backward.
@@ -54,7 +55,7 @@ from fxpar import ir
 from fxpar.ir import grad_flags
 from fxpar.reshard import reshard_plan
 from fxpar.runtime.comm import REDISTRIBUTE, START, WAIT, Edge, grad_scale
-from fxpar.spec import Partial, Replicate, Spec, grad_in_spec, grad_out_spec
+from fxpar.spec import Partial, Replicate, Shard, Spec, grad_in_spec, grad_out_spec
 from fxpar.strategies.base import Strategy
 from fxpar.passes.infra import PassContext, PassResult, graph_pass
 from fxpar.passes.checks import annotated, comm_ops_have_edges
@@ -116,13 +117,15 @@ def _sunk(uses, flags, replica) -> dict[fx.Node, set[int]]:
             axes &= {i for i, pl in enumerate(g) if pl == _SUM}
         diff = [(k, x) for k, x in enumerate(a.all_input_nodes) if flags.get(x)]
         if not axes or not diff or not all(
-                ir.PARAM in x.meta and len(x.users) == 1 and x.meta[ir.SPECS][0] == a.meta[ir.IN_SPECS][k]
-                and all(isinstance(x.meta[ir.SPECS][0][i], Replicate) for i in axes)
+                ir.PARAM in x.meta and len(x.users) == 1
+                and all(isinstance(a.meta[ir.IN_SPECS][k][i], Replicate)
+                        and isinstance(x.meta[ir.SPECS][0][i], (Replicate, Shard)) for i in axes)
                 for k, x in diff):
             continue
         out[a] = axes
-        for _, x in diff:
-            replica[x] = tuple(sorted(set(replica.get(x, ())) | axes))
+        for _, x in diff:  # stored R there: a replica axis; stored S: its edge reduce-scatters
+            rep = {i for i in axes if isinstance(x.meta[ir.SPECS][0][i], Replicate)}
+            replica[x] = tuple(sorted(set(replica.get(x, ())) | rep))
     return out
 
 

@@ -553,3 +553,29 @@ def test_zero3_backward_prefetch(pools):
         step = log[:per_step]
         assert [at for _, at in step] == sorted((at for _, at in step), reverse=True)
         assert [how for how, _ in step] == ["synchronous"] + ["prefetched"] * (per_step - 1)
+
+
+@pytest.mark.timeout(60)
+def test_zero3_embeddings_are_gathered_not_vocab_parallel():
+    """ZeRO-3 as FSDP runs it: the token table is gathered and each rank looks up its own
+    batch rows (no all-gather of the ids, no reduce-scatter of the lookup); the position
+    lookup is replicated, its partial gradient sunk into the table's reduce-scatter (no
+    all-reduce in backward). The only activation collectives left are the targets' (which a
+    runner handed the global batch slices instead) and the loss's."""
+    from examples.models import GPT
+
+    torch.manual_seed(0)
+    m = GPT(vocab=512, d_model=128, n_heads=4, n_layers=2, seq_len=64)
+    idx = torch.randint(0, 512, (8, 64))
+    gm = fxpar.compile(m, fxpar.Cluster.local(2), (idx, idx), plan="zero3", mesh={"dp": 2},
+                       time_limit=20, optimizer=_opt).rank_graph(0)
+    edges = gm.meta[ir.EDGES]
+
+    def talks(p):
+        return p is not None and any(s.kind not in LOCAL_KINDS for s in p.steps)
+
+    activation = sorted(n for n, e in edges.items() if e.param is None and (talks(e.fwd) or talks(e.bwd)))
+    assert activation == ["cross_entropy_loss->output", "targets->reshape_3"], activation
+    wpe = edges["p_pos_emb_weight->embedding_1"]
+    assert [s.kind for s in wpe.fwd.steps] == ["all_gather"]
+    assert [s.kind for s in wpe.bwd.steps] == ["reduce_scatter"] and str(wpe.bwd.src) == "P(sum)"

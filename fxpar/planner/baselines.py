@@ -4,8 +4,9 @@
 * ``"auto"``: free choice per node; mesh given, or the best of :func:`candidate_meshes`:
   ``(dp=N)``, ``(dp=N/t, tp=t)`` for ``t`` = 2, 4, ... ≤ devices per node, and AxoNN's best
   ``(data, z, y, x)`` grid;
-* ``"dp"``: mesh ``(dp=N)``; user inputs and the outputs of linear layers ``S(0)`` on every
-  axis, every parameter ``R``;
+* ``"dp"``: mesh ``(dp=N)``; user inputs and the outputs of linear layers and of embedding
+  lookups of a user input (token ids) ``S(0)`` on every axis, lookups of computed indices
+  (``arange`` positions) ``R``, every parameter ``R``;
 * ``"zero3"``: as ``dp`` but every parameter stored sharded over every axis, on dim 0 or, when
   dim 0 cannot be split over all devices without an empty shard (a ``[1, 1, h]`` class token),
   on its first dim that can (:func:`zero3_spec`; FSDP2 pads instead); a parameter no dim of
@@ -167,6 +168,18 @@ def _linear_nodes(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
     return out
 
 
+def _lookups(gm: fx.GraphModule) -> tuple[list[fx.Node], list[fx.Node]]:
+    """Embedding lookups ``(of a user input, of anything else)``: token ids (a placeholder
+    input: the batch is dim 0 of the output) and computed indices (``arange`` positions: the
+    same for every sample)."""
+    batch, other = [], []
+    for n in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.embedding.default):
+        idx = n.args[1] if len(n.args) > 1 else None
+        if isinstance(idx, fx.Node):
+            (batch if idx.op == "placeholder" and ir.INPUT in idx.meta else other).append(n)
+    return batch, other
+
+
 def _col_flags(gm: fx.GraphModule) -> dict[fx.Node, bool]:
     """``{weight: True for column, False for row}``: a linear is row-parallel iff one of its
     inputs depends on a column-parallel output through non-linear ops (q/k/v, gate/up are
@@ -256,8 +269,14 @@ def baseline_pins(kind: str, gm: fx.GraphModule, mesh: Mesh) -> dict[str, Spec]:
     lin = _linear_nodes(gm)
     if kind in ("dp", "zero3"):
         pins: dict[str, Spec] = {"input": Spec.parse(S0 * nd)}
-        for node, _ in lin:
+        # data-parallel compute: ZeRO-3 / FSDP gathers an embedding table and looks up its
+        # own rows (batch lookups S(0), position lookups R), never a vocab-parallel lookup
+        # (synchronous activation collectives)
+        batch, other = _lookups(gm)
+        for node in [n for n, _ in lin] + batch:
             pins[node.name] = Spec.parse(S0 * nd)
+        for node in other:
+            pins[node.name] = Spec.parse(R * nd)
         for fqn, info in params.items():
             if info.node_name is None:
                 continue
