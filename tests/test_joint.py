@@ -368,3 +368,19 @@ def test_alpa_baseline_chooses_placement_agnostic_and_is_priced_for_real(gpt):
     assert a.schedule["search"]["ranked"][0]["name"] == min(every, key=_rank_key).name
     assert a.schedule["state"] == {"s_p": 1, "s_g": 1, "s_os": 1}
     assert fxpar.plan(model, cl, (x,)).plan.time <= a.time * (1 + 1e-9)
+
+
+def test_every_schedule_has_candidates_simulated(gpt):
+    """The estimate that preselects candidates for simulation is 1F1B's bubble (zb-h1's and
+    eager-1F1B's are smaller), so besides the overall top ``keep`` each schedule's best
+    estimates are simulated: with keep=1, every schedule that has a fitting candidate is
+    still in the ranked (simulated) list, as in the exhaustive one."""
+    from fxpar.planner.joint import PER_SCHEDULE
+
+    _, gm = gpt
+    cl = fxpar.Cluster.preset("dgx-a100", nodes=2)
+    few = search(gm, cl, batch=32, keep=1).ranked
+    every = search(gm, cl, batch=32, keep=10**6).ranked
+    scheds = {c.schedule for c in every}
+    assert len(scheds) > 1 and {c.schedule for c in few} == scheds
+    assert len(few) <= 1 + PER_SCHEDULE * len(scheds) < len(every)
