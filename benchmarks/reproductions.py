@@ -136,10 +136,12 @@ def searched(gm, cluster, batch: int) -> dict:
 
 
 def best_baseline(row: dict, keys) -> None:
-    """``auto_vs_best_baseline``: auto's step over the fastest of ``keys`` that has one."""
-    base = [row[k]["step_s"] for k in keys if k in row and "step_s" in row[k]]
+    """``best_baseline`` (the fastest of ``keys`` that has a step) and
+    ``auto_vs_best_baseline`` (auto's step over its)."""
+    base = {k: row[k]["step_s"] for k in keys if k in row and "step_s" in row[k]}
     if base and "step_s" in row.get("auto", {}):
-        row["auto_vs_best_baseline"] = row["auto"]["step_s"] / min(base)
+        row["best_baseline"] = min(base, key=base.get)
+        row["auto_vs_best_baseline"] = row["auto"]["step_s"] / base[row["best_baseline"]]
 
 
 def table1(names: set[str] | None) -> list[dict]:
@@ -422,12 +424,7 @@ def table4() -> list[dict]:
             if "step_s" in row[k]:
                 row[k]["tflops"] = F / row[k]["step_s"] / n / 1e12
                 row[k]["pct"] = 100 * row[k]["tflops"] * 1e12 / PEAK
-        base = {k: row[k]["step_s"] for k in ("axonn", "megatron", "zero3", "dp", "amsp", "alpa")
-                if "step_s" in row[k]}
-        if base and "step_s" in row["auto"]:
-            best = min(base, key=base.get)
-            row["best_baseline"] = best
-            row["auto_vs_best_baseline"] = row["auto"]["step_s"] / base[best]
+        best_baseline(row, ("axonn", "megatron", "zero3", "dp", "amsp", "alpa"))
         if "step_s" in row["axonn"] and "step_s" in row["auto"]:
             row["auto_vs_axonn"] = row["auto"]["step_s"] / row["axonn"]["step_s"]
         rows.append(row)

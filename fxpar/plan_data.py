@@ -332,12 +332,13 @@ class Plan:
             comms.append(Comm(price("all_gather", key[1], steps), issue, need))
         open_: dict[tuple[str, str], list] = {}  # (kind, axis) -> [ready, steps, bytes]
         closed: set[tuple[str, str]] = set()      # (kind, axis) whose first bucket is full
+        first_cap = min(first_bucket_bytes, bucket_bytes)
         for ready, st in sorted(grads, key=lambda g: g[0]):
             key = (st.kind, st.axis)
             b = open_.setdefault(key, [0, [], 0])
             b[0], b[2] = max(b[0], ready), b[2] + st.nbytes
             b[1].append(st)
-            if b[2] >= (bucket_bytes if key in closed else min(first_bucket_bytes, bucket_bytes)):
+            if b[2] >= (bucket_bytes if key in closed else first_cap):
                 comms.append(Comm(price(st.kind, st.axis, b[1]), b[0] + 1, 2 * F))
                 del open_[key]
                 closed.add(key)

@@ -55,7 +55,7 @@ from fxpar import ir
 from fxpar.ir import grad_flags
 from fxpar.reshard import reshard_plan
 from fxpar.runtime.comm import REDISTRIBUTE, START, WAIT, Edge, grad_scale
-from fxpar.spec import Partial, Replicate, Shard, Spec, grad_in_spec, grad_out_spec
+from fxpar.spec import Partial, Replicate, Spec, grad_in_spec, grad_out_spec
 from fxpar.strategies.base import Strategy
 from fxpar.passes.infra import PassContext, PassResult, graph_pass
 from fxpar.passes.checks import annotated, comm_ops_have_edges
@@ -118,8 +118,7 @@ def _sunk(uses, flags, replica) -> dict[fx.Node, set[int]]:
         diff = [(k, x) for k, x in enumerate(a.all_input_nodes) if flags.get(x)]
         if not axes or not diff or not all(
                 ir.PARAM in x.meta and len(x.users) == 1
-                and all(isinstance(a.meta[ir.IN_SPECS][k][i], Replicate)
-                        and isinstance(x.meta[ir.SPECS][0][i], (Replicate, Shard)) for i in axes)
+                and all(isinstance(a.meta[ir.IN_SPECS][k][i], Replicate) for i in axes)
                 for k, x in diff):
             continue
         out[a] = axes

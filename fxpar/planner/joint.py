@@ -53,6 +53,7 @@ import dataclasses
 import functools
 import math
 import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -498,13 +499,15 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
     cands.sort(key=lambda sc: _rank_key(sc[1]))
     # the estimate is 1F1B's bubble; other schedules' (zb-h1's, eager's) differ, so each
     # schedule's best estimates are simulated too, not only the overall top ``keep``
-    chosen = cands[:keep]
-    for sname in {c.schedule for _, c in cands}:
-        mine = [sc for sc in cands if sc[1].schedule == sname][:PER_SCHEDULE]
-        chosen += [sc for sc in mine if all(sc[1] is not k[1] for k in chosen)]
+    chosen = [c for _, c in cands[:keep]]
+    per = Counter(c.schedule for c in chosen)
+    for _, c in cands[keep:]:   # in rank order: a schedule's first are its best estimates
+        if per[c.schedule] < PER_SCHEDULE:
+            per[c.schedule] += 1
+            chosen.append(c)
     ranked = []
     t2 = time.perf_counter()
-    for _, c in chosen:
+    for c in chosen:
         ranked.append(_simulate(c, table[c.tp], c.microbatch / probe_batch, cluster, Schedule, simulate))
     ranked.sort(key=_rank_key)
     return SearchResult(tuple(ranked), tried, over, smallest, float(budget),

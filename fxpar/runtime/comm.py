@@ -152,8 +152,9 @@ class _Group:
     """The parameters one start gathered (coalesced: several; a synchronous edge: one),
     gathered again together in backward, once, when the first of them is needed."""
 
-    def __init__(self, plans, shards, device_mesh) -> None:
+    def __init__(self, plans, shards, device_mesh, at: int) -> None:
         self.plans, self.shards, self.dm = list(plans), [t.detach() for t in shards], device_mesh
+        self.at = at                         # its place in forward (registration) order
         self.packs = [0] * len(self.plans)   # saved tensors per member (counted in forward)
         self.results: dict[int, torch.Tensor] | None = None   # gathered again, until unpacked
         self.pending = None                  # the re-gather, started ahead (prefetch)
@@ -183,11 +184,11 @@ class Regather:
         base = full if full._base is None else full._base  # views are keyed by their root
         group = getattr(pending, "regather_group", None) if pending is not None else None
         if group is None:
+            at = len(self.groups)
             if pending is not None:
-                group = pending.regather_group = _Group(pending.plans, pending.inputs, device_mesh)
+                group = pending.regather_group = _Group(pending.plans, pending.inputs, device_mesh, at)
             else:
-                group, index = _Group([edge.fwd], [shard], device_mesh), 0
-            group.at = len(self.groups)
+                group, index = _Group([edge.fwd], [shard], device_mesh, at), 0
             self.groups.append(group)
         self.full[id(base)] = (weakref.ref(base), group, index)
 

@@ -474,7 +474,7 @@ def in_flight(p: Pending) -> torch.Tensor | None:
     autograd may hold it (a loss: backward never reads the loss's value)."""
     if len(p.plans) != 1 or len(p.plans[0].steps) != 1 or p.launched is None:
         return None
-    out, waiting = p.launched
+    waiting = p.launched[1]
     if len(waiting) != 1:
         return None
     kind, _, _, _, h, dtype = waiting[0]
