@@ -846,8 +846,9 @@ def calibrated_time(flops: float, nbytes: float, profile, *, gemm: bool = True,
     ``R_gemm`` is the measured GEMM rate looked up at ``size`` = ``gemm_size`` (the FLOPs of
     one GEMM call) or else ``flops``; ``R_mem`` the measured elementwise bandwidth looked up at
     ``nbytes``; both interpolated in log-log (:func:`fxpar.cost.calibration.interp_loglog`).
-    Non-GEMM work (``gemm=False``: pointwise, norms, reductions) is priced at the fastest
-    measured GEMM rate for its FLOPs, so such ops are bound by their bytes.
+    Non-GEMM work (``gemm=False``: pointwise, norms, softmax, reductions) is priced at the
+    measured non-GEMM rate ``R_vec(flops)`` (``profile.vector``: a log-softmax's FLOP/s), or at
+    the fastest GEMM rate for a profile without one (then such ops are bound by their bytes).
 
     >>> from fxpar.cluster import ComputeProfile
     >>> p = ComputeProfile(gemm=((1e3, 1e9), (1e7, 1e11)), memory=((1e3, 1e9), (1e9, 1e10)),
@@ -856,6 +857,10 @@ def calibrated_time(flops: float, nbytes: float, profile, *, gemm: bool = True,
     10.0
     >>> round(calibrated_time(1e5, 0, p, gemm=False) * 1e6, 6)     # at the 100 GFLOP/s peak
     1.0
+    >>> v = ComputeProfile(gemm=p.gemm, memory=p.memory, op_overhead=0.0, bwd_op_overhead=0.0,
+    ...                    vector=((1e3, 1e9),))                 # softmax-like work at 1 GFLOP/s
+    >>> round(calibrated_time(1e5, 0, v, gemm=False) * 1e6, 6)
+    100.0
     >>> round(calibrated_time(0, 1e9, p), 6)                        # 1 GB at 10 GB/s
     0.1
     """
@@ -866,6 +871,7 @@ def calibrated_time(flops: float, nbytes: float, profile, *, gemm: bool = True,
     t_f = 0.0
     if flops > 0:
         rate = (interp_loglog(profile.gemm, gemm_size if gemm_size else flops) if gemm
+                else interp_loglog(profile.vector, flops) if profile.vector
                 else profile.peak_flops)
         t_f = flops / rate
     t_b = nbytes / interp_loglog(profile.memory, nbytes) if nbytes > 0 else 0.0

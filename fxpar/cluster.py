@@ -97,6 +97,11 @@ class ComputeProfile:
       :func:`fxpar.cost.calibration.rate_points`);
     * ``memory``: ``((bytes, rate), ...)``: bytes/s of an elementwise add moving ``bytes``
       (two reads and one write), kernel only;
+    * ``vector``: ``((flops, rate), ...)``: FLOP/s of non-GEMM arithmetic as the cost rules
+      count it, from a row log-softmax (``5·numel`` FLOPs, :func:`fxpar.cost.compute.softmax_cost`):
+      exponentials, logs and reductions run far below the GEMM rate on a CPU (a log-softmax
+      reaches ~1/10 of it), so pricing them at the GEMM peak undercounts norms, softmax and
+      losses. Empty (a profile saved before it existed): non-GEMM FLOPs at the GEMM peak;
     * ``op_overhead``: seconds per forward op beyond its kernel (dispatch + autograd record,
       a 1-element op on a tensor that requires grad); ``bwd_op_overhead``: seconds per
       backward node (autograd engine + the gradient kernel's dispatch);
@@ -118,11 +123,12 @@ class ComputeProfile:
     bwd_op_overhead: float
     dispatch: float = 0.0
     ranks: int = 1
+    vector: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("gemm", "memory"):
+        for name in ("gemm", "memory", "vector"):
             pts = tuple(sorted((float(w), float(r)) for w, r in getattr(self, name)))
-            if not pts or not all(w > 0 and r > 0 and math.isfinite(w) and math.isfinite(r)
+            if (not pts and name != "vector") or not all(w > 0 and r > 0 and math.isfinite(w) and math.isfinite(r)
                                   for w, r in pts):
                 raise ClusterError(f"ComputeProfile.{name} needs positive finite (size, rate) "
                                    f"points, got {getattr(self, name)!r}")
@@ -146,7 +152,7 @@ class ComputeProfile:
     def to_dict(self) -> dict:
         return dict(gemm=[list(p) for p in self.gemm], memory=[list(p) for p in self.memory],
                     op_overhead=self.op_overhead, bwd_op_overhead=self.bwd_op_overhead,
-                    dispatch=self.dispatch, ranks=self.ranks)
+                    dispatch=self.dispatch, ranks=self.ranks, vector=[list(p) for p in self.vector])
 
     @classmethod
     def from_dict(cls, d: dict) -> ComputeProfile:
@@ -154,7 +160,8 @@ class ComputeProfile:
             return cls(gemm=tuple(tuple(p) for p in d["gemm"]),
                        memory=tuple(tuple(p) for p in d["memory"]),
                        op_overhead=d["op_overhead"], bwd_op_overhead=d["bwd_op_overhead"],
-                       dispatch=d.get("dispatch", 0.0), ranks=int(d.get("ranks", 1)))
+                       dispatch=d.get("dispatch", 0.0), ranks=int(d.get("ranks", 1)),
+                       vector=tuple(tuple(p) for p in d.get("vector", ())))
         except (KeyError, TypeError, ValueError) as e:
             raise ClusterError(f"bad compute profile in cluster JSON: {type(e).__name__}: {e}") from e
 
@@ -384,7 +391,8 @@ class Cluster:
         a float32 GEMM ``n×n @ n×n`` per ``n`` in ``gemm_sizes`` (``2n³`` FLOPs), an
         elementwise add of two tensors of each of ``memory_sizes`` bytes (three times that
         moved), a 1-element op without autograd (the dispatch) and a chain of 1-element ops
-        that require grad, forward then backward (per-op overheads). Each is repeated until
+        that require grad, forward then backward (per-op overheads), and a row log-softmax of
+        each of ``memory_sizes`` bytes (non-GEMM arithmetic, ``vector``). Each is repeated until
         one run lasts ``min_time`` (the same count on every rank; longer than a scheduler
         time slice, so ranks that share a core are measured sharing it rather than taking
         turns); per run the slowest rank's
@@ -617,8 +625,17 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
         a = torch.randn(max(1, nbytes // 4), device=device)
         b = torch.randn_like(a)
         mem_t.append(_concurrent_times(loop(lambda: torch.add(a, b)), iters, group, min_time, sync)[0])
+    # non-GEMM arithmetic: a log-softmax over rows of 512 (a loss over a vocabulary shard, an
+    # attention row), counted as its cost rule counts it (5 FLOPs per element)
+    vec_n = [max(512, nbytes // 4 // 512 * 512) for nbytes in memory_sizes]
+    vec_t = []
+    for n in vec_n:
+        a = torch.randn(n // 512, 512, device=device)
+        vec_t.append(_concurrent_times(loop(lambda: torch.log_softmax(a, -1)), iters, group,
+                                       min_time, sync)[0])
     return ComputeProfile(
         gemm=rate_points([2.0 * n ** 3 for n in gemm_sizes], gemm_t, dispatch),
         memory=rate_points([3.0 * max(1, nb // 4) * 4 for nb in memory_sizes], mem_t, dispatch),
+        vector=rate_points([5.0 * n for n in vec_n], vec_t, dispatch),
         op_overhead=max(fwd_over, 0.0), bwd_op_overhead=max(bwd_over, 0.0), dispatch=dispatch,
         ranks=dist.get_world_size(group))

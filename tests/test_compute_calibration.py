@@ -57,6 +57,23 @@ def test_calibrated_time_closed_form():
     assert calibrated_time(2e7, 1e4, PROF) == pytest.approx(2e7 / 4e10)
 
 
+def test_non_gemm_flops_at_the_measured_vector_rate():
+    # without a vector curve, non-GEMM FLOPs run at the GEMM peak (4e10): bytes dominate
+    assert calibrated_time(1e3, 1e4, PROF, gemm=False) == pytest.approx(1e4 / 4e10)
+    vec = ComputeProfile(gemm=PROF.gemm, memory=PROF.memory, op_overhead=0.0, bwd_op_overhead=0.0,
+                         vector=((1e4, 1e8), (1e6, 1e9)))
+    # 1e5 FLOPs: log-midpoint rate sqrt(1e8·1e9); a softmax of 2e4 elements (5 FLOPs each)
+    assert calibrated_time(1e5, 1e4, vec, gemm=False) == pytest.approx(1e5 / math.sqrt(1e17))
+    # GEMMs are unaffected
+    assert calibrated_time(2e4, 0, vec) == calibrated_time(2e4, 0, PROF)
+    # and it survives the cluster JSON; an old profile without it loads with none
+    c = Cluster.local(2, compute=vec)
+    assert Cluster.from_json(c.to_json()).compute == vec
+    d = json.loads(c.to_json())
+    del d["compute"]["vector"]
+    assert Cluster.from_dict(d).compute.vector == ()
+
+
 def test_op_time_on_calibrated_cluster():
     c = Cluster.local(2, compute=PROF)
     mm = OpCost(fwd_flops=2e5, bwd_flops=4e5, fwd_bytes=0, bwd_bytes=0, kind="matmul")
@@ -130,6 +147,10 @@ def test_calibrate_measures_compute_on_two_ranks(pools):
     # a 128³ GEMM runs well above the rate of an 8³ one (launch-bound): the curve rises
     assert rates[-1] > 2 * rates[0], rates
     assert all(math.isfinite(r) and 1e6 < r < 1e13 for _, r in p.memory), p.memory
+    # a log-softmax per memory size, counted at 5 FLOPs per element of rows of 512 (at least one)
+    assert [w for w, _ in p.vector] == [5.0 * 512, 5.0 * 4096, 5.0 * 2**18]
+    # on a CPU it runs well below the GEMM rate of a 128³ GEMM
+    assert all(math.isfinite(r) and 1e6 < r < rates[-1] for _, r in p.vector), (p.vector, rates)
     assert 0 < p.dispatch < 1e-3 and 0 < p.op_overhead < 1e-3 and 0 < p.bwd_op_overhead < 1e-3
     assert c.peak_flops == max(rates) and c.memory_bandwidth == p.memory[-1][1]
     assert Cluster.from_json(c.to_json()) == c
