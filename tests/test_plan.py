@@ -161,3 +161,23 @@ def test_megatron_leaves_unsplittable_linears_to_the_solver():
     assert p.notes == ("megatron: not split over tp=4 (a shard would be empty), layout left to "
                        "the solver: 0.weight, 2.weight",)
     assert p.node("p_4_weight").outputs == ("RS(0)",)
+
+
+def test_dp_computes_norms_and_bias_adds_on_the_local_batch():
+    """DDP runs every op on its batch shard. On links with a large latency the solver would
+    rather gather the activations at each LayerNorm and residual add (replicated compute)
+    than all-reduce the norm weights' small gradients, each priced with its own latency
+    while the runtime reduces them in one bucket. The dp baseline pins ops that combine a
+    parameter with a batch activation to S(0): no activation collective is left in the
+    blocks (only the loss's logits/targets, the position table's sunk gradient)."""
+    from examples.models import GPT
+
+    torch.manual_seed(0)
+    m = GPT(vocab=64, d_model=32, n_heads=2, n_layers=2, seq_len=16)
+    idx = torch.randint(0, 64, (8, 16))
+    slow = fxpar.Cluster.local(4, intra_node_latency=1e-3, inter_node_latency=1e-3)
+    p = plan(m, slow, (idx, idx), plan="dp", mesh={"dp": 4}, time_limit=20).plan
+    assert {n.outputs for n in p.nodes if n.op in ("layer_norm", "add")} == {("S(0)",)}
+    blocks = [(e.producer, e.consumer) for e in p.edges
+              if not e.producer.startswith("p_") and ("layer_norm" in e.producer or "linear" in e.producer)]
+    assert blocks == [], blocks

@@ -180,6 +180,33 @@ def _lookups(gm: fx.GraphModule) -> tuple[list[fx.Node], list[fx.Node]]:
     return batch, other
 
 
+def _batch_param_ops(gm: fx.GraphModule) -> list[fx.Node]:
+    """Ops that combine a parameter with an activation carrying the batch (a LayerNorm's
+    ``layer_norm(x, w, b)``, an RMSNorm's ``mul(w, x̂)``, a bias or position-embedding add, a
+    patch convolution): their first output has the batch as dim 0 and depends on a user input.
+    DDP and FSDP compute them on the local batch; left free, the solver may gather the
+    activation instead, because it prices a small weight's gradient all-reduce with its own
+    latency while the runtime reduces it in a shared bucket."""
+    inputs = [n for n in gm.graph.find_nodes(op="placeholder") if ir.INPUT in n.meta]
+    vals = [ir.tensor_metas(n)[0] for n in inputs]
+    sizes = {v.shape[0] for v in vals if v is not None and len(v.shape)}
+    if len(sizes) != 1:  # no single batch size to recognise
+        return []
+    (batch,) = sizes
+    carried = set(inputs)
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not any(a in carried for a in n.all_input_nodes):
+            continue
+        carried.add(n)
+        metas = ir.tensor_metas(n)
+        v = metas[0] if metas else None
+        if (v is not None and len(v.shape) and v.shape[0] == batch
+                and any(a.op == "placeholder" and ir.PARAM in a.meta for a in n.all_input_nodes)):
+            out.append(n)
+    return out
+
+
 def _col_flags(gm: fx.GraphModule) -> dict[fx.Node, bool]:
     """``{weight: True for column, False for row}``: a linear is row-parallel iff one of its
     inputs depends on a column-parallel output through non-linear ops (q/k/v, gate/up are
@@ -273,7 +300,7 @@ def baseline_pins(kind: str, gm: fx.GraphModule, mesh: Mesh) -> dict[str, Spec]:
         # own rows (batch lookups S(0), position lookups R), never a vocab-parallel lookup
         # (synchronous activation collectives)
         batch, other = _lookups(gm)
-        for node in [n for n, _ in lin] + batch:
+        for node in [n for n, _ in lin] + batch + _batch_param_ops(gm):
             pins[node.name] = Spec.parse(S0 * nd)
         for node in other:
             pins[node.name] = Spec.parse(R * nd)
