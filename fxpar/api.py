@@ -39,7 +39,7 @@ from fxpar.capture import WithLoss, capture, frozen_params
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.plan_data import BASELINES, PLAN_KINDS, SEARCHED, Plan
-from fxpar.planner import (BuiltProblem, PlannerOptions, axonn_meshes, baseline_mesh,
+from fxpar.planner import (BuildCache, BuiltProblem, PlannerOptions, axonn_meshes, baseline_mesh,
                            baseline_notes, baseline_pins, candidate_meshes, plan_and_keep)
 from fxpar.solver import Solution
 
@@ -289,9 +289,10 @@ def _plan_joint(model, cluster, args, example_kwargs, *, plan, options, memory_b
     pins = res.pins(c, probe, gm)  # the layouts the search priced
     dropped: list[str] = []
     targets = {n.name: n.target for n in gm.graph.nodes}
+    cache = BuildCache()  # a retry prices nothing twice
     for _ in range(len(pins)):
         try:
-            got = _plan_config(gm, probe, cluster, c, res, opts, pins, dropped)
+            got = _plan_config(gm, probe, cluster, c, res, opts, pins, dropped, cache)
             notes = (f"{kind}: {c.name} chosen under placement-agnostic communication costs "
                      "(one link for every group); priced here on the real cluster",) \
                 if kind == "alpa" else ()
@@ -312,7 +313,7 @@ def _plan_joint(model, cluster, args, example_kwargs, *, plan, options, memory_b
     raise PlanError(f"joint search: no pin of {c.name} could be kept")
 
 
-def _plan_config(gm, probe, cluster, c, res, opts, pins, dropped) -> Planned:
+def _plan_config(gm, probe, cluster, c, res, opts, pins, dropped, cache) -> Planned:
     """The search's winner ``c`` planned on ``gm`` (captured at its microbatch shape)."""
     from fxpar.planner.joint import _NO_LIMIT, unit_start_names
     from fxpar.planner.stages import plan_pipeline, simulate_plan
@@ -321,7 +322,7 @@ def _plan_config(gm, probe, cluster, c, res, opts, pins, dropped) -> Planned:
               "(no strategy takes the priced one)",) if dropped else ())
     if c.pp == 1 and c.microbatches == 1:
         mesh = Mesh(cluster, {"dp": c.dp, "tp": c.tp})
-        p, bp, sol = plan_and_keep(gm, mesh, pins=pins, options=opts)
+        p, bp, sol = plan_and_keep(gm, mesh, pins=pins, options=opts, cache=cache)
         # the state factors drive the runner (s_p is the parameters' specs: the pins)
         p = dataclasses.replace(p, notes=p.notes + notes, schedule={
             **p.schedule, "state": {"s_p": c.s_p, "s_g": c.s_g, "s_os": c.s_os},
@@ -331,7 +332,7 @@ def _plan_config(gm, probe, cluster, c, res, opts, pins, dropped) -> Planned:
     pplan, chunks = plan_pipeline(
         gm, mesh, schedule=c.schedule, microbatches=c.microbatches, chunks=c.chunks,
         options=dataclasses.replace(opts, memory_budget=_NO_LIMIT), boundary="scatter_gather",
-        pins=pins, start_nodes=unit_start_names(probe, c.starts))
+        pins=pins, start_nodes=unit_start_names(probe, c.starts), cache=cache)
     layers = sorted({lay for st in pplan.stages for lay in st.layers}) if c.recompute else []
     # chunks were planned with no intra-op limit (memory is the search's); show the real one
     stages = tuple(dataclasses.replace(st, plan=dataclasses.replace(st.plan, budget=int(res.budget)))

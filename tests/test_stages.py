@@ -230,3 +230,42 @@ def test_pipeline_program_saves_and_loads(tmp_path):
             assert a == b, (st.index, rank)
     with pytest.raises(PlanError, match="another model"):
         fxpar.load(path, GPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=16))
+
+
+def test_build_cache_builds_the_same_problems():
+    """The chunks of a GPT pipeline built with one shared BuildCache (as plan_pipeline does)
+    give the problems built each on its own: same strategies, node costs, memory, edges,
+    pins, ties; and each chunk's solved plan is the same."""
+    import numpy as np
+
+    from examples.models import GPT
+    from fxpar.planner.intra_op import BuildCache, PlannerOptions, build_problem, plan_graph
+
+    gm = fxpar.capture(GPT(vocab=64, d_model=32, n_heads=4, n_layers=6, seq_len=16),
+                       (torch.randint(0, 64, (4, 16)),))
+    chunks = split_stages(gm, 4, split_points=["blocks.1", "blocks.3", "blocks.5"])
+    mesh = fxpar.Mesh(fxpar.Cluster.preset("dgx-a100"), dp=2, tp=2)
+    opts = PlannerOptions(grad_steps=4)
+    cache, alone = BuildCache(), []
+    # options the cache must not mix up with ``opts`` (gradient reshards priced once per step)
+    build_problem(chunks[1].graph, mesh, options=PlannerOptions(), cache=cache)
+    for sg in chunks:
+        pins = {i.name: "S(0)R" for i in ir.user_inputs(sg.graph) if i.is_tensor}
+        a = build_problem(sg.graph, mesh, pins=pins, options=opts, cache=cache)
+        alone.append(BuildCache())
+        build_problem(sg.graph, mesh, pins=pins, options=opts, cache=alone[-1])
+        b = build_problem(sg.graph, mesh, pins=pins, options=opts)
+        assert [[str(s) for s in x] for x in a.strategies] == [[str(s) for s in x] for x in b.strategies]
+        for key in ("cost", "mem"):
+            for x, y in zip(getattr(a.problem, key), getattr(b.problem, key), strict=True):
+                np.testing.assert_array_equal(x, y)
+        assert [e[:2] for e in a.problem.edges] == [e[:2] for e in b.problem.edges]
+        for x, y in zip(a.problem.edges, b.problem.edges, strict=True):
+            np.testing.assert_array_equal(x[2], y[2])
+        assert a.problem.pins == b.problem.pins and a.problem.ties == b.problem.ties
+        assert a.edge_info == b.edge_info and a.outputs == b.outputs
+        pa = fxpar.planner.plan_and_keep(sg.graph, mesh, pins=pins, options=opts, cache=cache)[0]
+        assert pa.hash == plan_graph(sg.graph, mesh, pins=pins, options=opts).hash
+    # the middle chunks are made of the same layers: their nodes were priced once
+    shared = len(cache._for(mesh, opts)[0])
+    assert shared < sum(len(c._for(mesh, opts)[0]) for c in alone) - 10

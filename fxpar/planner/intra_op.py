@@ -58,8 +58,8 @@ from fxpar.spec import Spec, grad_in_spec, grad_out_spec
 from fxpar.strategies import strategies_for, unsharded_strategy
 from fxpar.strategies.base import Strategy
 
-__all__ = ["PlannerOptions", "BuiltProblem", "build_problem", "plan_graph", "plan_and_keep",
-           "solution_to_plan", "default_strategies"]
+__all__ = ["PlannerOptions", "BuiltProblem", "BuildCache", "build_problem", "plan_graph",
+           "plan_and_keep", "solution_to_plan", "default_strategies"]
 
 
 @dataclass(frozen=True)
@@ -159,11 +159,45 @@ class BuiltProblem:
     full_mesh: object = None
 
 
+class BuildCache:
+    """What :func:`build_problem` prices per node and per edge, kept across calls: the
+    strategy list, time and memory vectors of each distinct :func:`~fxpar.planner.pricing.node_key`
+    and the :class:`~fxpar.planner.pricing.EdgePricer`'s matrices, per ``(mesh, options)``.
+    Both are functions of their keys alone (the key is everything the default rules and
+    cost models read), so a problem built with a cache is the one built without; the
+    chunks of a pipeline, made of the same layers on the same submesh, then price each
+    distinct node once (Llama-3-8B's 8 chunks on 2 submeshes: the layers of 2, not 8).
+    Default strategy rules only (a user's ``strategies`` callable is called on every node).
+
+    >>> import torch, fxpar
+    >>> from examples.models import GPT
+    >>> gm = fxpar.capture(GPT(vocab=32, d_model=16, n_heads=2, n_layers=2, seq_len=8),
+    ...                    (torch.randint(0, 32, (2, 8)),))
+    >>> mesh, cache = fxpar.Mesh(fxpar.Cluster.preset("dgx-a100"), dp=2, tp=2), BuildCache()
+    >>> a = plan_and_keep(gm, mesh, cache=cache)[0]
+    >>> b = plan_and_keep(gm, mesh, cache=cache)[0]   # every node and edge priced from the cache
+    >>> a.hash == b.hash == plan_graph(gm, mesh).hash
+    True
+    """
+
+    def __init__(self) -> None:
+        self._per: dict[tuple, tuple[dict, EdgePricer]] = {}
+
+    def _for(self, mesh, opts: PlannerOptions) -> tuple[dict, EdgePricer]:
+        key = (mesh, opts)
+        got = self._per.get(key)
+        if got is None:
+            got = self._per[key] = ({}, EdgePricer(mesh, opts.grad_steps))
+        return got
+
+
 def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None = None,
                   options: PlannerOptions | None = None,
-                  strategies: Callable | None = None) -> BuiltProblem:
+                  strategies: Callable | None = None,
+                  cache: BuildCache | None = None) -> BuiltProblem:
     """Build the :class:`StrategyProblem` of ``gm`` on ``mesh`` (module docstring; a mesh
-    with size-1 axes is built without them, :func:`fxpar.planner.pins.squeeze`)."""
+    with size-1 axes is built without them, :func:`fxpar.planner.pins.squeeze`).
+    ``cache``: a :class:`BuildCache` shared with earlier calls (same problem, less work)."""
     t0 = time.perf_counter()
     opts = options or PlannerOptions()
     given = mesh
@@ -177,6 +211,9 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
     # else of a node; a user's ``strategies`` callable is called on every node.
     share = strategies is strategies_for
     by_key: dict[tuple, tuple] = {}
+    pricer = EdgePricer(mesh, opts.grad_steps)
+    if cache is not None and share:
+        by_key, pricer = cache._for(mesh, opts)
     strats: list[list[Strategy]] = []
     cost, mem, fwd, bwd = [], [], [], []
     cache: dict[tuple, tuple] = {}
@@ -241,7 +278,6 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
     # edges
     edges: dict[tuple[int, int], np.ndarray] = {}
     edge_info = []
-    pricer = EdgePricer(mesh, opts.grad_steps)
     for j, n in enumerate(nodes):
         for p, a in enumerate(n.all_input_nodes):
             if a not in index:
@@ -372,11 +408,13 @@ def plan_graph(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None = 
 
 def plan_and_keep(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None = None,
                   options: PlannerOptions | None = None, strategies: Callable | None = None,
-                  kind: str = "auto") -> tuple[Plan, BuiltProblem, Solution]:
+                  kind: str = "auto", cache: BuildCache | None = None
+                  ) -> tuple[Plan, BuiltProblem, Solution]:
     """:func:`plan_graph` that also returns the :class:`BuiltProblem` and the solver's
-    :class:`~fxpar.solver.Solution` (what :meth:`fxpar.api.Planned.why` explains)."""
+    :class:`~fxpar.solver.Solution` (what :meth:`fxpar.api.Planned.why` explains).
+    ``cache``: see :class:`BuildCache`."""
     opts = options or PlannerOptions()
-    bp = build_problem(gm, mesh, pins=pins, options=opts, strategies=strategies)
+    bp = build_problem(gm, mesh, pins=pins, options=opts, strategies=strategies, cache=cache)
     t0 = time.perf_counter()
     try:
         kw: dict = {"det_time_limit": opts.det_time_limit} if opts.det_time_limit is not None else {}

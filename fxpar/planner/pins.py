@@ -59,6 +59,8 @@ def match_pins(gm, nodes, strats, pins, mesh) -> tuple[dict[int, list[int]], Spe
                 params[a] = n.name
     inputs = [n.name for n in nodes if ir.INPUT in n.meta and isinstance(n.meta.get(ir.VAL), torch.Tensor)]
     by_input_name = {n.meta[ir.INPUT].name: n.name for n in nodes if ir.INPUT in n.meta}
+    # the copies of a repeated block share one strategy list: its pin forms are made once
+    forms: dict[tuple[int, int], list] = {}
     for key in sorted(pins or {}):
         spec = as_spec(pins[key])
         if len(spec) != mesh.ndim:
@@ -82,8 +84,11 @@ def match_pins(gm, nodes, strats, pins, mesh) -> tuple[dict[int, list[int]], Spe
             tm = ir.tensor_metas(nodes[i])
             nd = len(tm[0].shape) if tm and tm[0] is not None else 0
             want = pin_form(spec, nd, mesh)
-            ok = [k for k, s in enumerate(strats[i])
-                  if s.outputs and pin_form(s.outputs[0], nd, mesh) == want]
+            got = forms.get((id(strats[i]), nd))
+            if got is None:
+                got = forms[id(strats[i]), nd] = [pin_form(s.outputs[0], nd, mesh) if s.outputs
+                                                  else None for s in strats[i]]
+            ok = [k for k, f in enumerate(got) if f == want]
             if not ok:
                 have = sorted({str(s.outputs[0]) for s in strats[i] if s.outputs})
                 raise PlanError(f"pin {key!r} -> node {name!r}: no strategy produces spec {spec} "

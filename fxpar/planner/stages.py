@@ -48,7 +48,7 @@ from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.plan_data import Plan, StagePlan
 from fxpar.planner.baselines import baseline_pins
-from fxpar.planner.intra_op import PlannerOptions, plan_and_keep
+from fxpar.planner.intra_op import BuildCache, PlannerOptions, plan_and_keep
 from fxpar.planner.pricing import finalize_spec
 from fxpar.spec import Spec, as_spec
 from fxpar.stages import StageGraph, is_boundary, split_stages
@@ -96,7 +96,8 @@ def plan_pipeline(gm: fx.GraphModule, mesh: Mesh, *, schedule="1f1b",
                   pins: Mapping[str, object] | None = None,
                   options: PlannerOptions | None = None,
                   kind: str = "auto", boundary: str = "auto",
-                  start_nodes: Sequence[str] | None = None) -> tuple[Plan, list[StageGraph]]:
+                  start_nodes: Sequence[str] | None = None,
+                  cache: BuildCache | None = None) -> tuple[Plan, list[StageGraph]]:
     """Plan ``gm`` (captured at the microbatch shape) as a pipeline (module docstring);
     returns the pipeline :class:`Plan` (``plan.stages``) and the chunk graphs. ``schedule``:
     a name for :meth:`Schedule.build` (with ``microbatches`` and ``chunks``) or a
@@ -105,7 +106,9 @@ def plan_pipeline(gm: fx.GraphModule, mesh: Mesh, *, schedule="1f1b",
     receiving chunk twice, pinned to the sender's layouts and free, and keeps the cheaper with
     its transfers (send/recv or scatter/gather for equal layouts, a cross-mesh reshard for
     different ones); ``"send_recv"``/``"scatter_gather"`` keep equal layouts and say how they
-    cross; ``"crossmesh"`` always takes the receiver's own layouts."""
+    cross; ``"crossmesh"`` always takes the receiver's own layouts. The chunks share one
+    :class:`~fxpar.planner.intra_op.BuildCache` (``cache``, or a new one): the chunks of a
+    submesh repeat the same layers, whose nodes and edges are priced once."""
     from fxpar import ir
     from fxpar.schedule import Schedule
 
@@ -133,6 +136,7 @@ def plan_pipeline(gm: fx.GraphModule, mesh: Mesh, *, schedule="1f1b",
     recv: list[dict[str, Spec]] = []   # per chunk: the layout each boundary input arrives in
     param_spec: dict[str, Spec] = {}   # parameter fqn -> spec of its first chunk
     plans: list[Plan] = []
+    cache = cache if cache is not None else BuildCache()
     for sg in graphs:
         sub = subs[sg.index % p]
         own = ir.params(sg.graph)
@@ -153,7 +157,8 @@ def plan_pipeline(gm: fx.GraphModule, mesh: Mesh, *, schedule="1f1b",
 
         def solve(pins, sg=sg, sub=sub):
             try:
-                return plan_and_keep(sg.graph, sub, pins=pins, options=options, kind=kind)[0]
+                return plan_and_keep(sg.graph, sub, pins=pins, options=options, kind=kind,
+                                     cache=cache)[0]
             except PlanError as e:
                 raise PlanError(f"stage chunk {sg.index} (layers {', '.join(sg.layers)}) on "
                                 f"{sub!r}: {e}") from e
