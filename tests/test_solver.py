@@ -151,19 +151,22 @@ def test_ilp_equals_brute_force_on_random_problems():
 
 
 def test_dp_and_cp_sat_paths_both_equal_brute_force():
-    """The memory-free DP answers when its optimum fits the budget, CP-SAT otherwise; both
-    paths are exercised and both give the brute-force optimum (also with the DP off)."""
-    methods, filtered = [], []
+    """The memory-free DP answers when its optimum fits the budget, else the Lagrangian DP
+    when it proves optimality, else CP-SAT (always CP-SAT with the DP off); every path is
+    exercised and gives the brute-force optimum."""
+    methods, filtered, no_dp = [], [], []
     for seed in range(400, 460):
         p = random_problem(seed)
         best = oracle(p)
         s = check_against(p, best, bound_filter=False)
         f = check_against(p, best)
-        check_against(p, best, dp=False)
+        n = check_against(p, best, dp=False, bound_filter=False)
         if s is not None:
             methods.append(s.stats["method"])
             filtered.append(f.stats["method"])
-    assert methods.count("dp") >= 5 and methods.count("cp-sat") >= 3, methods
+            no_dp.append(n.stats["method"])
+    assert methods.count("dp") >= 5 and methods.count("lagrange-dp") >= 3, methods
+    assert no_dp.count("cp-sat") >= 5, no_dp
     assert sum(m.startswith("filter+") for m in filtered) >= 2, filtered
 
 

@@ -60,7 +60,7 @@ import numpy as np
 from fxpar.solver.reduce import Reduced
 
 __all__ = ["ForestBound", "Filtered", "forest_bound", "filter_domains", "spanning_forest",
-           "bound_and_filter"]
+           "bound_and_filter", "LagrangeBound", "lagrangian_bound"]
 
 
 @dataclass
@@ -291,3 +291,207 @@ def bound_and_filter(red: Reduced, gap: float = 0.0, rounds: int = 30) -> Filter
     if gap > 0:  # the upper bound's own values stay: the filtered problem contains it
         keep = [np.union1d(k, [best_x[c]]) for c, k in enumerate(keep)]
     return Filtered(keep, lower, float(best_ub), best_x, done)
+
+
+@dataclass
+class LagrangeBound:
+    """What :func:`lagrangian_bound` found (integer units, offset excluded): ``lower`` (a
+    proven lower bound of every feasible assignment's value; ``inf``: the search proved that
+    none fits the budget), the best feasible assignment
+    ``x`` and its value ``upper`` (``None``, ``None`` when none was found), the DP passes and
+    search nodes run, and whether ``upper`` is proven within the requested gap."""
+
+    lower: int | float
+    upper: int | None
+    x: list[int] | None
+    rounds: int
+    nodes: int = 1
+    proven: bool = False
+
+
+class _Dual:
+    """The Lagrangian dual of a reduced problem restricted to allowed values (``mask``):
+    ``L(λ) = min_(x allowed) F(x) + Σ_t λ_t (const_t + load_t(x) - budget)`` by bucket
+    elimination with ``cost + λ·mem`` unaries (``+inf`` on the values not allowed)."""
+
+    def __init__(self, red: Reduced, order: list[int]):
+        from fxpar.solver.heuristic import feasible, greedy
+
+        self.red, self.order = red, order
+        self.caps = np.array([red.budget - const for const, _, _ in red.points], np.float64)
+        self.passes = 0
+        self.best_x: list[int] | None = None
+        self.best_ub: int | None = None
+        self._feasible, self._greedy = feasible, greedy
+
+    def offer(self, x: list[int]) -> None:
+        """Keep ``x`` (and its polish by iterated conditional modes) if feasible and best."""
+        for y in (x, self._greedy(self.red, start=x)):
+            if self._feasible(self.red, y):
+                v = self.red.value(y)
+                if self.best_ub is None or v < self.best_ub:
+                    self.best_x, self.best_ub = list(y), v
+
+    def at(self, lam: np.ndarray, block: list[np.ndarray]) -> tuple[float, np.ndarray]:
+        """``(L(λ) minus a round-off margin, load - budget of the minimiser per point)``."""
+        from fxpar.solver.dp import eliminate
+        from fxpar.solver.heuristic import _loads
+
+        u = [a + b for a, b in zip(_unaries(self.red, lam), block)]
+        x, val = eliminate(self.red, unary=u, order=self.order)
+        self.passes += 1
+        over = _loads(self.red, x) - self.red.budget
+        if (over <= 0).all():
+            self.offer(x)
+        if not lam.any():   # integer sums below 2^53: exact in float64
+            return val, over
+        # float round-off of λ·mem: the margin keeps it a bound; values are integers (ceil)
+        pen = float(lam @ self.caps)
+        return float(np.ceil(val - pen - 1e-9 * (abs(val) + pen) - 1.0)), over
+
+    def bound(self, mask: list[np.ndarray], rounds: int, stop_above: float = np.inf) -> float:
+        """The best ``L(λ)`` found in at most ``rounds`` passes (``-inf``: nothing allowed,
+        ``+inf``: no allowed assignment fits the budget), stopping once it exceeds
+        ``stop_above``. One point: bisection on ``λ`` for where the minimiser's load crosses
+        the budget (the concave 1-D dual's maximum); several: projected subgradient steps."""
+        red = self.red
+        mem_min = [const + sum(float(v[m].min()) for c, v in terms for m in [mask[c]])
+                   for const, terms, _ in red.points]
+        if any(mm > red.budget for mm in mem_min):
+            return np.inf     # even the smallest allowed footprint is over: infeasible
+        block = [np.where(m, 0.0, np.inf) for m in mask]
+        lam = np.zeros(len(red.points))
+        best, over = self.at(lam, block)
+        n = 1
+        if len(red.points) == 1 and over[0] > 0:
+            lo, hi = 0.0, None
+            ref = self.best_ub if self.best_ub is not None else abs(best)
+            lam1 = max(float(ref) * 0.01, 1.0) / float(over[0])
+            while n < rounds and best <= stop_above:
+                v, o = self.at(np.array([lam1]), block)
+                best, n = max(best, v), n + 1
+                if o[0] > 0:
+                    lo, lam1 = lam1, lam1 * 8.0
+                else:
+                    hi = lam1
+                    break
+            while hi is not None and n < rounds and hi - lo > 1e-9 * hi and best <= stop_above:
+                mid = 0.5 * (lo + hi)
+                v, o = self.at(np.array([mid]), block)
+                best, n = max(best, v), n + 1
+                if o[0] > 0:
+                    lo = mid
+                else:
+                    hi = mid
+        elif len(red.points) > 1:
+            while n < rounds and best <= stop_above:
+                g = np.where((lam <= 0) & (over < 0), 0.0, over.astype(np.float64))
+                if not g.any():
+                    break
+                target = self.best_ub if self.best_ub is not None else abs(best) * 1.1 + 1.0
+                lam = np.maximum(0.0, lam + max(target - best, 1.0) / float(g @ g) * g)
+                v, over = self.at(lam, block)
+                best, n = max(best, v), n + 1
+        return best
+
+
+def lagrangian_bound(red: Reduced, gap: float = 0.0, rounds: int = 40,
+                     start: list[int] | None = None, max_nodes: int = 200) -> LagrangeBound | None:
+    r"""Memory by Lagrange multipliers, the rest exactly, inside a branch and bound.
+
+    **Bound.** Bucket elimination (:func:`fxpar.solver.dp.eliminate`) of
+    ``F(x) + Σ_t λ_t (load_t(x) - budget)`` over the whole class graph (no edge dropped,
+    unlike :func:`forest_bound`), for ``λ ≥ 0``::
+
+        L(λ) = min_x  F(x) + Σ_t λ_t (const_t + Σ_(c,v)∈terms_t v[x_c] - budget)  ≤  OPT
+
+    (the added term is ``≤ 0`` at every feasible ``x``), maximised over ``λ`` in at most
+    ``rounds`` DP passes (:class:`_Dual`). Every minimiser that fits the budget, polished by
+    :func:`fxpar.solver.heuristic.greedy`, is an upper bound, as is ``start`` if feasible.
+
+    **Branching.** A knapsack's dual leaves a gap when a few classes hold most of the memory
+    (a tied class of 32 blocks): a node whose bound is below the incumbent splits the class
+    with the widest memory range among its allowed values into one child per memory level
+    (the values with that footprint); a child whose smallest footprint is over the budget is
+    infeasible, one whose bound reaches the incumbent is pruned. Nodes are taken lowest bound
+    first, so ``lower`` (the least bound of the open and pruned nodes) only rises. Stops when
+    ``upper - lower ≤ gap · (offset·scale + upper)`` (the gap *of the whole objective*,
+    offset included, as :class:`~fxpar.solver.Solution` reports it), or no node is left
+    (``lower = upper``: optimal), or after ``max_nodes`` nodes; ``proven`` says whether the
+    gap was met. ``None`` when the DP does not apply (tables over the cap, ties kept as
+    constraints) or there is no memory point.
+
+    Values are integer units, so a bound is rounded up: ``⌈L(λ) - margin⌉`` with a margin of
+    ``1e-9·(|L| + λ·cap) + 1`` unit for the float round-off of ``λ·mem`` (none at ``λ = 0``:
+    integer sums below ``2^53`` are exact in float64). A node where every class has one
+    footprint has no knapsack left: its ``L(0)`` is its optimum.
+
+    >>> from fxpar.solver import StrategyProblem, reduce_problem
+    >>> # two nodes, value 1 is faster and larger; the budget fits one large value only
+    >>> p = StrategyProblem(cost=[[3.0, 1.0], [3.0, 2.0]], mem=[[1, 4], [1, 4]],
+    ...                     live=[{0, 1}], budget=5)
+    >>> red = reduce_problem(p, reductions=())
+    >>> b = lagrangian_bound(red)
+    >>> red.decode(b.x)            # the optimum, 1 + 3 s at 5 B (both fast ones need 8 B)
+    (1, 0)
+    >>> # L(λ) = min(6 - 3λ, 4, 5, 3 + 3λ) in seconds peaks at 4 (λ = 1/3): the optimum
+    >>> 0 <= red.value(b.x) - b.lower <= 1e-8 * red.value(b.x)
+    True
+    """
+    import heapq
+
+    from fxpar.solver.dp import DEFAULT_MAX_TABLE, elimination_order
+
+    if red.budget is None or not red.points or red.equal:
+        return None
+    order = elimination_order(red.dom, red.edges, DEFAULT_MAX_TABLE)
+    if order is None:
+        return None
+    offset_units = max(red.offset, 0.0) * red.scale
+    # level[c][v]: which footprint (one per point) value v of class c has
+    foot = [np.zeros((d, len(red.points))) for d in red.dom]
+    for t, (_, terms, _) in enumerate(red.points):
+        for c, v in terms:
+            foot[c][:, t] += v
+    level = [np.unique(f, axis=0, return_inverse=True)[1].reshape(-1) for f in foot]
+    dual = _Dual(red, order)
+    if start is not None:
+        dual.offer(start)
+
+    def slack(ub: float) -> float:
+        return gap * (offset_units + ub)
+
+    root = [np.ones(d, dtype=bool) for d in red.dom]
+    lb = dual.bound(root, rounds)
+    heap = [(lb, 0, root)]
+    pruned, nodes, tick = np.inf, 1, 1
+    while heap:
+        ub = np.inf if dual.best_ub is None else float(dual.best_ub)
+        lb = min(heap[0][0], pruned)
+        if ub - lb <= slack(ub) or nodes >= max_nodes:
+            break
+        node_lb, _, mask = heapq.heappop(heap)
+        if node_lb >= ub:
+            pruned = min(pruned, node_lb)
+            continue
+        width = [float(np.ptp(foot[c][m], axis=0).max(initial=0.0)) for c, m in enumerate(mask)]
+        c = int(np.argmax(width))
+        if width[c] <= 0:   # every class at one footprint: the dual has no knapsack gap left
+            pruned = min(pruned, node_lb)
+            continue
+        for lv in np.unique(level[c][mask[c]]):
+            child = list(mask)
+            child[c] = mask[c] & (level[c] == lv)
+            ub = np.inf if dual.best_ub is None else float(dual.best_ub)
+            b = dual.bound(child, rounds, stop_above=ub)
+            nodes += 1
+            if b >= ub:
+                pruned = min(pruned, b)
+            elif b < np.inf:
+                heapq.heappush(heap, (max(b, node_lb), tick, child))
+                tick += 1
+    ub = None if dual.best_ub is None else dual.best_ub
+    lower = min(heap[0][0] if heap else np.inf, pruned, np.inf if ub is None else ub)
+    proven = ub is not None and ub - lower <= slack(ub)
+    return LagrangeBound(lower if np.isinf(lower) else int(lower), ub, dual.best_x,
+                         dual.passes, nodes, proven)

@@ -104,15 +104,24 @@ def _aligned(scope: tuple[int, ...], table: np.ndarray, target: tuple[int, ...])
     return t.reshape(shape)
 
 
-def eliminate(red: Reduced, max_table: int = DEFAULT_MAX_TABLE) -> tuple[list[int], int] | None:
+def eliminate(red: Reduced, max_table: int = DEFAULT_MAX_TABLE,
+              unary: list[np.ndarray] | None = None,
+              order: list[int] | None = None) -> tuple[list[int], int | float] | None:
     """``(x, F(x))`` with ``x`` a minimiser of the memory-free objective (module docstring),
     or ``None`` when the elimination tables would be too large or classes are tied by
-    equality constraints (``red.equal``). Deterministic: lowest values win ties."""
+    equality constraints (``red.equal``). Deterministic: lowest values win ties.
+
+    ``unary``: per class, costs used instead of ``red.cost`` (float64 allowed: the Lagrangian
+    ``cost + λ·mem`` of :func:`fxpar.solver.bounds.lagrangian_bound`); the tables are then
+    float64 and the value a float. ``order``: an elimination order computed before (by
+    :func:`elimination_order` with the same ``max_table``), to skip recomputing it."""
     if red.equal:
         return None
-    order = elimination_order(red.dom, red.edges, max_table)
+    if order is None:
+        order = elimination_order(red.dom, red.edges, max_table)
     if order is None:
         return None
+    dtype = np.int64 if unary is None else np.float64
     # factors: scope (tuple of classes) -> int64 table; every class has its unary factor
     factors: dict[int, list[tuple[tuple[int, ...], np.ndarray]]] = {c: [] for c in range(len(red.dom))}
     fid = 0
@@ -125,17 +134,17 @@ def eliminate(red: Reduced, max_table: int = DEFAULT_MAX_TABLE) -> tuple[list[in
             factors[c].append(fid)
         fid += 1
 
-    for c, v in enumerate(red.cost):
-        add((c,), np.asarray(v, dtype=np.int64))
+    for c, v in enumerate(red.cost if unary is None else unary):
+        add((c,), np.asarray(v, dtype=dtype))
     for c, d, a in red.edges:
-        add((c, d), np.asarray(a, dtype=np.int64))
-    total = 0
+        add((c, d), np.asarray(a, dtype=dtype))
+    total = 0 if unary is None else 0.0
     back: list[tuple[int, tuple[int, ...], np.ndarray]] = []
     for c in order:
         mine = [f for f in factors[c] if f in store]
         scope_n = sorted({d for f in mine for d in store[f][0]} - {c})
         target = (c, *scope_n)
-        acc = np.zeros([red.dom[d] for d in target], dtype=np.int64)
+        acc = np.zeros([red.dom[d] for d in target], dtype=dtype)
         for f in mine:
             s, t = store.pop(f)
             acc = acc + _aligned(s, t, target)
@@ -145,7 +154,7 @@ def eliminate(red: Reduced, max_table: int = DEFAULT_MAX_TABLE) -> tuple[list[in
         if scope_n:
             add(tuple(scope_n), best)
         else:
-            total += int(best)
+            total += best.item()
     x = [0] * len(red.dom)
     for c, scope_n, arg in reversed(back):
         x[c] = int(arg[tuple(x[d] for d in scope_n)]) if scope_n else int(arg)

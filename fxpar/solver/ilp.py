@@ -12,7 +12,7 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from fxpar.errors import PlanError
-from fxpar.solver.bounds import bound_and_filter
+from fxpar.solver.bounds import bound_and_filter, lagrangian_bound
 from fxpar.solver.dp import eliminate
 from fxpar.solver.heuristic import feasible, greedy
 from fxpar.solver.problem import Solution, StrategyProblem
@@ -140,8 +140,11 @@ def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
 
     ``dp``: first solve the reduced problem without its memory points by bucket elimination
     (:mod:`fxpar.solver.dp`, exact); if that optimum fits the budget it is the answer
-    (``stats["method"] == "dp"``), else (or when its tables would be too large) CP-SAT
-    solves the full program (``"cp-sat"``).
+    (``stats["method"] == "dp"``); if memory binds, the Lagrangian DP
+    (:func:`fxpar.solver.bounds.lagrangian_bound`) answers when its bounds prove optimality
+    or the accepted gap ``max(filter_gap, params["relative_gap_limit"])`` of the objective
+    (``"lagrange-dp"``, ``stats["lagrange"]``); else (or when the tables would be too large)
+    CP-SAT solves the full program (``"cp-sat"``).
 
     ``start``: a strategy per node (a known assignment) used as CP-SAT's hint when it is
     feasible and better than the greedy one.
@@ -184,11 +187,31 @@ def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
                               log=log, hint=hint, params=params, dp=dp, filter_gap=filter_gap)
         if got is not None:
             return got
+    lag = None
+    if red.dom and exact is None and dp and red.budget is not None and red.points:
+        # memory binds: Lagrangian DP bounds; decides when they prove the requested gap
+        t1 = time.perf_counter()
+        accept = max(filter_gap, float((params or {}).get("relative_gap_limit", 0.0)))
+        lag = lagrangian_bound(red, gap=accept,
+                               start=None if start is None else _encode(red, start))
+        if lag is not None and lag.lower == np.inf:   # proved: nothing fits the budget
+            _raise_memory(problem, time_limit, workers, seed, reductions)
+        if lag is not None:
+            stats["lagrange"] = {"s": time.perf_counter() - t1, "rounds": lag.rounds,
+                                 "nodes": lag.nodes,
+                                 "lower_s": red.offset + lag.lower / red.scale,
+                                 "upper_s": None if lag.upper is None
+                                 else red.offset + lag.upper / red.scale}
     if not red.dom or exact is not None:  # decided by the reductions or by the DP
         x: list[int] = exact[0] if exact is not None else []
         status, bound_units = "OPTIMAL", 0
         stats["solve_s"] = stats.get("dp_s", 0.0)
         stats["method"] = "dp" if exact is not None else "reductions"
+    elif lag is not None and lag.proven:
+        x, bound_units = lag.x, lag.lower
+        status = "OPTIMAL" if lag.upper <= lag.lower else "FEASIBLE"
+        stats["solve_s"] = stats.get("dp_s", 0.0) + stats["lagrange"]["s"]
+        stats["method"] = "lagrange-dp"
     else:
         stats["method"] = "cp-sat"
         model = _Model(red)
@@ -196,8 +219,9 @@ def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
         if red.budget is not None:
             model.add_memory(red.budget)
         x0 = greedy(red) if hint else None
-        if hint and start is not None:  # a given assignment, when it is better
-            xs = _encode(red, start)
+        # a given assignment or the Lagrangian DP's, when it is better
+        for xs in ([] if not hint else [None if start is None else _encode(red, start),
+                                        None if lag is None else lag.x]):
             if xs is not None and feasible(red, xs) and (
                     not feasible(red, x0) or red.value(xs) <= red.value(x0)):
                 x0 = xs
@@ -304,7 +328,8 @@ def _filtered_solve(problem: StrategyProblem, red: Reduced, t0: float, stats: di
                                                             "build_s", "objective_units")})
     st["filter"] = info
     st["filtered"] = {k: inner.stats.get(k) for k in ("classes", "values", "class_edges",
-                                                      "class_points", "reduce_s", "solve_s")}
+                                                      "class_points", "reduce_s", "solve_s",
+                                                      "lagrange")}
     st["method"] = f"filter+{inner.stats.get('method')}"
     st["solve_s"] = time.perf_counter() - t1
     return Solution(problem.names, choice, obj, nc, ec, peaks, status,
