@@ -36,11 +36,14 @@ intermediate specs as strings, so every rank computes the identical plan. Plans 
 
 **Many pairs at once.** :func:`reshard_cost_table` (and :func:`reshard_costs`, one row of it)
 answers ``reshard_plan(s, d).time`` for every source ``s`` and destination ``d`` of two lists:
-the planner prices a whole edge matrix with it, per distinct pair of specs. It expands the
-state graph of the tensor once (every spec reachable from the sources), then relaxes all
-sources at once with numpy (Bellman-Ford, ``D[v] = min(D[v], D[u] + t_uv)`` to the fixed
-point); the rows are kept per ``(mesh, shape, dtype, reduce ops)``, so later tables from the
-same sources are lookups. The costs are bit-identical to :func:`reshard_plan`'s: both are the
+the planner prices a whole edge matrix with it, per distinct pair of specs. The state graph
+(which steps are legal) depends only on the tensor's rank, the number of mesh axes and the
+reduce ops, so it is expanded once per such triple and shared by every shape; a tensor's
+step costs are computed for all edges at once (per-state local sizes, one
+:func:`~fxpar.cost.reshard.step_time` per distinct ``(kind, bytes, axis)``); then all
+sources are relaxed at once with numpy (Bellman-Ford, ``D[v] = min(D[v], D[u] + t_uv)`` to
+the fixed point, each round only from the states that improved); the rows are kept per
+``(mesh, shape, dtype, reduce ops)``, so later tables from the same sources are lookups. The costs are bit-identical to :func:`reshard_plan`'s: both are the
 minimum over paths of the left-to-right float sum of step times (times are ``>= 0`` and float
 addition is monotone, so any label-correcting fixed point and Dijkstra's settled labels agree,
 and the tie-breaking, which only chooses among equal-cost paths, never changes the cost).
@@ -70,7 +73,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fxpar.cost.reshard import LOCAL_KINDS, step_cost
+from fxpar.cost.reshard import LOCAL_KINDS, local_numel, step_cost, step_time
 from fxpar.errors import ReshardError, SpecError
 from fxpar.spec import Partial, Placement, Replicate, Shard, Spec, as_spec
 from fxpar.units import dtype_name, fmt_time
@@ -385,11 +388,12 @@ def reshard_cost_table(srcs: Sequence[Spec | str], dsts: Sequence[Spec | str], m
     for ops, items in work.items():
         g = tens.graph(ops)
         starts = [g.id(S[a][0]) for a, _ in items]
+        for _, bs in items:   # every state id first: the rows then cover them
+            if (ops, tuple(bs)) not in goal_ids:
+                goal_ids[ops, tuple(bs)] = np.array([g.id(D[b][0]) for b in bs], np.int64)
         rows = g.table(starts)
         for (a, bs), st in zip(items, starts):
-            ids = goal_ids.get((ops, tuple(bs)))
-            if ids is None:
-                ids = goal_ids[ops, tuple(bs)] = np.array([g.id(D[b][0]) for b in bs], np.int64)
+            ids = goal_ids[ops, tuple(bs)]
             row = rows[st]
             if ids.size and (ids.max() >= row.size or not np.all(np.isfinite(row[ids]))):
                 raise ReshardError(f"no resharding path from {S[a][0]} for shape {shape} on {mesh!r}")
@@ -411,34 +415,87 @@ def reshard_costs(src: Spec | str, dsts: Sequence[Spec | str], mesh, shape: Sequ
     return reshard_cost_table([src], dsts, mesh, shape, dtype)[0].tolist()
 
 
-class _Graph:
-    """The state graph of one ``(mesh, shape, dtype, reduce ops)``: specs interned as ints
-    (hashing a Spec hashes its placements in Python: slow), each state's outgoing steps with
-    their costs computed on first visit and kept, so plans for many pairs of specs of the same
-    tensor share them."""
+_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "chunk", "to_partial",
+          "rescale")
 
-    def __init__(self, mesh, shape: tuple[int, ...], dtype: torch.dtype, ops: tuple[str, ...]):
-        self.mesh, self.shape, self.dtype, self.ops = mesh, shape, dtype, ops
+
+class _Topology:
+    """The steps between specs of a tensor with ``ndim`` dims on ``naxes`` mesh axes whose
+    partials use only ``ops``: which step is legal (:func:`_moves`) does not depend on the
+    shape, the dtype or the axis sizes, so every tensor of that rank shares one state graph
+    and only its step costs differ. States are interned as ints (hashing a Spec hashes its
+    placements in Python: slow); the graph is expanded from the all-``R`` spec, from which
+    every spec is reachable (module docstring), and grows if a spec outside it is asked for.
+    Per edge: ``U``, ``V`` (states), ``K`` (index into ``_KINDS``), ``A`` (mesh axis)."""
+
+    def __init__(self, ndim: int, naxes: int, ops: tuple[str, ...]):
+        self.ndim, self.naxes, self.ops = ndim, naxes, ops
         self.ids: dict[Spec, int] = {}
-        self.names: list[str] = []
         self.specs: list[Spec] = []
-        self._out: list[tuple | None] = []
-        self._closed = 0                        # states 0.._closed-1 are in the edge arrays
-        self._arrays: tuple | None = None       # (U, W, targets, first) for table()
-        self._rows: dict[int, np.ndarray] = {}  # source -> min time to every closed state
+        self.names: list[str] = []
+        self._edges: list[tuple[int, int, int, int]] = []
+        self._arrays: tuple | None = None
+        self.id(_fast_spec((Replicate(),) * naxes))
 
     def id(self, spec: Spec) -> int:
         i = self.ids.get(spec)
         if i is None:
-            i = self.ids[spec] = len(self.specs)
-            self.specs.append(spec)
-            self.names.append(str(spec))
-            self._out.append(None)
+            self._expand(spec)
+            i = self.ids[spec]
         return i
+
+    def _expand(self, spec: Spec) -> None:
+        kind_ix = {k: n for n, k in enumerate(_KINDS)}
+        stack = [self._add(spec)]
+        while stack:
+            i = stack.pop()
+            for kind, axis, nxt in _moves(self.specs[i], self.ndim, self.ops):
+                j = self.ids.get(nxt)
+                if j is None:
+                    j = self._add(nxt)
+                    stack.append(j)
+                self._edges.append((i, j, kind_ix[kind], axis))
+        self._arrays = None
+
+    def _add(self, spec: Spec) -> int:
+        i = self.ids[spec] = len(self.specs)
+        self.specs.append(spec)
+        self.names.append(str(spec))
+        return i
+
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """``(U, V, K, A)`` over every edge, sorted by target ``V`` (stable)."""
+        if self._arrays is None:
+            e = np.array(self._edges, np.int64).reshape(-1, 4)
+            e = e[np.argsort(e[:, 1], kind="stable")]
+            self._arrays = (e[:, 0].copy(), e[:, 1].copy(), e[:, 2].copy(), e[:, 3].copy())
+        return self._arrays
+
+
+@functools.lru_cache(maxsize=64)
+def _topology(ndim: int, naxes: int, ops: tuple[str, ...]) -> _Topology:
+    return _Topology(ndim, naxes, ops)
+
+
+class _Graph:
+    """The state graph of one ``(mesh, shape, dtype, reduce ops)``: the shared
+    :class:`_Topology` with this tensor's step costs (all of them at once for :meth:`table`,
+    or each state's outgoing :class:`ReshardStep` on first visit for :func:`reshard_plan`)."""
+
+    def __init__(self, mesh, shape: tuple[int, ...], dtype: torch.dtype, ops: tuple[str, ...]):
+        self.mesh, self.shape, self.dtype, self.ops = mesh, shape, dtype, ops
+        self.topo = _topology(len(shape), len(mesh.shape), ops)
+        self.ids, self.names, self.specs = self.topo.ids, self.topo.names, self.topo.specs
+        self._out: dict[int, tuple] = {}
+        self._weights: tuple[int, np.ndarray] | None = None   # (edges, W) for table()
+        self._rows: dict[int, np.ndarray] = {}  # source -> min time to every state
+
+    def id(self, spec: Spec) -> int:
+        return self.topo.id(spec)
 
     def out(self, i: int) -> tuple[tuple[float, int, ReshardStep], ...]:
         """``(time, next state id, step)`` for every legal step out of state ``i``."""
-        got = self._out[i]
+        got = self._out.get(i)
         if got is None:
             spec, edges = self.specs[i], []
             for kind, axis, nxt in _moves(spec, len(self.shape), self.ops):
@@ -448,53 +505,64 @@ class _Graph:
             got = self._out[i] = tuple(edges)
         return got
 
-    def closure(self, starts: Sequence[int]) -> None:
-        """Expand every state reachable from the known states (``starts`` among them) and
-        build the edge arrays ``(U, W, targets, first)`` (edges sorted by target) over them,
-        unless ``starts`` are already in the arrays."""
-        if self._arrays is not None and all(i < self._closed for i in starts):
-            return
-        stack = list(range(len(self.specs)))
-        seen = set(stack)
-        while stack:
-            for _, j, _ in self.out(stack.pop()):
-                if j not in seen:
-                    seen.add(j)
-                    stack.append(j)
-        U, V, W = [], [], []
-        for i in range(len(self.specs)):
-            for t, j, _ in self._out[i]:
-                U.append(i)
-                V.append(j)
-                W.append(t)
-        U, V, W = np.array(U, np.int64), np.array(V, np.int64), np.array(W, np.float64)
-        order = np.argsort(V, kind="stable")
-        tgt, first = np.unique(V[order], return_index=True)
-        self._arrays = (U[order], W[order], tgt, first)
-        self._closed = len(self.specs)
+    def weights(self) -> np.ndarray:
+        """Every edge's time (order of :meth:`_Topology.arrays`), exactly
+        ``step_cost(kind, u, v, mesh, axis, shape, dtype)[1]``: the same ``step_bytes``
+        rules on per-state local sizes, and :func:`step_time` once per distinct
+        ``(kind, bytes, axis)``."""
+        U, V, K, A = self.topo.arrays()
+        if self._weights is not None and self._weights[0] == U.size:
+            return self._weights[1]
+        ms = self.mesh.shape
+        size = self.dtype.itemsize
+        numel = np.array([local_numel(sp, self.shape, ms) for sp in self.specs], np.int64)
+        chunk, to_partial = _KINDS.index("chunk"), _KINDS.index("to_partial")
+        nbytes = np.where(K == chunk, numel[V], numel[U]) * size
+        tp = np.flatnonzero(K == to_partial)
+        if tp.size:   # only Partial(sum) writes anything, and not on an axis of size 1
+            keep = [self.specs[v][a].reduce_op == "sum" and ms[a] > 1
+                    for v, a in zip(V[tp].tolist(), A[tp].tolist())]
+            nbytes[tp] = np.where(keep, nbytes[tp], 0)
+        keys = np.stack([K, nbytes, A], axis=1)
+        uniq, inv = np.unique(keys, axis=0, return_inverse=True)
+        times = np.array([step_time(_KINDS[k], int(b), self.mesh, int(a)) for k, b, a in uniq])
+        W = times[inv.reshape(-1)]
+        self._weights = (U.size, W)
+        self._rows.clear()   # the graph grew (never in practice): rows are recomputed
+        return W
 
     def table(self, starts: Sequence[int]) -> dict[int, np.ndarray]:
         """Minimum time from each of ``starts`` to every state (rows over state ids): a
         Bellman-Ford relaxation of all sources at once, ``D[v] = min(D[v], D[u] + w)`` to the
-        fixed point. That fixed point is the minimum over paths of the left-to-right float sum
-        of step times (times are >= 0 and float addition is monotone), i.e. exactly the cost
-        Dijkstra settles, bit for bit (:func:`reshard_plan`)."""
+        fixed point, each round relaxing only the edges out of states whose distance fell
+        in the previous round (the others cannot improve anything). That fixed point is
+        the minimum over paths of the left-to-right float sum of step times (times are
+        >= 0 and float addition is monotone), i.e. exactly the cost Dijkstra settles, bit
+        for bit (:func:`reshard_plan`)."""
+        W = self.weights()
         need = sorted({i for i in starts if i not in self._rows})
         if need:
-            self.closure(need)
-            U, W, tgt, first = self._arrays
-            n = self._closed
-            for b in range(0, len(need), 64):
-                blk = need[b:b + 64]
+            U, V, _, _ = self.topo.arrays()
+            n = len(self.specs)
+            for b in range(0, len(need), 128):
+                blk = need[b:b + 128]
                 D = np.full((len(blk), n), np.inf)
                 D[np.arange(len(blk)), blk] = 0.0
+                changed = np.zeros(n, bool)
+                changed[blk] = True
                 while True:
-                    cand = D[:, U] + W
-                    red = np.minimum.reduceat(cand, first, axis=1)
-                    new = np.minimum(D[:, tgt], red)
-                    if np.array_equal(new, D[:, tgt]):
+                    sel = np.flatnonzero(changed[U])     # still sorted by target
+                    if not sel.size:
                         break
-                    D[:, tgt] = new
+                    u, v, w = U[sel], V[sel], W[sel]
+                    first = np.flatnonzero(np.r_[True, v[1:] != v[:-1]])
+                    tgt = v[first]
+                    red = np.minimum.reduceat(D[:, u] + w, first, axis=1)
+                    old = D[:, tgt]
+                    better = red < old
+                    changed[:] = False
+                    changed[tgt] = better.any(axis=0)
+                    D[:, tgt] = np.where(better, red, old)
                 for r, i in enumerate(blk):
                     self._rows[i] = D[r]
         return {i: self._rows[i] for i in starts}

@@ -396,3 +396,30 @@ def test_cost_table_is_bit_identical_to_reshard_plan(axes, shape):
             assert T[a, b] == reshard_plan(s, d, mesh, shape, torch.float32).time, (s, d)
     with pytest.raises(SpecError):
         reshard_cost_table(["S(5)" + "R" * (len(axes) - 1)], ["R" * len(axes)], mesh, shape)
+
+
+def test_state_graph_is_shared_across_shapes_and_its_step_costs_are_step_cost():
+    """Two tensors of one rank share the state graph (legality does not depend on the shape);
+    each tensor's vectorised edge times equal ``step_cost`` edge by edge, uneven shards and
+    axes of size 1 included; and its tables equal ``reshard_plan`` with ``max`` partials."""
+    from fxpar.reshard import _KINDS, _graph, reshard_cost_table
+
+    mesh = Mesh(Cluster.preset("perlmutter", nodes=4), {"a": 2, "b": 4, "c": 1, "d": 2})
+    g1 = _graph(mesh, (6, 10, 3), torch.bfloat16, ("max",))
+    g2 = _graph(mesh, (64, 5, 7), torch.float32, ("max",))
+    assert g1.topo is g2.topo and len(g1.specs) > 500
+    for g in (g1, g2):
+        U, V, K, A = g.topo.arrays()
+        W = g.weights()
+        for e in range(0, U.size, 7):
+            u, v, k, a = int(U[e]), int(V[e]), int(K[e]), int(A[e])
+            assert W[e] == step_cost(_KINDS[k], g.specs[u], g.specs[v], mesh, a, g.shape,
+                                     g.dtype)[1], (g.specs[u], g.specs[v])
+    pl = [Shard(0), Shard(1), Shard(2), Replicate(), Partial("max")]
+    specs = [Spec(p) for p in itertools.product(pl, repeat=4)]
+    rng = random.Random(1)
+    srcs, dsts = rng.sample(specs, 10), rng.sample(specs, 40)
+    T = reshard_cost_table(srcs, dsts, mesh, (6, 10, 3), torch.bfloat16)
+    for a, s in enumerate(srcs):
+        for b, d in enumerate(dsts):
+            assert T[a, b] == reshard_plan(s, d, mesh, (6, 10, 3), torch.bfloat16).time, (s, d)
