@@ -40,7 +40,8 @@ from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.plan_data import BASELINES, PLAN_KINDS, SEARCHED, Plan
 from fxpar.planner import (BuildCache, BuiltProblem, PlannerOptions, axonn_meshes, baseline_mesh,
-                           baseline_notes, baseline_pins, candidate_meshes, plan_and_keep)
+                           baseline_notes, baseline_pins, candidate_meshes, plan_and_keep,
+                           unkeepable_pins)
 from fxpar.solver import Solution
 
 __all__ = ["plan", "compile", "Planned"]
@@ -287,10 +288,16 @@ def _plan_joint(model, cluster, args, example_kwargs, *, plan, options, memory_b
     rows = c.dp * c.microbatch
     gm = probe if rows == 1 else cap(rows)
     pins = res.pins(c, probe, gm)  # the layouts the search priced
-    dropped: list[str] = []
     targets = {n.name: n.target for n in gm.graph.nodes}
-    cache = BuildCache()  # a retry prices nothing twice
-    for _ in range(len(pins)):
+    cache = BuildCache()  # shared by the check below, the chunks and any retry
+    # a value whose op cannot take the priced layout (no such strategy): the planner chooses
+    # the layout of every value of that op, and says so; found before planning, on the
+    # (sub)mesh the plan is built on (its strategy lists then come from the cache)
+    bad_ops = {targets[k] for k in unkeepable_pins(gm, _config_mesh(c, cluster), pins, cache=cache)}
+    dropped = [k for k in pins if targets.get(k) in bad_ops]
+    for k in dropped:
+        pins.pop(k)
+    for _ in range(len(pins) + 1):
         try:
             got = _plan_config(gm, probe, cluster, c, res, opts, pins, dropped, cache)
             notes = (f"{kind}: {c.name} chosen under placement-agnostic communication costs "
@@ -299,8 +306,9 @@ def _plan_joint(model, cluster, args, example_kwargs, *, plan, options, memory_b
             return dataclasses.replace(got, plan=dataclasses.replace(
                 got.plan, kind=kind, notes=got.plan.notes + notes))
         except PlanError as e:
-            # a value whose op cannot take the priced layout (no such strategy): let the
-            # planner choose it, and say so; any other error is the user's
+            # the same rule for a pin only a chunk's own graph rejects (the check above saw
+            # the whole graph): let the planner choose it, and say so; any other error is
+            # the user's
             bad = re.search(r"pin '([^']+)' -> node '[^']+': no strategy", str(e))
             if bad is None or bad.group(1) in ("input",):
                 raise
@@ -311,6 +319,15 @@ def _plan_joint(model, cluster, args, example_kwargs, *, plan, options, memory_b
                 pins.pop(k)
             dropped.extend(same)
     raise PlanError(f"joint search: no pin of {c.name} could be kept")
+
+
+def _config_mesh(c, cluster) -> Mesh:
+    """The mesh :func:`_plan_config` plans ``c``'s graph on (a pipeline: its first stage's)."""
+    from fxpar.planner.stages import stage_submesh
+
+    if c.pp == 1 and c.microbatches == 1:
+        return Mesh(cluster, {"dp": c.dp, "tp": c.tp})
+    return stage_submesh(Mesh(cluster, {"pp": c.pp, "dp": c.dp, "tp": c.tp}), 0)
 
 
 def _plan_config(gm, probe, cluster, c, res, opts, pins, dropped, cache) -> Planned:

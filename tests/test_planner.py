@@ -378,3 +378,33 @@ def test_size_one_axes_are_squeezed_without_changing_the_plan(a100, monkeypatch)
     assert sorted((e.producer, e.consumer, e.direction, e.time) for e in fast.edges if e.time) == \
         sorted((e.producer, e.consumer, e.direction, e.time) for e in full.edges if e.time)
     assert fast.node("idx").outputs == ("S(0)RRR",)
+
+
+def test_unkeepable_pins_are_the_ones_build_problem_rejects():
+    """unkeepable_pins finds, at once, exactly the pins that build_problem rejects one at a
+    time with "no strategy produces spec" (the reference: a build per pin)."""
+    from examples.models import GPT
+    from fxpar.planner.intra_op import BuildCache, build_problem, unkeepable_pins
+
+    gm = fxpar.capture(GPT(vocab=64, d_model=32, n_heads=4, n_layers=1, seq_len=16),
+                       (torch.randint(0, 64, (4, 16)),))
+    mesh = fxpar.Mesh(fxpar.Cluster.preset("dgx-a100"), dp=2, tp=2)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"
+             and isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].ndim >= 2][:12]
+    pins = {n.name: spec for n, spec in zip(nodes, ["S(0)S(1)", "S(4)R", "RS(2)", "P(sum)R"] * 3)}
+    want = []
+    for k, spec in pins.items():
+        try:
+            build_problem(gm, mesh, pins={k: spec})
+        except PlanError as e:
+            assert "no strategy produces spec" in str(e)
+            want.append(k)
+    assert want and len(want) < len(pins)  # both kinds present
+    cache = BuildCache()
+    assert unkeepable_pins(gm, mesh, {**pins, "input": "S(0)R"}, cache=cache) == sorted(want)
+    # the strategy lists it made are the ones a build then uses
+    bp = build_problem(gm, mesh, pins={k: v for k, v in pins.items() if k not in want},
+                       cache=cache)
+    ref = build_problem(gm, mesh, pins={k: v for k, v in pins.items() if k not in want})
+    assert [[str(s) for s in x] for x in bp.strategies] == [[str(s) for s in x] for x in ref.strategies]
+    assert bp.problem.pins == ref.problem.pins

@@ -59,7 +59,7 @@ from fxpar.strategies import strategies_for, unsharded_strategy
 from fxpar.strategies.base import Strategy
 
 __all__ = ["PlannerOptions", "BuiltProblem", "BuildCache", "build_problem", "plan_graph",
-           "plan_and_keep", "solution_to_plan", "default_strategies"]
+           "plan_and_keep", "solution_to_plan", "default_strategies", "unkeepable_pins"]
 
 
 @dataclass(frozen=True)
@@ -182,13 +182,49 @@ class BuildCache:
 
     def __init__(self) -> None:
         self._per: dict[tuple, tuple[dict, EdgePricer]] = {}
+        self._lists: dict[tuple, dict] = {}
 
     def _for(self, mesh, opts: PlannerOptions) -> tuple[dict, EdgePricer]:
+        """``({node_key: priced entry}, edge pricer)`` of ``(mesh, opts)``."""
         key = (mesh, opts)
         got = self._per.get(key)
         if got is None:
             got = self._per[key] = ({}, EdgePricer(mesh, opts.grad_steps))
         return got
+
+    def _strategies(self, mesh) -> dict:
+        """``{node_key: strategy list}`` on ``mesh`` (the rules read no options)."""
+        return self._lists.setdefault(mesh, {})
+
+
+def _strategies_of(n: fx.Node, mesh, strategies: Callable) -> list[Strategy]:
+    cand = list(strategies(n, mesh) or [])
+    return cand if cand else [unsharded_strategy(n, mesh.ndim)]
+
+
+def _price_node(n: fx.Node, flags, mesh, opts: PlannerOptions, lst: list[Strategy],
+                memo: dict) -> tuple:
+    """``(lst, fwd, bwd, memory, cost)`` of node ``n`` with strategies ``lst`` on ``mesh``
+    (read-only vectors); ``memo`` shares the times of equal (op, arguments, metas, strategy)
+    within one build."""
+    f = np.zeros(len(lst))
+    b = np.zeros(len(lst))
+    m = np.zeros(len(lst), dtype=np.int64)
+    base = (n.target, str(n.args), str(n.kwargs), tuple(ir.tensor_metas(n)),
+            bool(flags.get(n))) if n.op == "call_function" else None
+    for k, s in enumerate(lst):
+        key = base + (str(s),) if base is not None else None
+        if key is not None and key in memo:
+            f[k], b[k] = memo[key]
+        else:
+            f[k], b[k] = compute_times(n, s, mesh, flags, opts)
+            if key is not None:
+                memo[key] = (f[k], b[k])
+        m[k] = node_memory(n, s, mesh, flags, opts)
+    c = f + b
+    for v in (f, b, m, c):
+        v.setflags(write=False)
+    return lst, f, b, m, c
 
 
 def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None = None,
@@ -211,46 +247,28 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
     # else of a node; a user's ``strategies`` callable is called on every node.
     share = strategies is strategies_for
     by_key: dict[tuple, tuple] = {}
+    lists: dict[tuple, list] = {}
     pricer = EdgePricer(mesh, opts.grad_steps)
     if cache is not None and share:
         by_key, pricer = cache._for(mesh, opts)
+        lists = cache._strategies(mesh)
     strats: list[list[Strategy]] = []
     cost, mem, fwd, bwd = [], [], [], []
-    cache: dict[tuple, tuple] = {}
-    for i, n in enumerate(nodes):
+    memo: dict[tuple, tuple] = {}
+    for n in nodes:
         nkey = node_key(n, flags) if share else None
-        if nkey is not None and nkey in by_key:
-            lst, f, b, m, c = by_key[nkey]
-            strats.append(lst)
-            fwd.append(f)
-            bwd.append(b)
-            cost.append(c)  # shared read-only: StrategyProblem converts each object once
-            mem.append(m)
-            continue
-        cand = list(strategies(n, mesh) or [])
-        strats.append(cand if cand else [unsharded_strategy(n, mesh.ndim)])
-        f = np.zeros(len(strats[i]))
-        b = np.zeros(len(strats[i]))
-        m = np.zeros(len(strats[i]), dtype=np.int64)
-        base = (n.target, str(n.args), str(n.kwargs), tuple(ir.tensor_metas(n)),
-                bool(flags.get(n))) if n.op == "call_function" else None
-        for k, s in enumerate(strats[i]):
-            key = base + (str(s),) if base is not None else None
-            if key is not None and key in cache:
-                f[k], b[k] = cache[key]
-            else:
-                f[k], b[k] = compute_times(n, s, mesh, flags, opts)
-                if key is not None:
-                    cache[key] = (f[k], b[k])
-            m[k] = node_memory(n, s, mesh, flags, opts)
-        c = f + b
-        for v in (f, b, m, c):
-            v.setflags(write=False)
-        if nkey is not None:
-            by_key[nkey] = (strats[i], f, b, m, c)
+        got = by_key.get(nkey) if nkey is not None else None
+        if got is None:
+            lst = lists.get(nkey) if nkey is not None else None
+            got = _price_node(n, flags, mesh, opts, lst if lst is not None else
+                              _strategies_of(n, mesh, strategies), memo)
+            if nkey is not None:
+                by_key[nkey] = got
+        lst, f, b, m, c = got
+        strats.append(lst)
         fwd.append(f)
         bwd.append(b)
-        cost.append(c)
+        cost.append(c)  # shared read-only: StrategyProblem converts each object once
         mem.append(m)
     index = {n: i for i, n in enumerate(nodes)}
 
@@ -303,6 +321,40 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
         budget=budget, pins=allowed, ties=ties, names=[n.name for n in nodes])
     return BuiltProblem(problem, gm, mesh, nodes, strats, fwd, bwd, edge_info, outputs, opts,
                         time.perf_counter() - t0, layers, None if mesh is given else given)
+
+
+def unkeepable_pins(gm: fx.GraphModule, mesh, pins: Mapping[str, object], *,
+                    cache: BuildCache | None = None) -> list[str]:
+    """The keys of ``pins`` that name a node of ``gm`` whose strategies on ``mesh`` (the
+    default rules) never produce the pinned spec: every pin :func:`build_problem` would reject
+    with "no strategy produces spec", found at once, in sorted key order. Only the pinned
+    nodes' strategy lists are made, through ``cache`` (a later build on ``mesh`` reuses
+    them). Keys that are not node names (``"input"``, parameter FQNs) are not checked.
+
+    >>> import torch, fxpar
+    >>> from examples.models import MLP
+    >>> gm = fxpar.capture(MLP(8, 16, 4), (torch.randn(2, 8),))
+    >>> mesh = fxpar.Mesh(fxpar.Cluster.preset("dgx-a100"), dp=2)
+    >>> unkeepable_pins(gm, mesh, {"linear": "S(0)", "gelu": "S(5)", "input": "S(0)"})
+    ['gelu']
+    """
+    by_name = {n.name: n for n in gm.graph.nodes if n.op != "output"}
+    mesh, sq = squeeze(mesh, {k: v for k, v in pins.items() if k in by_name})
+    lists = cache._strategies(mesh) if cache is not None else {}
+    flags = grad_flags(gm)
+    nodes = [by_name[k] for k in sorted(sq)]
+    strats = []
+    for n in nodes:  # as build_problem makes them (and shares them with its later builds)
+        nkey = node_key(n, flags)
+        lst = lists.get(nkey) if nkey is not None else None
+        if lst is None:
+            lst = _strategies_of(n, mesh, strategies_for)
+            if nkey is not None:
+                lists[nkey] = lst
+        strats.append(lst)
+    bad: list[str] = []
+    match_pins(gm, nodes, strats, sq, mesh, bad=bad)
+    return bad
 
 
 # ---------------------------------------------------------------------------------------------

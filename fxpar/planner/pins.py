@@ -46,9 +46,11 @@ def pin_form(spec: Spec, nd: int, mesh) -> Spec:
     return Spec(tuple(_R if k == 1 else p for p, k in zip(spec.placements, mesh.shape)))
 
 
-def match_pins(gm, nodes, strats, pins, mesh) -> tuple[dict[int, list[int]], Spec | None]:
+def match_pins(gm, nodes, strats, pins, mesh, bad: list[str] | None = None
+               ) -> tuple[dict[int, list[int]], Spec | None]:
     """``{node index: allowed strategy indices}`` and the output pin (module docstring).
-    Pins are applied in sorted key order; two pins on one node intersect."""
+    Pins are applied in sorted key order; two pins on one node intersect. With ``bad`` (a
+    list), a pin that no strategy of its node takes is appended there instead of raising."""
     out_pin = None
     allowed: dict[int, list[int]] = {}
     index = {n.name: i for i, n in enumerate(nodes)}
@@ -89,6 +91,9 @@ def match_pins(gm, nodes, strats, pins, mesh) -> tuple[dict[int, list[int]], Spe
                 got = forms[id(strats[i]), nd] = [pin_form(s.outputs[0], nd, mesh) if s.outputs
                                                   else None for s in strats[i]]
             ok = [k for k, f in enumerate(got) if f == want]
+            if not ok and bad is not None:
+                bad.append(key)
+                continue
             if not ok:
                 have = sorted({str(s.outputs[0]) for s in strats[i] if s.outputs})
                 raise PlanError(f"pin {key!r} -> node {name!r}: no strategy produces spec {spec} "
