@@ -25,6 +25,8 @@ order and keeps the first that plans; ``auto`` keeps the fastest of all meshes t
 from __future__ import annotations
 
 import contextlib
+import functools
+import gc
 import re
 from collections.abc import Callable, Mapping, Sequence
 import dataclasses
@@ -95,6 +97,34 @@ def _as_mesh(mesh, cluster) -> Mesh | None:
     return Mesh(cluster, dict(mesh))
 
 
+def _gc_paused(fn: Callable) -> Callable:
+    """Run ``fn`` with Python's cyclic garbage collector off, restored after (on error too).
+
+    Planning allocates millions of small objects next to two large, long-lived graphs (a
+    capture's nodes, fake tensors and metas): every full collection walks all of them, and
+    Llama-3-8B's joint plan paid 9 of them, ~1 s of 7. Reference counting still frees
+    everything without a cycle; the few cycles made (export's intermediate graph modules) wait
+    for the next collection after the call.
+
+    >>> import gc
+    >>> gc.isenabled(), _gc_paused(gc.isenabled)(), gc.isenabled()
+    (True, False, True)
+    """
+
+    @functools.wraps(fn)
+    def paused(*args, **kwargs):
+        was = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was:
+                gc.enable()
+
+    return paused
+
+
+@_gc_paused
 def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.Tensor = (),
          example_kwargs: Mapping[str, Any] | None = None, *, mesh=None, plan: str = "auto",
          pins: Mapping[str, object] | None = None, memory_budget: float | None = None,
@@ -178,6 +208,7 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
     return Planned(best, gm, tuple(tried), *kept)
 
 
+@_gc_paused
 def compile(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.Tensor = (),
             example_kwargs: Mapping[str, Any] | None = None, *, loss_fn: Callable | None = None,
             example_targets: Sequence[Any] = (), optimizer: Callable | None = None,
