@@ -286,8 +286,9 @@ def _global_batch(args, kwargs) -> int:
 def _plan_joint(model, cluster, args, example_kwargs, *, plan, options, memory_budget,
                 time_limit, progress, kind: str = "auto") -> Planned:
     """``plan="auto"`` on a multi-node cluster without a mesh, or a user tuple ``plan={...}``:
-    the joint search of :mod:`fxpar.planner.joint` on the model captured with one sample,
-    then the winner planned for real (captured at its microbatch shape; a pipeline when it
+    the joint search of :mod:`fxpar.planner.joint` on the model captured with one sample
+    (without stack traces: only planned on), then the winner planned for real (captured in
+    full at its microbatch shape; a pipeline when it
     has stages or microbatches, else one SPMD step). ``plan.schedule["search"]`` keeps the
     ranked configurations for ``explain()``."""
     from fxpar.planner.joint import search
@@ -303,12 +304,15 @@ def _plan_joint(model, cluster, args, example_kwargs, *, plan, options, memory_b
             if v is not None}
     opts = dataclasses.replace(opts, **over) if over else opts
 
-    def cap(rows: int) -> fx.GraphModule:
+    def cap(rows: int, stack_traces: bool = True) -> fx.GraphModule:
         m = B // rows
         return capture(model, tuple(_microbatch(x, m, f"#{i}") for i, x in enumerate(args)),
-                       {k: _microbatch(v, m, repr(k)) for k, v in (example_kwargs or {}).items()} or None)
+                       {k: _microbatch(v, m, repr(k)) for k, v in (example_kwargs or {}).items()} or None,
+                       stack_traces=stack_traces)
 
-    probe = cap(1)
+    # the probe is only planned on: no stack traces (~20% of a capture); the graph returned
+    # below is a full capture, also when it has the probe's one row
+    probe = cap(1, stack_traces=False)
     # alpa chooses under its own (placement-agnostic) costs; the choice is priced for real below
     res = search(probe, cluster.placement_agnostic() if kind == "alpa" else cluster, batch=B,
                  options=opts, only=only)
@@ -317,7 +321,7 @@ def _plan_joint(model, cluster, args, example_kwargs, *, plan, options, memory_b
         progress(f"joint search: {res.tried} configurations, {res.over_memory} over memory; "
                  f"best {c.name}: {c.step * 1e3:.4g} ms")
     rows = c.dp * c.microbatch
-    gm = probe if rows == 1 else cap(rows)
+    gm = cap(rows)
     pins = res.pins(c, probe, gm)  # the layouts the search priced
     targets = {n.name: n.target for n in gm.graph.nodes}
     cache = BuildCache()  # shared by the check below, the chunks and any retry

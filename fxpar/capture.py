@@ -126,12 +126,16 @@ def capture(
     *,
     frontend: Frontend = "auto",
     decompose: bool = False,
+    stack_traces: bool = True,
 ) -> fx.GraphModule:
     """Capture ``model(*example_inputs, **example_kwargs)`` as a graph with fake-tensor meta.
 
     See the module docstring for the graph form of each frontend. ``frontend`` is ``"auto"``
     (export, then strict export, then symbolic_trace), or one of them alone. ``decompose=True``
-    lowers to core ATen (export frontends only). Raises :class:`CaptureError` when no frontend
+    lowers to core ATen (export frontends only). ``stack_traces=False``: no node carries
+    ``meta["stack_trace"]`` (:data:`fxpar.ir.STACK_TRACE`), everything else is the same;
+    export then skips symbolizing every node's Python stack, ~20% of a capture (for a graph
+    that is only planned on, e.g. the joint search's probe). Raises :class:`CaptureError` when no frontend
     succeeds; its message names every frontend tried and the first line of its error, and
     ``err.failures`` maps each frontend's label to its exception.
     """
@@ -162,7 +166,9 @@ def capture(
                 if fe == "symbolic_trace":
                     gm = _symbolic_trace(model, args, kwargs)
                 else:
-                    gm = _export(model, args, kwargs, strict=fe == "export_strict", decompose=decompose)
+                    with _stack_traces(stack_traces):
+                        gm = _export(model, args, kwargs, strict=fe == "export_strict",
+                                     decompose=decompose)
         except Exception as e:  # noqa: BLE001 - every frontend failure is reported, none hidden
             failures[label] = e
             name = type(e).__name__
@@ -366,6 +372,18 @@ def _export(model: torch.nn.Module, args: tuple, kwargs: dict, *, strict: bool,
             warnings.filterwarnings("ignore", message=".*LeafSpec.*", category=FutureWarning)
             ep = ep.run_decompositions(table)
     return _from_exported(ep, model, "export(strict)" if strict else "export(non-strict)")
+
+
+@contextlib.contextmanager
+def _stack_traces(on: bool) -> Iterator[None]:
+    """Export's tracer records each node's user stack unless ``torch.fx.config``'s
+    ``do_not_emit_stack_traces`` is set (restored after)."""
+    prev = fx.config.do_not_emit_stack_traces
+    fx.config.do_not_emit_stack_traces = prev or not on
+    try:
+        yield
+    finally:
+        fx.config.do_not_emit_stack_traces = prev
 
 
 @contextlib.contextmanager

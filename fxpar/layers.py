@@ -27,6 +27,7 @@ one repeated block. Imported by the planner (tie groups, ``NodePlan.layer``), it
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import defaultdict
 from collections.abc import Sequence
@@ -41,15 +42,19 @@ __all__ = ["layer_of", "repeated_copies", "split_repeat", "template_fqn"]
 _REPEAT = re.compile(r"^(.*?)\.(\d+)$")
 
 
+@functools.lru_cache(maxsize=65536)
+def _plain_fqn(fqn: str) -> str:
+    """``fqn`` without Dynamo's ``L['self']`` wrapping (a model has few distinct ones; the
+    planner asks for every node of every graph it builds)."""
+    fqn = re.sub(r"^L\['self'\]\.?", "", fqn)
+    return fqn.replace("._modules['", ".").replace("']", "")
+
+
 def _stack_fqns(node: fx.Node) -> list[str]:
     """Module FQNs of ``meta["nn_module_stack"]``, outermost first (Dynamo's ``L['self']``
     wrapping removed)."""
     st = node.meta.get(ir.NN_MODULE_STACK) or {}
-    out = []
-    for v in st.values():
-        fqn = v[0] if isinstance(v, tuple) else str(v)
-        fqn = re.sub(r"^L\['self'\]\.?", "", fqn)
-        out.append(fqn.replace("._modules['", ".").replace("']", ""))
+    out = [_plain_fqn(v[0] if isinstance(v, tuple) else str(v)) for v in st.values()]
     return [f for f in out if f]
 
 

@@ -642,3 +642,33 @@ def test_lazy_recompile_during_export_changes_nothing(name, monkeypatch):
     ref = run_captured(eager, model, *args, **kw)
     leaves = torch.utils._pytree.tree_leaves
     torch.testing.assert_close(leaves(out), leaves(ref))
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_capture_without_stack_traces_changes_nothing_else(name):
+    """stack_traces=False (the joint search's probe): the graph, names, metas and fake
+    values are those of a normal capture, only meta["stack_trace"] is missing everywhere;
+    torch's setting is restored after."""
+    from examples.models import GPT
+
+    if name == "gpt":
+        model = GPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=16)
+        args, kw = (torch.randint(0, 64, (2, 16)),), {}
+    else:
+        model = hf_model("llama", use_cache=False)
+        ids = torch.zeros(2, 16, dtype=torch.long)
+        args, kw = (ids,), {"labels": ids}
+    full = capture(model, args, kw)
+    bare = capture(model, args, kw, stack_traces=False)
+    assert torch.fx.config.do_not_emit_stack_traces is False
+    assert any(n.meta.get("stack_trace") for n in full.graph.nodes)
+    assert not any("stack_trace" in n.meta for n in bare.graph.nodes)
+
+    def strip(rows):  # the fingerprint without the stack traces
+        return [r if isinstance(r, str) else r[:7] + ([k for k in r[8] if k != "stack_trace"],)
+                for r in rows]
+
+    assert strip(_graph_fingerprint(bare)) == strip(_graph_fingerprint(full))
+    assert bare.meta.keys() == full.meta.keys()
+    assert bare.meta[ir.PARAMS] == full.meta[ir.PARAMS]
+    assert bare.meta[ir.INPUTS] == full.meta[ir.INPUTS]

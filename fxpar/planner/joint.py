@@ -232,9 +232,10 @@ class SearchResult:
         (data parallelism is the search's choice, not one the intra-op planner may undo to
         save a gradient reduction)."""
         plan = self.layouts[c.tp]
+        by_name = {n.name: n for n in plan.nodes}  # (plan.node scans: one lookup per node)
 
         def tp(name: str) -> str:
-            return "R" if c.tp == 1 else plan.node(name).outputs[0]
+            return "R" if c.tp == 1 else by_name[name].outputs[0]
 
         first = next((i.name for i in ir.user_inputs(probe) if i.is_tensor), None)
         out = {"input": "S(0)" + (tp(first) if first else "R")}
