@@ -672,3 +672,19 @@ def test_capture_without_stack_traces_changes_nothing_else(name):
     assert bare.meta.keys() == full.meta.keys()
     assert bare.meta[ir.PARAMS] == full.meta[ir.PARAMS]
     assert bare.meta[ir.INPUTS] == full.meta[ir.INPUTS]
+
+
+def test_stack_traces_read_lazily_are_the_same():
+    """capture() lets the tracer read a frame's source line only when the frame is printed:
+    every node's stack trace is the text torch's own listing gives."""
+    cap = sys.modules["fxpar.capture"]
+    model = hf_model("llama", use_cache=False)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    lazy = capture(model, (ids,), {"labels": ids})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cap, "_frames_unread", sys.modules["torch.utils._traceback"]._extract_symbolized_tb)
+        eager = capture(model, (ids,), {"labels": ids})
+    traces = [n.meta.get("stack_trace") for n in lazy.graph.nodes]
+    assert sum(t is not None for t in traces) > 20
+    assert traces == [n.meta.get("stack_trace") for n in eager.graph.nodes]
+    assert _graph_fingerprint(lazy) == _graph_fingerprint(eager)
