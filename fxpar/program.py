@@ -125,6 +125,20 @@ class Program:
         """The global rank that broadcasts a pipeline step's loss (the last chunk's first)."""
         return int(self.plan.stages[-1].plan.mesh["devices"][0])
 
+    def replica_axes(self, fqn: str, pp_rank: int | None = None) -> tuple[str, ...]:
+        """The mesh axes ``fqn``'s gradient is a partial sum over, in the chunks of pipeline
+        rank ``pp_rank`` (``None``: in any chunk, the axes its replica group reduces over).
+        Chunks may differ: a tied embedding looked up replicated on the first stage (its
+        gradient complete on every ``dp`` rank) and used batch-sharded by the LM head on the
+        last (partial over ``dp``)."""
+        axes: list[str] = []
+        for st, sp in zip(self.plan.stages, self.stage_programs):
+            if pp_rank is None or st.rank == pp_rank:
+                for a in sp.distributed_graph.meta.get(ir.REPLICA_AXES, {}).get(fqn, ()):
+                    if a not in axes:
+                        axes.append(a)
+        return tuple(axes)
+
     def replica_group(self, fqn: str, rank: int):
         """``fqn``'s replica group for ``rank`` over the WHOLE mesh: the axes its gradient is
         a partial sum over, and the pipeline ranks holding a copy when there are several
@@ -133,11 +147,7 @@ class Program:
 
         holders = sorted({st.rank for st, sp in zip(self.plan.stages, self.stage_programs)
                           if fqn in ir.params(sp.graph)})
-        axes: list[str] = []
-        for st, sp in zip(self.plan.stages, self.stage_programs):
-            for a in sp.distributed_graph.meta.get(ir.REPLICA_AXES, {}).get(fqn, ()):
-                if a not in axes:
-                    axes.append(a)
+        axes = list(self.replica_axes(fqn))
         pp = self.mesh.axis_names.index("pp")
         arr = np.asarray(self.mesh.devices).reshape(self.mesh.shape)
         key = "+".join(axes)

@@ -59,6 +59,7 @@ which the schedules' lowering keeps).
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -186,8 +187,17 @@ class PipelineRunner(TrainingSteps):
                              "lambda params: torch.optim.AdamW(params, lr=...))")
         params = {f: t for f, t in self.state.items() if t.requires_grad}
         groups = {f: program.replica_group(f, self.rank) for f in params}
+        # a gradient already complete on this rank over an axis its group sums over (another
+        # chunk's is partial there: a tied copy) is the same on each rank of that axis; each
+        # adds its share so the group's sum counts it once
+        scale = {}
+        for f in params:
+            mine = program.replica_axes(f, self.pp_rank)
+            n = math.prod(mesh.axis_size(a) for a in program.replica_axes(f) if a not in mine)
+            if n > 1:
+                scale[f] = 1.0 / n
         self.states = ModelStates(params, groups, program.optimizer, s_g=s_g, s_os=s_os,
-                                  bucket_bytes=bucket_bytes)
+                                  bucket_bytes=bucket_bytes, grad_scale=scale)
         # A use through a communication op sends its gradient to the sink per microbatch;
         # direct uses accumulate on the leaf (``.grad``, in place) over every microbatch and
         # chunk, handed to the model states once, with the last (:meth:`_direct`).
@@ -567,11 +577,8 @@ class PipelineRunner(TrainingSteps):
         parameter's copies are one replica group, counted once). Collective."""
         from fxpar.runtime.runner import clip_grad_norm
 
-        replica: dict[str, tuple[str, ...]] = {}
-        for st, sp in zip(self.program.plan.stages, self.program.stage_programs):
-            if st.rank == self.pp_rank:
-                for f, axes in sp.distributed_graph.meta.get(ir.REPLICA_AXES, {}).items():
-                    replica[f] = tuple(dict.fromkeys(replica.get(f, ()) + tuple(axes)))
+        # the axes each gradient's group reduced over (on every chunk, tied copies included)
+        replica = {f: self.program.replica_axes(f) for f in self.specs}
         return clip_grad_norm(self.states, self.specs, self.sub_mesh, replica, max_norm,
                               norm_type, self.device)
 

@@ -317,6 +317,8 @@ class ModelStates:
     group key; groups of one rank keep everything, factors 1). ``param_groups(fqn)`` optionally
     returns optimizer options for a parameter (e.g. ``{"weight_decay": 0.0}``), which become
     param groups. ``reduce_dtype`` reduces gradients in another dtype than the parameters'.
+    ``grad_scale``: a factor per parameter applied to each contribution before it is summed
+    (a pipeline rank whose copy of a tied parameter is complete where its group sums).
 
     Construction is collective over the default process group (all ranks exchange their group
     keys and layouts, check them, then create the subgroups); a bad factor or an inconsistent
@@ -330,13 +332,16 @@ class ModelStates:
                  bucket_bytes: int = 25 * 2**20, *, first_bucket_bytes: int = 2**20,
                  factors: Mapping[str, tuple[int, int]] | None = None,
                  param_groups: Callable[[str], Mapping] | None = None,
-                 reduce_dtype: torch.dtype | None = None) -> None:
+                 reduce_dtype: torch.dtype | None = None,
+                 grad_scale: Mapping[str, float] | None = None) -> None:
         missing = [f for f in params if f not in groups]
         if missing:
             raise FxparError(f"ModelStates: no replica group given for {missing[:5]} "
                              f"(use None for parameters with nothing to reduce)")
         self.bucket_bytes = int(bucket_bytes)
         self.first_bucket_bytes = min(int(first_bucket_bytes), self.bucket_bytes)
+        #: per parameter, a factor on each contribution before it is summed (add_grad)
+        self.grad_scale = dict(grad_scale or {})
         factors = dict(factors or {})
         self._layouts = self._make_layouts(params, groups, s_g, s_os, factors)
         self._params: dict[str, _Param] = {}
@@ -543,8 +548,11 @@ class ModelStates:
             raise FxparError(f"add_grad({fqn!r}): its bucket was already launched")
         if bk.buf is None:
             bk.buf = bk.new_buf()
+        g = grad.detach().reshape(-1)
+        if fqn in self.grad_scale:
+            g = g * self.grad_scale[fqn]
         with torch.no_grad():
-            _add_rows(bk.buf.view(bk.lay.s_g, bk.row), p.off, p.cg, grad.detach().reshape(-1))
+            _add_rows(bk.buf.view(bk.lay.s_g, bk.row), p.off, p.cg, g)
         if p.expected is not None and p.count == p.expected:
             bk.waiting -= 1
             while self._next < len(self._buckets) and self._buckets[self._next].waiting == 0:
