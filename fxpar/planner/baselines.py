@@ -324,6 +324,11 @@ def baseline_pins(kind: str, gm: fx.GraphModule, mesh: Mesh) -> dict[str, Spec]:
             out_dim = node.meta[ir.VAL].ndim - 1
             pins[node.name] = spec(**{a: S0 for a in names[:-1]},
                                    **{tp: f"S({out_dim})" if col[w] else "P(sum)"})
+        # PTD-P computes LayerNorms and bias adds replicated on tp (no sequence parallelism)
+        linear, (batch, other) = {n for n, _ in lin}, _lookups(gm)
+        for node in _batch_param_ops(gm):
+            if node not in linear and node not in batch and node not in other:
+                pins[node.name] = spec(**{a: S0 for a in names[:-1]})
         return pins
     if kind == "axonn":
         if nd < 3:
