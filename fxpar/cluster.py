@@ -322,6 +322,20 @@ class Cluster:
             intra_node_latency=self.inter_node_latency, nodes_per_switch=None,
             inter_switch_bandwidth=None, profile=Profile(), name=f"{self.name} (placement-agnostic)")
 
+    def without_latency(self) -> Cluster:
+        """The cluster with every latency (nominal and calibrated α) at 0: what a collective
+        costs when its start-up is shared with others, as in a gradient bucket
+        (:class:`fxpar.planner.pricing.EdgePricer` prices a bucketed gradient reduction between
+        the two).
+
+        >>> c = Cluster.preset("dgx-a100", nodes=2).without_latency()
+        >>> c.intra_node_latency, c.inter_node_latency
+        (0.0, 0.0)
+        """
+        return dataclasses.replace(
+            self, intra_node_latency=0.0, inter_node_latency=0.0,
+            profile=Profile(tuple(dataclasses.replace(e, latency=0.0) for e in self.profile.entries)))
+
     def describe(self) -> str:
         sw = f", {self.nodes_per_switch} nodes/leaf switch" if self.nodes_per_switch else ""
         return (f"{self.name}: {self.nodes} node(s) × {self.devices_per_node} {self.device_type}"

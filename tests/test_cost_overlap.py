@@ -62,7 +62,9 @@ def test_gradient_reductions_coalesce_into_one_bucket():
     """Data parallelism on an MLP: the four parameter gradients are reduced as ONE all-reduce
     (one bucket, α paid once, as the runtime's model-state manager does), launched when the
     last gradient (fc1's, in the last backward op) is in: exposed in full. Priced by hand
-    with cost.comm on the plan's own group; the plan's per-edge sum pays α four times."""
+    with cost.comm on the plan's own group; the plan's per-edge sum (what the solver
+    minimizes) pays each gradient's bandwidth and its byte share of a 25 MiB bucket's α, so
+    it lies between the latency-free reductions and the one bucket."""
     from examples.models import MLP
     from fxpar.cost.comm import collective_time
 
@@ -74,7 +76,8 @@ def test_gradient_reductions_coalesce_into_one_bucket():
     r = p.overlap()
     assert r.exposed == pytest.approx(bucket, rel=1e-9)
     assert r.step == pytest.approx(p.compute + bucket, rel=1e-9)
-    assert bucket < p.comm
+    free = sum(collective_time("all_reduce", st.nbytes, (0, 1), cl.without_latency()) for st in steps)
+    assert free < p.comm < bucket
     # buckets of one parameter each: every reduction but the last runs under backward compute
     small = p.overlap(bucket_bytes=1)
     assert small.hidden > 0 and small.exposed < p.comm

@@ -10,6 +10,8 @@ product over axes.
 
 from __future__ import annotations
 
+import math
+
 import itertools
 import subprocess
 import sys
@@ -276,6 +278,7 @@ def _pairwise_reference(bp, max_pairs=None):
     from fxpar.reshard import reshard_plan
 
     mesh, nodes, strats = bp.mesh, bp.nodes, bp.strategies
+    free = fxpar.Mesh.from_devices(mesh.cluster.without_latency(), mesh.axis_names, mesh.array)
     rng = random.Random(0)
     edges = []
     for i, j, p, o, needs_grad in bp.edge_info:
@@ -296,8 +299,14 @@ def _pairwise_reference(bp, max_pairs=None):
             ft = reshard_plan(src, dst, mesh, tm.shape, tm.dtype).time
             t = ft
             if needs_grad:
-                t += reshard_plan(grad_in_spec(sl, p), grad_out_spec(src), mesh, tm.shape,
+                bt = reshard_plan(grad_in_spec(sl, p), grad_out_spec(src), mesh, tm.shape,
                                   tm.dtype).time
+                if is_param:  # bucketed: the bandwidth, and the latency times its bucket share
+                    b0 = reshard_plan(grad_in_spec(sl, p), grad_out_spec(src), free, tm.shape,
+                                      tm.dtype).time
+                    share = min(1.0, math.prod(tm.shape) * tm.dtype.itemsize / (25 * 2**20))
+                    bt = b0 + (bt - b0) * share
+                t += bt
                 if is_param:
                     t += ft
             R[k, l] = t

@@ -33,6 +33,7 @@ the same inputs give the same plan in any process.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import time
 from collections import defaultdict
@@ -50,8 +51,9 @@ from fxpar.ir import grad_flags
 from fxpar.layers import layer_of, repeated_copies
 from fxpar.plan_data import EdgePlan, NodePlan, Plan, StepCost
 from fxpar.planner.pins import match_pins, squeeze, unsqueeze
-from fxpar.planner.pricing import (EdgePricer, compute_times, finalize_spec, node_key,
-                                   node_memory, output_meta)
+from fxpar.planner.pricing import (EdgePricer, bucket_share, bucketed_time, compute_times,
+                                   finalize_spec, latency_free, node_key, node_memory,
+                                   output_meta)
 from fxpar.reshard import LOCAL_KINDS, reshard_costs, reshard_plan
 from fxpar.solver import Solution, StrategyProblem, solve
 from fxpar.spec import Spec, grad_in_spec, grad_out_spec
@@ -389,12 +391,25 @@ def solution_to_plan(bp: BuiltProblem, choice: Sequence[int], *, kind: str = "au
                                 tuple(str(x) for x in shown.outputs))
         return t
 
-    def rplan(src, dst, tm):
-        key = (src, dst, tuple(tm.shape), tm.dtype)
+    def rplan(src, dst, tm, on=mesh):
+        key = (src, dst, tuple(tm.shape), tm.dtype, on is mesh)
         got = plans.get(key)
         if got is None:
-            got = plans[key] = reshard_plan(src, dst, mesh, tm.shape, tm.dtype)
+            got = plans[key] = reshard_plan(src, dst, on, tm.shape, tm.dtype)
         return got
+
+    free = None
+
+    def bucketed(g, go, tm) -> tuple[StepCost, ...]:
+        # a parameter gradient's reduction, priced as the solver priced it (bucketed_time):
+        # its steps scaled to the bandwidth plus its share of the latency
+        nonlocal free
+        bpn = rplan(g, go, tm)
+        if not bpn.time:
+            return _steps(bpn)
+        free = free or latency_free(mesh)
+        t = bucketed_time(bpn.time, rplan(g, go, tm, free).time, bucket_share(tm.shape, tm.dtype))
+        return tuple(dataclasses.replace(s, time=s.time * t / bpn.time) for s in _steps(bpn))
 
     nps = []
     for i, n in enumerate(nodes):
@@ -420,10 +435,12 @@ def solution_to_plan(bp: BuiltProblem, choice: Sequence[int], *, kind: str = "au
             eps.append(EdgePlan(nodes[i].name, nodes[j].name, "fwd", sstr(src), sstr(dst), _steps(fp), lay))
         if needs_grad:
             g, go = grad_in_spec(sl, p), grad_out_spec(src)
-            bpn = rplan(g, go, tm)
-            steps = _steps(bpn)
-            if ir.PARAM in nodes[i].meta and fp.steps:
-                steps = _steps(fp) + steps  # re-gather of the parameter for backward
+            if ir.PARAM in nodes[i].meta:
+                steps = bucketed(g, go, tm)
+                if fp.steps:
+                    steps = _steps(fp) + steps  # re-gather of the parameter for backward
+            else:
+                steps = _steps(rplan(g, go, tm))
             if steps:
                 eps.append(EdgePlan(nodes[i].name, nodes[j].name, "bwd", sstr(g), sstr(go), steps, lay))
     for i, o, pin in bp.outputs:

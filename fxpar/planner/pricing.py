@@ -17,7 +17,13 @@ inputs); :mod:`fxpar.planner.intra_op` calls them for every node and edge.
 
   with the gradient layout rules :func:`fxpar.spec.grad_in_spec` / :func:`fxpar.spec.grad_out_spec`.
   So a parameter stored ``R`` on a ``dp`` axis whose consumer shards the batch on ``dp`` gets
-  a ``P(sum) → R`` all-reduce of its gradient (data-parallel gradient sync), and a parameter
+  a ``P(sum) → R`` all-reduce of its gradient (data-parallel gradient sync). The runtime
+  reduces parameter gradients in buckets of :data:`GRAD_BUCKET_BYTES`, so a gradient pays the
+  bandwidth of its reduction and only its share of a bucket's latency
+  (:func:`bucketed_time`): ``t₀ + (t − t₀)·min(1, bytes / GRAD_BUCKET_BYTES)`` with ``t₀`` the
+  same reduction on :meth:`fxpar.Cluster.without_latency` (a LayerNorm weight does not cost
+  a whole all-reduce's latency, which would make replicating its compute look cheaper than
+  data parallelism). A parameter
   stored ``S(0)`` everywhere but consumed ``R`` (ZeRO-3) pays an all-gather forward, the
   all-gather again in backward (the gathered copy is not kept: memory counts the storage
   only) and a reduce-scatter of the gradient. Several consumers of one value each pay their
@@ -56,6 +62,7 @@ from fxpar import ir
 from fxpar.cost.compute import TensorArg, is_view, op_cost, op_time
 from fxpar.cost.memory import model_state_bytes
 from fxpar.cost.reshard import max_local_shape
+from fxpar.mesh import Mesh
 from fxpar.reshard import reshard_cost_table
 from fxpar.spec import Spec, grad_in_spec, grad_out_spec
 from fxpar.strategies.base import Strategy
@@ -167,6 +174,37 @@ def node_key(node: fx.Node, flags) -> tuple | None:
             ir.INPUT in node.meta, ir.PARAM in node.meta)
 
 
+#: Bytes of one gradient-reduction bucket: :class:`fxpar.runtime.model_state.ModelStates`'
+#: default (DDP's 25 MiB); a test keeps the two equal.
+GRAD_BUCKET_BYTES = 25 * 2**20
+
+
+def bucket_share(shape, dtype) -> float:
+    """The fraction of a bucket's latency a parameter gradient of ``shape``/``dtype`` pays:
+    ``min(1, bytes / GRAD_BUCKET_BYTES)`` (its global bytes: an upper bound of its shard's).
+
+    >>> bucket_share((1024,), torch.float32), bucket_share((8192, 8192), torch.float32)
+    (0.00015625, 1.0)
+    """
+    nbytes = math.prod(int(x) for x in shape) * torch.empty((), dtype=dtype).element_size()
+    return min(1.0, nbytes / GRAD_BUCKET_BYTES)
+
+
+def bucketed_time(t: float, t0: float, share: float) -> float:
+    """A bucketed gradient reduction: bandwidth ``t0`` (the latency-free time) plus ``share``
+    of the latency ``t − t0``.
+
+    >>> bucketed_time(5e-3, 1e-3, 0.25)        # 1 ms of bandwidth + a quarter of 4 ms latency
+    0.002
+    """
+    return t0 + (t - t0) * share
+
+
+def latency_free(mesh):
+    """``mesh`` on :meth:`fxpar.Cluster.without_latency` (same axes and devices)."""
+    return Mesh.from_devices(mesh.cluster.without_latency(), mesh.axis_names, mesh.array)
+
+
 def finalize_spec(spec: Spec, pinned: Spec | None) -> Spec:
     """Layout a graph output of layout ``spec`` is returned in: the output pin, else
     ``spec`` without partial axes (``P→R``)."""
@@ -186,7 +224,8 @@ class EdgePricer:
     sum as the pairwise formula ``ft + bt + ft`` (same order of additions).
 
     ``grad_steps``: backward passes per optimizer step (a pipeline chunk's microbatches); a
-    parameter's gradient reshard is paid once per step, so its ``bt`` counts ``1/grad_steps``.
+    parameter's gradient reshard is paid once per step, so its ``bt`` counts ``1/grad_steps``;
+    it is bucketed (:func:`bucketed_time`).
     """
 
     def __init__(self, mesh, grad_steps: int = 1):
@@ -199,6 +238,7 @@ class EdgePricer:
         self._dst: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._keep: list = []                 # keeps the strategy lists alive (ids above)
         self._mats: dict[tuple, np.ndarray | None] = {}
+        self._free = None                     # the latency-free mesh, made when first needed
 
     def _id(self, spec: Spec) -> int:
         i = self._ids.get(spec)
@@ -236,10 +276,10 @@ class EdgePricer:
             got = self._dst[key] = (np.array(dst, np.int64), np.array(gin, np.int64))
         return got
 
-    def _table(self, srcs: np.ndarray, dsts: np.ndarray, shape, dtype) -> np.ndarray:
+    def _table(self, srcs: np.ndarray, dsts: np.ndarray, shape, dtype, mesh=None) -> np.ndarray:
         """``T[a, b]`` = reshard time from spec id ``srcs[a]`` to spec id ``dsts[b]``."""
         return reshard_cost_table([self._specs[s] for s in srcs], [self._specs[d] for d in dsts],
-                                  self.mesh, shape, dtype)
+                                  mesh or self.mesh, shape, dtype)
 
     def matrix(self, si: list[Strategy], o: int, sj: list[Strategy], p: int, shape, dtype,
                needs_grad: bool, is_param: bool) -> np.ndarray | None:
@@ -262,8 +302,13 @@ class EdgePricer:
                 go = np.array([self._gout_id(int(x)) for x in us], np.int64)
                 ugo, gk = np.unique(go, return_inverse=True)
                 B = self._table(ug, ugo, shape, dtype)          # [gin, grad_out]
-                if is_param and self.grad_steps > 1:
-                    B = B / self.grad_steps
+                if is_param:  # reduced in buckets, once per step
+                    if self._free is None:
+                        self._free = latency_free(self.mesh)
+                    B0 = self._table(ug, ugo, shape, dtype, self._free)
+                    B = bucketed_time(B, B0, bucket_share(shape, dtype))
+                    if self.grad_steps > 1:
+                        B = B / self.grad_steps
                 Rs = F + B[np.ix_(gj, gk[si_])].T
                 if is_param:
                     Rs = Rs + F
