@@ -16,6 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fxpar
+
 TOL = dict(rtol=1e-4, atol=2e-5)
 
 
@@ -150,7 +152,18 @@ def test_pipeline_2_ranks(pools, name, schedule, m):
 
 @pytest.mark.timeout(300)
 def test_clip_grad_norm_with_tied_embeddings(pools):
-    """GPT-2's tied embedding lives on both stages: the total norm counts it once."""
+    """GPT-2's tied embedding lives on both stages: the total norm counts it once. In this
+    plan the first stage looks it up replicated (its gradient complete on each dp rank) and
+    the LM head's gradient is partial over dp: the tied group sums over dp and both stages,
+    so the first stage's ranks add half each (checked: gradients and norm equal one
+    process's)."""
+    model, inputs, kwargs, _, _ = _build("gpt2", 4)
+    prog = fxpar.compile(model, fxpar.Cluster.local(4), inputs, kwargs, mesh={"pp": 2, "dp": 2},
+                         plan="auto", schedule="1f1b", microbatches=2, time_limit=20,
+                         optimizer=lambda ps: torch.optim.AdamW(ps))
+    wte = "transformer.wte.weight"
+    assert (prog.replica_axes(wte, 0), prog.replica_axes(wte, 1), prog.replica_axes(wte)) \
+        == ((), ("dp",), ("dp",))
     _check(pools(4).run(run_pipeline, "gpt2", {"pp": 2, "dp": 2}, "1f1b", 2, 1, None, "auto",
                         3, "auto", 1, 1, 0.05))
 
