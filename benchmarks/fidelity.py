@@ -296,9 +296,10 @@ def analyze(rows: dict) -> dict:
     autos = [lab for lab in good if rows[lab]["kind"] == "auto"]
     if good:
         fastest = min(good, key=lambda x: rows[x]["measured_ms"])
-        best_auto = min(autos, key=lambda x: rows[x]["pred_cal_ms"]) if autos else None
+        best_auto = min(autos, key=lambda x: (rows[x]["pred_overlap_ms"], rows[x]["pred_cal_ms"])) if autos else None
         summary["fastest_measured"] = fastest
-        summary["auto_choice"] = best_auto  # the auto mesh the calibrated model itself prefers
+        # the auto mesh fxpar.plan itself would keep (it ranks meshes by the overlapped step)
+        summary["auto_choice"] = best_auto
         if best_auto:
             summary["auto_over_fastest"] = rows[best_auto]["measured_ms"] / rows[fastest]["measured_ms"]
             summary["auto_within_noise_of_fastest"] = summary["auto_over_fastest"] <= 1 + summary["noise_range"]
