@@ -102,6 +102,9 @@ class ComputeProfile:
       exponentials, logs and reductions run far below the GEMM rate on a CPU (a log-softmax
       reaches ~1/10 of it), so pricing them at the GEMM peak undercounts norms, softmax and
       losses. Empty (a profile saved before it existed): non-GEMM FLOPs at the GEMM peak;
+    * ``optimizer``: ``(per_tensor, per_element)`` seconds of a ``torch.optim.AdamW`` step
+      (its defaults: on a CPU one tensor at a time) over a parameter of ``n`` elements,
+      ``per_tensor + per_element·n``; empty: the step is not priced;
     * ``op_overhead``: seconds per forward op beyond its kernel (dispatch + autograd record,
       a 1-element op on a tensor that requires grad); ``bwd_op_overhead``: seconds per
       backward node (autograd engine + the gradient kernel's dispatch);
@@ -124,8 +127,14 @@ class ComputeProfile:
     dispatch: float = 0.0
     ranks: int = 1
     vector: tuple[tuple[float, float], ...] = ()
+    optimizer: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        opt = tuple(float(x) for x in self.optimizer)
+        if opt and (len(opt) != 2 or not all(x >= 0 and math.isfinite(x) for x in opt)):
+            raise ClusterError(f"ComputeProfile.optimizer needs (per_tensor, per_element) seconds "
+                               f">= 0, got {self.optimizer!r}")
+        object.__setattr__(self, "optimizer", opt)
         for name in ("gemm", "memory", "vector"):
             pts = tuple(sorted((float(w), float(r)) for w, r in getattr(self, name)))
             if (not pts and name != "vector") or not all(w > 0 and r > 0 and math.isfinite(w) and math.isfinite(r)
@@ -152,7 +161,8 @@ class ComputeProfile:
     def to_dict(self) -> dict:
         return dict(gemm=[list(p) for p in self.gemm], memory=[list(p) for p in self.memory],
                     op_overhead=self.op_overhead, bwd_op_overhead=self.bwd_op_overhead,
-                    dispatch=self.dispatch, ranks=self.ranks, vector=[list(p) for p in self.vector])
+                    dispatch=self.dispatch, ranks=self.ranks, vector=[list(p) for p in self.vector],
+                    optimizer=list(self.optimizer))
 
     @classmethod
     def from_dict(cls, d: dict) -> ComputeProfile:
@@ -161,7 +171,8 @@ class ComputeProfile:
                        memory=tuple(tuple(p) for p in d["memory"]),
                        op_overhead=d["op_overhead"], bwd_op_overhead=d["bwd_op_overhead"],
                        dispatch=d.get("dispatch", 0.0), ranks=int(d.get("ranks", 1)),
-                       vector=tuple(tuple(p) for p in d.get("vector", ())))
+                       vector=tuple(tuple(p) for p in d.get("vector", ())),
+                       optimizer=tuple(d.get("optimizer", ())))
         except (KeyError, TypeError, ValueError) as e:
             raise ClusterError(f"bad compute profile in cluster JSON: {type(e).__name__}: {e}") from e
 
@@ -405,8 +416,9 @@ class Cluster:
         a float32 GEMM ``n×n @ n×n`` per ``n`` in ``gemm_sizes`` (``2n³`` FLOPs), an
         elementwise add of two tensors of each of ``memory_sizes`` bytes (three times that
         moved), a 1-element op without autograd (the dispatch) and a chain of 1-element ops
-        that require grad, forward then backward (per-op overheads), and a row log-softmax of
-        each of ``memory_sizes`` bytes (non-GEMM arithmetic, ``vector``). Each is repeated until
+        that require grad, forward then backward (per-op overheads), a row log-softmax of
+        each of ``memory_sizes`` bytes (non-GEMM arithmetic, ``vector``) and an AdamW step
+        over one tensor of 2¹⁸ elements and over 32 of 64 (``optimizer``). Each is repeated until
         one run lasts ``min_time`` (the same count on every rank; longer than a scheduler
         time slice, so ranks that share a core are measured sharing it rather than taking
         turns); per run the slowest rank's
@@ -647,7 +659,24 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
         a = torch.randn(n // 512, 512, device=device)
         vec_t.append(_concurrent_times(loop(lambda: torch.log_softmax(a, -1)), iters, group,
                                        min_time, sync)[0])
+    # the optimizer step: AdamW over one large tensor, then over many small ones, solved for
+    # t = per_tensor + per_element·n
+    big, small, k = 2**18, 64, 32
+
+    def adamw(shapes):
+        ps = [torch.zeros(sh, device=device, requires_grad=True) for sh in shapes]
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW(ps)
+        opt.step()  # the states exist
+        return loop(opt.step)
+
+    t_big = _concurrent_times(adamw([(big,)]), iters, group, min_time, sync)[0]
+    t_small = _concurrent_times(adamw([(small,)] * k), iters, group, min_time, sync)[0] / k
+    per_element = max(t_big - t_small, 0.0) / (big - small)
+    per_tensor = max(t_small - per_element * small, 0.0)
     return ComputeProfile(
+        optimizer=(per_tensor, per_element),
         gemm=rate_points([2.0 * n ** 3 for n in gemm_sizes], gemm_t, dispatch),
         memory=rate_points([3.0 * max(1, nb // 4) * 4 for nb in memory_sizes], mem_t, dispatch),
         vector=rate_points([5.0 * n for n in vec_n], vec_t, dispatch),

@@ -273,7 +273,11 @@ class Plan:
           (backward prefetch; ``prefetch=0``: when needed); parameter gradients are reduced in
           buckets of ``bucket_bytes`` (the first of each kind and axis ``first_bucket_bytes``,
           as :class:`fxpar.runtime.model_state.ModelStates` makes them) in the order they
-          arrive, each launched when its last gradient is in, all waited at the end of the step.
+          arrive, each launched when its last gradient is in, all waited at the end of the step;
+        * then the optimizer step, on a cluster whose compute profile prices it
+          (:attr:`fxpar.cluster.ComputeProfile.optimizer`): ``per_tensor + per_element·n`` per
+          parameter of ``n`` local elements (its state bytes over the optimizer's per-element
+          bytes, divided by ``s_os`` where the plan shards optimizer states).
 
         Coalesced collectives are priced again as one (``steps·α`` once) on the plan's cluster.
         Returns a :class:`fxpar.cost.overlap.Overlap` (``step``, ``exposed``, ``hidden``)."""
@@ -289,7 +293,8 @@ class Plan:
         F = len(ops)
         fi = {n.name: i for i, n in enumerate(ops)}
         bi = {n.name: 2 * F - 1 - i for i, n in enumerate(ops)}  # backward runs them in reverse
-        compute = [n.fwd_time for n in ops] + [n.bwd_time for n in reversed(ops)]
+        compute = [n.fwd_time for n in ops] + [n.bwd_time for n in reversed(ops)] \
+            + [self._optimizer_time()]
         edges = [e for e in self.edges if e.consumer in fi]
         first: dict[str, int] = {}  # gather unit (consumer's layer) -> its first use
         for e in edges:
@@ -345,6 +350,22 @@ class Plan:
         for (kind, axis), (ready, steps, _) in open_.items():
             comms.append(Comm(price(kind, axis, steps), ready + 1, 2 * F))
         return overlap(compute, comms)
+
+    def _optimizer_time(self) -> float:
+        """Seconds of the optimizer step (:meth:`overlap`), 0 without a measured price."""
+        from fxpar.cost.memory import model_state_bytes
+
+        prof = (self.mesh.get("cluster") or {}).get("compute") or {}
+        if not prof.get("optimizer"):
+            return 0.0
+        per_tensor, per_element = prof["optimizer"]
+        per_param = model_state_bytes(1, optimizer=self.options.get("optimizer", "adam"),
+                                      precision=self.options.get("precision", "mixed")).total
+        s_os = (self.schedule.get("state") or {}).get("s_os", 1)
+        # parameters are the placeholders torch.export names p_<fqn>; their memory is their
+        # model states (fxpar.planner.pricing.node_memory)
+        return sum(per_tensor + per_element * n.memory / per_param / s_os
+                   for n in self.nodes if n.op == "placeholder" and n.name.startswith("p_"))
 
     def _pricer(self):
         """``price(kind, axis, steps)``: seconds of ``steps`` coalesced into one collective on

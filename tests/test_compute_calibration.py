@@ -151,6 +151,9 @@ def test_calibrate_measures_compute_on_two_ranks(pools):
     assert [w for w, _ in p.vector] == [5.0 * 512, 5.0 * 4096, 5.0 * 2**18]
     # on a CPU it runs well below the GEMM rate of a 128³ GEMM
     assert all(math.isfinite(r) and 1e6 < r < rates[-1] for _, r in p.vector), (p.vector, rates)
+    # an AdamW step: a positive price per element, a finite one per tensor
+    per_tensor, per_element = p.optimizer
+    assert 0 < per_element < 1e-6 and 0 <= per_tensor < 1e-3, p.optimizer
     assert 0 < p.dispatch < 1e-3 and 0 < p.op_overhead < 1e-3 and 0 < p.bwd_op_overhead < 1e-3
     assert c.peak_flops == max(rates) and c.memory_bandwidth == p.memory[-1][1]
     assert Cluster.from_json(c.to_json()) == c
