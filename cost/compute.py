@@ -839,7 +839,7 @@ def roofline_time(flops: float, nbytes: float, cluster, efficiency: float = 0.5,
 
 
 def calibrated_time(flops: float, nbytes: float, profile, *, gemm: bool = True,
-                    gemm_size: float | None = None) -> float:
+                    gemm_size: float | None = None, rates=None) -> float:
     """Kernel seconds from a measured :class:`fxpar.cluster.ComputeProfile`:
     ``max(flops / R_gemm(size), bytes / R_mem(bytes))`` (no per-op overhead; see :func:`op_time`).
 
@@ -849,6 +849,8 @@ def calibrated_time(flops: float, nbytes: float, profile, *, gemm: bool = True,
     Non-GEMM work (``gemm=False``: pointwise, norms, softmax, reductions) is priced at the
     measured non-GEMM rate ``R_vec(flops)`` (``profile.vector``: a log-softmax's FLOP/s), or at
     the fastest GEMM rate for a profile without one (then such ops are bound by their bytes).
+    ``rates``: another measured ``((size, FLOP/s), ...)`` curve for the FLOPs, looked up like
+    the GEMM's (fused attention: ``profile.attention``).
 
     >>> from fxpar.cluster import ComputeProfile
     >>> p = ComputeProfile(gemm=((1e3, 1e9), (1e7, 1e11)), memory=((1e3, 1e9), (1e9, 1e10)),
@@ -870,7 +872,9 @@ def calibrated_time(flops: float, nbytes: float, profile, *, gemm: bool = True,
         return 0.0
     t_f = 0.0
     if flops > 0:
-        rate = (interp_loglog(profile.gemm, gemm_size if gemm_size else flops) if gemm
+        size = gemm_size if gemm_size else flops
+        rate = (interp_loglog(rates, size) if rates
+                else interp_loglog(profile.gemm, size) if gemm
                 else interp_loglog(profile.vector, flops) if profile.vector
                 else profile.peak_flops)
         t_f = flops / rate
@@ -890,7 +894,8 @@ def op_time(cost: OpCost, cluster, efficiency: float = 0.5, memory_efficiency: f
                 (t_bwd = 0 when the op has no backward work)
 
     A backward GEMM is looked up at the forward GEMM's size: each gradient GEMM of a matmul
-    has the forward's ``M·K·N``. Every op pays ``op_overhead`` forward (views too: they are
+    has the forward's ``M·K·N``. Fused attention uses the measured ``attention`` curve where
+    the profile has one. Every op pays ``op_overhead`` forward (views too: they are
     dispatched like any op).
 
     >>> from fxpar import Cluster
@@ -910,8 +915,10 @@ def op_time(cost: OpCost, cluster, efficiency: float = 0.5, memory_efficiency: f
                 roofline_time(cost.bwd_flops, cost.bwd_bytes, cluster, efficiency, memory_efficiency))
     gemm = cost.kind in GEMM_KINDS
     size = cost.fwd_flops if cost.fwd_flops > 0 else None
-    f = calibrated_time(cost.fwd_flops, cost.fwd_bytes, prof, gemm=gemm, gemm_size=size) + prof.op_overhead
+    rates = getattr(prof, "attention", ()) if cost.kind == "attention" else None
+    f = calibrated_time(cost.fwd_flops, cost.fwd_bytes, prof, gemm=gemm, gemm_size=size,
+                        rates=rates) + prof.op_overhead
     if cost.bwd_flops <= 0 and cost.bwd_bytes <= 0:
         return f, 0.0
-    b = calibrated_time(cost.bwd_flops, cost.bwd_bytes, prof, gemm=gemm, gemm_size=size)
+    b = calibrated_time(cost.bwd_flops, cost.bwd_bytes, prof, gemm=gemm, gemm_size=size, rates=rates)
     return f, b + prof.bwd_op_overhead

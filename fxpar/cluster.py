@@ -98,10 +98,15 @@ class ComputeProfile:
     * ``memory``: ``((bytes, rate), ...)``: bytes/s of an elementwise add moving ``bytes``
       (two reads and one write), kernel only;
     * ``vector``: ``((flops, rate), ...)``: FLOP/s of non-GEMM arithmetic as the cost rules
-      count it, from a row log-softmax (``5·numel`` FLOPs, :func:`fxpar.cost.compute.softmax_cost`):
+      count it, from a row log-softmax forward and backward (``(5 + 4)·numel`` FLOPs,
+      :func:`fxpar.cost.compute.softmax_cost`):
       exponentials, logs and reductions run far below the GEMM rate on a CPU (a log-softmax
       reaches ~1/10 of it), so pricing them at the GEMM peak undercounts norms, softmax and
       losses. Empty (a profile saved before it existed): non-GEMM FLOPs at the GEMM peak;
+    * ``attention``: ``((forward flops, rate), ...)``: FLOP/s of fused attention (SDPA,
+      causal) forward + backward as :func:`fxpar.cost.compute.sdpa_cost` counts them, by the
+      forward's FLOPs; on a CPU it runs well below a GEMM of the same FLOPs. Empty: the GEMM
+      curve;
     * ``optimizer``: ``(per_tensor, per_element)`` seconds of a ``torch.optim.AdamW`` step
       (its defaults: on a CPU one tensor at a time) over a parameter of ``n`` elements,
       ``per_tensor + per_element·n``; empty: the step is not priced;
@@ -128,6 +133,7 @@ class ComputeProfile:
     ranks: int = 1
     vector: tuple[tuple[float, float], ...] = ()
     optimizer: tuple[float, ...] = ()
+    attention: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         opt = tuple(float(x) for x in self.optimizer)
@@ -135,9 +141,9 @@ class ComputeProfile:
             raise ClusterError(f"ComputeProfile.optimizer needs (per_tensor, per_element) seconds "
                                f">= 0, got {self.optimizer!r}")
         object.__setattr__(self, "optimizer", opt)
-        for name in ("gemm", "memory", "vector"):
+        for name in ("gemm", "memory", "vector", "attention"):
             pts = tuple(sorted((float(w), float(r)) for w, r in getattr(self, name)))
-            if (not pts and name != "vector") or not all(w > 0 and r > 0 and math.isfinite(w) and math.isfinite(r)
+            if (not pts and name in ("gemm", "memory")) or not all(w > 0 and r > 0 and math.isfinite(w) and math.isfinite(r)
                                   for w, r in pts):
                 raise ClusterError(f"ComputeProfile.{name} needs positive finite (size, rate) "
                                    f"points, got {getattr(self, name)!r}")
@@ -162,7 +168,7 @@ class ComputeProfile:
         return dict(gemm=[list(p) for p in self.gemm], memory=[list(p) for p in self.memory],
                     op_overhead=self.op_overhead, bwd_op_overhead=self.bwd_op_overhead,
                     dispatch=self.dispatch, ranks=self.ranks, vector=[list(p) for p in self.vector],
-                    optimizer=list(self.optimizer))
+                    optimizer=list(self.optimizer), attention=[list(p) for p in self.attention])
 
     @classmethod
     def from_dict(cls, d: dict) -> ComputeProfile:
@@ -172,7 +178,8 @@ class ComputeProfile:
                        op_overhead=d["op_overhead"], bwd_op_overhead=d["bwd_op_overhead"],
                        dispatch=d.get("dispatch", 0.0), ranks=int(d.get("ranks", 1)),
                        vector=tuple(tuple(p) for p in d.get("vector", ())),
-                       optimizer=tuple(d.get("optimizer", ())))
+                       optimizer=tuple(d.get("optimizer", ())),
+                       attention=tuple(tuple(p) for p in d.get("attention", ())))
         except (KeyError, TypeError, ValueError) as e:
             raise ClusterError(f"bad compute profile in cluster JSON: {type(e).__name__}: {e}") from e
 
@@ -417,7 +424,8 @@ class Cluster:
         elementwise add of two tensors of each of ``memory_sizes`` bytes (three times that
         moved), a 1-element op without autograd (the dispatch) and a chain of 1-element ops
         that require grad, forward then backward (per-op overheads), a row log-softmax of
-        each of ``memory_sizes`` bytes (non-GEMM arithmetic, ``vector``) and an AdamW step
+        each of ``memory_sizes`` bytes (non-GEMM arithmetic, ``vector``), causal SDPA forward
+        and backward at two shapes (``attention``) and an AdamW step
         over one tensor of 2¹⁸ elements and over 32 of 64 (``optimizer``). Each is repeated until
         one run lasts ``min_time`` (the same count on every rank; longer than a scheduler
         time slice, so ranks that share a core are measured sharing it rather than taking
@@ -652,13 +660,27 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
         b = torch.randn_like(a)
         mem_t.append(_concurrent_times(loop(lambda: torch.add(a, b)), iters, group, min_time, sync)[0])
     # non-GEMM arithmetic: a log-softmax over rows of 512 (a loss over a vocabulary shard, an
-    # attention row), counted as its cost rule counts it (5 FLOPs per element)
+    # attention row), forward and backward, counted as its cost rule counts them (5 + 4 FLOPs
+    # per element: the backward is as slow as the forward, though it counts fewer)
     vec_n = [max(512, nbytes // 4 // 512 * 512) for nbytes in memory_sizes]
     vec_t = []
     for n in vec_n:
         a = torch.randn(n // 512, 512, device=device)
-        vec_t.append(_concurrent_times(loop(lambda: torch.log_softmax(a, -1)), iters, group,
-                                       min_time, sync)[0])
+        y = torch.log_softmax(a, -1)
+
+        def fwd_bwd(a=a, y=y):  # the two kernels autograd runs, without the engine
+            torch.log_softmax(a, -1)
+            torch.ops.aten._log_softmax_backward_data(y, y, -1, a.dtype)
+        vec_t.append(_concurrent_times(loop(fwd_bwd), iters, group, min_time, sync)[0])
+    # fused causal attention, forward and backward (heads x length x head dim)
+    att_shapes, att_t = ((8, 64, 32), (8, 256, 64)), []
+    for bh, L, E in att_shapes:
+        q, k, v = (torch.randn(bh, L, E, device=device, requires_grad=True) for _ in range(3))
+        go = torch.ones(bh, L, E, device=device)
+
+        def att(q=q, k=k, v=v, go=go):
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(go)
+        att_t.append(_concurrent_times(loop(att), iters, group, min_time, sync)[0])
     # the optimizer step: AdamW over one large tensor, then over many small ones, solved for
     # t = per_tensor + per_element·n
     big, small, k = 2**18, 64, 32
@@ -675,10 +697,12 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
     t_small = _concurrent_times(adamw([(small,)] * k), iters, group, min_time, sync)[0] / k
     per_element = max(t_big - t_small, 0.0) / (big - small)
     per_tensor = max(t_small - per_element * small, 0.0)
+    fwd = [4.0 * bh * L * L * E for bh, L, E in att_shapes]   # sdpa_cost: QKᵀ and PV
     return ComputeProfile(
         optimizer=(per_tensor, per_element),
+        attention=tuple((f, 3.0 * f / t) for f, t in zip(fwd, att_t)),  # backward 2x forward
         gemm=rate_points([2.0 * n ** 3 for n in gemm_sizes], gemm_t, dispatch),
         memory=rate_points([3.0 * max(1, nb // 4) * 4 for nb in memory_sizes], mem_t, dispatch),
-        vector=rate_points([5.0 * n for n in vec_n], vec_t, dispatch),
+        vector=rate_points([9.0 * n for n in vec_n], vec_t, 2 * dispatch),
         op_overhead=max(fwd_over, 0.0), bwd_op_overhead=max(bwd_over, 0.0), dispatch=dispatch,
         ranks=dist.get_world_size(group))

@@ -4,6 +4,7 @@ measured :class:`ComputeProfile` in the cluster JSON, ``op_time`` on a calibrate
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -72,6 +73,19 @@ def test_non_gemm_flops_at_the_measured_vector_rate():
     d = json.loads(c.to_json())
     del d["compute"]["vector"]
     assert Cluster.from_dict(d).compute.vector == ()
+
+
+def test_attention_at_its_measured_rate():
+    # SDPA FLOPs at the attention curve, looked up at the forward's FLOPs (both directions)
+    att = ComputeProfile(gemm=PROF.gemm, memory=PROF.memory, op_overhead=0.0, bwd_op_overhead=0.0,
+                         attention=((1e6, 1e9),))
+    cost = OpCost(2e6, 4e6, 0.0, 0.0, "attention")
+    f, b = op_time(cost, Cluster.local(2, compute=att))
+    assert (f, b) == (pytest.approx(2e6 / 1e9), pytest.approx(4e6 / 1e9))
+    # without the curve: the GEMM rate at 2e6 FLOPs (log-midpoint of 2e5 and 2e7: 2e10)
+    f0, _ = op_time(cost, Cluster.local(2, compute=dataclasses.replace(att, attention=())))
+    assert f0 == pytest.approx(2e6 / 2e10)
+    assert Cluster.from_json(Cluster.local(2, compute=att).to_json()).compute == att
 
 
 def test_op_time_on_calibrated_cluster():
@@ -147,10 +161,14 @@ def test_calibrate_measures_compute_on_two_ranks(pools):
     # a 128³ GEMM runs well above the rate of an 8³ one (launch-bound): the curve rises
     assert rates[-1] > 2 * rates[0], rates
     assert all(math.isfinite(r) and 1e6 < r < 1e13 for _, r in p.memory), p.memory
-    # a log-softmax per memory size, counted at 5 FLOPs per element of rows of 512 (at least one)
-    assert [w for w, _ in p.vector] == [5.0 * 512, 5.0 * 4096, 5.0 * 2**18]
+    # a log-softmax forward + backward per memory size, counted at 5 + 4 FLOPs per element of
+    # rows of 512 (at least one)
+    assert [w for w, _ in p.vector] == [9.0 * 512, 9.0 * 4096, 9.0 * 2**18]
     # on a CPU it runs well below the GEMM rate of a 128³ GEMM
     assert all(math.isfinite(r) and 1e6 < r < rates[-1] for _, r in p.vector), (p.vector, rates)
+    # causal SDPA forward + backward at two shapes, keyed by the forward's FLOPs (4·BH·L²·E)
+    assert [w for w, _ in p.attention] == [4.0 * 8 * 64 * 64 * 32, 4.0 * 8 * 256 * 256 * 64]
+    assert all(math.isfinite(r) and 1e6 < r < 1e13 for _, r in p.attention), p.attention
     # an AdamW step: a positive price per element, a finite one per tensor
     per_tensor, per_element = p.optimizer
     assert 0 < per_element < 1e-6 and 0 <= per_tensor < 1e-3, p.optimizer
