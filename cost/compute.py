@@ -915,7 +915,7 @@ def op_time(cost: OpCost, cluster, efficiency: float = 0.5, memory_efficiency: f
                 roofline_time(cost.bwd_flops, cost.bwd_bytes, cluster, efficiency, memory_efficiency))
     gemm = cost.kind in GEMM_KINDS
     size = cost.fwd_flops if cost.fwd_flops > 0 else None
-    rates = getattr(prof, "attention", ()) if cost.kind == "attention" else None
+    rates = prof.attention if cost.kind == "attention" else None
     f = calibrated_time(cost.fwd_flops, cost.fwd_bytes, prof, gemm=gemm, gemm_size=size,
                         rates=rates) + prof.op_overhead
     if cost.bwd_flops <= 0 and cost.bwd_bytes <= 0:

@@ -143,8 +143,9 @@ class ComputeProfile:
         object.__setattr__(self, "optimizer", opt)
         for name in ("gemm", "memory", "vector", "attention"):
             pts = tuple(sorted((float(w), float(r)) for w, r in getattr(self, name)))
-            if (not pts and name in ("gemm", "memory")) or not all(w > 0 and r > 0 and math.isfinite(w) and math.isfinite(r)
-                                  for w, r in pts):
+            required = name in ("gemm", "memory")  # the others are empty in older profiles
+            if (required and not pts) or not all(w > 0 and r > 0 and math.isfinite(w)
+                                                 and math.isfinite(r) for w, r in pts):
                 raise ClusterError(f"ComputeProfile.{name} needs positive finite (size, rate) "
                                    f"points, got {getattr(self, name)!r}")
             object.__setattr__(self, name, pts)
@@ -423,8 +424,8 @@ class Cluster:
         a float32 GEMM ``n×n @ n×n`` per ``n`` in ``gemm_sizes`` (``2n³`` FLOPs), an
         elementwise add of two tensors of each of ``memory_sizes`` bytes (three times that
         moved), a 1-element op without autograd (the dispatch) and a chain of 1-element ops
-        that require grad, forward then backward (per-op overheads), a row log-softmax of
-        each of ``memory_sizes`` bytes (non-GEMM arithmetic, ``vector``), causal SDPA forward
+        that require grad, forward then backward (per-op overheads), a row log-softmax forward
+        and backward of each of ``memory_sizes`` bytes (non-GEMM arithmetic, ``vector``), causal SDPA forward
         and backward at two shapes (``attention``) and an AdamW step
         over one tensor of 2¹⁸ elements and over 32 of 64 (``optimizer``). Each is repeated until
         one run lasts ``min_time`` (the same count on every rank; longer than a scheduler
@@ -699,10 +700,10 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
     per_tensor = max(t_small - per_element * small, 0.0)
     fwd = [4.0 * bh * L * L * E for bh, L, E in att_shapes]   # sdpa_cost: QKᵀ and PV
     return ComputeProfile(
-        optimizer=(per_tensor, per_element),
-        attention=tuple((f, 3.0 * f / t) for f, t in zip(fwd, att_t)),  # backward 2x forward
         gemm=rate_points([2.0 * n ** 3 for n in gemm_sizes], gemm_t, dispatch),
         memory=rate_points([3.0 * max(1, nb // 4) * 4 for nb in memory_sizes], mem_t, dispatch),
-        vector=rate_points([9.0 * n for n in vec_n], vec_t, 2 * dispatch),
         op_overhead=max(fwd_over, 0.0), bwd_op_overhead=max(bwd_over, 0.0), dispatch=dispatch,
-        ranks=dist.get_world_size(group))
+        ranks=dist.get_world_size(group),
+        vector=rate_points([9.0 * n for n in vec_n], vec_t, 2 * dispatch),
+        attention=tuple((f, 3.0 * f / t) for f, t in zip(fwd, att_t)),  # backward 2x forward
+        optimizer=(per_tensor, per_element))

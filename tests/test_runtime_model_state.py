@@ -326,3 +326,17 @@ def test_bucket_buffers_are_reused(pools):
     for same, mem, buckets in pools(WORLD).run(_buffers_reused):
         assert buckets > 1 and same == [True, True]
         assert mem[0] == mem[1] == mem[2] > 0
+
+
+def test_the_planner_prices_the_runtime_bucket_size():
+    """The planner's bucketed gradient latency (pricing.GRAD_BUCKET_BYTES) and Plan.overlap's
+    buckets are the runtime's default bucket (a constant each side: the cost layer does not
+    import the runtime)."""
+    import inspect
+
+    from fxpar.plan_data import Plan
+    from fxpar.planner.pricing import GRAD_BUCKET_BYTES
+    from fxpar.runtime.model_state import ModelStates
+
+    runtime = inspect.signature(ModelStates).parameters["bucket_bytes"].default
+    assert GRAD_BUCKET_BYTES == runtime == inspect.signature(Plan.overlap).parameters["bucket_bytes"].default

@@ -186,7 +186,7 @@ def bucket_share(shape, dtype) -> float:
     >>> bucket_share((1024,), torch.float32), bucket_share((8192, 8192), torch.float32)
     (0.00015625, 1.0)
     """
-    nbytes = math.prod(int(x) for x in shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(int(x) for x in shape) * dtype.itemsize
     return min(1.0, nbytes / GRAD_BUCKET_BYTES)
 
 
