@@ -24,10 +24,9 @@ Nothing here trains: the numbers are the cost model's. Models are built in bf16
   are added at a fixed batch (144 → 88 → 44 TFLOP/s), PTD-P holds (153 → 149 → 141).
 
 * **AMSP §VI** (LLaMA 7B / 13B / 30B on 1024 A800s, 128 nodes; 4M tokens per step as 1024
-  sequences of 4096; no tensor or pipeline parallelism): AMSP's own sharding (its Table IV)
-  where the search can express it (7B: ``(1, 1, 8)``; 13B and 30B shard parameters inside a
-  node, ``s_p = 4`` / ``8``, which the search does not offer yet), ZeRO-1 and ZeRO-3 over all
-  1024, and ``auto``; MFU = ``tokens·(6Φ + 12·l·h·s) / (step · n · 312 TFLOP/s)`` next to the
+  sequences of 4096; no tensor or pipeline parallelism): AMSP's own sharding (its Table IV:
+  7B ``(1, 1, 8)``; 13B ``(4, 4, 8)`` and 30B ``(8, 8, 32)`` shard parameters inside a node,
+  planned on a ``dp × dp_shard`` mesh), ZeRO-1 and ZeRO-3 over all 1024, and ``auto``; MFU = ``tokens·(6Φ + 12·l·h·s) / (step · n · 312 TFLOP/s)`` next to the
   published 51 / 52 / 42 % (AMSP), 36 % (ZeRO-1, 7B) and about 4 % (ZeRO-3).
 
 * **AxoNN §VII-C weak scaling** (GPT-5B … 80B, its Table I, on 64 … 1024 Perlmutter A100-40GB,
@@ -205,11 +204,12 @@ def table2() -> list[dict]:
     return rows
 
 
-#: AMSP §VI: name, hidden, layers, heads, ffn, its (s_p, s_g, s_os) or None (not expressible),
-#: published MFU of AMSP, ZeRO-1, ZeRO-3 (None: not given in the text)
+#: AMSP §VI: name, hidden, layers, heads, ffn, its (s_p, s_g, s_os) of Table IV (intra x inter
+#: node: 7B (1, 1, 8x1), 13B (4x1, 4x1, 8x1), 30B (8x1, 8x1, 8x4)), published MFU of AMSP,
+#: ZeRO-1, ZeRO-3 (None: not given in the text)
 AMSP_ROWS = [("llama-7b", 4096, 32, 32, 11008, (1, 1, 8), 51, 36, 4),
-             ("llama-13b", 5120, 40, 40, 13824, None, 52, None, 4),
-             ("llama-30b", 6656, 60, 52, 17920, None, 42, None, None)]
+             ("llama-13b", 5120, 40, 40, 13824, (4, 4, 8), 52, None, 4),
+             ("llama-30b", 6656, 60, 52, 17920, (8, 8, 32), 42, None, None)]
 
 
 def table3() -> list[dict]:

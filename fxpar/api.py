@@ -365,7 +365,7 @@ def _config_mesh(c, cluster) -> Mesh:
     from fxpar.planner.stages import stage_submesh
 
     if c.pp == 1 and c.microbatches == 1:
-        return Mesh(cluster, {"dp": c.dp, "tp": c.tp})
+        return Mesh(cluster, c.spmd_axes)
     return stage_submesh(Mesh(cluster, {"pp": c.pp, "dp": c.dp, "tp": c.tp}), 0)
 
 
@@ -377,7 +377,7 @@ def _plan_config(gm, probe, cluster, c, res, opts, pins, dropped, cache) -> Plan
     notes = ((f"joint search: the planner chose the layout of {', '.join(dropped)} "
               "(no strategy takes the priced one)",) if dropped else ())
     if c.pp == 1 and c.microbatches == 1:
-        mesh = Mesh(cluster, {"dp": c.dp, "tp": c.tp})
+        mesh = _config_mesh(c, cluster)
         p, bp, sol = plan_and_keep(gm, mesh, pins=pins, options=opts, cache=cache)
         # the state factors drive the runner (s_p is the parameters' specs: the pins)
         p = dataclasses.replace(p, notes=p.notes + notes, schedule={

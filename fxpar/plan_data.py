@@ -434,6 +434,10 @@ class Plan:
         lines += _search_lines(sc.get("search"))  # a joint search's winner as one SPMD step
         if sc.get("state"):
             lines.append("model states over dp: " + ", ".join(f"{k}={v}" for k, v in sc["state"].items()))
+            if "dp_shard" in self.mesh["axis_names"]:
+                lines.append(f"  (s_p: parameters sharded inside groups of dp_shard="
+                             f"{self.mesh['shape'][self.mesh['axis_names'].index('dp_shard')]} "
+                             "replicas, replicated across the groups on dp: HSDP / MiCS)")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 

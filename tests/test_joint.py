@@ -155,7 +155,9 @@ def test_zero3_is_searched_for_one_spmd_step_and_priced_by_amsp(gpt):
     _, gm = gpt
     cl = fxpar.Cluster.preset("dgx-a100", nodes=2)
     res = search(gm, cl, batch=16, only=dict(pp=1, tp=1), keep=50)
-    assert {(c.s_p, c.microbatches) for c in res.ranked if c.s_p > 1} == {(16, 1)}
+    # sharded parameters over the 16 replicas or over 2, 4 or 8 of them inside a node
+    assert {(c.s_p, c.microbatches) for c in res.ranked if c.s_p > 1} == {(2, 1), (4, 1), (8, 1),
+                                                                          (16, 1)}
     z3 = next(c for c in res.ranked if c.s_p == 16)
     z2 = next(c for c in res.ranked if (c.s_p, c.s_g, c.s_os, c.microbatches) == (1, 16, 16, 1))
     assert "zero(p=16,g=16,os=16)" in z3.name
@@ -172,6 +174,16 @@ def test_zero3_is_searched_for_one_spmd_step_and_priced_by_amsp(gpt):
              amsp.t_os1(sh, P, cl, dp=(8, 2)))
     assert t_p > 0 and z3.dp_comm == pytest.approx(sum(terms), rel=1e-9)
     assert z3.dp_comm > z2.dp_comm  # the gathers cost more than ZeRO-2's saved traffic
+    # AMSP's LLaMA-13B sharding (4, 4, 8): parameters and gradients over 4 GPUs of a node,
+    # optimizer states over its 8, priced by the same terms on the (8, 2) grid
+    am = next(c for c in res.ranked if (c.s_p, c.s_g, c.s_os) == (4, 4, 8) and not c.recompute)
+    assert am.memory == pytest.approx(model_state_bytes(phi, s_p=4, s_g=4, s_os=8).total
+                                      + act + tmp + gathered, rel=1e-9)
+    sh = amsp.Sharding((4, 1), (4, 1), (8, 1))
+    terms = (amsp.t_p(sh, [P / L], L, 1, cl, dp=(8, 2)), amsp.t_g(sh, P, 1, U, cl, dp=(8, 2)),
+             amsp.t_os0(sh, P, U, cl, dp=(8, 2)), amsp.t_os1(sh, P, cl, dp=(8, 2)))
+    assert am.dp_comm == pytest.approx(sum(terms), rel=1e-9)
+    assert am.spmd_axes == {"dp": 4, "dp_shard": 4, "tp": 1} and z3.spmd_axes == {"dp": 16, "tp": 1}
     # a pipeline, or microbatches, never get s_p > 1; a tuple asking for it is refused
     assert all(c.s_p == 1 for c in search(gm, cl, batch=16, only=dict(pp=2)).ranked)
     with pytest.raises(PlanError, match="s_p > 1 needs pp=1 and one microbatch"):
@@ -186,8 +198,8 @@ def test_memory_bound_search_picks_zero3(gpt):
     _, gm = gpt
     cl = fxpar.Cluster.preset("dgx-a100", nodes=2)
     res = search(gm, cl, batch=16, only=dict(pp=1, tp=1, microbatch=1), keep=50)
-    z3 = min(c.memory for c in res.ranked if c.s_p > 1)
-    rest = min(c.memory for c in res.ranked if c.s_p == 1)
+    z3 = min(c.memory for c in res.ranked if c.s_p == 16)
+    rest = min(c.memory for c in res.ranked if c.s_p < 16)  # HSDP over 2-8 of a node too
     assert z3 < rest
     opts = fxpar.planner.PlannerOptions(memory_budget=(z3 + rest) / 2)
     best = search(gm, cl, batch=16, options=opts, only=dict(pp=1, tp=1, microbatch=1)).best
@@ -221,6 +233,44 @@ def run_joint_zero3(steps: int = 3):
 def test_joint_zero3_plan_trains_like_one_process_on_2_ranks(pools):
     results = pools(2).run(run_joint_zero3, timeout=240)
     assert results[0] == results[1], results
+
+
+def run_joint_hsdp(steps: int = 3):
+    """AMSP's intra-group parameter sharding (HSDP / MiCS) from a user tuple on 4 replicas:
+    ``s_p = 2`` plans on a ``dp=2 x dp_shard=2`` mesh, every parameter that splits is stored
+    sharded over ``dp_shard`` only and replicated over ``dp``, optimizer states over all 4
+    (``s_os = 4``: the runner shards them over the 2 copies of each shard); loss, gradients
+    and parameters follow one process through AdamW steps."""
+    import copy
+
+    import torch.distributed as dist
+    from test_pipeline_runtime import _build, train_and_check
+
+    model, inputs, kwargs, loss_fn, targets = _build("gpt")
+    ref = copy.deepcopy(model)
+    opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-5)  # noqa: E731
+    tup = dict(pp=1, dp=4, tp=1, s_p=2, s_g=2, s_os=4)
+    prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), inputs, kwargs,
+                         loss_fn=loss_fn, example_targets=targets, optimizer=opt, plan=tup)
+    assert prog.plan.mesh["axis_names"] == ("dp", "dp_shard", "tp"), prog.plan.mesh
+    assert prog.plan.mesh["shape"] == (2, 2, 1)
+    assert "groups of dp_shard=2 replicas" in prog.plan.explain()
+    runner = prog.runner()
+    assert (runner.states.shard_info(next(iter(runner.states.grads())))["s_os"]) == 2
+    trained = {f: str(s) for f, s in runner.specs.items() if runner.state[f].requires_grad}
+    assert all(s.startswith("RS(") for s in trained.values()), trained
+    # a shard's gradient is reduce-scattered over dp_shard, then all-reduced over dp (where
+    # the plan computes it batch-split: not the position table, looked up whole everywhere)
+    replica = runner.gm.meta[fxpar.ir.REPLICA_AXES]
+    assert all(replica[f] in (("dp",), ()) for f in trained), replica
+    assert all(replica[f] == ("dp",) for f in trained if f.endswith("fc1.weight")), replica
+    return train_and_check(runner, ref, opt, inputs, targets, kwargs, loss_fn, steps)
+
+
+@pytest.mark.timeout(300)
+def test_joint_hsdp_plan_trains_like_one_process_on_4_ranks(pools):
+    results = pools(4).run(run_joint_hsdp, timeout=240)
+    assert all(r == results[0] for r in results), results
 
 
 def test_odd_replica_count_is_priced_on_its_own_nodes(gpt):

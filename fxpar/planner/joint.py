@@ -185,6 +185,22 @@ class Candidate:
     s_p: int = 1
 
     @property
+    def spmd_axes(self) -> dict[str, int]:
+        """The mesh of one SPMD step: ``{"dp": d, "tp": t}``; with parameters sharded over
+        ``1 < s_p < d`` consecutive replicas (HSDP / MiCS: sharded inside each group of
+        ``s_p``, replicated across groups), the replicas split ``{"dp": d/s_p, "dp_shard":
+        s_p, "tp": t}`` (devices ordered ``tp`` innermost, so a group lies inside a node
+        when ``s_p·t`` fits one).
+
+        >>> c = Candidate(1, 8, 2, 1, 1, "1f1b", 1, False, 4, 8, 0.0, 0.0, 0.0, 0.0, s_p=4)
+        >>> c.spmd_axes
+        {'dp': 2, 'dp_shard': 4, 'tp': 2}
+        """
+        if 1 < self.s_p < self.dp:
+            return {"dp": self.dp // self.s_p, "dp_shard": self.s_p, "tp": self.tp}
+        return {"dp": self.dp, "tp": self.tp}
+
+    @property
     def name(self) -> str:
         r = " recompute" if self.recompute else ""
         v = f" v={self.chunks}" if self.chunks > 1 else ""
@@ -225,8 +241,9 @@ class SearchResult:
              ) -> dict[str, str]:
         """Pins on a ``(dp, tp)`` (sub)mesh that make the planner take the layouts this search
         priced for ``c``: every parameter as in the ``tp`` plan and, over ``dp``, replicated
-        (``s_p = 1``) or sharded (``s_p = dp``, :func:`_zero3_dp`), the batch split over
-        ``dp``; with ``gm`` (the graph captured at the configuration's microbatch), also every
+        (``s_p = 1``), sharded (``s_p = dp``, :func:`_zero3_dp`) or, on the mesh of
+        :attr:`Candidate.spmd_axes`, replicated over ``dp`` and sharded over ``dp_shard``
+        (``1 < s_p < dp``), the batch split over every replica axis; with ``gm`` (the graph captured at the configuration's microbatch), also every
         value that carries the batch (dim 0 is one sample in ``probe``, ``dp·b`` rows in
         ``gm``): ``S(0)`` on ``dp`` and its ``tp`` layout, so no replica computes another's rows
         (data parallelism is the search's choice, not one the intra-op planner may undo to
@@ -237,12 +254,18 @@ class SearchResult:
         def tp(name: str) -> str:
             return "R" if c.tp == 1 else by_name[name].outputs[0]
 
+        hsdp = "dp_shard" in c.spmd_axes
+        batch_s = "S(0)S(0)" if hsdp else "S(0)"   # the batch over every replica axis
         first = next((i.name for i in ir.user_inputs(probe) if i.is_tensor), None)
-        out = {"input": "S(0)" + (tp(first) if first else "R")}
+        out = {"input": batch_s + (tp(first) if first else "R")}
         for n in probe.graph.nodes:
             if n.op == "placeholder" and ir.is_trainable_param(n):
                 t_s = tp(n.name)
-                dp_s = _zero3_dp(tuple(n.meta[ir.VAL].shape), t_s, c.dp, c.tp) if c.s_p > 1 else "R"
+                shape = tuple(n.meta[ir.VAL].shape)
+                if hsdp:  # replicated across the groups, sharded inside each
+                    dp_s = "R" + _zero3_dp(shape, t_s, c.s_p, c.tp)
+                else:
+                    dp_s = _zero3_dp(shape, t_s, c.dp, c.tp) if c.s_p > 1 else "R"
                 out[n.name] = dp_s + t_s
         rows = c.dp * c.microbatch
         if gm is None or rows == 1:
@@ -255,7 +278,7 @@ class SearchResult:
                     and int(v.shape[0]) == rows and int(w.shape[0]) == 1
                     and tuple(v.shape[1:]) == tuple(w.shape[1:])
                     and any(a.name in batch for a in n.all_input_nodes)):
-                out[n.name] = "S(0)" + tp(n.name)
+                out[n.name] = batch_s + tp(n.name)
                 batch.add(n.name)
         return out
 
@@ -372,13 +395,18 @@ _STATE_KEYS = ("s_p", "s_g", "s_os")
 def _zero_options(d: int, only: Mapping, spmd: bool, d0: int = 1) -> list[tuple[int, int, int]]:
     """``(s_p, s_g, s_os)``: DDP, ZeRO-1, ZeRO-2, AMSP's partial sharding of gradients and
     optimizer states over the ``d0`` replicas of a node (``(1, 1, d0)``, ``(1, d0, d0)``, when
-    ``1 < d0 < d``: the runner's state groups are runs of consecutive replicas, a node's) and
-    (``spmd``: one step, no pipeline or microbatches) ZeRO-3 over the ``d`` replicas; the
-    user's factors when they fit (AMSP's rule ``s_p | s_g | s_os``, each dividing ``d``;
-    ``s_p > 1`` only if ``spmd``).
+    ``1 < d0 < d``: the runner's state groups are runs of consecutive replicas, a node's) and,
+    for one SPMD step (``spmd``: no pipeline or microbatches: the runtime gathers a sharded
+    parameter once per step), sharded parameters: every ``s_p | s_g | s_os`` (AMSP eq. 3)
+    with ``s_p > 1``, each factor ``d`` or a divisor of ``d`` inside a node (``≤ d0``) —
+    ZeRO-3 ``(d, d, d)``, MiCS/HSDP ``(d0, d0, d0)``, AMSP's LLaMA-13B ``(4, 4, 8)``; the
+    user's factors when they fit (AMSP's rule, each dividing ``d``; ``s_p > 1`` only if
+    ``spmd``).
 
     >>> _zero_options(16, {}, False, 8)
     [(1, 1, 1), (1, 1, 16), (1, 16, 16), (1, 1, 8), (1, 8, 8)]
+    >>> [o for o in _zero_options(8, {}, True, 4) if o[0] > 1]
+    [(2, 2, 2), (2, 2, 4), (2, 2, 8), (2, 4, 4), (2, 4, 8), (2, 8, 8), (4, 4, 4), (4, 4, 8), (4, 8, 8), (8, 8, 8)]
     """
     if any(k in only for k in _STATE_KEYS):
         f = tuple(only.get(k, 1) for k in _STATE_KEYS)
@@ -387,7 +415,12 @@ def _zero_options(d: int, only: Mapping, spmd: bool, d0: int = 1) -> list[tuple[
     if d == 1:
         return [(1, 1, 1)]
     partial = [(1, 1, d0), (1, d0, d0)] if 1 < d0 < d else []
-    return [(1, 1, 1), (1, 1, d), (1, d, d)] + partial + ([(d, d, d)] if spmd else [])
+    sharded = []
+    if spmd:
+        fs = [f for f in _divisors(d) if f <= d0 or f == d]
+        sharded = [(p, g, o) for p in fs[1:] for g in fs for o in fs
+                   if g % p == 0 and o % g == 0]
+    return [(1, 1, 1), (1, 1, d), (1, d, d)] + partial + sharded
 
 
 def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
