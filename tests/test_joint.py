@@ -155,9 +155,10 @@ def test_zero3_is_searched_for_one_spmd_step_and_priced_by_amsp(gpt):
     _, gm = gpt
     cl = fxpar.Cluster.preset("dgx-a100", nodes=2)
     res = search(gm, cl, batch=16, only=dict(pp=1, tp=1), keep=50)
-    # sharded parameters over the 16 replicas or over 2, 4 or 8 of them inside a node
-    assert {(c.s_p, c.microbatches) for c in res.ranked if c.s_p > 1} == {(2, 1), (4, 1), (8, 1),
-                                                                          (16, 1)}
+    # sharded parameters over the 16 replicas or over 2, 4 or 8 of them inside a node; with
+    # microbatches only over all 16 (gathered again per microbatch)
+    assert {c.s_p for c in res.ranked if c.microbatches == 1} == {1, 2, 4, 8, 16}
+    assert {c.s_p for c in res.ranked if c.microbatches > 1} <= {1, 16}
     z3 = next(c for c in res.ranked if c.s_p == 16)
     z2 = next(c for c in res.ranked if (c.s_p, c.s_g, c.s_os, c.microbatches) == (1, 16, 16, 1))
     assert "zero(p=16,g=16,os=16)" in z3.name
@@ -184,10 +185,24 @@ def test_zero3_is_searched_for_one_spmd_step_and_priced_by_amsp(gpt):
              amsp.t_os0(sh, P, U, cl, dp=(8, 2)), amsp.t_os1(sh, P, cl, dp=(8, 2)))
     assert am.dp_comm == pytest.approx(sum(terms), rel=1e-9)
     assert am.spmd_axes == {"dp": 4, "dp_shard": 4, "tp": 1} and z3.spmd_axes == {"dp": 16, "tp": 1}
-    # a pipeline, or microbatches, never get s_p > 1; a tuple asking for it is refused
-    assert all(c.s_p == 1 for c in search(gm, cl, batch=16, only=dict(pp=2)).ranked)
-    with pytest.raises(PlanError, match="s_p > 1 needs pp=1 and one microbatch"):
-        search(gm, cl, batch=16, only=dict(pp=2, s_p=2, s_g=2, s_os=2))
+    # a pipeline gets ZeRO-3 over a stage's replicas at most, and not under zb-h1's split
+    # backward; a tuple asking for more is refused
+    piped = search(gm, cl, batch=16, only=dict(pp=2), keep=10**6).ranked
+    assert all(c.s_p in (1, c.dp) for c in piped) and any(c.s_p > 1 for c in piped)
+    assert all(c.schedule != "zb-h1" for c in piped if c.s_p > 1)
+    # ZeRO-3's gathers (AMSP's M·T_p) are paid once per microbatch; DDP's reduction once per
+    # step (same stage cuts)
+    def dp_times(f):
+        c1, c2 = (next(c for c in piped if (c.tp, c.microbatches, c.schedule, c.recompute, c.s_p,
+                                            c.s_g) == (1, m, "1f1b", False, *f)) for m in (1, 2))
+        assert c1.starts == c2.starts
+        return c1.dp_comm, c2.dp_comm
+    (z1, z2), (d1, d2) = dp_times((8, 8)), dp_times((1, 1))
+    assert z2 > z1 and d2 == d1
+    with pytest.raises(PlanError, match="inside groups of replicas need pp=1 and one microbatch"):
+        search(gm, cl, batch=16, only=dict(pp=2, tp=1, s_p=2, s_g=2, s_os=2))
+    with pytest.raises(PlanError, match="zb-h1"):
+        search(gm, cl, batch=16, only=dict(pp=2, tp=1, schedule="zb-h1", s_p=8, s_g=8, s_os=8))
     with pytest.raises(PlanError, match=r"s_p \| s_g \| s_os"):
         search(gm, cl, batch=16, only=dict(pp=1, tp=1, s_p=4, s_g=2, s_os=4))
 
@@ -270,6 +285,35 @@ def run_joint_hsdp(steps: int = 3):
 @pytest.mark.timeout(300)
 def test_joint_hsdp_plan_trains_like_one_process_on_4_ranks(pools):
     results = pools(4).run(run_joint_hsdp, timeout=240)
+    assert all(r == results[0] for r in results), results
+
+
+def run_joint_pipeline_zero3(steps: int = 3):
+    """ZeRO-3 over a stage's 2 replicas under an interleaved pipeline (pp=2, 2 chunks per
+    rank, 4 microbatches): parameters stored sharded, gathered again for every microbatch;
+    loss, gradients and parameters follow one process through AdamW steps."""
+    import copy
+
+    import torch.distributed as dist
+    from test_pipeline_runtime import _build, train_and_check
+
+    model, inputs, kwargs, loss_fn, targets = _build("gpt")
+    ref = copy.deepcopy(model)
+    opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-5)  # noqa: E731
+    tup = dict(pp=2, dp=2, tp=1, microbatch=1, schedule="interleaved", chunks=2, s_p=2, s_g=2,
+               s_os=2)
+    prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), inputs, kwargs,
+                         loss_fn=loss_fn, example_targets=targets, optimizer=opt, plan=tup)
+    assert prog.plan.schedule["microbatches"] == 4 and prog.plan.schedule["state"]["s_p"] == 2
+    runner = prog.runner()
+    trained = {f: str(s) for f, s in runner.specs.items() if runner.state[f].requires_grad}
+    assert trained and all(s.startswith("S(") for s in trained.values()), trained
+    return train_and_check(runner, ref, opt, inputs, targets, kwargs, loss_fn, steps)
+
+
+@pytest.mark.timeout(300)
+def test_joint_pipeline_zero3_plan_trains_like_one_process_on_4_ranks(pools):
+    results = pools(4).run(run_joint_pipeline_zero3, timeout=240)
     assert all(r == results[0] for r in results), results
 
 

@@ -16,9 +16,10 @@ first), ``d`` data-parallel replicas, ``t`` tensor-parallel devices (innermost, 
 ``b`` per replica per microbatch with ``m = B/(d·b)`` microbatches; a schedule with ``v``
 chunks per rank; recomputation of every layer or none; AMSP's factors ``(s_p, s_g, s_os)``
 over ``d``: DDP ``(1, 1, 1)``, ZeRO-1 ``(1, 1, d)``, ZeRO-2 ``(1, d, d)``, their partial forms
-inside a node ``(1, 1, d₀)``, ``(1, d₀, d₀)`` and, for one SPMD step
-(``p = 1``, ``m = 1``: the runtime gathers a sharded parameter per step, not per microbatch),
-ZeRO-3 ``(d, d, d)``.
+inside a node ``(1, 1, d₀)``, ``(1, d₀, d₀)``, ZeRO-3 ``(d, d, d)`` (with microbatches its
+gathers are paid per microbatch) and, for one SPMD step (``p = 1``, ``m = 1``), parameters
+sharded inside groups of ``s_p`` replicas (HSDP / MiCS, AMSP's intra-node ``s_p``;
+:func:`_zero_options`).
 
 * stage cuts: the exact linear-partition DP over units (:func:`fxpar.stages._balanced`) on the
   units' time at this ``(t, b)``, for ``p·v`` chunks;
@@ -392,34 +393,41 @@ def _split(s: int, d0: int, d1: int) -> tuple[int, int]:
 _STATE_KEYS = ("s_p", "s_g", "s_os")
 
 
-def _zero_options(d: int, only: Mapping, spmd: bool, d0: int = 1) -> list[tuple[int, int, int]]:
+def _zero_options(d: int, only: Mapping, spmd: bool, d0: int = 1,
+                  split_backward: bool = False) -> list[tuple[int, int, int]]:
     """``(s_p, s_g, s_os)``: DDP, ZeRO-1, ZeRO-2, AMSP's partial sharding of gradients and
     optimizer states over the ``d0`` replicas of a node (``(1, 1, d0)``, ``(1, d0, d0)``, when
-    ``1 < d0 < d``: the runner's state groups are runs of consecutive replicas, a node's) and,
-    for one SPMD step (``spmd``: no pipeline or microbatches: the runtime gathers a sharded
-    parameter once per step), sharded parameters: every ``s_p | s_g | s_os`` (AMSP eq. 3)
-    with ``s_p > 1``, each factor ``d`` or a divisor of ``d`` inside a node (``≤ d0``) —
-    ZeRO-3 ``(d, d, d)``, MiCS/HSDP ``(d0, d0, d0)``, AMSP's LLaMA-13B ``(4, 4, 8)``; the
-    user's factors when they fit (AMSP's rule, each dividing ``d``; ``s_p > 1`` only if
-    ``spmd``).
+    ``1 < d0 < d``: the runner's state groups are runs of consecutive replicas, a node's),
+    and sharded parameters:
+
+    * one SPMD step (``spmd``: no pipeline or microbatches): every ``s_p | s_g | s_os``
+      (AMSP eq. 3) with ``s_p > 1``, each factor ``d`` or a divisor of ``d`` inside a node
+      (``≤ d0``): ZeRO-3 ``(d, d, d)``, MiCS/HSDP ``(d0, d0, d0)`` (planned on
+      :attr:`Candidate.spmd_axes`), AMSP's LLaMA-13B ``(4, 4, 8)``;
+    * a pipeline or microbatches: ZeRO-3 ``(d, d, d)`` over a stage's replicas, whose
+      parameters the runtime gathers again for every microbatch (AMSP's ``M·T_p``), except
+      under a split backward (``split_backward``, zb-h1: its weight pass re-reads what its
+      input pass already released).
+
+    The user's factors when they fit these rules.
 
     >>> _zero_options(16, {}, False, 8)
-    [(1, 1, 1), (1, 1, 16), (1, 16, 16), (1, 1, 8), (1, 8, 8)]
+    [(1, 1, 1), (1, 1, 16), (1, 16, 16), (1, 1, 8), (1, 8, 8), (16, 16, 16)]
     >>> [o for o in _zero_options(8, {}, True, 4) if o[0] > 1]
     [(2, 2, 2), (2, 2, 4), (2, 2, 8), (2, 4, 4), (2, 4, 8), (2, 8, 8), (4, 4, 4), (4, 4, 8), (4, 8, 8), (8, 8, 8)]
     """
+    fs = [f for f in _divisors(d) if f <= d0 or f == d]
+    if spmd:
+        sharded = [(p, g, o) for p in fs[1:] for g in fs for o in fs if g % p == 0 and o % g == 0]
+    else:
+        sharded = [(d, d, d)] if d > 1 and not split_backward else []
     if any(k in only for k in _STATE_KEYS):
         f = tuple(only.get(k, 1) for k in _STATE_KEYS)
-        ok = not (any(d % x for x in f) or f[1] % f[0] or f[2] % f[1]) and (f[0] == 1 or spmd)
-        return [f] if ok else []
+        ok = not (any(d % x for x in f) or f[1] % f[0] or f[2] % f[1])
+        return [f] if ok and (f[0] == 1 or f in sharded or (spmd and f[0] > 1)) else []
     if d == 1:
         return [(1, 1, 1)]
     partial = [(1, 1, d0), (1, d0, d0)] if 1 < d0 < d else []
-    sharded = []
-    if spmd:
-        fs = [f for f in _divisors(d) if f <= d0 or f == d]
-        sharded = [(p, g, o) for p in fs[1:] for g in fs for o in fs
-                   if g % p == 0 and o % g == 0]
     return [(1, 1, 1), (1, 1, d), (1, d, d)] + partial + sharded
 
 
@@ -508,7 +516,8 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                                 act.append(tmp + kept)
                             est = m * max(W) + (sum(W) - max(W)) / v + 2 * sum(cc.x)
                             phi = cc.phi
-                            for s_p, s_g, s_os in _zero_options(d, only, p == 1 and m == 1, d0):
+                            for s_p, s_g, s_os in _zero_options(d, only, p == 1 and m == 1, d0,
+                                                                sname == "zb-h1"):
                                 tried += 1
                                 mem = max(kp * phi[r] / s_p + kg * phi[r] / s_g + kos * phi[r] / s_os
                                           + act[r] + (gathered if s_p > 1 else 0.0) for r in range(p))
@@ -524,8 +533,10 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                                 cands.append((c.step, c))
     if not tried and any(k in only for k in _STATE_KEYS):
         raise PlanError(f"plan={only}: no configuration takes these state factors: s_p | s_g | "
-                        "s_os, each dividing dp (AMSP eq. 3), and s_p > 1 needs pp=1 and one "
-                        "microbatch (the runtime gathers sharded parameters once per step)")
+                        "s_os, each dividing dp (AMSP eq. 3); with a pipeline or microbatches "
+                        "s_p is 1 or dp = s_g = s_os (ZeRO-3 over a stage's replicas; parameters "
+                        "sharded inside groups of replicas need pp=1 and one microbatch), and "
+                        "not under zb-h1's split backward")
     if not cands:
         detail = f"; the smallest found: {smallest.name} at {smallest.memory / 2**30:.1f} GiB" if smallest else ""
         raise PlanError(f"joint search: no configuration of {tried} tried fits the memory budget "
