@@ -9,7 +9,9 @@ ZeRO-1-like (1, 2), (2, 4), ZeRO-2 (4, 4), two independent replica groups of 2 w
 ranks, and bf16 parameters (fp32 master; compared loosely). Small buckets make several buckets
 per step; one test feeds gradients from autograd hooks and checks that every bucket was launched
 before ``finish_backward`` (overlap), another feeds them in a different order on every rank and
-as two contributions per parameter (tied weights / micro-batches).
+as two contributions per parameter (tied weights / micro-batches). fp32 buckets with ``s_os = 1``
+step one flat tensor per (bucket, param group), bitwise as a per-parameter optimizer would; leaves
+accumulate their gradients in the bucket buffer itself (``in_place``), over two rounds too.
 """
 
 from __future__ import annotations
@@ -68,7 +70,9 @@ def _train(s_g, s_os, partition, *, bucket_bytes=96, mode="plain", contributions
     """3 steps under ModelStates. ``mode``: "plain" (add_grad after backward, no expect),
     "hooks" (add_grad from post-accumulate-grad hooks, expectations declared), "shuffle"
     (expectations declared, parameters fed in a rank-dependent order), "micro" (no expect,
-    finish_backward after every contribution: reduced gradients accumulate).
+    finish_backward after every contribution: reduced gradients accumulate), "view" (as
+    "micro", but the leaves accumulate in the bucket buffers: ``in_place``, ``begin_backward``,
+    hooks calling ``leaf_grad``; what it saw goes to ``out["view"]``).
     ``first_layer=(key, ordered_group, (s_g, s_os))`` gives layer 0 its own group key, member
     order and factors; the model then starts from other weights and the reference weights are
     loaded after ModelStates is built (the fp32 masters must pick them up)."""
@@ -95,8 +99,8 @@ def _train(s_g, s_os, partition, *, bucket_bytes=96, mode="plain", contributions
     if first_layer is not None:
         model.load_state_dict(good)
     if mode != "plain":
-        for k in named:
-            ms.expect(k, contributions)
+        for k in named:   # "view" finishes a round per contribution
+            ms.expect(k, 1 if mode == "view" else contributions)
     if mode == "hooks":
         for k, p in named.items():
             def hook(p, k=k):
@@ -104,14 +108,38 @@ def _train(s_g, s_os, partition, *, bucket_bytes=96, mode="plain", contributions
                 p.grad = None
             p.register_post_accumulate_grad_hook(hook)
     out = {"grads": [], "params": [], "launched": [], "buckets": ms.num_buckets}
+    if mode == "view":
+        seen = out["view"] = {"in_place": [k for k in named if ms.in_place(k)], "copies": 0,
+                              "in_buffer": [], "launches": [], "grad_after": []}
+        for k, p in named.items():
+            p.register_post_accumulate_grad_hook(lambda p, k=k: ms.leaf_grad(k))
+        add_grad, launch = ms.add_grad, ms._launch_next
+
+        def counted(*a):
+            seen["copies"] += 1
+            add_grad(*a)
+
+        def launched():
+            seen["launches"].append(ms._next)
+            launch()
+        ms.add_grad, ms._launch_next = counted, launched
     for step in range(STEPS):
         x, y = _batch(step, gi, dtype)
         per = B // n
         xs, ys = x[pos * per:(pos + 1) * per], y[pos * per:(pos + 1) * per]
         for xc, yc in zip(xs.chunk(contributions), ys.chunk(contributions)):
             model.zero_grad(set_to_none=True)
+            if mode == "view":
+                ms.begin_backward()
             _loss(model, xc, yc).backward()
-            if mode != "hooks":
+            if mode == "view":   # each .grad is its slice of the bucket's buffer
+                seen["in_buffer"].append(all(
+                    p.grad.data_ptr() == ms._params[k].bucket.buf.data_ptr()
+                    + 4 * ms._params[k].off for k, p in named.items()))
+                seen["launches"].append("finish")
+                ms.finish_backward()
+                seen["grad_after"].append([k for k, p in named.items() if p.grad is not None])
+            elif mode != "hooks":
                 names = list(named)
                 if mode == "shuffle":
                     random.Random(rank * 7919 + step).shuffle(names)
@@ -130,6 +158,84 @@ def _train(s_g, s_os, partition, *, bucket_bytes=96, mode="plain", contributions
     out["state_dtypes"] = sorted({str(v.dtype) for st in ms.optimizer.state.values()
                                   for v in st.values() if torch.is_tensor(v) and v.dim() > 0})
     return out
+
+
+def _grouped(fqn):
+    return {"weight_decay": 0.0} if fqn.endswith("bias") else None
+
+
+class _PerParamAdamW(torch.optim.AdamW):
+    """AdamW under another type: not in ELEMENTWISE, so ModelStates keeps a master per
+    parameter (the reference the flat masters must match)."""
+
+
+def _flat_steps():
+    """DDP factors, two param groups (biases without weight decay), small buckets: the flat
+    layout against the per-parameter one fed the same gradients, 4 steps, and the optimizer
+    state saved by one and loaded into a third."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    rg = ReplicaGroup("dp", tuple(range(WORLD)), ONE_GROUP)
+    models, states = [], []
+    for opt in (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                lambda ps: _PerParamAdamW(ps, lr=1e-2, weight_decay=0.1)):
+        models.append(_model())
+        named = dict(models[-1].named_parameters())
+        states.append(ModelStates(named, {k: rg for k in named}, opt, bucket_bytes=96,
+                                  param_groups=_grouped))
+    flat, ref = states
+    named = dict(models[0].named_parameters())
+    out = {"tensors": len([t for g in flat.optimizer.param_groups for t in g["params"]]),
+           "ref_tensors": len([t for g in ref.optimizer.param_groups for t in g["params"]]),
+           "segments": sum(len({_grouped(p.fqn) is None for p in bk.params}) for bk in flat._buckets),
+           "buckets": flat.num_buckets, "params": [], "same": []}
+    # one storage per bucket, the parameters in bucket order in it
+    out["one_storage"] = all(
+        len({p.tensor.untyped_storage().data_ptr() for p in bk.params}) == 1
+        and [p.tensor.data_ptr() for p in bk.params]
+        == [bk.params[0].tensor.data_ptr() + 4 * p.off for p in bk.params] for bk in flat._buckets)
+    for step in range(4):
+        x, y = _batch(step, 0)
+        n = B // WORLD
+        for m, ms in zip(models, states):
+            m.zero_grad(set_to_none=True)
+            _loss(m, x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]).backward()
+            for k, p in m.named_parameters():
+                ms.add_grad(k, p.grad)
+            ms.finish_backward()
+            ms.step()
+            ms.zero_grad()
+        out["same"].append(all(torch.equal(a, b) for a, b in zip(models[0].parameters(),
+                                                                 models[1].parameters())))
+        out["params"].append({k: p.detach().clone() for k, p in named.items()})
+    (fs, fg), (rs, rgps) = flat.optimizer_state(), ref.optimizer_state()
+    out["state_same"] = fs.keys() == rs.keys() and all(
+        fs[f].keys() == rs[f].keys() and all(torch.equal(fs[f][k], rs[f][k]) for k in fs[f])
+        for f in fs)
+    out["groups"], out["ref_groups"] = fg, rgps
+    # a third ModelStates loads the flat one's state: the same state comes back
+    m3 = _model()
+    named3 = dict(m3.named_parameters())
+    ms3 = ModelStates(named3, {k: rg for k in named3},
+                      lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                      bucket_bytes=96, param_groups=_grouped)
+    ms3.load_optimizer_state(fs, fg)
+    s3, g3 = ms3.optimizer_state()
+    out["round_trip"] = g3 == fg and all(
+        torch.equal(s3[f][k], fs[f][k]) for f in fs for k in fs[f])
+    return out
+
+
+def _per_param_masters():
+    """A non-element-wise optimizer (Adafactor): one master per parameter, as before."""
+    named = dict(_model().named_parameters())
+    rg = ReplicaGroup("dp", tuple(range(WORLD)), ONE_GROUP)
+    ms = ModelStates(named, {k: rg for k in named}, lambda ps: torch.optim.Adafactor(ps, lr=1e-2),
+                     bucket_bytes=96)
+    masters = [t for g in ms.optimizer.param_groups for t in g["params"]]
+    return (type(ms.optimizer).__name__, len(masters),
+            sorted(t.numel() for t in masters) == sorted(p.numel() for p in named.values()))
 
 
 def _construct(s_g_by_rank, s_os_by_rank):
@@ -340,3 +446,58 @@ def test_the_planner_prices_the_runtime_bucket_size():
 
     runtime = inspect.signature(ModelStates).parameters["bucket_bytes"].default
     assert GRAD_BUCKET_BYTES == runtime == inspect.signature(Plan.overlap).parameters["bucket_bytes"].default
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_flat_masters_match_per_parameter_masters(pools):
+    """AdamW (element-wise): one optimizer tensor per (bucket, param group), each bucket's
+    parameters views of one storage; 4 steps give bitwise what per-parameter masters give, and
+    the per-FQN optimizer state is the same and survives a save/load round trip."""
+    for res in pools(WORLD).run(_flat_steps):
+        assert res["buckets"] > 1 and res["segments"] > res["buckets"]  # both groups in a bucket
+        assert res["tensors"] == res["segments"] < res["ref_tensors"] == 5
+        assert res["one_storage"]
+        assert res["same"] == [True] * 4 and res["state_same"]
+        assert res["groups"] == res["ref_groups"] and len(res["groups"]) == 2
+        assert res["round_trip"]
+    # and the training is right: a single process with the same param groups
+    m = _model()
+    opt = torch.optim.AdamW([{"params": [p for k, p in m.named_parameters() if _grouped(k)],
+                              "weight_decay": 0.0},
+                             {"params": [p for k, p in m.named_parameters() if not _grouped(k)]}],
+                            lr=1e-2, weight_decay=0.1)
+    for step in range(4):
+        opt.zero_grad()
+        _loss(m, *_batch(step, 0)).backward()
+        opt.step()
+        for k, p in m.named_parameters():
+            torch.testing.assert_close(res["params"][step][k], p.detach(),
+                                       msg=lambda msg: f"step {step} param {k}: {msg}")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_non_elementwise_optimizer_keeps_per_parameter_masters(pools):
+    for name, masters, shapes in pools(WORLD).run(_per_param_masters):
+        assert name == "Adafactor" and masters == 5 and shapes
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("s_os", [1, 2])
+def test_leaves_accumulate_in_the_bucket_buffer(pools, s_os):
+    """``in_place`` leaves (s_g = 1; flat parameters with s_os = 1, per-parameter masters with
+    s_os = 2): during backward every ``.grad`` is its slice of the bucket buffer, no gradient is
+    copied by add_grad, every bucket is launched in bucket order before finish_backward, and
+    two rounds per step accumulate into the full-batch gradient. After a round ``.grad`` is
+    None (the buffer is reused)."""
+    results = pools(WORLD).run(_train, 1, s_os, ONE_GROUP, mode="view", contributions=2)
+    _check(results, ONE_GROUP)
+    for res in results:
+        v = res["view"]
+        assert len(v["in_place"]) == 5 and v["copies"] == 0
+        assert v["in_buffer"] == [True] * (2 * STEPS)
+        order = list(range(res["buckets"]))   # then _train's own finish_backward: all again
+        assert v["launches"] == (order + ["finish"] + order + ["finish"] + order) * STEPS
+        assert v["grad_after"] == [[]] * (2 * STEPS)

@@ -233,6 +233,12 @@ class Regather:
         return self._hooks.__exit__(*exc)
 
 
+def gathers_params(edges) -> bool:
+    """Whether a graph with these edges registers gathered parameters with :class:`Regather`
+    (as :func:`_registered` does): without any, its hooks would only cost time."""
+    return any(e.param is not None and (e.collective or e.fwd.nbytes) for e in edges.values())
+
+
 def _registered(b, out: torch.Tensor, x: torch.Tensor, edge: Edge, pending=None,
                 index: int = 0) -> torch.Tensor:
     if b.regather is not None and edge.param is not None:

@@ -70,7 +70,7 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.errors import FxparError, PlanError
 from fxpar.runtime.bindings import Bindings, bind
-from fxpar.runtime.comm import REDISTRIBUTE, START, WAIT
+from fxpar.runtime.comm import REDISTRIBUTE, START, WAIT, gathers_params
 from fxpar.runtime.recompute import Recompute, known_layers
 from fxpar.runtime.runner import TrainingSteps, check_world, recompute_layers
 from fxpar.stages import is_boundary
@@ -100,6 +100,8 @@ class _Chunk:
     direct: list[str] = field(default_factory=list)
     # what runs its forward: ``gm``, or a Recompute of it
     run: object = None
+    # whether its forward gathers a parameter (then it runs under Regather)
+    gathers: bool = False
 
 
 class PipelineRunner(TrainingSteps):
@@ -160,6 +162,7 @@ class PipelineRunner(TrainingSteps):
         for c in self.chunks.values():
             mine = self.recompute & known_layers(c.gm)
             c.run = Recompute(c.gm, mine) if mine else c.gm
+            c.gathers = gathers_params(c.gm.meta.get(ir.EDGES, {}))
         #: boundary values whose layouts differ across a link: their cross-mesh plans
         self._xm = self._cross_mesh_plans()
         #: storage spec of every parameter and buffer on this rank (on the stage submesh)
@@ -223,6 +226,7 @@ class PipelineRunner(TrainingSteps):
                     if f not in self._direct_n:
                         params[f].register_post_accumulate_grad_hook(
                             lambda p, f=f: self._direct(f))
+                        self.states.in_place(f)
                         uses[f] += 1
                     self._direct_n[f] = self._direct_n.get(f, 0) + self.m
         for f, k in uses.items():
@@ -235,16 +239,15 @@ class PipelineRunner(TrainingSteps):
         return sum(c.run.recomputed for c in self.chunks.values() if isinstance(c.run, Recompute))
 
     def _direct(self, fqn: str) -> None:
-        """One backward pass has accumulated into ``fqn``'s leaf; after the step's last, its
-        ``.grad`` goes to the model states (one hand-off per step, not per microbatch)."""
+        """One backward pass has accumulated into ``fqn``'s leaf (in its bucket where it can:
+        ``ModelStates.in_place``); after the step's last, its ``.grad`` goes to the model
+        states (one hand-off per step, not per microbatch)."""
         k = self._direct_seen.get(fqn, 0) + 1
         if k < self._direct_n[fqn]:
             self._direct_seen[fqn] = k
             return
         self._direct_seen[fqn] = 0
-        p = self.state[fqn]
-        self.states.add_grad(fqn, p.grad)
-        p.grad = None
+        self.states.leaf_grad(fqn)
 
     # -- point to point ----------------------------------------------------------------------
     def _peer(self, chunk: int) -> int:
@@ -387,7 +390,7 @@ class PipelineRunner(TrainingSteps):
         from fxpar.runtime.comm import Regather
 
         with bind(c.bindings):
-            with Regather() if (self.regather and self.states is not None) else \
+            with Regather() if (self.regather and c.gathers and self.states is not None) else \
                     contextlib.nullcontext() as rg:
                 c.bindings.regather = rg
                 try:
@@ -554,6 +557,7 @@ class PipelineRunner(TrainingSteps):
         self._fwd_in, self._bwd_in, self._bwd_out = {}, {}, {}
         self._losses: list[torch.Tensor] = []
         self._sends: list = []
+        self.states.begin_backward()
         for action in self.schedule.actions[self.pp_rank]:
             try:
                 self._run(action, batch)

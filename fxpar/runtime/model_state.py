@@ -50,6 +50,25 @@ Because the optimizer sees per-chunk tensors, element-wise optimizers (SGD, Adam
 Adagrad, RMSprop, …) give exactly the unsharded result; optimizers that couple elements of a
 tensor (LBFGS, Adafactor, per-tensor norms) see chunks instead of tensors.
 
+Flat buckets. The parameters of a bucket that is fp32 with ``s_os = 1`` (and none of whose
+parameters shares storage with another) are moved into one storage, in bucket order (``t.data``
+is replaced: the parameter objects stay, and what writes them in place writes it). If the
+optimizer is one of :data:`ELEMENTWISE`, it steps one tensor per (bucket, param group) — a
+view of that storage, the parameters of a param group contiguous in the bucket — whose
+gradient is a slice of the bucket's reduced buffer (no copy): one kernel per operation
+instead of one per parameter, and per element the per-parameter update (bitwise for AdamW on
+CPU, tested). Its states are per segment; :meth:`ModelStates.optimizer_state` still gives
+them per parameter. Other optimizers (built first over the segments, then again) get a
+master per parameter, as above.
+
+Gradients in place (DDP's ``gradient_as_bucket_view``). A leaf declared with
+:meth:`ModelStates.in_place` (``s_g = 1``, no ``grad_scale``, reduced in its own dtype) has its
+``.grad`` pointed at its slice of the round's bucket buffer by
+:meth:`ModelStates.begin_backward`, so autograd accumulates straight into the bucket; its
+post-accumulate hook (:meth:`ModelStates.leaf_grad`) only counts the arrival. After
+:meth:`ModelStates.finish_backward` that ``.grad`` is ``None`` again: the buffer becomes the
+reduced gradient or next round's buffer.
+
 Ordering and overlap. Parameters are put into buckets in *reverse registration order*
 (backward produces the last layers' gradients first), one stream of buckets per
 ``(group key, dtype)``, each bucket closed once it holds ``bucket_bytes`` (the first of a
@@ -89,8 +108,9 @@ Use on every rank (``grad`` of each parameter arrives in its partial form)::
                      lambda ps: torch.optim.AdamW(ps, lr=1e-3), s_g=2, s_os=4)
     for n, p in model.named_parameters():
         ms.expect(n, 1)                           # lets buckets launch during backward
-        p.register_post_accumulate_grad_hook(lambda p, n=n: ms.add_grad(n, p.grad))
-    loss.backward(); ms.finish_backward(); ms.step(); ms.zero_grad()
+        ms.in_place(n)                            # where it can (s_g = 1): .grad in the bucket
+        p.register_post_accumulate_grad_hook(lambda p, n=n: ms.leaf_grad(n))
+    ms.begin_backward(); loss.backward(); ms.finish_backward(); ms.step(); ms.zero_grad()
 """
 
 from __future__ import annotations
@@ -105,9 +125,17 @@ import torch.distributed as dist
 from fxpar.errors import FxparError, PlanError
 
 __all__ = ["ReplicaGroup", "ModelStates", "GroupLayout", "group_layout", "check_factors",
-           "chunk_sizes"]
+           "chunk_sizes", "ELEMENTWISE"]
 
 _LOCAL_KEY = "<local>"
+
+#: optimizers whose update of an element reads only that element's parameter, gradient and
+#: states (and per-tensor scalars that depend on the step count alone): stepping one flat
+#: tensor for many parameters gives what stepping each does (checked against torch 2.13)
+ELEMENTWISE = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
+                         torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+                         torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Rprop,
+                         torch.optim.ASGD})
 
 
 @dataclass(frozen=True)
@@ -250,9 +278,12 @@ class _Param:
     ooff: int = 0         # offset of its optimizer chunk in the bucket's gather buffer
     expected: int | None = None
     count: int = 0
-    master: torch.Tensor | None = None
+    master: torch.Tensor | None = None   # the optimizer's tensor holding this param's chunk
+    moff: int = 0         # offset of the chunk in it (a flat segment holds several params)
     master_is_view: bool = False
     version: int = -1
+    in_place: bool = False   # its leaf .grad accumulates in the bucket buffer (begin_backward)
+    view: torch.Tensor | None = None   # that .grad in this round's buffer
 
     @property
     def real(self) -> int:  # real (non-padding) elements of the optimizer chunk
@@ -279,6 +310,8 @@ class _Bucket:
     waiting: int = 0          # params not yet complete in this round
     reduced: torch.Tensor | None = None   # reduced gradient chunk(s), accumulated over rounds
     spare: torch.Tensor | None = None     # s_g = 1: a free buffer from an earlier round
+    flat: bool = False        # fp32, s_os = 1: its parameters live in one storage ...
+    store: torch.Tensor | None = None     # ... this one (bucket order)
 
     @property
     def nbytes(self) -> int:
@@ -294,6 +327,16 @@ class _Bucket:
         if buf is None:
             return torch.zeros(self.lay.s_g * self.row, dtype=self.rdtype, device=self.device)
         return buf.zero_()
+
+
+def _shared_storage(tensors: Iterable[torch.Tensor]) -> Callable[[torch.Tensor], bool]:
+    """A predicate: whether a tensor's storage also backs another of ``tensors`` (tied
+    parameters that are two tensors: moving one would untie them)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr()
+        seen[ptr] = seen.get(ptr, 0) + 1
+    return lambda t: seen[t.untyped_storage().data_ptr()] > 1
 
 
 def _add_rows(buf2d: torch.Tensor, off: int, cg: int, flat: torch.Tensor) -> None:
@@ -319,6 +362,7 @@ class ModelStates:
     param groups. ``reduce_dtype`` reduces gradients in another dtype than the parameters'.
     ``grad_scale``: a factor per parameter applied to each contribution before it is summed
     (a pipeline rank whose copy of a tied parameter is complete where its group sums).
+    Parameters of flat buckets are moved into one storage per bucket (module docstring).
 
     Construction is collective over the default process group (all ranks exchange their group
     keys and layouts, check them, then create the subgroups); a bad factor or an inconsistent
@@ -350,13 +394,23 @@ class ModelStates:
             lay = self._layouts[_LOCAL_KEY if g is None or len(g.ranks) == 1 else g.key]
             n = t.numel()
             self._params[fqn] = _Param(fqn, t, lay, n, *chunk_sizes(n, lay.s_g, lay.s_os))
+        # optimizer options per parameter, as a hashable key (equal keys: one param group)
+        self._opts = {f: dict(param_groups(f) or {}) if param_groups else {} for f in params}
+        self._okey = {f: tuple(sorted((k, repr(v)) for k, v in o.items()))
+                      for f, o in self._opts.items()}
         self._buckets = self._make_buckets(reduce_dtype)
         self._planned: dict[tuple, list] = {}   # edge bucket -> [(fqn, plan, grad)] arrived
         self._inflight: list = []               # [(fqns, Pending)] planned gradients launched
         self._next = 0           # next bucket to launch in this round
         self._in_round = False   # some contribution or launch since the last finish_backward
-        self._make_masters()
-        self.optimizer = self._make_optimizer(optimizer, param_groups)
+        self._in_place: list[_Param] = []       # leaves whose .grad is a view of a bucket
+        self._flatten()
+        self._make_masters(flat=True)
+        self.optimizer = self._make_optimizer(optimizer, param_groups is not None)
+        if type(self.optimizer) not in ELEMENTWISE and any(bk.flat for bk in self._buckets):
+            # it may couple the elements of a tensor: one master per parameter, as it expects
+            self._make_masters(flat=False)
+            self.optimizer = self._make_optimizer(optimizer, param_groups is not None)
 
     # -- construction ------------------------------------------------------------------------
     def _make_layouts(self, params, groups, s_g, s_os, factors) -> dict[str, _RankLayout]:
@@ -468,20 +522,64 @@ class ModelStates:
                              t.device, [])
                 buckets.append(bk)
                 open_[sk] = bk
-            p.bucket, p.off, p.ooff = bk, bk.row, bk.orow
+            p.bucket = bk
             bk.params.append(p)
             bk.row += p.cg
             bk.orow += p.cos
             if bk.nbytes >= (self.bucket_bytes if sk in closed else self.first_bucket_bytes):
                 del open_[sk]
                 closed.add(sk)
+        shared = _shared_storage(p.tensor for p in self._params.values())
         for bk in buckets:
+            # a param group's parameters next to each other (one flat segment each); which
+            # parameters a bucket holds, not their order in it, decides when it launches
+            first = {}
+            for p in bk.params:
+                first.setdefault(self._okey[p.fqn], len(first))
+            bk.params.sort(key=lambda p: first[self._okey[p.fqn]])
+            row = orow = 0
+            for p in bk.params:
+                p.off, p.ooff = row, orow
+                row, orow = row + p.cg, orow + p.cos
             bk.waiting = len(bk.params)
+            bk.flat = (bk.dtype == torch.float32 and bk.lay.s_os == 1 and
+                       all(p.tensor.is_contiguous() and not shared(p.tensor) for p in bk.params))
         return buckets
 
-    def _make_masters(self) -> None:
+    def _flatten(self) -> None:
+        """The parameters of each flat bucket move into one storage, in bucket order (their
+        Python objects stay, so whatever writes them in place writes it)."""
+        with torch.no_grad():
+            for bk in self._buckets:
+                if bk.flat:
+                    bk.store = torch.empty(bk.row, dtype=torch.float32, device=bk.device)
+                    for p in bk.params:
+                        view = bk.store[p.off:p.off + p.numel].view(p.tensor.shape)
+                        view.copy_(p.tensor)
+                        p.tensor.data = view
+
+    def _make_masters(self, flat: bool) -> None:
+        """The optimizer's tensors: with ``flat``, one per (bucket, param group) segment of
+        each flat bucket (a view of its storage); the others one per parameter. ``_masters``
+        lists ``(tensor, bucket, start)``: its gradient is ``bucket.reduced[start:start + n]``."""
+        self._masters: list[tuple[torch.Tensor, _Bucket | None, int]] = []
+        for bk in self._buckets:
+            if not (flat and bk.flat):
+                continue
+            segs: dict[tuple, list[_Param]] = {}
+            for p in bk.params:
+                segs.setdefault(self._okey[p.fqn], []).append(p)
+            for ps in segs.values():
+                lo = ps[0].off
+                master = bk.store[lo:ps[-1].off + ps[-1].numel]
+                self._masters.append((master, bk, lo))
+                for p in ps:
+                    p.master, p.moff, p.master_is_view = master, p.off - lo, True
         for p in self._params.values():
+            if flat and p.bucket is not None and p.bucket.flat:
+                continue
             t = p.tensor
+            p.moff = 0
             if t.dtype == torch.float32 and p.lay.s_os == 1 and t.is_contiguous():
                 # fp32 and unsharded: the parameter is its own master (a separate leaf tensor
                 # over the same storage, so its .grad is ours, not the user's)
@@ -490,6 +588,8 @@ class ModelStates:
             else:
                 p.master = torch.zeros(p.cos, dtype=torch.float32, device=t.device)
                 self._load_master(p)
+            self._masters.append((p.master, p.bucket,
+                                  p.off + p.lay.k * p.cos - p.lay.b * p.cg))
 
     def _load_master(self, p: _Param) -> None:
         if p.master_is_view:
@@ -501,16 +601,16 @@ class ModelStates:
                 p.master[:real].copy_(p.tensor.detach().reshape(-1)[lo:lo + real])
         p.version = p.tensor._version
 
-    def _make_optimizer(self, optimizer, param_groups) -> torch.optim.Optimizer | None:
+    def _make_optimizer(self, optimizer, grouped: bool) -> torch.optim.Optimizer | None:
         if not self._params:  # a rank with nothing to train (a pipeline stage of loss ops)
             return None
-        if param_groups is None:
-            return optimizer([p.master for p in self._params.values()])
+        masters = {id(p.master): p for p in self._params.values()}  # first member of each
+        if not grouped:
+            return optimizer([p.master for p in masters.values()])
         groups: dict[tuple, dict] = {}
-        for p in self._params.values():
-            opts = dict(param_groups(p.fqn) or {})
-            key = tuple(sorted((k, repr(v)) for k, v in opts.items()))
-            groups.setdefault(key, {**opts, "params": []})["params"].append(p.master)
+        for p in masters.values():
+            key = self._okey[p.fqn]
+            groups.setdefault(key, {**self._opts[p.fqn], "params": []})["params"].append(p.master)
         return optimizer(list(groups.values()))
 
     # -- backward ------------------------------------------------------------------------------
@@ -530,12 +630,65 @@ class ModelStates:
         except KeyError:
             raise FxparError(f"ModelStates: unknown parameter {fqn!r}") from None
 
+    def in_place(self, fqn: str) -> bool:
+        """Let ``fqn``'s leaf accumulate its gradient in place, in its slice of the bucket
+        buffer (DDP's ``gradient_as_bucket_view``), where the layout allows it: ``s_g = 1``, no
+        ``grad_scale``, reduced in its own dtype. Then :meth:`begin_backward` points its
+        ``.grad`` there before each backward, and its post-accumulate hook calls
+        :meth:`leaf_grad`. Returns whether it does."""
+        p = self._param(fqn)
+        bk = p.bucket
+        ok = (bk is not None and bk.lay.s_g == 1 and fqn not in self.grad_scale and
+              bk.rdtype == bk.dtype and p.tensor.is_contiguous())
+        if ok and not p.in_place:
+            p.in_place = True
+            self._in_place.append(p)
+        return ok
+
+    def begin_backward(self) -> None:
+        """Before a backward: the ``.grad`` of every :meth:`in_place` leaf becomes a view of
+        its slice of this round's bucket buffer (made now: reused, zeroed), so autograd's
+        accumulation (``grad += new``, grad mode off) writes the bucket directly. Contributions
+        through :meth:`add_grad` add to the same buffer. :meth:`finish_backward` (and
+        :meth:`zero_grad`) set those ``.grad`` back to ``None``: the buffer is reused later."""
+        for p in self._in_place:
+            bk = p.bucket
+            if bk.buf is None:
+                bk.buf = bk.new_buf()
+            p.view = bk.buf[p.off:p.off + p.numel].view(p.tensor.shape)
+            p.tensor.grad = p.view
+
+    def leaf_grad(self, fqn: str) -> None:
+        """A leaf's ``.grad`` is complete for this backward (its post-accumulate hook): counted
+        as one contribution if it accumulated in the bucket (:meth:`begin_backward`), else
+        added (:meth:`add_grad`) and dropped."""
+        p = self._param(fqn)
+        t = p.tensor
+        if p.view is not None and t.grad is p.view:
+            self._arrive(p, fqn)
+        else:
+            self.add_grad(fqn, t.grad)
+            t.grad = None
+
     def add_grad(self, fqn: str, grad: torch.Tensor) -> None:
         """Add one partial contribution (the local storage's shape) to ``fqn``'s gradient."""
         p = self._param(fqn)
         if grad.shape != p.tensor.shape:
             raise FxparError(f"add_grad({fqn!r}): gradient of shape {tuple(grad.shape)} for a "
                              f"local parameter of shape {tuple(p.tensor.shape)}")
+        bk = p.bucket
+        if bk is not None and not bk.launched:
+            if bk.buf is None:
+                bk.buf = bk.new_buf()
+            g = grad.detach().reshape(-1)
+            if fqn in self.grad_scale:
+                g = g * self.grad_scale[fqn]
+            with torch.no_grad():
+                _add_rows(bk.buf.view(bk.lay.s_g, bk.row), p.off, p.cg, g)
+        self._arrive(p, fqn)
+
+    def _arrive(self, p: _Param, fqn: str) -> None:
+        """Count one contribution of ``p`` (already in the buffer); launch what is complete."""
         self._in_round = True
         if p.expected is not None and p.count >= p.expected:
             raise FxparError(f"add_grad({fqn!r}): more than the {p.expected} contribution(s) "
@@ -546,13 +699,6 @@ class ModelStates:
             return
         if bk.launched:
             raise FxparError(f"add_grad({fqn!r}): its bucket was already launched")
-        if bk.buf is None:
-            bk.buf = bk.new_buf()
-        g = grad.detach().reshape(-1)
-        if fqn in self.grad_scale:
-            g = g * self.grad_scale[fqn]
-        with torch.no_grad():
-            _add_rows(bk.buf.view(bk.lay.s_g, bk.row), p.off, p.cg, g)
         if p.expected is not None and p.count == p.expected:
             bk.waiting -= 1
             while self._next < len(self._buckets) and self._buckets[self._next].waiting == 0:
@@ -646,18 +792,12 @@ class ModelStates:
             bk.waiting = len(bk.params)
         for p in self._params.values():
             p.count = 0
+        for p in self._in_place:   # the round's buffer is now the reduced gradient or spare
+            p.view = p.tensor.grad = None
         self._next = 0
         self._in_round = False
 
     # -- step ------------------------------------------------------------------------------
-    def _grad_slice(self, p: _Param) -> torch.Tensor | None:
-        """The reduced gradient of ``p``'s optimizer chunk (a view into the bucket)."""
-        bk = p.bucket
-        if bk is None or bk.reduced is None:
-            return None
-        start = p.off + p.lay.k * p.cos - p.lay.b * p.cg
-        return bk.reduced[start:start + p.cos]
-
     def step(self) -> None:
         """Optimizer step on the local chunks, then every rank's storage is made whole again
         (all-gather over the ``s_os`` subgroups; in place, so ``param`` objects stay valid)."""
@@ -666,10 +806,11 @@ class ModelStates:
         for p in self._params.values():
             if not p.master_is_view and p.tensor._version != p.version:
                 self._load_master(p)   # the parameter was changed outside (weights loaded)
-            g = self._grad_slice(p)
+        for master, bk, lo in self._masters:   # the reduced gradient: a view into the bucket
+            g = None if bk is None or bk.reduced is None else bk.reduced[lo:lo + master.numel()]
             if g is not None and g.dtype != torch.float32:
                 g = g.float()
-            p.master.grad = g
+            master.grad = g
         if self.optimizer is not None:
             self.optimizer.step()
         gathers = []
@@ -696,8 +837,8 @@ class ModelStates:
                     full = rows[:, p.ooff:p.ooff + p.cos].index_select(0, order).reshape(-1)
                     p.tensor.copy_(full[:p.numel].view(p.tensor.shape))
                     p.version = p.tensor._version
-        for p in self._params.values():
-            p.master.grad = None
+        for master, _, _ in self._masters:
+            master.grad = None
 
     def zero_grad(self) -> None:
         """Drop the reduced gradients (and wait for any reduction still in flight)."""
@@ -709,8 +850,8 @@ class ModelStates:
                 bk.spare = bk.reduced     # (a round's buffer) dropped: reused, not reallocated
             bk.reduced = None
         self._reset_round()
-        for p in self._params.values():
-            p.master.grad = None
+        for master, _, _ in self._masters:
+            master.grad = None
 
     # -- inspection ------------------------------------------------------------------------
     def grad_norm_term(self, norm_type: float, copies: Mapping[str, int]) -> torch.Tensor:
@@ -774,16 +915,20 @@ class ModelStates:
     def optimizer_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict]]:
         """The optimizer state of every parameter in its local STORAGE shape (per-element
         states gathered over the ``s_os`` subgroup; scalars such as Adam's ``step`` as they
-        are), and the param groups' hyperparameters with ``"params"`` as FQN lists. Collective
-        over the optimizer subgroups; for checkpoints, not the hot path."""
+        are, copied: a flat segment's parameters share them), and the param groups'
+        hyperparameters with ``"params"`` as FQN lists. Collective over the optimizer
+        subgroups; for checkpoints, not the hot path."""
         out: dict[str, dict[str, torch.Tensor]] = {}
+        members: dict[int, list[str]] = {}
         for p in self._params.values():
+            members.setdefault(id(p.master), []).append(p.fqn)
             st = self.optimizer.state.get(p.master, {})
-            out[p.fqn] = {k: self._whole(p, v) if torch.is_tensor(v) and v.numel() == p.cos and v.ndim
-                          else v for k, v in st.items()}
-        fqn_of = {id(p.master): p.fqn for p in self._params.values()}
+            n = p.master.numel()
+            out[p.fqn] = {k: (self._whole(p, v[p.moff:p.moff + p.cos]) if v.ndim and v.numel() == n
+                              else v.clone()) if torch.is_tensor(v) else v for k, v in st.items()}
+        order = {f: i for i, f in enumerate(self._params)}
         groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": [fqn_of[id(t)] for t in g["params"]]}
+                   "params": sorted((f for t in g["params"] for f in members[id(t)]), key=order.get)}
                   for g in (self.optimizer.param_groups if self.optimizer is not None else ())]
         return out, groups
 
@@ -799,22 +944,26 @@ class ModelStates:
                              groups: list[dict] | None = None) -> None:
         """Inverse of :meth:`optimizer_state`: per parameter, storage-shaped states are cut to this
         rank's chunk (zero padding), scalars taken as they are; each param group's
-        hyperparameters are taken from the saved group that held its first parameter."""
+        hyperparameters are taken from the saved group that held its first parameter. The
+        states of a flat segment are rebuilt from its parameters' (one missing from ``state``
+        gets zeros there)."""
+        new: dict[int, dict] = {}
         for fqn, st in state.items():
             p = self._param(fqn)
-            chunk = {}
+            m = p.master
+            chunk = new.setdefault(id(m), {})
             for k, v in st.items():
                 if torch.is_tensor(v) and v.ndim and v.numel() == p.numel:
-                    c = torch.zeros(p.cos, dtype=v.dtype, device=p.master.device)
+                    if k not in chunk:
+                        chunk[k] = torch.zeros(m.numel(), dtype=v.dtype, device=m.device)
                     lo = p.lay.k * p.cos
-                    c[:p.real].copy_(v.reshape(-1)[lo:lo + p.real])
-                    chunk[k] = c
+                    chunk[k][p.moff:p.moff + p.real].copy_(v.reshape(-1)[lo:lo + p.real])
                 else:
-                    chunk[k] = v.to(p.master.device) if torch.is_tensor(v) else v
-            self.optimizer.state[p.master] = chunk
+                    chunk[k] = v.to(m.device) if torch.is_tensor(v) else v
+            self.optimizer.state[m] = chunk
         if groups and self.optimizer is not None:
             saved = {f: g for g in groups for f in g["params"]}
-            fqn_of = {id(p.master): p.fqn for p in self._params.values()}
+            fqn_of = {id(p.master): p.fqn for p in reversed(self._params.values())}
             for g in self.optimizer.param_groups:
                 src = saved.get(fqn_of[id(g["params"][0])]) if g["params"] else None
                 if src is not None:

@@ -34,6 +34,7 @@ from fxpar.errors import FxparError, PlanError
 from fxpar.mesh import Mesh
 from fxpar.runtime.bindings import Bindings, bind
 from fxpar.runtime.comm import REDISTRIBUTE as _REDIST, START as _START, WAIT as _WAIT
+from fxpar.runtime.comm import gathers_params
 from fxpar.runtime.recompute import Recompute, known_layers, resolve
 
 __all__ = ["Runner", "TrainingSteps", "replica_group", "check_world", "clip_grad_norm",
@@ -141,11 +142,11 @@ class TrainingSteps:
                                          edge.bucket, edge.name)
 
     def _leaf_hook(self, fqn: str):
-        """A parameter leaf's post-accumulate hook: its gradient (the sum of its direct uses)
-        to the model states."""
+        """A parameter leaf's post-accumulate hook: its gradient (the sum of its direct uses,
+        accumulated in the bucket where it can: ``ModelStates.in_place``) to the model
+        states."""
         def hook(p: torch.Tensor) -> None:
-            self.states.add_grad(fqn, p.grad)
-            p.grad = None
+            self.states.leaf_grad(fqn)
         return hook
 
     def save_checkpoint(self, path) -> None:
@@ -195,6 +196,9 @@ class Runner(TrainingSteps):
         self.device = device or "cpu"
         self.local_batch = local_batch
         self.regather, self.regathers = regather, 0
+        #: gathered parameters still held between forward and backward (``regather``: 0;
+        #: ``None`` without regather)
+        self.held_after_forward = 0 if regather else None
         gm = program.rank_graph(rank, self.device)
         #: the rank graph this runner calls (replaceable, e.g. by ``torch.compile(runner.gm)``:
         #: what the runner needs of its meta is read here, once)
@@ -230,6 +234,9 @@ class Runner(TrainingSteps):
         self.recompute = recompute_layers(program, recompute, known_layers(gm))
         self._rc = None
         edges = gm.meta.get(ir.EDGES, {})
+        #: whether a training step enters Regather's saved-tensor hooks (only if it gathers
+        #: a parameter: the hooks cost a Python call per saved tensor)
+        self._regather_on = regather and gathers_params(edges)
         at = {n.name: k for k, n in enumerate(self.inputs)}
         #: edges out of a batch input through a collective: handed the global batch, a rank
         #: slices their destination layout itself instead (``Bindings.given``)
@@ -262,6 +269,7 @@ class Runner(TrainingSteps):
                         direct = True
                 if direct:
                     params[f].register_post_accumulate_grad_hook(self._leaf_hook(f))
+                    self.states.in_place(f)
                     uses[f] += 1
             for f, k in uses.items():
                 if k:
@@ -322,18 +330,19 @@ class Runner(TrainingSteps):
 
         with bind(self.bindings):
             deferred = self.bindings.deferred = []
-            with Regather() if self.regather else contextlib.nullcontext() as rg:
+            with Regather() if self._regather_on else contextlib.nullcontext() as rg:
                 self.bindings.regather = rg
                 try:
                     out = self.forward(*args, **kwargs)
                 finally:
                     self.bindings.regather = self.bindings.deferred = None
-            #: gathered parameters still held between forward and backward (``regather``: 0)
-            self.held_after_forward = rg.alive() if rg is not None else None
+            if rg is not None:
+                self.held_after_forward = rg.alive()
             loss = out[0] if isinstance(out, (tuple, list)) else out
             if not (isinstance(loss, torch.Tensor) and loss.ndim == 0 and loss.is_floating_point()):
                 raise FxparError("the compiled model's first output is not a scalar loss; pass "
                                  "loss_fn=... to fxpar.compile")
+            self.states.begin_backward()
             loss.backward()
         self.regathers = rg.count if rg is not None else 0
         self.states.finish_backward()
