@@ -207,6 +207,17 @@ def test_zero3_is_searched_for_one_spmd_step_and_priced_by_amsp(gpt):
         search(gm, cl, batch=16, only=dict(pp=1, tp=1, s_p=4, s_g=2, s_os=4))
 
 
+def test_sharding_groups_tile_the_nodes():
+    """Factors below ``d`` are groups of consecutive replicas inside a node, so they divide a
+    node's ``d0`` replicas (12 replicas, 4 per node: 3 and 6 divide 12 but split a node or
+    straddle two, which AMSP's intra x inter grid cannot price)."""
+    from fxpar.planner.joint import _zero_options
+
+    opts = _zero_options(12, {}, True, 4)
+    assert {f for o in opts for f in o} == {1, 2, 4, 12}
+    assert (2, 4, 12) in opts and (12, 12, 12) in opts
+
+
 def test_memory_bound_search_picks_zero3(gpt):
     """A budget between ZeRO-3's footprint and every other configuration's: the search
     answers ZeRO-3 over all replicas, and names it in explain()."""

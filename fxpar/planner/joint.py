@@ -401,8 +401,8 @@ def _zero_options(d: int, only: Mapping, spmd: bool, d0: int = 1,
     and sharded parameters:
 
     * one SPMD step (``spmd``: no pipeline or microbatches): every ``s_p | s_g | s_os``
-      (AMSP eq. 3) with ``s_p > 1``, each factor ``d`` or a divisor of ``d`` inside a node
-      (``≤ d0``): ZeRO-3 ``(d, d, d)``, MiCS/HSDP ``(d0, d0, d0)`` (planned on
+      (AMSP eq. 3) with ``s_p > 1``, each factor ``d`` or a divisor of ``d0`` (groups inside
+      a node, tiling it): ZeRO-3 ``(d, d, d)``, MiCS/HSDP ``(d0, d0, d0)`` (planned on
       :attr:`Candidate.spmd_axes`), AMSP's LLaMA-13B ``(4, 4, 8)``;
     * a pipeline or microbatches: ZeRO-3 ``(d, d, d)`` over a stage's replicas, whose
       parameters the runtime gathers again for every microbatch (AMSP's ``M·T_p``), except
@@ -416,7 +416,7 @@ def _zero_options(d: int, only: Mapping, spmd: bool, d0: int = 1,
     >>> [o for o in _zero_options(8, {}, True, 4) if o[0] > 1]
     [(2, 2, 2), (2, 2, 4), (2, 2, 8), (2, 4, 4), (2, 4, 8), (2, 8, 8), (4, 4, 4), (4, 4, 8), (4, 8, 8), (8, 8, 8)]
     """
-    fs = [f for f in _divisors(d) if f <= d0 or f == d]
+    fs = [f for f in _divisors(d) if d0 % f == 0 or f == d]  # groups that tile the nodes
     if spmd:
         sharded = [(p, g, o) for p in fs[1:] for g in fs for o in fs if g % p == 0 and o % g == 0]
     else:
