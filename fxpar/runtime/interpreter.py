@@ -498,7 +498,9 @@ class PipelineRunner(TrainingSteps):
         if kind == "F":
             self._forward(k, i, batch)
         elif kind in ("B", "I"):
-            self._backward(k, i, split=kind == "I" and SPLIT_BACKWARD)
+            # a chunk that gathers parameters (ZeRO-3) runs I whole: a split W would re-read
+            # the gathered copies I released, and the sink, not the leaf, takes their gradient
+            self._backward(k, i, split=kind == "I" and SPLIT_BACKWARD and not self.chunks[k].gathers)
         elif kind == "W":
             self._weight(k, i)
         elif kind == "SEND_F":
