@@ -185,7 +185,9 @@ def plan_all(cal, chosen) -> dict:
             continue
         t0 = time.perf_counter()
         try:
-            planned = fxpar.plan(_model(), cal, (idx, tgt), mesh=mesh, plan=kind, time_limit=30)
+            # the runners train fp32 parameters with AdamW (fp32 model states, stepped flat)
+            planned = fxpar.plan(_model(), cal, (idx, tgt), mesh=mesh, plan=kind, time_limit=30,
+                                 options=fxpar.planner.PlannerOptions(precision="fp32"))
             p = planned.plan
             shape = dict(zip(p.mesh["axis_names"], p.mesh["shape"]))
             lmesh = fxpar.Mesh(local, shape)

@@ -33,6 +33,8 @@ Example (what :meth:`Plan.explain` prints for a 2-layer MLP on 4 devices, tight 
 
 from __future__ import annotations
 
+import math
+
 import hashlib
 import json
 from collections import defaultdict
@@ -276,8 +278,10 @@ class Plan:
           arrive, each launched when its last gradient is in, all waited at the end of the step;
         * then the optimizer step, on a cluster whose compute profile prices it
           (:attr:`fxpar.cluster.ComputeProfile.optimizer`): ``per_tensor + per_element·n`` per
-          parameter of ``n`` local elements (its state bytes over the optimizer's per-element
-          bytes, divided by ``s_os`` where the plan shards optimizer states).
+          tensor of ``n`` local elements (a parameter's state bytes over the optimizer's
+          per-element bytes, divided by ``s_os`` where the plan shards optimizer states); fp32
+          parameters with unsharded states are stepped as one flat tensor per bucket, as the
+          runtime does for element-wise optimizers.
 
         Coalesced collectives are priced again as one (``steps·α`` once) on the plan's cluster.
         Returns a :class:`fxpar.cost.overlap.Overlap` (``step``, ``exposed``, ``hidden``)."""
@@ -294,7 +298,7 @@ class Plan:
         fi = {n.name: i for i, n in enumerate(ops)}
         bi = {n.name: 2 * F - 1 - i for i, n in enumerate(ops)}  # backward runs them in reverse
         compute = [n.fwd_time for n in ops] + [n.bwd_time for n in reversed(ops)] \
-            + [self._optimizer_time()]
+            + [self._optimizer_time(bucket_bytes, first_bucket_bytes)]
         edges = [e for e in self.edges if e.consumer in fi]
         first: dict[str, int] = {}  # gather unit (consumer's layer) -> its first use
         for e in edges:
@@ -351,21 +355,27 @@ class Plan:
             comms.append(Comm(price(kind, axis, steps), ready + 1, 2 * F))
         return overlap(compute, comms)
 
-    def _optimizer_time(self) -> float:
+    def _optimizer_time(self, bucket_bytes: int, first_bucket_bytes: int) -> float:
         """Seconds of the optimizer step (:meth:`overlap`), 0 without a measured price."""
-        from fxpar.cost.memory import model_state_bytes
+        from fxpar.cost.memory import _PREC_ALIASES, model_state_bytes
 
         prof = (self.mesh.get("cluster") or {}).get("compute") or {}
         if not prof.get("optimizer"):
             return 0.0
         per_tensor, per_element = prof["optimizer"]
+        precision = self.options.get("precision", "mixed")
         per_param = model_state_bytes(1, optimizer=self.options.get("optimizer", "adam"),
-                                      precision=self.options.get("precision", "mixed")).total
+                                      precision=precision).total
         s_os = (self.schedule.get("state") or {}).get("s_os", 1)
         # parameters are the placeholders torch.export names p_<fqn>; their memory is their
         # model states (fxpar.planner.pricing.node_memory)
-        return sum(per_tensor + per_element * n.memory / per_param / s_os
-                   for n in self.nodes if n.op == "placeholder" and n.name.startswith("p_"))
+        n = [x.memory / per_param / s_os for x in self.nodes
+             if x.op == "placeholder" and x.name.startswith("p_")]
+        if s_os == 1 and _PREC_ALIASES.get(precision.lower()) == "fp32" and n:
+            # ModelStates' flat step: one tensor per gradient bucket (a first small one)
+            rest = max(0.0, 4 * sum(n) - first_bucket_bytes)
+            return (1 + math.ceil(rest / bucket_bytes)) * per_tensor + per_element * sum(n)
+        return sum(per_tensor + per_element * k for k in n)
 
     def _pricer(self):
         """``price(kind, axis, steps)``: seconds of ``steps`` coalesced into one collective on

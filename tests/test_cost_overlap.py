@@ -98,12 +98,14 @@ def test_a_pipeline_plan_sends_you_to_its_stages():
     assert p.stages[0].plan.overlap().step > 0
 
 
-@pytest.mark.parametrize("kind, shards", [("dp", 1), ("zero3", 2)])
-def test_optimizer_step_is_priced_per_local_parameter(kind, shards):
+@pytest.mark.parametrize("kind, shards, precision, tensors", [
+    ("dp", 1, "mixed", 4), ("zero3", 2, "mixed", 4), ("dp", 1, "fp32", 1), ("zero3", 2, "fp32", 1)])
+def test_optimizer_step_is_priced_per_local_parameter(kind, shards, precision, tensors):
     """With a measured optimizer price ``(per_tensor, per_element)``, the step ends with the
     optimizer over each rank's parameter elements: an MLP 64-128-64 has 4 tensors and
     8192 + 128 + 8192 + 64 = 16576 elements, all of them on each dp rank, half under ZeRO-3
-    on 2 ranks (each tensor is sharded on dim 0)."""
+    on 2 ranks (each tensor is sharded on dim 0). fp32 parameters with unsharded states are
+    stepped flat, one tensor per gradient bucket (here all in the first 1 MiB one)."""
     import dataclasses
 
     from examples.models import MLP
@@ -112,8 +114,10 @@ def test_optimizer_step_is_priced_per_local_parameter(kind, shards):
     prof = ComputeProfile(gemm=((1e3, 1e10), (1e9, 1e10)), memory=((1e3, 1e10), (1e9, 1e10)),
                           op_overhead=0.0, bwd_op_overhead=0.0, optimizer=(1e-5, 1e-9))
     cl = fxpar.Cluster.local(2, compute=prof)
-    p = fxpar.plan(MLP(64, 128, 64), cl, (torch.randn(8, 64),), plan=kind, mesh={"dp": 2}).plan
+    p = fxpar.plan(MLP(64, 128, 64), cl, (torch.randn(8, 64),), plan=kind, mesh={"dp": 2},
+                   options=fxpar.planner.PlannerOptions(precision=precision)).plan
     unpriced = dict(p.mesh, cluster={**p.mesh["cluster"],
                                      "compute": {**p.mesh["cluster"]["compute"], "optimizer": []}})
     base = dataclasses.replace(p, mesh=unpriced).overlap().step
-    assert p.overlap().step - base == pytest.approx(4 * 1e-5 + 16576 / shards * 1e-9, rel=1e-9)
+    assert p.overlap().step - base == pytest.approx(tensors * 1e-5 + 16576 / shards * 1e-9,
+                                                    rel=1e-9)
