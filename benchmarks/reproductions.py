@@ -7,7 +7,10 @@ for interleaved, the chunk count left to the search where the paper does not giv
 their ratio. Every row also prices the searched baselines where they apply (:func:`searched`:
 ``amsp``, the search with TP = PP = 1; ``alpa``, the search's choice under placement-agnostic
 communication costs, priced on the real cluster), and ``auto_vs_best_baseline`` is auto's
-step over the fastest baseline of the row (the issue's target: never above 1, mean ≤ 0.85).
+step over the fastest baseline of the row (the issue's target: never above 1, mean ≤ 0.85);
+``auto_vs_best_paper_config`` the same over the papers' hand-made configurations and systems
+only (the searched ones are fxpar's own search in a subspace, so ``auto`` can only tie them
+where the optimum lies inside it).
 Nothing here trains: the numbers are the cost model's. Models are built in bf16
 (activations and their communication at 2 bytes; model states by mixed-precision Adam).
 
@@ -134,13 +137,20 @@ def searched(gm, cluster, batch: int) -> dict:
     return out
 
 
-def best_baseline(row: dict, keys) -> None:
+def best_baseline(row: dict, keys, searched=("amsp", "alpa")) -> None:
     """``best_baseline`` (the fastest of ``keys`` that has a step) and
-    ``auto_vs_best_baseline`` (auto's step over its)."""
+    ``auto_vs_best_baseline`` (auto's step over its); ``best_paper_config`` and
+    ``auto_vs_best_paper_config``: the same over the papers' hand-made configurations and
+    systems only, without the ``searched`` baselines (fxpar's own search restricted: AMSP's
+    program with TP = PP = 1, Alpa's choice without state sharding)."""
     base = {k: row[k]["step_s"] for k in keys if k in row and "step_s" in row[k]}
     if base and "step_s" in row.get("auto", {}):
         row["best_baseline"] = min(base, key=base.get)
         row["auto_vs_best_baseline"] = row["auto"]["step_s"] / base[row["best_baseline"]]
+        hand = {k: v for k, v in base.items() if k not in searched}
+        if hand:
+            row["best_paper_config"] = min(hand, key=hand.get)
+            row["auto_vs_best_paper_config"] = row["auto"]["step_s"] / hand[row["best_paper_config"]]
 
 
 def table1(names: set[str] | None) -> list[dict]:
@@ -245,7 +255,8 @@ def table3() -> list[dict]:
         for k in (*cases, "amsp_search", "alpa"):
             if "step_s" in row[k]:
                 row[k]["mfu"] = 100 * model_flops / (row[k]["step_s"] * n * 312e12)
-        best_baseline(row, ("amsp", "zero1", "zero3", "amsp_search", "alpa"))
+        best_baseline(row, ("amsp", "zero1", "zero3", "amsp_search", "alpa"),
+                      searched=("amsp_search", "alpa"))
         rows.append(row)
         fmt = lambda r: f"{r['mfu']:5.1f}%" if "mfu" in r else "no fit"  # noqa: E731
         print(f"{name:>9} | AMSP paper {p_amsp}%, fxpar {fmt(row['amsp']) if 'amsp' in row else 'n/a':>6} | "
@@ -464,15 +475,20 @@ def main(argv=None) -> int:
     # other papers' systems, amsp and alpa searched), so "never slower" covers every baseline
     ratios = [r["auto_vs_best_baseline"] for t in (t1, t2, t3, t4) for r in t
               if "auto_vs_best_baseline" in r]
+    hand = [r["auto_vs_best_paper_config"] for t in (t1, t2, t3, t4) for r in t
+            if "auto_vs_best_paper_config" in r]
     paper = [r["auto_vs_paper"] for r in t1]
     summary = {"auto_never_slower_than_any_baseline": all(x <= 1 + 1e-9 for x in ratios),
                "mean_auto_vs_best_baseline": sum(ratios) / len(ratios) if ratios else None,
                "mean_auto_vs_paper_table1": sum(paper) / len(paper) if paper else None,
+               "mean_auto_vs_best_paper_config": sum(hand) / len(hand) if hand else None,
                "rows": len(ratios), "total_s": round(time.perf_counter() - t0, 1),
                "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
     print(f"\nauto vs each row's best baseline ({len(ratios)} rows): mean step ratio "
           f"{summary['mean_auto_vs_best_baseline']:.3f} (target <= 0.85), never slower: "
-          f"{summary['auto_never_slower_than_any_baseline']}")
+          f"{summary['auto_never_slower_than_any_baseline']}; over the papers' hand-made "
+          f"configurations only (amsp/alpa searches left out): "
+          f"{summary['mean_auto_vs_best_paper_config']:.3f}")
     out = {"benchmark": "reproductions", "table1": t1, "table2": t2, "amsp": t3, "axonn": t4,
            "summary": summary,
            "targets": {"auto_not_slower_than_any_baseline": True, "mean_ratio_to_best_baseline": 0.85}}
