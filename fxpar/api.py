@@ -377,12 +377,17 @@ def _plan_config(gm, probe, cluster, c, res, opts, pins, dropped, cache) -> Plan
     notes = ((f"joint search: the planner chose the layout of {', '.join(dropped)} "
               "(no strategy takes the priced one)",) if dropped else ())
     if c.pp == 1 and c.microbatches == 1:
+        from fxpar.layers import layer_of
+
         mesh = _config_mesh(c, cluster)
         p, bp, sol = plan_and_keep(gm, mesh, pins=pins, options=opts, cache=cache)
-        # the state factors drive the runner (s_p is the parameters' specs: the pins)
+        # the state factors and recomputation drive the runner (s_p is the parameters' specs:
+        # the pins); recomputation as the search priced it, every layer's forward again
+        layers = sorted({lay for n in gm.graph.nodes if n.op == "call_function"
+                         and not (lay := layer_of(n)).startswith("(")}) if c.recompute else []
         p = dataclasses.replace(p, notes=p.notes + notes, schedule={
-            **p.schedule, "state": {"s_p": c.s_p, "s_g": c.s_g, "s_os": c.s_os},
-            "search": res.summary()})
+            **p.schedule, "recompute": layers,
+            "state": {"s_p": c.s_p, "s_g": c.s_g, "s_os": c.s_os}, "search": res.summary()})
         return Planned(p, gm, ((c.name, p.time),), bp, sol)
     mesh = Mesh(cluster, {"pp": c.pp, "dp": c.dp, "tp": c.tp})
     pplan, chunks = plan_pipeline(

@@ -371,6 +371,24 @@ def test_recomputation_keeps_each_units_inputs_and_rebuilds_one_unit(gpt):
     assert rc.memory < full.memory
 
 
+def test_spmd_recomputation_reaches_the_runner(gpt):
+    """A one-step (SPMD) configuration with recomputation writes the layers it priced into
+    the plan, and the runner recomputes them (it used to train without, over the priced
+    memory): every block, the embeddings and the head."""
+    from fxpar.runtime.recompute import known_layers
+    from fxpar.runtime.runner import recompute_layers
+
+    model, _ = gpt
+    x = torch.randint(0, 64, (8, 16))
+    tup = dict(pp=1, tp=1, microbatch=4, s_g=1, s_os=1)
+    prog = fxpar.compile(model, fxpar.Cluster.local(2), (x,), plan=dict(tup, recompute=True))
+    layers = prog.plan.schedule["recompute"]
+    assert {f"blocks.{i}" for i in range(4)} | {"head"} <= set(layers), layers
+    assert recompute_layers(prog, None, known_layers(prog.rank_graph(0))) == frozenset(layers)
+    plain = fxpar.compile(model, fxpar.Cluster.local(2), (x,), plan=dict(tup, recompute=False))
+    assert plain.plan.schedule["recompute"] == []
+
+
 _PLAN_IN_A_PROCESS = """
 import torch, fxpar
 from examples.models import GPT
