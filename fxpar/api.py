@@ -383,8 +383,9 @@ def _plan_config(gm, probe, cluster, c, res, opts, pins, dropped, cache) -> Plan
         p, bp, sol = plan_and_keep(gm, mesh, pins=pins, options=opts, cache=cache)
         # the state factors and recomputation drive the runner (s_p is the parameters' specs:
         # the pins); recomputation as the search priced it, every layer's forward again
-        layers = sorted({lay for n in gm.graph.nodes if n.op == "call_function"
-                         and not (lay := layer_of(n)).startswith("(")}) if c.recompute else []
+        layers = _recomputed_layers(c, probe) or sorted(
+            {lay for n in gm.graph.nodes if n.op == "call_function"
+             and not (lay := layer_of(n)).startswith("(")} if c.recompute else [])
         p = dataclasses.replace(p, notes=p.notes + notes, schedule={
             **p.schedule, "recompute": layers,
             "state": {"s_p": c.s_p, "s_g": c.s_g, "s_os": c.s_os}, "search": res.summary()})
@@ -394,7 +395,8 @@ def _plan_config(gm, probe, cluster, c, res, opts, pins, dropped, cache) -> Plan
         gm, mesh, schedule=c.schedule, microbatches=c.microbatches, chunks=c.chunks,
         options=dataclasses.replace(opts, memory_budget=_NO_LIMIT), boundary="scatter_gather",
         pins=pins, start_nodes=unit_start_names(probe, c.starts), cache=cache)
-    layers = sorted({lay for st in pplan.stages for lay in st.layers}) if c.recompute else []
+    layers = _recomputed_layers(c, probe) or (
+        sorted({lay for st in pplan.stages for lay in st.layers}) if c.recompute else [])
     # chunks were planned with no intra-op limit (memory is the search's); show the real one
     stages = tuple(dataclasses.replace(st, plan=dataclasses.replace(st.plan, budget=int(res.budget)))
                    for st in pplan.stages)
@@ -409,6 +411,15 @@ def _plan_config(gm, probe, cluster, c, res, opts, pins, dropped, cache) -> Plan
                                     schedule={**pplan.schedule, "bubble": float(res_.bubble_fraction)})
     return Planned(pplan, gm, ((c.name, pplan.time),),
                    stage_graphs=tuple(ch.graph for ch in chunks))
+
+
+def _recomputed_layers(c, probe) -> list[str]:
+    """The layers of the units a partially recomputing candidate recomputes (``[]`` when it
+    recomputes none or all)."""
+    from fxpar.stages import units
+
+    us = units(probe) if c.recomputed else ()
+    return sorted({us[i][0] for i in c.recomputed})
 
 
 def _microbatch(x, m: int, name: str):

@@ -371,6 +371,41 @@ def test_recomputation_keeps_each_units_inputs_and_rebuilds_one_unit(gpt):
     assert rc.memory < full.memory
 
 
+def test_partial_recomputation_is_the_cheapest_subset_that_fits(gpt):
+    """Under a budget between recomputing every layer and none, the search recomputes some
+    units: its memory is the formula by hand (no recomputation, less ``Σ(A_u − I_u)`` of the
+    chosen units, plus the largest chosen ``A_u`` rebuilt), it fits, its extra forward is the
+    cheapest over every subset of the named units that fits (brute force), and it is faster
+    than recomputing everything. The plan lists exactly those layers for the runner."""
+    model, gm = gpt
+    cl = fxpar.Cluster.preset("dgx-a100")
+    only = dict(pp=1, tp=1, microbatch=8, s_g=1, s_os=1)
+    res = search(gm, cl, batch=64, only=only, keep=50)
+    none = next(c for c in res.ranked if not c.recompute)
+    every = next(c for c in res.ranked if c.recompute and not c.recomputed)
+    budget = (none.memory + every.memory) / 2
+    opts = fxpar.planner.PlannerOptions(memory_budget=budget)
+    best = search(gm, cl, batch=64, only=only, options=opts).best
+    assert best.recompute and best.recomputed and best.step < every.step
+    us, _ = unit_costs(gm, fxpar.Mesh(cl, dp=1))
+    A = [8 * u.act for u in us]
+    I_ = [8 * us[i - 1].out if i else 0.0 for i in range(len(us))]
+    F = [8 * u.fwd + u.fwd_fixed for u in us]
+
+    def memory(sub):
+        return none.memory - sum(A[i] - I_[i] for i in sub) + (max(A[i] for i in sub) if sub else 0)
+    assert best.memory == pytest.approx(memory(best.recomputed), rel=1e-9)
+    assert best.memory <= budget
+    named = [i for i, u in enumerate(us) if not u.layer.startswith("(")]
+    fits = [sub for k in range(len(named) + 1) for sub in itertools.combinations(named, k)
+            if memory(sub) <= budget]
+    assert sum(F[i] for i in best.recomputed) == pytest.approx(min(sum(F[i] for i in sub)
+                                                                   for sub in fits), rel=1e-9)
+    x = torch.randint(0, 64, (64, 16))
+    plan = fxpar.plan(model, cl, (x,), plan=only, memory_budget=budget).plan
+    assert plan.schedule["recompute"] == sorted({us[i].layer for i in best.recomputed})
+
+
 def test_spmd_recomputation_reaches_the_runner(gpt):
     """A one-step (SPMD) configuration with recomputation writes the layers it priced into
     the plan, and the runner recomputes them (it used to train without, over the priced

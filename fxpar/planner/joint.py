@@ -184,6 +184,8 @@ class Candidate:
     simulated: bool = False
     #: parameters sharded over ``s_p`` of the ``dp`` replicas (ZeRO-3 when ``s_p = dp``)
     s_p: int = 1
+    #: with ``recompute``, the units recomputed (indices into the unit table); empty: all
+    recomputed: tuple[int, ...] = ()
 
     @property
     def spmd_axes(self) -> dict[str, int]:
@@ -203,7 +205,8 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        r = " recompute" if self.recompute else ""
+        r = ((f" recompute({len(self.recomputed)} units)" if self.recomputed else " recompute")
+             if self.recompute else "")
         v = f" v={self.chunks}" if self.chunks > 1 else ""
         return (f"pp={self.pp} dp={self.dp} tp={self.tp} b={self.microbatch} m={self.microbatches} "
                 f"{self.schedule}{v}{r} zero({'p=%d,' % self.s_p if self.s_p > 1 else ''}"
@@ -470,6 +473,8 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
     kp, kg, kos = STATE_BYTES_PER_PARAM[_state_key(opts)]
     scheds = [only["schedule"]] if "schedule" in only else list(schedules)
     recs = [bool(only["recompute"])] if "recompute" in only else list(recompute)
+    # partial recomputation: when recomputation is searched (not fixed by the user)
+    partial = "recompute" not in only and True in recs
     cands: list[tuple[float, Candidate]] = []
     tried = over = 0
     smallest: Candidate | None = None
@@ -504,12 +509,14 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                             continue
                         starts = partition(tuple(times), n)
                         cc = _chunk_costs(us, starts, scale, p, d, t, cluster)
+                        fl = [in_flight_microbatches(_MEM_KEY[sname], r, p, m, v) for r in range(p)]
+                        part = _partial_tables(us, starts, p, scale, fl) if partial else None
                         for rc in recs:
                             W = [sum(cc.F[k] * (2 if rc else 1) + cc.B[k] for k in range(r, n, p))
                                  for r in range(p)]
                             act = []
                             for r in range(p):
-                                f = in_flight_microbatches(_MEM_KEY[sname], r, p, m, v)
+                                f = fl[r]
                                 mine = range(r, n, p)
                                 kept = (f * sum(cc.I[k] for k in mine) + max(cc.Amax[k] for k in mine)
                                         if rc else f * sum(cc.A[k] for k in mine))
@@ -519,18 +526,24 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                             for s_p, s_g, s_os in _zero_options(d, only, p == 1 and m == 1, d0,
                                                                 sname == "zb-h1"):
                                 tried += 1
-                                mem = max(kp * phi[r] / s_p + kg * phi[r] / s_g + kos * phi[r] / s_os
-                                          + act[r] + (gathered if s_p > 1 else 0.0) for r in range(p))
+                                mems = [kp * phi[r] / s_p + kg * phi[r] / s_g + kos * phi[r] / s_os
+                                        + act[r] + (gathered if s_p > 1 else 0.0) for r in range(p)]
+                                mem = max(mems)
                                 dpt = max(cc.reduce[r] + _dp_time(round(phi[r]), layers_r, m, d0, d1,
                                                                   s_p, s_g, s_os, cluster) for r in range(p))
                                 c = Candidate(p, d, t, b, m, sname, v, rc, s_g, s_os,
                                               est + dpt, mem, est, dpt, starts, s_p=s_p)
                                 if smallest is None or mem < smallest.memory:
                                     smallest = c
-                                if mem > budget:
-                                    over += 1
+                                if mem <= budget:
+                                    cands.append((c.step, c))
                                     continue
-                                cands.append((c.step, c))
+                                over += 1
+                                if part is not None and not rc:  # recompute just enough units
+                                    c = _recompute_some(c, part, mems, budget, W, v, 2 * sum(cc.x))
+                                    if c is not None:
+                                        tried += 1
+                                        cands.append((c.step, c))
     if not tried and any(k in only for k in _STATE_KEYS):
         raise PlanError(f"plan={only}: no configuration takes these state factors: s_p | s_g | "
                         "s_os, each dividing dp (AMSP eq. 3); with a pipeline or microbatches "
@@ -627,10 +640,105 @@ def _chunk_costs(us: Sequence[UnitCost], starts, scale: float, p: int, d: int, t
         reduce=[sum(u.bwd_fixed for k in range(r, n, p) for u in ch[k]) for r in range(p)])
 
 
+#: the most unit-count combinations a rank's partial recomputation enumerates exactly
+PARTIAL_COMBOS = 4096
+
+
+@dataclass(frozen=True)
+class _Partial:
+    """One pipeline rank's partial recomputation as a lookup: for a memory need, the first
+    ``k`` with ``gain[k] ≥ need`` gives the cheapest choice freeing at least that much:
+    ``cost[k]`` seconds of extra forward per microbatch, ``freed[k]`` bytes freed, ``units[k]``
+    the units recomputed."""
+
+    gain: tuple[float, ...]
+    cost: tuple[float, ...]
+    freed: tuple[float, ...]
+    units: tuple[tuple[int, ...], ...]
+
+
+def _partial_tables(us: Sequence[UnitCost], starts, p: int, scale: float,
+                    in_flight: Sequence[int]) -> list[_Partial]:
+    """Per rank, its :class:`_Partial`. Recomputing a set ``S`` of the rank's units frees
+    ``f·Σ_S (A_u − I_u) − max_S A_u`` bytes (``f`` microbatches in flight: each keeps only the
+    unit's input ``I_u``, the previous unit's output, instead of its saved ``A_u``; one unit
+    is rebuilt at a time) for ``Σ_S F_u`` seconds per microbatch (:func:`_chunk_costs`'
+    terms). Units with equal ``(A_u, I_u, F_u)`` (repeated layers) are interchangeable, so
+    the choices are counts per class, enumerated exactly when there are at most
+    :data:`PARTIAL_COMBOS` of them (else prefixes of the units by bytes freed per second, a
+    heuristic); a unit outside any named layer (``(top)``) is not one the runtime can
+    recompute."""
+    import itertools
+
+    bounds = list(starts) + [len(us)]
+    out = []
+    for r in range(p):
+        mine = [u for k in range(r, len(starts), p) for u in range(bounds[k], bounds[k + 1])]
+        key = {u: (us[u].act * scale, us[u - 1].out * scale if u else 0.0,
+                   us[u].fwd * scale + us[u].fwd_fixed) for u in mine}
+        classes: dict[tuple, list[int]] = {}
+        for u in mine:
+            a, i_, _ = key[u]
+            if a > i_ and not us[u].layer.startswith("("):
+                classes.setdefault(key[u], []).append(u)
+        cls = list(classes.items())
+        if math.prod(len(v) + 1 for _, v in cls) <= PARTIAL_COMBOS:
+            picks = [tuple(u for (_, v), k in zip(cls, ks) for u in v[:k])
+                     for ks in itertools.product(*(range(len(v) + 1) for _, v in cls))]
+        else:
+            order = sorted((u for _, v in cls for u in v),
+                           key=lambda u: (-(key[u][0] - key[u][1]) / max(key[u][2], 1e-30), u))
+            picks = [tuple(order[:j]) for j in range(len(order) + 1)]
+        rows = []
+        for pick in picks:
+            freed = in_flight[r] * sum(key[u][0] - key[u][1] for u in pick) \
+                - max((key[u][0] for u in pick), default=0.0)
+            rows.append((freed, sum(key[u][2] for u in pick), tuple(sorted(pick))))
+        rows.sort()
+        # from the end: the cheapest choice freeing at least rows[k]'s bytes
+        best, table = None, []
+        for row in reversed(rows):
+            if best is None or row[1] < best[1]:
+                best = row
+            table.append((row[0], best[1], best[0], best[2]))  # gain, cost, freed, units
+        table.reverse()
+        out.append(_Partial(*(tuple(x) for x in zip(*table))))
+    return out
+
+
+def _recompute_some(c: Candidate, part: Sequence[_Partial], mems: Sequence[float], budget: float,
+                    W: Sequence[float], v: int, xfer: float) -> Candidate | None:
+    """``c`` (no recomputation, over ``budget``) with each rank recomputing the cheapest set
+    of its units that brings it under the budget (:class:`_Partial`); ``None`` if none does.
+    Per rank ``r``: memory ``mems[r]`` less the bytes freed, work ``W[r]`` plus the extra
+    forwards per microbatch; the step estimate as the search's."""
+    import bisect
+
+    got = []
+    for r, t in enumerate(part):
+        need = mems[r] - budget
+        k = bisect.bisect_left(t.gain, need) if need > 0 else None
+        if k is not None and k >= len(t.gain):
+            return None
+        got.append((0.0, 0.0, ()) if k is None else (t.cost[k], t.freed[k], t.units[k]))
+    w = [W[r] + g[0] for r, g in enumerate(got)]
+    est = c.microbatches * max(w) + (sum(w) - max(w)) / v + xfer
+    units = tuple(sorted(u for g in got for u in g[2]))
+    mem = max(mems[r] - g[1] for r, g in enumerate(got))
+    return dataclasses.replace(c, recompute=True, recomputed=units, step=est + c.dp_comm,
+                               memory=mem, pipeline=est)
+
+
 def _simulate(c: Candidate, us: list[UnitCost], scale: float, cluster, Schedule, simulate) -> Candidate:
     cc = _chunk_costs(us, c.starts, scale, c.pp, c.dp, c.tp, cluster)
     n = c.pp * c.chunks
-    B = [b + f for b, f in zip(cc.B, cc.F)] if c.recompute else cc.B
+    if c.recomputed:  # the recomputed units' forwards, in their chunks' backward
+        bounds = list(c.starts) + [len(us)]
+        extra = [sum(us[u].fwd * scale + us[u].fwd_fixed for u in c.recomputed
+                     if bounds[k] <= u < bounds[k + 1]) for k in range(n)]
+        B = [b + e for b, e in zip(cc.B, extra)]
+    else:
+        B = [b + f for b, f in zip(cc.B, cc.F)] if c.recompute else cc.B
     sched = Schedule.build(c.schedule, stages=c.pp, microbatches=c.microbatches, chunks=c.chunks)
 
     def comm(action) -> float:

@@ -276,8 +276,8 @@ def schedule_of(plan: Plan):
 
 def simulate_plan(plan: Plan):
     """:func:`fxpar.sim.simulate` of a pipeline plan: its schedule, each chunk's forward and
-    backward time from its intra-op plan (backward plus its forward compute again where the
-    plan recomputes the chunk's layers), parameter-gradient reductions once per step, each boundary transfer (either way) the chunk's
+    backward time from its intra-op plan (backward plus the forward compute again of the
+    nodes of the layers the plan recomputes), parameter-gradient reductions once per step, each boundary transfer (either way) the chunk's
     ``send_time``; peak memory per rank: the model states of its chunks plus each chunk's
     activations (its intra-op plan's op-node bytes) per microbatch in flight."""
     from fxpar.sim import simulate
@@ -296,7 +296,7 @@ def simulate_plan(plan: Plan):
     times = [_chunk_times(st) for st in plan.stages]
     # recomputed layers run their forward again before their backward
     rc = set(plan.schedule.get("recompute", ()))
-    times = [(f, b + (st.plan.compute_fwd if rc & set(st.layers) else 0.0), r)
+    times = [(f, b + sum(n.fwd_time for n in st.plan.nodes if n.layer in rc), r)
              for (f, b, r), st in zip(times, plan.stages)]
     # memory: a chunk's activations per microbatch in flight (its op nodes' bytes), on top of
     # the model states of every chunk on the rank (its placeholders' bytes)
