@@ -112,10 +112,10 @@ def test_plan_auto_on_a_multi_node_cluster_runs_the_joint_search():
         fxpar.plan(model, cl, (x,), plan=dict(pp=2, tensor=2))
 
 
-def run_joint(steps: int = 3):
-    """A user tuple planned by the joint search (pp=2 x dp=2 x tp=2, 1F1B, 4 microbatches,
-    recomputation, ZeRO-1 over dp) and run with the runner's defaults from the plan: loss,
-    gradients and parameters after each AdamW step against one process."""
+def _tuple_program(tup: dict):
+    """The test GPT compiled with the plan tuple ``tup`` on this process group's ranks, and
+    ``train(runner, steps)``: AdamW steps checked against a one-process copy (loss, gradients,
+    parameters; :func:`test_pipeline_runtime.train_and_check`)."""
     import copy
 
     import torch.distributed as dist
@@ -124,14 +124,23 @@ def run_joint(steps: int = 3):
     model, inputs, kwargs, loss_fn, targets = _build("gpt")
     ref = copy.deepcopy(model)
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-5)  # noqa: E731
-    tup = dict(pp=2, dp=2, tp=2, microbatch=1, schedule="1f1b", recompute=True, s_os=2)
     prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), inputs, kwargs,
                          loss_fn=loss_fn, example_targets=targets, optimizer=opt, plan=tup)
+    return prog, lambda runner, steps: train_and_check(runner, ref, opt, inputs, targets,
+                                                       kwargs, loss_fn, steps)
+
+
+def run_joint(steps: int = 3):
+    """A user tuple planned by the joint search (pp=2 x dp=2 x tp=2, 1F1B, 4 microbatches,
+    recomputation, ZeRO-1 over dp) and run with the runner's defaults from the plan: loss,
+    gradients and parameters after each AdamW step against one process."""
+    tup = dict(pp=2, dp=2, tp=2, microbatch=1, schedule="1f1b", recompute=True, s_os=2)
+    prog, train = _tuple_program(tup)
     sc = prog.plan.schedule
     assert (sc["microbatches"], sc["state"]["s_os"]) == (4, 2) and sc["recompute"], sc
     runner = prog.runner()  # s_os and recomputation from the plan
     assert runner.recompute, "the plan's recomputation is not in the runner"
-    losses = train_and_check(runner, ref, opt, inputs, targets, kwargs, loss_fn, steps)
+    losses = train(runner, steps)
     # ZeRO-1 over dp=2: Adam's two fp32 moments of about half the local elements
     local = sum(t.numel() for t in runner.state.values())
     assert runner.states.memory()["optimizer"] <= 0.6 * 8 * local, (runner.states.memory(), local)
@@ -236,23 +245,14 @@ def run_joint_zero3(steps: int = 3):
     """A user tuple with ZeRO-3 over dp=2 (one SPMD step): every parameter that splits is
     stored sharded over dp, the runner's factors come from the plan, and loss, gradients and
     parameters follow one process through AdamW steps."""
-    import copy
-
-    import torch.distributed as dist
-    from test_pipeline_runtime import _build, train_and_check
-
-    model, inputs, kwargs, loss_fn, targets = _build("gpt")
-    ref = copy.deepcopy(model)
-    opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-5)  # noqa: E731
     tup = dict(pp=1, dp=2, tp=1, s_p=2, s_g=2, s_os=2)
-    prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), inputs, kwargs,
-                         loss_fn=loss_fn, example_targets=targets, optimizer=opt, plan=tup)
+    prog, train = _tuple_program(tup)
     assert prog.plan.schedule["state"] == {"s_p": 2, "s_g": 2, "s_os": 2}
     assert "model states over dp: s_p=2" in prog.plan.explain()
     runner = prog.runner()
     sharded = {f: str(s) for f, s in runner.specs.items() if runner.state[f].requires_grad}
     assert all(s.startswith("S(") for s in sharded.values()), sharded
-    return train_and_check(runner, ref, opt, inputs, targets, kwargs, loss_fn, steps)
+    return train(runner, steps)
 
 
 @pytest.mark.timeout(300)
@@ -267,17 +267,8 @@ def run_joint_hsdp(steps: int = 3):
     sharded over ``dp_shard`` only and replicated over ``dp``, optimizer states over all 4
     (``s_os = 4``: the runner shards them over the 2 copies of each shard); loss, gradients
     and parameters follow one process through AdamW steps."""
-    import copy
-
-    import torch.distributed as dist
-    from test_pipeline_runtime import _build, train_and_check
-
-    model, inputs, kwargs, loss_fn, targets = _build("gpt")
-    ref = copy.deepcopy(model)
-    opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-5)  # noqa: E731
     tup = dict(pp=1, dp=4, tp=1, s_p=2, s_g=2, s_os=4)
-    prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), inputs, kwargs,
-                         loss_fn=loss_fn, example_targets=targets, optimizer=opt, plan=tup)
+    prog, train = _tuple_program(tup)
     assert prog.plan.mesh["axis_names"] == ("dp", "dp_shard", "tp"), prog.plan.mesh
     assert prog.plan.mesh["shape"] == (2, 2, 1)
     assert "groups of dp_shard=2 replicas" in prog.plan.explain()
@@ -290,7 +281,7 @@ def run_joint_hsdp(steps: int = 3):
     replica = runner.gm.meta[fxpar.ir.REPLICA_AXES]
     assert all(replica[f] in (("dp",), ()) for f in trained), replica
     assert all(replica[f] == ("dp",) for f in trained if f.endswith("fc1.weight")), replica
-    return train_and_check(runner, ref, opt, inputs, targets, kwargs, loss_fn, steps)
+    return train(runner, steps)
 
 
 @pytest.mark.timeout(300)
@@ -303,23 +294,14 @@ def run_joint_pipeline_zero3(steps: int = 3):
     """ZeRO-3 over a stage's 2 replicas under an interleaved pipeline (pp=2, 2 chunks per
     rank, 4 microbatches): parameters stored sharded, gathered again for every microbatch;
     loss, gradients and parameters follow one process through AdamW steps."""
-    import copy
-
-    import torch.distributed as dist
-    from test_pipeline_runtime import _build, train_and_check
-
-    model, inputs, kwargs, loss_fn, targets = _build("gpt")
-    ref = copy.deepcopy(model)
-    opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-5)  # noqa: E731
     tup = dict(pp=2, dp=2, tp=1, microbatch=1, schedule="interleaved", chunks=2, s_p=2, s_g=2,
                s_os=2)
-    prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), inputs, kwargs,
-                         loss_fn=loss_fn, example_targets=targets, optimizer=opt, plan=tup)
+    prog, train = _tuple_program(tup)
     assert prog.plan.schedule["microbatches"] == 4 and prog.plan.schedule["state"]["s_p"] == 2
     runner = prog.runner()
     trained = {f: str(s) for f, s in runner.specs.items() if runner.state[f].requires_grad}
     assert trained and all(s.startswith("S(") for s in trained.values()), trained
-    return train_and_check(runner, ref, opt, inputs, targets, kwargs, loss_fn, steps)
+    return train(runner, steps)
 
 
 @pytest.mark.timeout(300)
