@@ -510,7 +510,7 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                         starts = partition(tuple(times), n)
                         cc = _chunk_costs(us, starts, scale, p, d, t, cluster)
                         fl = [in_flight_microbatches(_MEM_KEY[sname], r, p, m, v) for r in range(p)]
-                        part = _partial_tables(us, starts, p, scale, fl) if partial else None
+                        part = None  # partial recomputation tables, built when first needed
                         for rc in recs:
                             W = [sum(cc.F[k] * (2 if rc else 1) + cc.B[k] for k in range(r, n, p))
                                  for r in range(p)]
@@ -539,7 +539,8 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                                     cands.append((c.step, c))
                                     continue
                                 over += 1
-                                if part is not None and not rc:  # recompute just enough units
+                                if partial and not rc:  # recompute just enough units
+                                    part = part or _partial_tables(us, starts, p, scale, fl)
                                     c = _recompute_some(c, part, mems, budget, W, v, 2 * sum(cc.x))
                                     if c is not None:
                                         tried += 1
