@@ -33,10 +33,9 @@ Example (what :meth:`Plan.explain` prints for a 2-layer MLP on 4 devices, tight 
 
 from __future__ import annotations
 
-import math
-
 import hashlib
 import json
+import math
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field

@@ -217,14 +217,17 @@ def test_zero3_is_searched_for_one_spmd_step_and_priced_by_amsp(gpt):
 
 
 def test_sharding_groups_tile_the_nodes():
-    """Factors below ``d`` are groups of consecutive replicas inside a node, so they divide a
-    node's ``d0`` replicas (12 replicas, 4 per node: 3 and 6 divide 12 but split a node or
-    straddle two, which AMSP's intra x inter grid cannot price)."""
+    """Sharding factors are groups of consecutive replicas that tile the nodes: they divide
+    a node's ``d0`` replicas or are multiples of it (12 replicas, 4 per node: 3 and 6 divide
+    12 but split a node or straddle two, which AMSP's intra x inter grid cannot price); a
+    user tuple breaking that is refused."""
     from fxpar.planner.joint import _zero_options
 
     opts = _zero_options(12, {}, True, 4)
     assert {f for o in opts for f in o} == {1, 2, 4, 12}
     assert (2, 4, 12) in opts and (12, 12, 12) in opts
+    assert _zero_options(24, dict(s_p=8, s_g=8, s_os=24), True, 4) == [(8, 8, 24)]
+    assert _zero_options(12, dict(s_p=3, s_g=3, s_os=12), True, 4) == []
 
 
 def test_memory_bound_search_picks_zero3(gpt):

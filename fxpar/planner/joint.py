@@ -14,7 +14,8 @@ bytes, the local parameter count and the bytes crossing the cut after it. A conf
 **Configurations.** ``N = p·d·t`` devices: ``p`` pipeline ranks (outermost, across nodes
 first), ``d`` data-parallel replicas, ``t`` tensor-parallel devices (innermost, inside a node);
 ``b`` per replica per microbatch with ``m = B/(d·b)`` microbatches; a schedule with ``v``
-chunks per rank; recomputation of every layer or none; AMSP's factors ``(s_p, s_g, s_os)``
+chunks per rank; recomputation of every layer, of none, or (over the budget without it) of
+each rank's cheapest set of units that fits (:func:`_partial_tables`); AMSP's factors ``(s_p, s_g, s_os)``
 over ``d``: DDP ``(1, 1, 1)``, ZeRO-1 ``(1, 1, d)``, ZeRO-2 ``(1, d, d)``, their partial forms
 inside a node ``(1, 1, d₀)``, ``(1, d₀, d₀)``, ZeRO-3 ``(d, d, d)`` (with microbatches its
 gathers are paid per microbatch) and, for one SPMD step (``p = 1``, ``m = 1``), parameters
@@ -247,11 +248,12 @@ class SearchResult:
         priced for ``c``: every parameter as in the ``tp`` plan and, over ``dp``, replicated
         (``s_p = 1``), sharded (``s_p = dp``, :func:`_zero3_dp`) or, on the mesh of
         :attr:`Candidate.spmd_axes`, replicated over ``dp`` and sharded over ``dp_shard``
-        (``1 < s_p < dp``), the batch split over every replica axis; with ``gm`` (the graph captured at the configuration's microbatch), also every
-        value that carries the batch (dim 0 is one sample in ``probe``, ``dp·b`` rows in
-        ``gm``): ``S(0)`` on ``dp`` and its ``tp`` layout, so no replica computes another's rows
-        (data parallelism is the search's choice, not one the intra-op planner may undo to
-        save a gradient reduction)."""
+        (``1 < s_p < dp``), the batch split over every replica axis; with ``gm`` (the graph
+        captured at the configuration's microbatch), also every value that carries the batch
+        (dim 0 is one sample in ``probe``, ``dp·b`` rows in ``gm``): ``S(0)`` on the replica
+        axes and its ``tp`` layout, so no replica computes another's rows (data parallelism
+        is the search's choice, not one the intra-op planner may undo to save a gradient
+        reduction)."""
         plan = self.layouts[c.tp]
         by_name = {n.name: n for n in plan.nodes}  # (plan.node scans: one lookup per node)
 
@@ -404,9 +406,10 @@ def _zero_options(d: int, only: Mapping, spmd: bool, d0: int = 1,
     and sharded parameters:
 
     * one SPMD step (``spmd``: no pipeline or microbatches): every ``s_p | s_g | s_os``
-      (AMSP eq. 3) with ``s_p > 1``, each factor ``d`` or a divisor of ``d0`` (groups inside
-      a node, tiling it): ZeRO-3 ``(d, d, d)``, MiCS/HSDP ``(d0, d0, d0)`` (planned on
-      :attr:`Candidate.spmd_axes`), AMSP's LLaMA-13B ``(4, 4, 8)``;
+      (AMSP eq. 3) with ``s_p > 1``, each factor a divisor or a multiple of ``d0`` (groups
+      that tile the nodes: inside one, or of whole ones): ZeRO-3 ``(d, d, d)``, MiCS/HSDP
+      ``(d0, d0, d0)`` (planned on :attr:`Candidate.spmd_axes`), AMSP's LLaMA-13B
+      ``(4, 4, 8)`` and LLaMA-30B ``(8, 8, 32)``;
     * a pipeline or microbatches: ZeRO-3 ``(d, d, d)`` over a stage's replicas, whose
       parameters the runtime gathers again for every microbatch (AMSP's ``M·T_p``), except
       under a split backward (``split_backward``, zb-h1: its weight pass re-reads what its
@@ -419,7 +422,8 @@ def _zero_options(d: int, only: Mapping, spmd: bool, d0: int = 1,
     >>> [o for o in _zero_options(8, {}, True, 4) if o[0] > 1]
     [(2, 2, 2), (2, 2, 4), (2, 2, 8), (2, 4, 4), (2, 4, 8), (2, 8, 8), (4, 4, 4), (4, 4, 8), (4, 8, 8), (8, 8, 8)]
     """
-    fs = [f for f in _divisors(d) if d0 % f == 0 or f == d]  # groups that tile the nodes
+    # groups that tile the nodes: inside one (dividing d0) or of whole nodes (multiples)
+    fs = [f for f in _divisors(d) if d0 % f == 0 or f % d0 == 0]
     if spmd:
         sharded = [(p, g, o) for p in fs[1:] for g in fs for o in fs if g % p == 0 and o % g == 0]
     else:
@@ -427,7 +431,7 @@ def _zero_options(d: int, only: Mapping, spmd: bool, d0: int = 1,
     if any(k in only for k in _STATE_KEYS):
         f = tuple(only.get(k, 1) for k in _STATE_KEYS)
         ok = not (any(d % x for x in f) or f[1] % f[0] or f[2] % f[1])
-        return [f] if ok and (f[0] == 1 or f in sharded or (spmd and f[0] > 1)) else []
+        return [f] if ok and (f[0] == 1 or f in sharded) else []
     if d == 1:
         return [(1, 1, 1)]
     partial = [(1, 1, d0), (1, d0, d0)] if 1 < d0 < d else []
@@ -547,7 +551,8 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                                         cands.append((c.step, c))
     if not tried and any(k in only for k in _STATE_KEYS):
         raise PlanError(f"plan={only}: no configuration takes these state factors: s_p | s_g | "
-                        "s_os, each dividing dp (AMSP eq. 3); with a pipeline or microbatches "
+                        "s_os, each dividing dp (AMSP eq. 3) and dividing or a multiple of a "
+                        "node's replicas; with a pipeline or microbatches "
                         "s_p is 1 or dp = s_g = s_os (ZeRO-3 over a stage's replicas; parameters "
                         "sharded inside groups of replicas need pp=1 and one microbatch), and "
                         "not under zb-h1's split backward")
