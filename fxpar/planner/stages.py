@@ -277,8 +277,8 @@ def schedule_of(plan: Plan):
 def simulate_plan(plan: Plan):
     """:func:`fxpar.sim.simulate` of a pipeline plan: its schedule, each chunk's forward and
     backward time from its intra-op plan (backward plus the forward compute again of the
-    nodes of the layers the plan recomputes), parameter-gradient reductions once per step, each boundary transfer (either way) the chunk's
-    ``send_time``; peak memory per rank: the model states of its chunks plus each chunk's
+    nodes of the layers the plan recomputes), parameter-gradient reductions once per step,
+    each boundary transfer (either way) the chunk's ``send_time``; peak memory per rank: the model states of its chunks plus each chunk's
     activations (its intra-op plan's op-node bytes) per microbatch in flight."""
     from fxpar.sim import simulate
 
