@@ -104,6 +104,10 @@ class UnitCost:
     params: float
     out: float
 
+    def forward(self, scale: float) -> float:
+        """Seconds of its forward at ``scale`` times the probe microbatch."""
+        return self.fwd * scale + self.fwd_fixed
+
 
 def _bytes_per_param(opts: PlannerOptions) -> int:
     return int(model_state_bytes(1, optimizer=opts.optimizer, precision=opts.precision).total)
@@ -635,7 +639,7 @@ def _chunk_costs(us: Sequence[UnitCost], starts, scale: float, p: int, d: int, t
     bounds = list(starts) + [len(us)]
     ch = [us[bounds[k]:bounds[k + 1]] for k in range(n)]
     return _ChunkCosts(
-        F=[sum(u.fwd * scale + u.fwd_fixed for u in c) for c in ch],
+        F=[sum(u.forward(scale) for u in c) for c in ch],
         B=[sum(u.bwd * scale for u in c) for c in ch],
         A=[sum(u.act for u in c) * scale for c in ch],
         I=[sum(us[i - 1].out for i in range(max(1, bounds[k]), bounds[k + 1])) * scale
@@ -681,7 +685,7 @@ def _partial_tables(us: Sequence[UnitCost], starts, p: int, scale: float,
     for r in range(p):
         mine = [u for k in range(r, len(starts), p) for u in range(bounds[k], bounds[k + 1])]
         key = {u: (us[u].act * scale, us[u - 1].out * scale if u else 0.0,
-                   us[u].fwd * scale + us[u].fwd_fixed) for u in mine}
+                   us[u].forward(scale)) for u in mine}
         classes: dict[tuple, list[int]] = {}
         for u in mine:
             a, i_, _ = key[u]
@@ -740,7 +744,7 @@ def _simulate(c: Candidate, us: list[UnitCost], scale: float, cluster, Schedule,
     n = c.pp * c.chunks
     if c.recomputed:  # the recomputed units' forwards, in their chunks' backward
         bounds = list(c.starts) + [len(us)]
-        extra = [sum(us[u].fwd * scale + us[u].fwd_fixed for u in c.recomputed
+        extra = [sum(us[u].forward(scale) for u in c.recomputed
                      if bounds[k] <= u < bounds[k + 1]) for k in range(n)]
         B = [b + e for b, e in zip(cc.B, extra)]
     else:

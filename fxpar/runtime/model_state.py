@@ -317,16 +317,17 @@ class _Bucket:
     def nbytes(self) -> int:
         return self.lay.s_g * self.row * self.rdtype.itemsize
 
-    def new_buf(self) -> torch.Tensor:
-        """A zeroed ``[s_g·L]`` buffer for this round: the spare one when there is one (as
-        DDP's buckets, allocated once: a fresh megabyte-sized buffer every step costs page
-        faults, measured at 10x the zeroing), else a new one. Only ``s_g = 1`` keeps a spare
-        (its buffer IS the reduced gradient, held anyway); with ``s_g > 1`` the full buffer
-        lives only until its reduce-scatter (AMSP's ``2Φ/s_g`` gradient memory)."""
-        buf, self.spare = self.spare, None
-        if buf is None:
-            return torch.zeros(self.lay.s_g * self.row, dtype=self.rdtype, device=self.device)
-        return buf.zero_()
+    def round_buf(self) -> torch.Tensor:
+        """This round's zeroed ``[s_g·L]`` buffer, made on first use: the spare one when there
+        is one (as DDP's buckets, allocated once: a fresh megabyte-sized buffer every step
+        costs page faults, measured at 10x the zeroing), else a new one. Only ``s_g = 1``
+        keeps a spare (its buffer IS the reduced gradient, held anyway); with ``s_g > 1`` the
+        full buffer lives only until its reduce-scatter (AMSP's ``2Φ/s_g`` gradient memory)."""
+        if self.buf is None:
+            buf, self.spare = self.spare, None
+            self.buf = (torch.zeros(self.lay.s_g * self.row, dtype=self.rdtype, device=self.device)
+                        if buf is None else buf.zero_())
+        return self.buf
 
 
 def _shared_storage(tensors: Iterable[torch.Tensor]) -> Callable[[torch.Tensor], bool]:
@@ -652,10 +653,7 @@ class ModelStates:
         through :meth:`add_grad` add to the same buffer. :meth:`finish_backward` (and
         :meth:`zero_grad`) set those ``.grad`` back to ``None``: the buffer is reused later."""
         for p in self._in_place:
-            bk = p.bucket
-            if bk.buf is None:
-                bk.buf = bk.new_buf()
-            p.view = bk.buf[p.off:p.off + p.numel].view(p.tensor.shape)
+            p.view = p.bucket.round_buf()[p.off:p.off + p.numel].view(p.tensor.shape)
             p.tensor.grad = p.view
 
     def leaf_grad(self, fqn: str) -> None:
@@ -678,13 +676,11 @@ class ModelStates:
                              f"local parameter of shape {tuple(p.tensor.shape)}")
         bk = p.bucket
         if bk is not None and not bk.launched:
-            if bk.buf is None:
-                bk.buf = bk.new_buf()
             g = grad.detach().reshape(-1)
             if fqn in self.grad_scale:
                 g = g * self.grad_scale[fqn]
             with torch.no_grad():
-                _add_rows(bk.buf.view(bk.lay.s_g, bk.row), p.off, p.cg, g)
+                _add_rows(bk.round_buf().view(bk.lay.s_g, bk.row), p.off, p.cg, g)
         self._arrive(p, fqn)
 
     def _arrive(self, p: _Param, fqn: str) -> None:
@@ -741,8 +737,7 @@ class ModelStates:
         i = self._next
         bk = self._buckets[i]
         lay = bk.lay
-        if bk.buf is None:  # nothing arrived (unused parameters): their gradient is zero
-            bk.buf = bk.new_buf()
+        bk.round_buf()  # (made here if nothing arrived: unused parameters' gradient is zero)
         if lay.s_g == 1:
             bk.out = bk.buf
             if lay.cross_pg is not None:
