@@ -203,10 +203,6 @@ def _representatives(groups, cluster):
 # --------------------------------------------------------------------------------------------
 # the four terms
 # --------------------------------------------------------------------------------------------
-def _ratio(x: tuple[int, int], y: tuple[int, int]) -> tuple[int, int]:
-    return (x[0] // y[0], x[1] // y[1])
-
-
 def t_p(sh: Sharding, module_params: Sequence[float], L: int, M: int, cluster, *,
         dp: tuple[int, int] | None = None, placement_aware: bool = True) -> float:
     """``T_p = M·L·Σ_i (2·t(AG, 2Φ_i, s_p) + t(RS, 2Φ_i, s_p))`` (AMSP §IV-C1)."""

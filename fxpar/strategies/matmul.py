@@ -19,8 +19,6 @@ partial (the planner turns a replicated bias into ``P(sum)`` by zeroing it off c
 
 from __future__ import annotations
 
-import string
-
 import torch
 
 from fxpar.cost.compute import (addmm_cost, baddbmm_cost, bmm_cost, einsum_cost, linear_cost, matmul_cost,
@@ -79,10 +77,6 @@ def _bias_pl(bias_shape, out_pl, out_shape):
         if d >= 0 and bias_shape[d] == out_shape[out_pl.dim] and bias_shape[d] > 1:
             return S(d)
     return R
-
-
-def _letters(n):
-    return string.ascii_lowercase[:n]
 
 
 @register(aten.linear, cost=linear_cost, saves="partners")
