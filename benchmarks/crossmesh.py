@@ -134,7 +134,7 @@ def _measure_worker(iters: int):
     import torch.distributed as dist
 
     from fxpar.runtime import cross_mesh_reshard
-    from fxpar.runtime.crossmesh import prepare_cross_mesh
+    from fxpar.runtime.redistribute_cross import prepare_cross_mesh
     from fxpar.runtime.redistribute import distribute
 
     # One machine: every link is the same shared memory, and 8 processes share a few cores, so

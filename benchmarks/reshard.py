@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 from fxpar import Cluster, Mesh, Partial, Replicate, Shard, Spec  # noqa: E402
 from fxpar.cost.reshard import step_cost  # noqa: E402
-from fxpar.reshard import _graph, _plan, reshard_plan  # noqa: E402
+from fxpar.resharding.intra import _graph, _plan, reshard_plan  # noqa: E402
 
 SHAPE, DTYPE = (4096, 4096), torch.bfloat16
 BASIC = (Shard(0), Shard(1), Replicate(), Partial("sum"))

@@ -1,6 +1,6 @@
 """Cost of one resharding step on one mesh axis (pure functions, no process group).
 
-A step changes the placement of one mesh axis (see :mod:`fxpar.reshard` for which changes are
+A step changes the placement of one mesh axis (see :mod:`fxpar.resharding.intra` for which changes are
 legal). Its bytes come from the **current** local shape, taken on the fullest device
 (:meth:`fxpar.spec.Spec.local_numel`, device 0 by chunk rules) times the dtype's item size; its
 time from the ring formulas of :func:`fxpar.cost.comm.axis_collective_time` (every group of the
@@ -142,7 +142,7 @@ def step_cost(kind: str, src, dst, mesh, axis: int, shape: Sequence[int],
     """``(nbytes, seconds)`` of one step from spec ``src`` to spec ``dst`` on ``axis``.
 
     ``src`` and ``dst`` are :class:`fxpar.spec.Spec` that differ only on ``axis``; legality is
-    the planner's business (:func:`fxpar.reshard.step_kind`), this function only prices.
+    the planner's business (:func:`fxpar.resharding.intra.step_kind`), this function only prices.
     """
     nbytes = step_bytes(kind, src, dst, mesh.shape, axis, shape, dtype)
     return nbytes, step_time(kind, nbytes, mesh, axis)

@@ -25,8 +25,8 @@ from fxpar.mesh import Mesh
 from fxpar import ir
 from fxpar.capture import capture, run_captured
 from fxpar.ir import InputInfo, OutputInfo, ParamInfo, TensorMeta
-from fxpar.reshard import ReshardPlan, ReshardStep, reshard_plan
-from fxpar.crossmesh import CrossMeshPlan, cross_mesh_plan
+from fxpar.resharding.intra import ReshardPlan, ReshardStep, reshard_plan
+from fxpar.resharding.cross import CrossMeshPlan, cross_mesh_plan
 from fxpar.plan_data import EdgePlan, NodePlan, Plan, StepCost
 from fxpar.planner import PlannerOptions, plan_graph
 from fxpar.api import Planned, compile, plan

@@ -51,7 +51,7 @@ def cmd_presets(args) -> None:
 
 def cmd_reshard(args) -> None:
     from fxpar import Mesh
-    from fxpar.reshard import reshard_plan
+    from fxpar.resharding.intra import reshard_plan
 
     mesh = Mesh(_cluster(args), _parse_mesh(args.mesh))
     shape = tuple(int(s) for s in args.shape.split(","))

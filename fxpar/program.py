@@ -290,7 +290,7 @@ def load(path, model: torch.nn.Module, *, optimizer: Callable | None = None,
                         f"{d['signature'][:12]}, this model {sig[:12]})")
     chunks = None
     if plan.stages:  # the same chunks again, from where each started
-        from fxpar.stages import split_stages
+        from fxpar.split import split_stages
 
         chunks = [c.graph for c in split_stages(gm, len(plan.stages),
                                                 start_nodes=[st.start for st in plan.stages])]

@@ -4,7 +4,7 @@ Contract (runs on the annotated *global* graph; the edges are the same on every 
 each edge ``producer -> consumer`` (input ``p`` of the consumer):
 
 * value plan ``src -> dst``: ``src`` the producer's output spec, ``dst`` the spec the consumer's
-  strategy needs (:func:`fxpar.reshard.reshard_plan`);
+  strategy needs (:func:`fxpar.resharding.intra.reshard_plan`);
 * gradient plan (when the value carries a gradient): ``grad_in_spec(consumer, p) ->
   grad_out_spec(src)`` (:mod:`fxpar.spec`); for a trainable parameter the target is its
   storage spec with ``P(sum)`` on its *replica axes* (axes where it is stored ``R`` and some use
@@ -53,7 +53,7 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.ir import grad_flags
-from fxpar.reshard import reshard_plan
+from fxpar.resharding.intra import reshard_plan
 from fxpar.runtime.comm import REDISTRIBUTE, START, WAIT, Edge, grad_scale
 from fxpar.spec import Partial, Replicate, Spec, grad_in_spec, grad_out_spec
 from fxpar.strategies.base import Strategy

@@ -18,8 +18,8 @@ import torch
 
 import fxpar
 from fxpar import Cluster, Mesh, ReshardError, SpecError
-from fxpar.cost import crossmesh as cost
-from fxpar.crossmesh import CrossMeshPlan, cross_mesh_plan, cross_mesh_time
+from fxpar.cost import reshard_cross as cost
+from fxpar.resharding.cross import CrossMeshPlan, cross_mesh_plan, cross_mesh_time
 
 P3 = "aws-p3.8xlarge"
 
@@ -344,7 +344,7 @@ def test_optimal_on_small_cases(case):
 
 
 def test_deterministic_and_cached():
-    from fxpar.crossmesh import _plan
+    from fxpar.resharding.cross import _plan
 
     c = _p3(8)
     args = (_grid(c, (2, 4), 0), "S(1)S(1)", _grid(c, (2, 4), 2), "S(0)S(0)")

@@ -160,7 +160,7 @@ def _errors_and_bystanders():
 
     from fxpar import ReshardError, cross_mesh_plan
     from fxpar.runtime import cross_mesh_reshard
-    from fxpar.runtime.crossmesh import prepare_cross_mesh
+    from fxpar.runtime.redistribute_cross import prepare_cross_mesh
 
     rank = dist.get_rank()
     src, dst = _mesh([0, 1], "s"), _mesh([2, 3], "d")

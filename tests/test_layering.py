@@ -64,8 +64,8 @@ RULES: list[tuple[str, tuple[str, ...]]] = [
     ("fxpar.sim", ("fxpar.planner", "fxpar.solver", "fxpar.passes", "fxpar.runtime", "ortools")),
     # cross-mesh resharding (issue #11): the planner never runs collectives (the runtime imports
     # it, not the other way round); its cost functions see bytes, device ids and a cluster only
-    ("fxpar.crossmesh", ("fxpar.runtime", "fxpar.planner", "fxpar.solver", "fxpar.passes", "ortools")),
-    ("fxpar.cost.crossmesh", ("fxpar.crossmesh", "fxpar.reshard", "fxpar.mesh", "fxpar.spec")),
+    ("fxpar.resharding", ("fxpar.runtime", "fxpar.planner", "fxpar.solver", "fxpar.passes", "ortools")),
+    ("fxpar.cost.reshard_cross", ("fxpar.resharding", "fxpar.mesh", "fxpar.spec")),
 ]
 
 def _applies(rule: str, mod: str) -> bool:
@@ -154,13 +154,13 @@ def _all_imports(path: Path) -> set[str]:
     return out
 
 
-def test_cost_crossmesh_is_pure():
-    """``cost/crossmesh.py`` prices transfers from numbers: no process groups, not even inside a
-    function (the dynamic check above only sees fxpar modules and module-level imports)."""
-    names = _all_imports(PACKAGE_DIRS["fxpar.cost"] / "crossmesh.py")
+def test_cost_reshard_cross_is_pure():
+    """``cost/reshard_cross.py`` prices transfers from numbers: no process groups, not even inside
+    a function (the dynamic check above only sees fxpar modules and module-level imports)."""
+    names = _all_imports(PACKAGE_DIRS["fxpar.cost"] / "reshard_cross.py")
     bad = sorted(n for n in names if n.startswith(("torch.distributed", "fxpar.runtime", "fxpar.planner",
-                                                   "fxpar.solver", "fxpar.crossmesh")))
-    assert not bad, f"cost/crossmesh.py imports {bad}"
+                                                   "fxpar.solver", "fxpar.resharding")))
+    assert not bad, f"cost/reshard_cross.py imports {bad}"
     assert "fxpar.cost.comm" in names  # the check reads the file it means to
 
 

@@ -59,7 +59,7 @@ def measure(schedule: str, m: int, chunks: int, recompute):
     from fxpar.cost.memory import activation_memory, recompute_memory, schedule_activation_peak
     from fxpar.cost.pipeline import in_flight_microbatches
     from fxpar.runtime.memory import SavedBytes
-    from fxpar.stages import is_boundary
+    from fxpar.split import is_boundary
 
     torch.manual_seed(0)
     model = Stack()

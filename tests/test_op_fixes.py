@@ -88,7 +88,7 @@ def contiguous_results_worker():
     """Every uneven reshard result is contiguous (the runtime's layout contract)."""
     import torch.distributed as dist
 
-    from fxpar.reshard import reshard_plan
+    from fxpar.resharding.intra import reshard_plan
     from fxpar.runtime.redistribute import distribute, execute
 
     mesh = fxpar.Mesh(fxpar.Cluster.local(4), {"a": 2, "b": 2})
@@ -236,7 +236,7 @@ def wire_dtypes_worker():
     """Every collective kind on dtypes gloo lacks, against the expected slices."""
     import torch.distributed as dist
 
-    from fxpar.reshard import reshard_plan
+    from fxpar.resharding.intra import reshard_plan
     from fxpar.runtime.redistribute import distribute, execute
 
     mesh = fxpar.Mesh(fxpar.Cluster.local(4), {"a": 2, "b": 2})

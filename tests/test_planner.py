@@ -23,7 +23,7 @@ import fxpar
 from fxpar import ir
 from fxpar.errors import PlanError
 from fxpar.planner import PlannerOptions, build_problem, plan_graph, solution_to_plan
-from fxpar.reshard import LOCAL_KINDS
+from fxpar.resharding.intra import LOCAL_KINDS
 from fxpar.solver import brute_force, solve
 from fxpar.spec import Spec, grad_in_spec
 from fxpar.strategies.base import Strategy
@@ -275,7 +275,7 @@ def _pairwise_reference(bp, max_pairs=None):
 
     from fxpar.planner.pricing import finalize_spec as _finalize, output_meta as _tensor_val_of
     from fxpar.spec import grad_out_spec
-    from fxpar.reshard import reshard_plan
+    from fxpar.resharding.intra import reshard_plan
 
     mesh, nodes, strats = bp.mesh, bp.nodes, bp.strategies
     free = fxpar.Mesh.from_devices(mesh.cluster.without_latency(), mesh.axis_names, mesh.array)

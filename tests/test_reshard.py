@@ -12,7 +12,7 @@ import torch
 from fxpar import Cluster, Mesh, Partial, Replicate, ReshardError, Shard, Spec, SpecError
 from fxpar.cost.comm import axis_collective_time
 from fxpar.cost.reshard import step_cost
-from fxpar.reshard import ReshardPlan, reshard_plan, step_kind
+from fxpar.resharding.intra import ReshardPlan, reshard_plan, step_kind
 from fxpar.runtime.redistribute import assemble, distribute
 from fxpar.spec import chunk_bounds
 
@@ -219,7 +219,7 @@ def test_planner_equals_brute_force_minimum(axes, shape):
 
 def test_deterministic_and_cached(mesh):
     a = reshard_plan("S(0)P(sum)", "S(1)S(0)", mesh, (48, 40))
-    from fxpar.reshard import _plan
+    from fxpar.resharding.intra import _plan
 
     _plan.cache_clear()
     b = reshard_plan("S(0)P(sum)", "S(1)S(0)", mesh, (48, 40))
@@ -362,7 +362,7 @@ def test_distribute_assemble_round_trip_and_replica_check():
 def test_fast_moves_equal_step_kind_moves():
     """The planner's state expansion (placement codes, unvalidated Spec construction) gives
     the same steps in the same order as the definition through :func:`step_kind`."""
-    from fxpar.reshard import _ambiguous_partials, _moves, _moves_slow
+    from fxpar.resharding.intra import _ambiguous_partials, _moves, _moves_slow
 
     for mnd, nd in ((1, 2), (2, 3), (3, 2)):
         for ops in ((), ("sum",), ("avg", "sum"), ("max", "sum")):
@@ -381,7 +381,7 @@ def test_fast_moves_equal_step_kind_moves():
 def test_cost_table_is_bit_identical_to_reshard_plan(axes, shape):
     """``reshard_cost_table`` / ``reshard_costs`` (many sources at once) equal
     ``reshard_plan(...).time`` exactly, not approximately, sum/avg partials included."""
-    from fxpar.reshard import reshard_cost_table, reshard_costs
+    from fxpar.resharding.intra import reshard_cost_table, reshard_costs
 
     mesh = Mesh(Cluster.preset("perlmutter", nodes=4), axes)
     pl = [Shard(d) for d in range(len(shape))] + [Replicate(), Partial("sum"), Partial("avg")]
@@ -402,7 +402,7 @@ def test_state_graph_is_shared_across_shapes_and_its_step_costs_are_step_cost():
     """Two tensors of one rank share the state graph (legality does not depend on the shape);
     each tensor's vectorised edge times equal ``step_cost`` edge by edge, uneven shards and
     axes of size 1 included; and its tables equal ``reshard_plan`` with ``max`` partials."""
-    from fxpar.reshard import _KINDS, _graph, reshard_cost_table
+    from fxpar.resharding.intra import _KINDS, _graph, reshard_cost_table
 
     mesh = Mesh(Cluster.preset("perlmutter", nodes=4), {"a": 2, "b": 4, "c": 1, "d": 2})
     g1 = _graph(mesh, (6, 10, 3), torch.bfloat16, ("max",))

@@ -105,7 +105,7 @@ def _check_pairs(mesh_shape, shape, pairs, batched, oracle_mask=None):
     return the failures and timings."""
     import torch.distributed as dist
 
-    from fxpar.reshard import reshard_plan
+    from fxpar.resharding.intra import reshard_plan
     from fxpar.runtime.redistribute import distribute, execute, execute_many
 
     dm, mesh = _meshes(tuple(mesh_shape))
@@ -221,7 +221,7 @@ def _mesh_forms_and_errors():
     import torch.distributed as dist
 
     from fxpar import Cluster, Mesh, ReshardError
-    from fxpar.reshard import reshard_plan
+    from fxpar.resharding.intra import reshard_plan
     from fxpar.runtime.redistribute import distribute, execute, execute_many
 
     mesh = Mesh(Cluster.local(dist.get_world_size()), a=2, b=2)

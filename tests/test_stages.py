@@ -1,4 +1,4 @@
-"""Stage splitting (fxpar.stages) and pipeline planning (fxpar.planner.stages), one process.
+"""Stage splitting (fxpar.split) and pipeline planning (fxpar.planner.stages), one process.
 
 The chunk graphs are checked by running them in sequence on real tensors against the whole
 model (the relay of skip connections, tied parameters on two chunks); the plans by what the
@@ -14,7 +14,7 @@ from torch import nn
 import fxpar
 from fxpar import ir
 from fxpar.errors import PlanError
-from fxpar.stages import is_boundary, split_stages
+from fxpar.split import is_boundary, split_stages
 
 
 class Skip(nn.Module):

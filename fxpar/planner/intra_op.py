@@ -54,7 +54,7 @@ from fxpar.planner.pins import match_pins, squeeze, unsqueeze
 from fxpar.planner.pricing import (EdgePricer, bucket_share, bucketed_time, compute_times,
                                    finalize_spec, latency_free, node_key, node_memory,
                                    output_meta)
-from fxpar.reshard import LOCAL_KINDS, reshard_costs, reshard_plan
+from fxpar.resharding.intra import LOCAL_KINDS, reshard_costs, reshard_plan
 from fxpar.solver import Solution, StrategyProblem, solve
 from fxpar.spec import Spec, grad_in_spec, grad_out_spec
 from fxpar.strategies import strategies_for, unsharded_strategy

@@ -69,7 +69,7 @@ from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.planner.intra_op import PlannerOptions, plan_and_keep
 from fxpar.spec import Spec
-from fxpar.stages import units
+from fxpar.split import units
 
 __all__ = ["UnitCost", "Candidate", "SearchResult", "unit_costs", "search", "SCHEDULES"]
 

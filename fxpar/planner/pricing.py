@@ -63,7 +63,7 @@ from fxpar.cost.compute import TensorArg, is_view, op_cost, op_time
 from fxpar.cost.memory import model_state_bytes
 from fxpar.cost.reshard import max_local_shape
 from fxpar.mesh import Mesh
-from fxpar.reshard import reshard_cost_table
+from fxpar.resharding.intra import reshard_cost_table
 from fxpar.spec import Spec, grad_in_spec, grad_out_spec
 from fxpar.strategies.base import Strategy
 

@@ -51,7 +51,7 @@ from fxpar.planner.baselines import baseline_pins
 from fxpar.planner.intra_op import BuildCache, PlannerOptions, plan_and_keep
 from fxpar.planner.pricing import finalize_spec
 from fxpar.spec import Spec, as_spec
-from fxpar.stages import StageGraph, is_boundary, split_stages
+from fxpar.split import StageGraph, is_boundary, split_stages
 
 #: how boundary values cross (:func:`_transfer`; ``"crossmesh"`` forces each receiving chunk's
 #: own input layouts, the others keep the sender's where that is cheaper, ``auto`` by cost)
@@ -223,7 +223,7 @@ def _transfer(tm, src: Spec, dst: Spec, sub: Mesh, nxt: Mesh,
     tasks: what the interpreter runs without blocking a sender; bytes: what the first device
     of ``sub`` sends)."""
     from fxpar.cost.comm import axis_collective_time
-    from fxpar.crossmesh import cross_mesh_plan
+    from fxpar.resharding.cross import cross_mesh_plan
 
     if src != dst:
         fwd = cross_mesh_plan(sub, src, nxt, dst, shape=tm.shape, dtype=tm.dtype, strategy="send_recv")

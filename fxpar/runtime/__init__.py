@@ -1,5 +1,5 @@
 """Run-time pieces of fxpar: collectives, resharding execution, schedules."""
 
-from fxpar.runtime.crossmesh import cross_mesh_reshard
+from fxpar.runtime.redistribute_cross import cross_mesh_reshard
 
 __all__ = ["cross_mesh_reshard"]

@@ -3,7 +3,7 @@
 Every edge of a plan where the producer's spec differs from what the consumer's strategy needs
 (or where only the *gradient* layouts differ) is an :class:`Edge`: the forward resharding plan
 ``src -> dst`` and the backward plan of the gradient, ``grad_in(consumer) ->
-grad_out(producer)``, both planned by :func:`fxpar.reshard.reshard_plan`. The backward of an
+grad_out(producer)``, both planned by :func:`fxpar.resharding.intra.reshard_plan`. The backward of an
 edge is that gradient plan, not the autograd of the forward collectives (DESIGN §6): the stock
 functional ``all_reduce`` backward is another all-reduce, which over-counts when every rank
 computes the same loss. Megatron's conjugate pair falls out: ``f`` (column-parallel input) is
@@ -56,7 +56,7 @@ import torch
 import torch.fx
 
 from fxpar.cost.reshard import LOCAL_KINDS
-from fxpar.reshard import ReshardPlan
+from fxpar.resharding.intra import ReshardPlan
 from fxpar.runtime import redistribute as rt
 from fxpar.runtime.bindings import current
 from fxpar.runtime.library import define

@@ -34,7 +34,7 @@ on its stage's submesh, its own rank graphs). :class:`PipelineRunner` (built by
              at the same submesh coordinate of the neighbouring stage, or of ``1/t`` of one
              where the plan chose scatter/gather (``StagePlan.scatter``); different layouts
              (``StagePlan.out_specs`` vs the next chunk's ``in_specs``): the unit tasks of a
-             cross-mesh plan (:func:`fxpar.runtime.crossmesh.cross_mesh_start`), sent without
+             cross-mesh plan (:func:`fxpar.runtime.redistribute_cross.cross_mesh_start`), sent without
              waiting; sends complete at the end of the step
    RECV_*    the same, received (waited at once), scattered pieces all-gathered over their
              submesh axis
@@ -73,7 +73,7 @@ from fxpar.runtime.bindings import Bindings, bind
 from fxpar.runtime.comm import REDISTRIBUTE, START, WAIT, gathers_params
 from fxpar.runtime.recompute import Recompute, known_layers
 from fxpar.runtime.runner import TrainingSteps, check_world, recompute_layers
-from fxpar.stages import is_boundary
+from fxpar.split import is_boundary
 
 __all__ = ["PipelineRunner", "SPLIT_BACKWARD"]
 
@@ -306,8 +306,8 @@ class PipelineRunner(TrainingSteps):
         """``{(link, value): (forward plan, gradient plan)}`` for every boundary value whose
         layouts differ on the two sides (link ``l``: chunk ``l`` to ``l + 1``), prepared in one
         order on every rank (making their process groups is collective over the world)."""
-        from fxpar.crossmesh import cross_mesh_plan
-        from fxpar.runtime.crossmesh import prepare_cross_mesh
+        from fxpar.resharding.cross import cross_mesh_plan
+        from fxpar.runtime.redistribute_cross import prepare_cross_mesh
 
         st, progs = self.program.plan.stages, self.program.stage_programs
         plans = {}
@@ -334,7 +334,7 @@ class PipelineRunner(TrainingSteps):
         """Send link ``l``'s values (``direction`` 0: chunk ``l``'s outputs forward, 1: their
         gradients back): equal layouts to ``peer`` (whole or scattered), the others by their
         cross-mesh plan, without waiting for the receivers."""
-        from fxpar.runtime.crossmesh import cross_mesh_start
+        from fxpar.runtime.redistribute_cross import cross_mesh_start
 
         st = self.program.plan.stages[l]
         plain = [(t, ax) for j, (t, ax) in enumerate(zip(tensors, st.scatter))
@@ -348,7 +348,7 @@ class PipelineRunner(TrainingSteps):
 
     def _recv_link(self, l: int, i: int, direction: int, metas, peer: int) -> list[torch.Tensor]:
         """Receive what :meth:`_send_link` sent, in value order."""
-        from fxpar.runtime.crossmesh import cross_mesh_start
+        from fxpar.runtime.redistribute_cross import cross_mesh_start
 
         st = self.program.plan.stages[l]
         idx = [j for j in range(len(metas)) if (l, j) not in self._xm]

@@ -1,6 +1,6 @@
 """Execute a resharding plan on a live process group, with local (per-rank) tensors.
 
-:func:`execute` runs each :class:`fxpar.reshard.ReshardStep` of a plan over the process group
+:func:`execute` runs each :class:`fxpar.resharding.intra.ReshardStep` of a plan over the process group
 of the step's mesh axis (``DeviceMesh.get_group(axis)``) with the functional collectives
 ``torch.ops._c10d_functional.*`` (the ops fxpar's emitted graphs use) followed by
 ``wait_tensor``. Every rank of the mesh must call it with the same plan.
@@ -384,7 +384,7 @@ def _run_round(items: list, device_mesh, mesh_shape) -> list[torch.Tensor]:
 
 def execute_step(step, local: torch.Tensor, device_mesh, shape: Sequence[int],
                  coord: Sequence[int]) -> torch.Tensor:
-    """Run one :class:`~fxpar.reshard.ReshardStep` on this rank's ``local`` tensor; ``coord``
+    """Run one :class:`~fxpar.resharding.intra.ReshardStep` on this rank's ``local`` tensor; ``coord``
     is this rank's mesh coordinate and ``shape`` the global shape. Returns the new local."""
     mesh_shape = _mesh_shape(device_mesh)
     return _run_round([_start(step, local, mesh_shape, shape, coord)], device_mesh, mesh_shape)[0]
@@ -409,7 +409,7 @@ def _coord(dm, what) -> tuple[int, ...]:
 
 
 def execute(plan, local: torch.Tensor, mesh) -> torch.Tensor:
-    """Run ``plan`` (a :class:`fxpar.reshard.ReshardPlan`) on this rank's ``local`` tensor and
+    """Run ``plan`` (a :class:`fxpar.resharding.intra.ReshardPlan`) on this rank's ``local`` tensor and
     return the new local tensor. ``mesh`` is the ``DeviceMesh`` of the plan's mesh, or the
     fxpar ``Mesh`` itself (its ``DeviceMesh`` is made once and cached; making it is
     collective). Collective over the mesh: every rank calls it with the same plan.

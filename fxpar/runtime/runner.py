@@ -369,7 +369,7 @@ class Runner(TrainingSteps):
     def __call__(self, *args, gather: bool = True, **kwargs):
         """Inference: the model's outputs in its own structure, gathered to their global form
         (``gather=False``: this rank's local pieces)."""
-        from fxpar.reshard import reshard_plan
+        from fxpar.resharding.intra import reshard_plan
         from fxpar.runtime.redistribute import execute
 
         with torch.no_grad():

@@ -9,7 +9,7 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.passes.infra import PassContext, run_passes
 from fxpar.passes.prefetch import prefetch_pass
-from fxpar.reshard import reshard_plan
+from fxpar.resharding.intra import reshard_plan
 from fxpar.runtime.comm import Edge
 
 from tests.passes.toy import mesh, module, placeholder

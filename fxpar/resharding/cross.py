@@ -6,14 +6,14 @@ groups) that every rank computes identically, and :func:`fxpar.runtime.cross_mes
 executes it.
 
 1. **Partial sources** are reduced first, on the source mesh, by the intra-mesh planner
-   (:func:`fxpar.reshard.reshard_plan`): every ``P(op)`` axis becomes ``R`` or ``S(d)`` (the same
+   (:func:`fxpar.resharding.intra.reshard_plan`): every ``P(op)`` axis becomes ``R`` or ``S(d)`` (the same
    ``d`` on every partial axis), whichever gives the smallest reduction + transfer time.
 2. **Unit tasks.** Every distinct slice of the destination layout is cut by the distinct slices
    of the source layout; each non-empty piece is a task with the source devices that hold it
    (``holders``) and the destination devices that need it. A destination device that holds
    the piece already (the meshes overlap) copies it locally (``local``, no transfer); the
    others are its ``receivers``.
-3. **Strategies** per task and sender (:mod:`fxpar.cost.crossmesh`, placement-aware):
+3. **Strategies** per task and sender (:mod:`fxpar.cost.reshard_cross`, placement-aware):
    ``send_recv`` (``≈ r·T`` for ``r`` receivers), ``allgather`` (Alpa's: one copy per
    receiving host, then a local all-gather, ``≈ hosts·T``), ``broadcast`` (a chain pipelined in
    ``k`` chunks, ``≈ T·(1 + (h−1)/k)``). ``strategy="auto"`` takes the fastest per task.
@@ -29,7 +29,7 @@ executes it.
    best so far, under a budget of ``search_budget`` nodes, deterministic so every rank gets
    the same plan; an optional wall-clock ``time_budget_s`` makes it rank-dependent).
 5. **Times.** ``plan.time`` = Partial reduction + local copies + the schedule's makespan;
-   ``plan.lower_bound`` = the reduction + :func:`fxpar.cost.crossmesh.lower_bound` (every
+   ``plan.lower_bound`` = the reduction + :func:`fxpar.cost.reshard_cross.lower_bound` (every
    receiving host takes in each needed byte once, sending hosts share their NICs).
 
 >>> import fxpar
@@ -56,10 +56,10 @@ from typing import NamedTuple
 
 import torch
 
-from fxpar.cost import crossmesh as cost
+from fxpar.cost import reshard_cross as cost
 from fxpar.errors import ReshardError, SpecError
 from fxpar.mesh import Mesh
-from fxpar.reshard import ReshardPlan, as_dtype, reshard_plan
+from fxpar.resharding.intra import ReshardPlan, as_dtype, reshard_plan
 from fxpar.spec import Partial, Replicate, Shard, Spec, as_spec
 from fxpar.units import dtype_name, fmt_time
 

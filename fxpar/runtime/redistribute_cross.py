@@ -1,4 +1,4 @@
-"""Execute a :class:`fxpar.crossmesh.CrossMeshPlan` with ``torch.distributed`` (gloo or NCCL).
+"""Execute a :class:`fxpar.resharding.cross.CrossMeshPlan` with ``torch.distributed`` (gloo or NCCL).
 
 Device id = global rank (as :meth:`fxpar.Mesh.to_device_mesh`). Two calls:
 
@@ -34,7 +34,7 @@ Tensors live on ``local``'s device, else on ``device`` (default: the current CUD
 the default backend is NCCL, else CPU).
 
 >>> import torch
->>> from fxpar.runtime.crossmesh import _to_bytes, _from_bytes
+>>> from fxpar.runtime.redistribute_cross import _to_bytes, _from_bytes
 >>> x = torch.arange(6, dtype=torch.float16).reshape(2, 3)
 >>> b = _to_bytes(x)
 >>> b.dtype, b.numel(), torch.equal(_from_bytes(b, torch.float16, (2, 3)), x)
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fxpar.crossmesh import CrossMeshPlan, region_slices
+from fxpar.resharding.cross import CrossMeshPlan, region_slices
 from fxpar.errors import ReshardError
 
 __all__ = ["cross_mesh_reshard", "cross_mesh_start", "prepare_cross_mesh", "plan_groups", "rank_ops"]
