@@ -416,7 +416,7 @@ def _plan_config(gm, probe, cluster, c, res, opts, pins, dropped, cache) -> Plan
 def _recomputed_layers(c, probe) -> list[str]:
     """The layers of the units a partially recomputing candidate recomputes (``[]`` when it
     recomputes none or all)."""
-    from fxpar.stages import units
+    from fxpar.split import units
 
     us = units(probe) if c.recomputed else ()
     return sorted({us[i][0] for i in c.recomputed})
