@@ -17,7 +17,10 @@ first).
 - ``RECV_F``/``RECV_B`` complete at ``max(issue, arrival)``; they occupy no lane (a posted
   ``irecv``) and block nothing but the compute action that needs the data.
 - ``REDUCE_GRAD`` occupies the comm lane for ``reduce`` seconds (default 0) after the chunk's
-  last backward; ``RESHARD`` takes no time (cross-mesh hook).
+  last backward.
+
+Each kind's lane is one entry of a table keyed by :class:`fxpar.schedule.ActionKind`, and what
+an action waits for is :func:`fxpar.schedule.dependencies`, the validator's own rule.
 
 Results: ``step_time`` (the last event's end), ``busy`` (per-rank compute seconds),
 ``bubble_fraction = (step − ideal)/ideal`` with ``ideal`` = the largest per-rank compute time
@@ -46,7 +49,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fxpar.errors import ScheduleError
-from fxpar.schedule.actions import Action, Schedule
+from fxpar.schedule.actions import (COMPUTE_KINDS, RECV_KINDS, SEND_KINDS, WEIGHT_GRAD_KINDS, Action,
+                                    dependencies)
+from fxpar.schedule.actions import ActionKind as K
+from fxpar.schedule.schedule import Schedule
 
 __all__ = ["SimEvent", "SimResult", "simulate"]
 
@@ -160,47 +166,65 @@ def simulate(sched: Schedule, fwd=1.0, bwd=2.0, *, wgrad=None, comm=0.0, reduce=
         static = [float(static_bytes)] * p
 
     acts = sched.actions
-    split = {(a.stage, a.microbatch) for row in acts.values() for a in row if a.kind == "I"}
+    split = {(a.stage, a.microbatch) for row in acts.values() for a in row if a.kind is K.I}
 
-    def duration(a: Action) -> float:
+    def t_input_grad(a: Action) -> float:
         k, i = a.stage, a.microbatch
-        if a.kind == "F":
-            return float(t_f(k, i))
-        if a.kind == "B":
-            return float(t_b(k, i))
-        if a.kind == "W":
-            return float(t_w(k, i))
         d = float(t_b(k, i)) - float(t_w(k, i))
         if d < 0:
             raise ScheduleError(f"{a}: wgrad ({t_w(k, i)}) exceeds bwd ({t_b(k, i)})")
         return d
 
-    def ready_key(a: Action) -> Action | None:
-        """The action whose completion time gates ``a`` (besides its rank's own lanes)."""
-        k, i = a.stage, a.microbatch
-        if a.kind == "F" and k > 0:
-            return Action(k - 1, "F", i) if (k - 1) % p == k % p else Action(k, "RECV_F", i)
-        if a.kind in ("B", "I") and k < last:
-            if (k + 1) % p == k % p:
-                return Action(k + 1, "I" if (k + 1, i) in split else "B", i)
-            return Action(k, "RECV_B", i)
-        if a.kind == "W":
-            return Action(k, "I", i)
-        if a.kind == "SEND_F":
-            return Action(k, "F", i)
-        if a.kind == "SEND_B":
-            return Action(k, "I" if (k, i) in split else "B", i)
-        if a.is_recv:
-            return a.matching()
-        return None
-
-    end: dict[Action, float] = {}          # completion (arrival for a send)
-    pos = [0] * p
+    #: seconds of a compute action, by kind
+    duration = {
+        K.F: lambda a: float(t_f(a.stage, a.microbatch)),
+        K.B: lambda a: float(t_b(a.stage, a.microbatch)),
+        K.W: lambda a: float(t_w(a.stage, a.microbatch)),
+        K.I: t_input_grad,
+    }
     compute_free = [0.0] * p
     comm_free = [0.0] * p
     busy = [0.0] * p
-    events: list[SimEvent] = []
     last_bw: dict[int, float] = {}
+
+    # one function per lane: (rank, action, issue time, inputs ready) -> (lane, start, end)
+    def run_compute(r: int, a: Action, issue: float, ready: float):
+        start = max(issue, ready)
+        stop = start + duration[a.kind](a)
+        compute_free[r] = stop
+        busy[r] += stop - start
+        if a.kind in WEIGHT_GRAD_KINDS:
+            last_bw[a.stage] = max(last_bw.get(a.stage, 0.0), stop)
+        return "compute", start, stop
+
+    def run_send(r: int, a: Action, issue: float, ready: float):
+        start = max(issue, ready, comm_free[r])
+        stop = start + float(t_c(a))
+        comm_free[r] = stop
+        return "comm", start, stop
+
+    def run_recv(r: int, a: Action, issue: float, ready: float):
+        start = max(issue, ready)
+        return "comm", start, start
+
+    def run_reduce(r: int, a: Action, issue: float, ready: float):
+        start = max(issue, comm_free[r], last_bw.get(a.stage, 0.0))
+        stop = start + float(t_r(a))
+        comm_free[r] = stop
+        return "comm", start, stop
+
+    run = {**dict.fromkeys(COMPUTE_KINDS, run_compute), **dict.fromkeys(SEND_KINDS, run_send),
+           **dict.fromkeys(RECV_KINDS, run_recv), K.REDUCE_GRAD: run_reduce}
+
+    def waits_for(a: Action) -> list[Action]:
+        """What gates ``a`` besides its rank's lanes (a receive: its matching send's arrival)."""
+        if a.is_recv:
+            return [a.matching()]
+        return [d for _, d in dependencies(a, p, last, split)]
+
+    end: dict[Action, float] = {}          # completion (arrival for a send)
+    pos = [0] * p
+    events: list[SimEvent] = []
     remaining = sum(len(acts[r]) for r in range(p))
     while remaining:
         progressed = False
@@ -208,37 +232,11 @@ def simulate(sched: Schedule, fwd=1.0, bwd=2.0, *, wgrad=None, comm=0.0, reduce=
             row = acts[r]
             while pos[r] < len(row):
                 a = row[pos[r]]
-                dep = ready_key(a)
-                if dep is not None and dep not in end:
+                deps = waits_for(a)
+                if any(d not in end for d in deps):
                     break
-                ready = end[dep] if dep is not None else 0.0
-                issue = compute_free[r]
-                if a.is_compute:
-                    if a.kind in ("B", "I"):
-                        ready = max(ready, end[Action(a.stage, "F", a.microbatch)])
-                    start = max(issue, ready)
-                    stop = start + duration(a)
-                    compute_free[r] = stop
-                    busy[r] += stop - start
-                    lane = "compute"
-                    if a.kind in ("B", "W"):
-                        last_bw[a.stage] = max(last_bw.get(a.stage, 0.0), stop)
-                elif a.is_send:
-                    start = max(issue, ready, comm_free[r])
-                    stop = start + float(t_c(a))
-                    comm_free[r] = stop
-                    lane = "comm"
-                elif a.is_recv:
-                    start = stop = max(issue, ready)
-                    lane = "comm"
-                elif a.kind == "REDUCE_GRAD":
-                    start = max(issue, comm_free[r], last_bw.get(a.stage, 0.0))
-                    stop = start + float(t_r(a))
-                    comm_free[r] = stop
-                    lane = "comm"
-                else:  # RESHARD: a hook that takes no time yet
-                    start = stop = issue
-                    lane = "comm"
+                ready = max((end[d] for d in deps), default=0.0)
+                lane, start, stop = run[a.kind](r, a, compute_free[r], ready)
                 end[a] = stop
                 events.append(SimEvent(r, lane, str(a), start, stop))
                 pos[r] += 1
@@ -253,10 +251,10 @@ def simulate(sched: Schedule, fwd=1.0, bwd=2.0, *, wgrad=None, comm=0.0, reduce=
     for r in range(p):
         cur = top = 0.0
         for a in acts[r]:
-            if a.kind == "F":
+            if a.kind is K.F:
                 cur += float(act(a.stage))
                 top = max(top, cur)
-            elif a.kind == ("W" if (a.stage, a.microbatch) in split else "B"):
+            elif a.kind is (K.W if (a.stage, a.microbatch) in split else K.B):  # frees it
                 cur -= float(act(a.stage))
         peak.append(static[r] + top)
 

@@ -9,6 +9,9 @@ replaced by an empty package in the child: what is measured is the module's own 
 
 Static check: no cycle among module-level imports (``ast``; imports inside functions are
 allowed, they run after every module has loaded; ``if TYPE_CHECKING:`` blocks are skipped).
+Inside the packages of ``NO_CYCLES_EVEN_IN_FUNCTIONS`` imports in function bodies count too: a
+function-level import there is no way around a cycle (the schedule IR once imported its own
+package's generators and validator that way).
 """
 
 from __future__ import annotations
@@ -172,14 +175,20 @@ def _is_type_checking(test: ast.expr) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _module_level_imports(path: Path, name: str, is_pkg: bool) -> set[str]:
-    """fxpar modules imported when ``name`` executes (function bodies excluded)."""
+def _module_level_imports(path: Path, name: str, is_pkg: bool, *, in_functions: bool = False,
+                          modules=None) -> set[str]:
+    """fxpar modules imported when ``name`` executes (function bodies excluded unless
+    ``in_functions``), among ``modules`` (default: every fxpar module)."""
     tree = ast.parse(path.read_text(), str(path))
     out: set[str] = set()
     package = name if is_pkg else name.rpartition(".")[0]
+    modules = MODULES if modules is None else modules
 
     def visit(stmts):
         for s in stmts:
+            if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and in_functions:
+                visit(s.body)
+                continue
             if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
                 continue
             if isinstance(s, ast.If) and _is_type_checking(s.test):
@@ -201,7 +210,7 @@ def _module_level_imports(path: Path, name: str, is_pkg: bool) -> set[str]:
                     visit(sub)
 
     visit(tree.body)
-    return {m for m in out if m in MODULES and m != name}
+    return {m for m in out if m in modules and m != name}
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -272,6 +281,42 @@ def test_no_import_cycle():
     g = import_graph()
     bad = [c for c in _cycles(g) if not _package_cycle(c, g)]
     assert not bad, f"module-level import cycles: {bad}"
+
+
+#: packages whose modules import each other without a cycle even counting function bodies (and
+#: without the module-level check's allowance for a submodule importing its own package, whose
+#: ``__init__`` imports it back)
+NO_CYCLES_EVEN_IN_FUNCTIONS = ("fxpar.schedule", "fxpar.sim", "fxpar.split", "fxpar.resharding", "fxpar.cost",
+                               "fxpar.runtime", "fxpar.passes", "fxpar.solver", "fxpar.strategies")
+
+
+def strict_graph(modules: dict[str, Path], prefixes=NO_CYCLES_EVEN_IN_FUNCTIONS) -> dict[str, set[str]]:
+    """Import edges, function bodies included, between the modules under ``prefixes``."""
+    keep = {m: p for m, p in modules.items() if any(_applies(x, m) for x in prefixes)}
+    return {name: _module_level_imports(path, name, path.name == "__init__.py", in_functions=True, modules=keep)
+            for name, path in keep.items()}
+
+
+def test_no_import_cycle_even_in_functions():
+    bad = _cycles(strict_graph(MODULES))
+    assert not bad, f"import cycles (function-level imports included): {bad}"
+
+
+def test_strict_check_sees_a_function_level_cycle(tmp_path):
+    """A submodule importing its own package inside a function (the package imports it back)
+    is a cycle for the strict check, not for the module-level one; a package re-exporting its
+    submodules alone is none."""
+    pkg = tmp_path / "sched"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from sched.actions import Action\nfrom sched.gen import gen\n")
+    (pkg / "actions.py").write_text("class Action:\n    def build(self):\n        from sched import gen\n")
+    (pkg / "gen.py").write_text("from sched.actions import Action\ngen = None\n")
+    mods = {"sched": pkg / "__init__.py", "sched.actions": pkg / "actions.py", "sched.gen": pkg / "gen.py"}
+    loose = {n: _module_level_imports(p, n, p.name == "__init__.py", modules=mods) for n, p in mods.items()}
+    assert _cycles(loose) == []
+    assert _cycles(strict_graph(mods, ("sched",))) == [["sched", "sched.actions", "sched.gen"]]
+    (pkg / "actions.py").write_text("class Action:\n    pass\n")
+    assert _cycles(strict_graph(mods, ("sched",))) == []
 
 
 def test_cycle_check_finds_a_cycle():

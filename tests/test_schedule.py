@@ -41,7 +41,22 @@ def test_action_str_examples():
     assert str(Action(1, "REDUCE_GRAD")) == "1REDUCE_GRAD"
     assert str(Action(12, "RECV_B", 10)) == "12RECV_B10"
     assert str(Action(3, "W", 0)) == "3W0"
-    assert str(Action(0, "RESHARD")) == "0RESHARD"
+    with pytest.raises(ScheduleError, match="unknown"):  # the cross-mesh hook was never generated
+        Action(0, "RESHARD")
+
+
+def test_action_kinds_are_str_enums():
+    """Kinds are :class:`fxpar.schedule.ActionKind` members that equal, hash and print as
+    their names: hand-written strings, CSV and JSON of schedules are unchanged."""
+    import json
+
+    from fxpar.schedule import KINDS, ActionKind
+    a = Action(2, "SEND_F", 3)
+    assert a.kind is ActionKind.SEND_F and a.kind == "SEND_F" and hash(a.kind) == hash("SEND_F")
+    assert a == Action(2, ActionKind.SEND_F, 3) and hash(a) == hash(Action(2, ActionKind.SEND_F, 3))
+    assert repr(a) == "Action(stage=2, kind='SEND_F', microbatch=3)"
+    assert json.dumps([a.kind, str(a)]) == '["SEND_F", "2SEND_F3"]'
+    assert list(KINDS) == ["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "REDUCE_GRAD"]
 
 
 @pytest.mark.parametrize("text,expected", [

@@ -2,7 +2,10 @@
 validator that proves a schedule deadlock-free.
 
 ``GENERATORS`` maps a schedule name to ``f(p, m, v) -> {rank: [compute actions]}``;
-:meth:`Schedule.build` lowers and validates what it returns.
+:meth:`Schedule.build` lowers and validates what it returns. Modules, bottom up: ``actions``
+(the IR: :class:`ActionKind`, :class:`Action`, :func:`lower`), one file per generator,
+``validate``, ``schedule`` (:class:`Schedule`, :data:`GENERATORS`); each imports only those
+below it.
 
 >>> from fxpar.schedule import Schedule
 >>> print(Schedule.build("1f1b", stages=2, microbatches=3).text(compute_only=True))
@@ -16,22 +19,16 @@ Step 5: 0B2    1B2
 <BLANKLINE>
 """
 
-from fxpar.schedule.actions import COMM_KINDS, COMPUTE_KINDS, KINDS, Action, Schedule, lower, normalize_name
+from fxpar.schedule.actions import (COMM_KINDS, COMPUTE_KINDS, KINDS, Action, ActionKind, dependencies, lower,
+                                    normalize_name)
 from fxpar.schedule.eager_1f1b import eager_1f1b
 from fxpar.schedule.gpipe import gpipe
 from fxpar.schedule.interleaved import interleaved
 from fxpar.schedule.one_f_one_b import one_f_one_b
+from fxpar.schedule.schedule import GENERATORS, Schedule
 from fxpar.schedule.validate import validate
 from fxpar.schedule.zb_h1 import zb_h1
 
-#: schedule name -> compute-only generator ``f(p, m, v)``
-GENERATORS = {
-    "gpipe": gpipe,
-    "1f1b": one_f_one_b,
-    "interleaved": interleaved,
-    "eager-1f1b": eager_1f1b,
-    "zb-h1": zb_h1,
-}
-
-__all__ = ["Action", "Schedule", "GENERATORS", "KINDS", "COMPUTE_KINDS", "COMM_KINDS", "lower",
-           "normalize_name", "validate", "gpipe", "one_f_one_b", "interleaved", "eager_1f1b", "zb_h1"]
+__all__ = ["Action", "ActionKind", "Schedule", "GENERATORS", "KINDS", "COMPUTE_KINDS", "COMM_KINDS",
+           "dependencies", "lower", "normalize_name", "validate", "gpipe", "one_f_one_b", "interleaved",
+           "eager_1f1b", "zb_h1"]

@@ -16,7 +16,11 @@ Conventions (the runtime interpreter and the simulator rely on them):
   ``k``'s output-gradient from ``k+1``. Two chunks on the same rank exchange nothing.
 - ``B`` = full backward; or ``I`` (input gradient, followed by the ``SEND_B``) then ``W``
   (weight gradient). ``REDUCE_GRAD(k)``: once per chunk, after its last ``B``/``W``: reduce
-  that chunk's parameter gradients. ``RESHARD`` is the cross-mesh hook (not generated yet).
+  that chunk's parameter gradients.
+- Kinds are :class:`ActionKind` members, ``str``-valued: ``ActionKind.F == "F"``, they print and
+  serialize (CSV, JSON) as their short names, and what each kind means (its microbatch rule, its
+  peer chunk, its matching action, what it waits for) is a table keyed by kind, not a chain of
+  comparisons.
 - Sends are asynchronous and buffered (``isend``): a send never blocks its rank; a receive
   completes once its matching send has run. :func:`fxpar.schedule.validate.validate` proves
   deadlock-freedom under exactly this rule. Between any two ranks, receives are posted in the
@@ -24,13 +28,17 @@ Conventions (the runtime interpreter and the simulator rely on them):
 
 ``Schedule.build`` runs a generator (compute order only), then :func:`lower` inserts each send
 right after the compute action that produces its value and each receive right before the
-compute action that consumes it, adds ``REDUCE_GRAD``, and validates.
+compute action that consumes it, adds ``REDUCE_GRAD``, and validates. :class:`Schedule` lives
+in :mod:`fxpar.schedule.schedule` (it needs the generators and the validator, which need this
+module: the IR imports nothing of the package).
 
->>> from fxpar.schedule import Action, Schedule
+>>> from fxpar.schedule import Action, ActionKind, Schedule
 >>> str(Action(0, "F", 1)), str(Action(2, "SEND_F", 3)), str(Action(1, "REDUCE_GRAD"))
 ('0F1', '2SEND_F3', '1REDUCE_GRAD')
 >>> Action.parse("1RECV_B0")
 Action(stage=1, kind='RECV_B', microbatch=0)
+>>> Action(1, "RECV_B", 0).kind is ActionKind.RECV_B, ActionKind.RECV_B == "RECV_B"
+(True, True)
 >>> s = Schedule.build("1f1b", stages=2, microbatches=2)
 >>> [str(a) for a in s.actions[1]]
 ['1RECV_F0', '1F0', '1B0', '1SEND_B0', '1RECV_F1', '1F1', '1B1', '1SEND_B1', '1REDUCE_GRAD']
@@ -41,31 +49,62 @@ Action(stage=1, kind='RECV_B', microbatch=0)
 
 from __future__ import annotations
 
+import enum
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
 
 from fxpar.errors import ScheduleError
 
-__all__ = ["KINDS", "COMPUTE_KINDS", "COMM_KINDS", "Action", "Schedule", "lower", "normalize_name"]
+__all__ = ["ActionKind", "KINDS", "COMPUTE_KINDS", "COMM_KINDS", "SEND_KINDS", "RECV_KINDS",
+           "WEIGHT_GRAD_KINDS", "Action", "dependencies", "lower", "normalize_name"]
 
+
+class ActionKind(enum.StrEnum):
+    """What an action does, in torch.distributed.pipelining's short names. ``str``-valued:
+    a member equals, hashes, prints and serializes as its name (``ActionKind.SEND_F ==
+    "SEND_F"``), so schedules written as text and their CSV are unchanged.
+
+    >>> ActionKind("I"), str(ActionKind.REDUCE_GRAD), ActionKind.F in {"F"}
+    (<ActionKind.I: 'I'>, 'REDUCE_GRAD', True)
+    """
+
+    F = "F"                      # forward
+    B = "B"                      # full backward
+    I = "I"                      # noqa: E741  backward, input gradient only
+    W = "W"                      # backward, weight gradient only
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+    REDUCE_GRAD = "REDUCE_GRAD"
+
+
+K = ActionKind
 #: every action kind, in torch.distributed.pipelining's short names
-KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "REDUCE_GRAD", "RESHARD")
-COMPUTE_KINDS = frozenset({"F", "B", "I", "W"})
-COMM_KINDS = frozenset({"SEND_F", "RECV_F", "SEND_B", "RECV_B"})
-_NO_MB = frozenset({"REDUCE_GRAD"})           # never a microbatch
-_OPTIONAL_MB = frozenset({"RESHARD"})         # either
+KINDS = tuple(ActionKind)
+COMPUTE_KINDS = frozenset({K.F, K.B, K.I, K.W})
+SEND_KINDS = frozenset({K.SEND_F, K.SEND_B})
+RECV_KINDS = frozenset({K.RECV_F, K.RECV_B})
+COMM_KINDS = SEND_KINDS | RECV_KINDS
+#: the actions that produce a chunk's parameter gradients (its ``REDUCE_GRAD`` follows the last)
+WEIGHT_GRAD_KINDS = frozenset({K.B, K.W})
+_NO_MB = frozenset({K.REDUCE_GRAD})           # never a microbatch; every other kind needs one
+#: a send/receive's neighbour chunk: ``stage + offset``
+_PEER_OFFSET = {K.SEND_F: +1, K.RECV_B: +1, K.RECV_F: -1, K.SEND_B: -1}
+#: the kind of the action on the peer's rank that pairs with a send/receive
+_MATE = {K.SEND_F: K.RECV_F, K.RECV_F: K.SEND_F, K.SEND_B: K.RECV_B, K.RECV_B: K.SEND_B}
 
 # torch's enum member names, accepted by Action.parse as aliases
-_LONG = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+_LONG = {"FORWARD": K.F, "FULL_BACKWARD": K.B, "BACKWARD_INPUT": K.I, "BACKWARD_WEIGHT": K.W}
 _KIND_RE = "|".join(sorted(set(KINDS) | set(_LONG), key=len, reverse=True))
 _ACTION_RE = re.compile(rf"(\d+)({_KIND_RE})(\d*)")
 
 
 @dataclass(frozen=True)
 class Action:
-    """One step of one rank: ``stage`` (the chunk index), ``kind`` (one of :data:`KINDS`) and
-    ``microbatch`` (``None`` only for ``REDUCE_GRAD``, optional for ``RESHARD``).
+    """One step of one rank: ``stage`` (the chunk index), ``kind`` (an :class:`ActionKind`; its
+    string is accepted) and ``microbatch`` (``None`` only for ``REDUCE_GRAD``).
 
     >>> a = Action(3, "I", 0)
     >>> str(a), a.is_compute, Action(3, "SEND_B", 0).peer_stage
@@ -73,16 +112,17 @@ class Action:
     >>> Action(0, "X", 1)
     Traceback (most recent call last):
     ...
-    fxpar.errors.ScheduleError: action kind 'X' unknown; known: F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, REDUCE_GRAD, RESHARD
+    fxpar.errors.ScheduleError: action kind 'X' unknown; known: F, B, I, W, SEND_F, RECV_F, SEND_B, RECV_B, REDUCE_GRAD
     """
 
     stage: int
-    kind: str
+    kind: ActionKind
     microbatch: int | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ScheduleError(f"action kind {self.kind!r} unknown; known: {', '.join(KINDS)}")
+        object.__setattr__(self, "kind", ActionKind(self.kind))
         if not isinstance(self.stage, int) or isinstance(self.stage, bool) or self.stage < 0:
             raise ScheduleError(f"action {self.kind}: stage must be an int >= 0, got {self.stage!r}")
         mb = self.microbatch
@@ -91,11 +131,14 @@ class Action:
                                 f"or None, got {mb!r}")
         if self.kind in _NO_MB and mb is not None:
             raise ScheduleError(f"{self.kind} takes no microbatch (got {self.stage}{self.kind}{mb})")
-        if self.kind not in _NO_MB | _OPTIONAL_MB and mb is None:
+        if self.kind not in _NO_MB and mb is None:
             raise ScheduleError(f"{self.stage}{self.kind} needs a microbatch (e.g. {self.stage}{self.kind}0)")
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{'' if self.microbatch is None else self.microbatch}"
+
+    def __repr__(self) -> str:  # the kind as its string, as before kinds were an enum
+        return f"Action(stage={self.stage!r}, kind={str(self.kind)!r}, microbatch={self.microbatch!r})"
 
     @staticmethod
     def parse(text: str) -> Action:
@@ -136,21 +179,18 @@ class Action:
 
     @property
     def is_send(self) -> bool:
-        return self.kind in ("SEND_F", "SEND_B")
+        return self.kind in SEND_KINDS
 
     @property
     def is_recv(self) -> bool:
-        return self.kind in ("RECV_F", "RECV_B")
+        return self.kind in RECV_KINDS
 
     @property
     def peer_stage(self) -> int | None:
         """The chunk on the other end of a send/receive: ``k+1`` for ``SEND_F``/``RECV_B``,
         ``k−1`` for ``RECV_F``/``SEND_B``; ``None`` otherwise."""
-        if self.kind in ("SEND_F", "RECV_B"):
-            return self.stage + 1
-        if self.kind in ("RECV_F", "SEND_B"):
-            return self.stage - 1
-        return None
+        off = _PEER_OFFSET.get(self.kind)
+        return None if off is None else self.stage + off
 
     def matching(self) -> Action | None:
         """The action on the other rank that pairs with a send/receive:
@@ -159,14 +199,59 @@ class Action:
         >>> str(Action(0, "SEND_F", 2).matching()), str(Action(1, "RECV_B", 0).matching())
         ('1RECV_F2', '2SEND_B0')
         """
-        other = {"SEND_F": "RECV_F", "RECV_F": "SEND_F", "SEND_B": "RECV_B", "RECV_B": "SEND_B"}
-        if self.kind not in other:
-            return None
-        return Action(self.peer_stage, other[self.kind], self.microbatch)
+        mate = _MATE.get(self.kind)
+        return None if mate is None else Action(self.peer_stage, mate, self.microbatch)
 
 
-def _as_action(a) -> Action:
-    return a if isinstance(a, Action) else Action.parse(a)
+# -- what an action waits for (the validator's dry run and the simulator share it) --------------
+def _backward(k: int, i: int, split) -> Action:
+    """The action that produces chunk ``k``'s input gradient of microbatch ``i`` (``I`` when
+    ``(k, i)`` is in ``split``, else ``B``)."""
+    return Action(k, K.I if (k, i) in split else K.B, i)
+
+
+def _deps_forward(k, i, p, last, split):
+    if k == 0:
+        return []
+    if (k - 1) % p == k % p:
+        return [("input", Action(k - 1, K.F, i))]
+    return [("input", Action(k, K.RECV_F, i))]
+
+
+def _deps_backward(k, i, p, last, split):
+    out = [("forward", Action(k, K.F, i))]
+    if k < last:
+        if (k + 1) % p == k % p:
+            out.append(("output gradient", _backward(k + 1, i, split)))
+        else:
+            out.append(("output gradient", Action(k, K.RECV_B, i)))
+    return out
+
+
+_DEPS: dict[ActionKind, Callable[..., list[tuple[str, Action]]]] = {
+    K.F: _deps_forward,
+    K.B: _deps_backward,
+    K.I: _deps_backward,
+    K.W: lambda k, i, p, last, split: [("input gradient", Action(k, K.I, i))],
+    K.SEND_F: lambda k, i, p, last, split: [("value", Action(k, K.F, i))],
+    K.SEND_B: lambda k, i, p, last, split: [("value", _backward(k, i, split))],
+}
+
+
+def dependencies(a: Action, p: int, last: int, split: Collection[tuple[int, int]]) -> list[tuple[str, Action]]:
+    """What ``a`` waits for on its own rank, as ``(role, action)``: ``F`` its input (the
+    previous chunk's ``F`` on the same rank, else its ``RECV_F``), ``B``/``I`` its forward and
+    its output gradient (none for the last chunk ``last``), ``W`` its ``I``, a send the action
+    that computes its value. A receive waits only for its :meth:`Action.matching` send on
+    another rank; ``REDUCE_GRAD`` for nothing here (the validator orders it after the chunk's
+    backwards). ``p`` ranks; ``split`` holds the ``(chunk, microbatch)`` pairs whose backward
+    is ``I`` + ``W``.
+
+    >>> [(role, str(d)) for role, d in dependencies(Action(1, "B", 0), p=2, last=3, split=set())]
+    [('forward', '1F0'), ('output gradient', '1RECV_B0')]
+    """
+    f = _DEPS.get(a.kind)
+    return [] if f is None else f(a.stage, a.microbatch, p, last, split)
 
 
 def normalize_name(name: str) -> str:
@@ -200,11 +285,15 @@ def lower(compute: Mapping[int, Sequence[Action]], stages: int, microbatches: in
     [['0F0', '0SEND_F0', '0RECV_B0', '0B0', '0REDUCE_GRAD'], ['1RECV_F0', '1F0', '1B0', '1SEND_B0', '1REDUCE_GRAD']]
     """
     p, last = stages, stages * chunks - 1
+
+    def crosses(k: int, peer: int) -> bool:  # the neighbour chunk exists and lives on another rank
+        return 0 <= peer <= last and peer % p != k % p
+
     # how many B or W each chunk runs in total (split backward: W's; else B's)
     n_final: dict[int, int] = {}
     for acts in compute.values():
         for a in acts:
-            if a.kind in ("B", "W"):
+            if a.kind in WEIGHT_GRAD_KINDS:
                 n_final[a.stage] = n_final.get(a.stage, 0) + 1
     out: dict[int, tuple[Action, ...]] = {}
     for rank in range(p):
@@ -212,223 +301,20 @@ def lower(compute: Mapping[int, Sequence[Action]], stages: int, microbatches: in
         row: list[Action] = []
         for a in compute.get(rank, ()):
             k, i = a.stage, a.microbatch
-            if a.kind == "F" and k > 0 and (k - 1) % p != k % p:
-                row.append(Action(k, "RECV_F", i))
-            if a.kind in ("B", "I") and k < last and (k + 1) % p != k % p:
-                row.append(Action(k, "RECV_B", i))
+            recv, send = _RECV_BEFORE.get(a.kind), _SEND_AFTER.get(a.kind)
+            if recv is not None and crosses(k, k + _PEER_OFFSET[recv]):
+                row.append(Action(k, recv, i))
             row.append(a)
-            if a.kind == "F" and k < last and (k + 1) % p != k % p:
-                row.append(Action(k, "SEND_F", i))
-            if a.kind in ("B", "I") and k > 0 and (k - 1) % p != k % p:
-                row.append(Action(k, "SEND_B", i))
-            if a.kind in ("B", "W"):
+            if send is not None and crosses(k, k + _PEER_OFFSET[send]):
+                row.append(Action(k, send, i))
+            if a.kind in WEIGHT_GRAD_KINDS:
                 seen[k] = seen.get(k, 0) + 1
                 if seen[k] == n_final[k]:
-                    row.append(Action(k, "REDUCE_GRAD"))
+                    row.append(Action(k, K.REDUCE_GRAD))
         out[rank] = tuple(row)
     return out
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """Per-rank action lists of one training step (see the module docstring for the IR).
-
-    ``stages`` is the number of pipeline ranks ``p``, ``chunks`` the chunks per rank ``v``
-    (``p·v`` stage chunks in all), ``microbatches`` ``m``; ``actions[rank]`` is a tuple of
-    :class:`Action` for ``rank`` in ``0 .. p−1``. Build with :meth:`build`,
-    :meth:`from_actions` or :meth:`from_csv`; every constructor validates.
-
-    >>> s = Schedule.build("interleaved", stages=2, microbatches=2, chunks=2)
-    >>> s.num_chunks, s.rank_of(3), s.chunks_of(1)
-    (4, 1, (1, 3))
-    >>> print(Schedule.build("gpipe", stages=2, microbatches=2).text(compute_only=True))
-            Rank 0 Rank 1
-    Step 0: 0F0    1F0
-    Step 1: 0F1    1F1
-    Step 2: 0B0    1B0
-    Step 3: 0B1    1B1
-    <BLANKLINE>
-    """
-
-    name: str
-    stages: int
-    microbatches: int
-    chunks: int
-    actions: dict[int, tuple[Action, ...]] = field(compare=True)
-
-    # -- constructors ---------------------------------------------------------------------
-    @classmethod
-    def build(cls, name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
-        """Generate schedule ``name`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``,
-        ``"eager-1f1b"``, ``"zb-h1"``) for ``stages`` pipeline ranks, ``microbatches``
-        microbatches and ``chunks`` chunks per rank (``>1`` only for ``"interleaved"``), lower it
-        (sends, receives, gradient reduction) and validate it.
-
-        >>> Schedule.build("1f1b", stages=4, microbatches=8)
-        Schedule('1f1b', stages=4, microbatches=8, chunks=1)
-        >>> Schedule.build("pipedream", stages=2, microbatches=2)
-        Traceback (most recent call last):
-        ...
-        fxpar.errors.ScheduleError: name: unknown schedule 'pipedream'; known: gpipe, 1f1b, interleaved, eager-1f1b, zb-h1
-        """
-        from fxpar.schedule import GENERATORS  # the generators import this module
-
-        key = normalize_name(name)
-        if key not in GENERATORS:
-            raise ScheduleError(f"name: unknown schedule {name!r}; known: {', '.join(GENERATORS)}")
-        for arg, val in (("stages", stages), ("microbatches", microbatches), ("chunks", chunks)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ScheduleError(f"{arg} must be an int >= 1, got {val!r} (schedule {key!r})")
-        if key != "interleaved" and chunks != 1:
-            raise ScheduleError(f"chunks={chunks}: schedule {key!r} runs one chunk per rank; "
-                                "use 'interleaved' for several")
-        compute = GENERATORS[key](stages, microbatches, chunks)
-        sched = cls(key, stages, microbatches, chunks, lower(compute, stages, microbatches, chunks))
-        sched.validate()
-        return sched
-
-    @classmethod
-    def from_actions(cls, actions_by_rank, *, microbatches: int | None = None,
-                     chunks: int | None = None, name: str = "custom",
-                     lower_comms: bool | None = None) -> Schedule:
-        """A schedule from hand-written lists: a dict ``{rank: [actions]}`` or a list of lists,
-        each action an :class:`Action` or its string (``"0F1"``). Ranks are ``0 .. p−1``.
-
-        ``microbatches`` / ``chunks`` default to what the actions use (largest microbatch + 1;
-        chunk count / ranks). ``lower_comms``: ``True`` treats the lists as compute-only and
-        inserts sends, receives and ``REDUCE_GRAD`` (:func:`lower`); ``None`` (default) does so
-        exactly when no list holds any send, receive or ``REDUCE_GRAD``. Validated.
-
-        >>> s = Schedule.from_actions([["0F0", "0B0"], ["1F0", "1B0"]])
-        >>> [str(a) for a in s.actions[0]]
-        ['0F0', '0SEND_F0', '0RECV_B0', '0B0', '0REDUCE_GRAD']
-        >>> Schedule.from_actions([["0F0", "0SEND_F0", "0B0", "0REDUCE_GRAD"],
-        ...                        ["1RECV_F0", "1F0", "1B0", "1SEND_B0", "1REDUCE_GRAD"]])
-        Traceback (most recent call last):
-        ...
-        fxpar.errors.ScheduleError: schedule 'custom': rank 1 step 3: 1SEND_B0 sends to chunk 0 on rank 0, which never runs 0RECV_B0
-        """
-        if isinstance(actions_by_rank, Mapping):
-            ranks = sorted(actions_by_rank)
-            if ranks != list(range(len(ranks))):
-                raise ScheduleError(f"ranks must be 0..p-1, got {ranks}")
-            rows = [actions_by_rank[r] for r in ranks]
-        else:
-            rows = list(actions_by_rank)
-        if not rows:
-            raise ScheduleError("a schedule needs at least one rank")
-        parsed: dict[int, tuple[Action, ...]] = {}
-        for r, row in enumerate(rows):
-            if isinstance(row, str):
-                raise ScheduleError(f"rank {r}: expected a list of actions, got the string {row!r}")
-            acts = []
-            for j, a in enumerate(row):
-                try:
-                    acts.append(_as_action(a))
-                except ScheduleError as e:
-                    raise ScheduleError(f"rank {r} step {j}: {e}") from None
-            parsed[r] = tuple(acts)
-        p = len(parsed)
-        all_acts = [a for acts in parsed.values() for a in acts]
-        if microbatches is None:
-            mbs = [a.microbatch for a in all_acts if a.microbatch is not None]
-            microbatches = max(mbs) + 1 if mbs else 1
-        if chunks is None:
-            n = max((a.stage for a in all_acts), default=p - 1) + 1
-            chunks = max(1, -(-n // p))
-        for arg, val in (("microbatches", microbatches), ("chunks", chunks)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ScheduleError(f"{arg} must be an int >= 1, got {val!r}")
-        if lower_comms is None:
-            lower_comms = not any(a.is_comm or a.kind == "REDUCE_GRAD" for a in all_acts)
-        if lower_comms:
-            extra = [a for a in all_acts if not a.is_compute]
-            if extra:
-                raise ScheduleError(f"lower_comms=True expects compute-only lists, found {extra[0]}")
-            parsed = lower(parsed, p, microbatches, chunks)
-        sched = cls(name, p, microbatches, chunks, parsed)
-        sched.validate()
-        return sched
-
-    @classmethod
-    def from_csv(cls, text: str, *, microbatches: int | None = None, chunks: int | None = None,
-                 name: str = "custom", lower_comms: bool | None = None) -> Schedule:
-        """Inverse of :meth:`to_csv`: one line per rank, comma-separated action strings (empty
-        cells, as torch writes for idle steps, are skipped). Arguments as :meth:`from_actions`.
-
-        >>> s = Schedule.build("zb-h1", stages=3, microbatches=4)
-        >>> Schedule.from_csv(s.to_csv(), name="zb-h1") == s
-        True
-        """
-        lines = text.splitlines()
-        while lines and not lines[-1].strip():
-            lines.pop()
-        rows = [[c for c in (x.strip() for x in line.split(",")) if c] for line in lines]
-        return cls.from_actions(rows, microbatches=microbatches, chunks=chunks, name=name,
-                                lower_comms=lower_comms)
-
-    # -- queries ----------------------------------------------------------------------------
-    @property
-    def num_chunks(self) -> int:
-        """``p·v``, the number of stage chunks."""
-        return self.stages * self.chunks
-
-    def rank_of(self, chunk: int) -> int:
-        """The pipeline rank holding ``chunk``: ``chunk % p``."""
-        if not 0 <= chunk < self.num_chunks:
-            raise ScheduleError(f"chunk {chunk} not in 0..{self.num_chunks - 1}")
-        return chunk % self.stages
-
-    def chunks_of(self, rank: int) -> tuple[int, ...]:
-        """Chunks on ``rank``, in model order: ``rank, rank+p, rank+2p, ...``."""
-        return tuple(range(rank, self.num_chunks, self.stages))
-
-    def peer_rank(self, action: Action) -> int | None:
-        """For a send/receive, the rank on the other end; else ``None``."""
-        k = action.peer_stage
-        return None if k is None else k % self.stages
-
-    @property
-    def split_backward(self) -> bool:
-        """Whether backward is split into ``I`` and ``W``."""
-        return any(a.kind == "I" for acts in self.actions.values() for a in acts)
-
-    def compute_only(self) -> dict[int, tuple[Action, ...]]:
-        """The ``F``/``B``/``I``/``W`` actions of each rank, in order."""
-        return {r: tuple(a for a in acts if a.is_compute) for r, acts in self.actions.items()}
-
-    def validate(self) -> None:
-        """Raise :class:`fxpar.errors.ScheduleError` unless deadlock-free and complete."""
-        from fxpar.schedule.validate import validate
-
-        validate(self)
-
-    # -- printing ---------------------------------------------------------------------------
-    def text(self, compute_only: bool = False) -> str:
-        """The step × rank grid of ``torch.distributed.pipelining``'s ``_format_pipeline_order``:
-        one row per step index, one column per rank."""
-        rows = self.compute_only() if compute_only else self.actions
-        ranks = sorted(rows)
-        n = max((len(rows[r]) for r in ranks), default=0)
-        labels = [f"Step {str(i).zfill(len(str(max(n - 1, 0))))}" for i in range(n)]
-        cols = [[str(a) for a in rows[r]] + [""] * (n - len(rows[r])) for r in ranks]
-        heads = [f"Rank {r}" for r in ranks]
-        widths = [max([len(h)] + [len(c) for c in col]) for h, col in zip(heads, cols)]
-        lab_w = len(labels[0]) if labels else len("Step 0")
-        out = [" " * (lab_w + 2) + " ".join(f"{h:<{w}}" for h, w in zip(heads, widths))]
-        for i, lab in enumerate(labels):
-            out.append(f"{lab}: " + " ".join(f"{col[i]:<{w}}" for col, w in zip(cols, widths)))
-        return "\n".join(line.rstrip() for line in out) + "\n"
-
-    def to_csv(self) -> str:
-        """One line per rank, comma-separated action strings (torch's ``_dump_csv``)."""
-        return "\n".join(",".join(str(a) for a in self.actions[r]) for r in sorted(self.actions)) + "\n"
-
-    def __hash__(self) -> int:
-        return hash((self.name, self.stages, self.microbatches, self.chunks,
-                     tuple(tuple(self.actions[r]) for r in sorted(self.actions))))
-
-    def __repr__(self) -> str:
-        return (f"Schedule({self.name!r}, stages={self.stages}, microbatches={self.microbatches}, "
-                f"chunks={self.chunks})")
-
+#: the receive a compute action's input needs and the send its result feeds (:func:`lower`)
+_RECV_BEFORE = {K.F: K.RECV_F, K.B: K.RECV_B, K.I: K.RECV_B}
+_SEND_AFTER = {K.F: K.SEND_F, K.B: K.SEND_B, K.I: K.SEND_B}

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from fxpar.errors import ScheduleError
 from fxpar.schedule.actions import Action
+from fxpar.schedule.actions import ActionKind as K
 
 __all__ = ["interleaved", "warmup"]
 
@@ -40,18 +41,18 @@ def interleaved(p: int, m: int, v: int = 2) -> dict[int, list[Action]]:
                             "(Megatron-LM's rule)")
     total, group = m * v, p * v
 
-    def act(r: int, n: int, kind: str) -> Action:
+    def act(r: int, n: int, kind: K) -> Action:
         c = (n % group) // p
-        if kind == "B":
+        if kind is K.B:  # backwards run the chunks in reverse
             c = v - 1 - c
         return Action(c * p + r, kind, (n // group) * p + n % p)
 
     out: dict[int, list[Action]] = {}
     for r in range(p):
         w = warmup(r, p, m, v)
-        acts = [act(r, n, "F") for n in range(w)]
+        acts = [act(r, n, K.F) for n in range(w)]
         for n in range(total - w):
-            acts += [act(r, w + n, "F"), act(r, n, "B")]
-        acts += [act(r, n, "B") for n in range(total - w, total)]
+            acts += [act(r, w + n, K.F), act(r, n, K.B)]
+        acts += [act(r, n, K.B) for n in range(total - w, total)]
         out[r] = acts
     return out

@@ -34,40 +34,14 @@ fxpar.errors.ScheduleError: schedule 'custom': rank 1 step 0: 1F0 runs before it
 from __future__ import annotations
 
 from fxpar.errors import ScheduleError
-from fxpar.schedule.actions import Action
+from fxpar.schedule.actions import WEIGHT_GRAD_KINDS, Action, dependencies
+from fxpar.schedule.actions import ActionKind as K
 
 __all__ = ["validate"]
 
 
 def _fail(sched, msg: str) -> None:
     raise ScheduleError(f"schedule {sched.name!r}: {msg}")
-
-
-def _deps(a: Action, p: int, last: int, split: dict[tuple[int, int], bool]) -> list[tuple[str, Action]]:
-    """What ``a`` waits for, as ``(role, action)``; every dependency lives on ``a``'s rank except
-    a receive's matching send."""
-    k, i = a.stage, a.microbatch
-    if a.kind == "F":
-        if k == 0:
-            return []
-        if (k - 1) % p == k % p:
-            return [("input", Action(k - 1, "F", i))]
-        return [("input", Action(k, "RECV_F", i))]
-    if a.kind in ("B", "I"):
-        out = [("forward", Action(k, "F", i))]
-        if k < last:
-            if (k + 1) % p == k % p:
-                out.append(("output gradient", Action(k + 1, "I" if split.get((k + 1, i)) else "B", i)))
-            else:
-                out.append(("output gradient", Action(k, "RECV_B", i)))
-        return out
-    if a.kind == "W":
-        return [("input gradient", Action(k, "I", i))]
-    if a.kind == "SEND_F":
-        return [("value", Action(k, "F", i))]
-    if a.kind == "SEND_B":
-        return [("value", Action(k, "I" if split.get((k, i)) else "B", i))]
-    return []
 
 
 def validate(sched, *, fifo: bool = True) -> None:
@@ -108,22 +82,23 @@ def validate(sched, *, fifo: bool = True) -> None:
             where[a] = (r, j)
 
     # 2. completeness ------------------------------------------------------------------------
-    split: dict[tuple[int, int], bool] = {}
+    split: set[tuple[int, int]] = set()  # (chunk, microbatch) whose backward is I + W
     for k in range(n):
         r = k % p
         for i in range(m):
-            f, b, inp, w = (Action(k, x, i) in where for x in ("F", "B", "I", "W"))
+            f, b, inp, w = (Action(k, x, i) in where for x in (K.F, K.B, K.I, K.W))
             if not f:
                 _fail(sched, f"rank {r}: no {Action(k, 'F', i)} (chunk {k}, microbatch {i} never runs forward)")
             if b and (inp or w):
-                x = Action(k, "I" if inp else "W", i)
+                x = Action(k, K.I if inp else K.W, i)
                 _fail(sched, f"rank {r} step {where[x][1]}: {x} and {Action(k, 'B', i)} both present "
                              "(a backward is either B or I + W)")
             if not b and not (inp and w):
-                miss = Action(k, "B", i) if not (inp or w) else Action(k, "W" if inp else "I", i)
+                miss = Action(k, K.B, i) if not (inp or w) else Action(k, K.W if inp else K.I, i)
                 _fail(sched, f"rank {r}: no {miss} (chunk {k}, microbatch {i} has no complete backward)")
-            split[(k, i)] = inp
-        red = Action(k, "REDUCE_GRAD")
+            if inp:
+                split.add((k, i))
+        red = Action(k, K.REDUCE_GRAD)
         if red not in where:
             _fail(sched, f"rank {r}: no {red} (chunk {k}'s gradients are never reduced)")
     for a, (r, j) in where.items():
@@ -139,14 +114,14 @@ def validate(sched, *, fifo: bool = True) -> None:
     # 3. same-rank order ---------------------------------------------------------------------
     for r in range(p):
         for j, a in enumerate(acts[r]):
-            for role, d in _deps(a, p, last, split):
+            for role, d in dependencies(a, p, last, split):
                 jd = where.get(d, (None, None))[1]
                 if jd is None:
                     _fail(sched, f"rank {r} step {j}: {a} needs its {role} {d}, which rank {r} never runs")
                 if jd > j:
                     _fail(sched, f"rank {r} step {j}: {a} runs before its {role} {d} (step {jd})")
-            if a.kind in ("B", "W"):
-                red = Action(a.stage, "REDUCE_GRAD")
+            if a.kind in WEIGHT_GRAD_KINDS:
+                red = Action(a.stage, K.REDUCE_GRAD)
                 if where[red][1] < j:
                     _fail(sched, f"rank {r} step {where[red][1]}: {red} runs before {a} (step {j}); "
                                  "it must follow the chunk's last backward")
@@ -166,7 +141,7 @@ def validate(sched, *, fifo: bool = True) -> None:
             if a.is_recv:
                 ready = a.matching() in done
             else:
-                ready = all(d in done for _, d in _deps(a, p, last, split))
+                ready = all(d in done for _, d in dependencies(a, p, last, split))
             if ready:
                 done.add(a)
                 pos[r] += 1
@@ -177,7 +152,7 @@ def validate(sched, *, fifo: bool = True) -> None:
                 if pos[r] >= len(acts[r]):
                     continue
                 a = acts[r][pos[r]]
-                d = a.matching() if a.is_recv else next(d for _, d in _deps(a, p, last, split) if d not in done)
+                d = a.matching() if a.is_recv else next(d for _, d in dependencies(a, p, last, split) if d not in done)
                 q, jd = where[d]
                 waits.append(f"rank {r} step {pos[r]}: {a} waits for {d} (rank {q} step {jd}, "
                              f"blocked behind {acts[q][pos[q]]} at step {pos[q]})")
