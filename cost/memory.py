@@ -446,9 +446,10 @@ def _is_contig(n: fx.Node) -> bool:
 
 def schedule_activation_peak(schedule: str, stage: int, stages: int, m: int,
                              chunk_bytes: Sequence[float], v: int = 1) -> float:
-    """The most activation bytes stage ``stage`` holds at once under ``schedule``: its action
-    order (:func:`fxpar.cost.pipeline.schedule_actions`) walked with ``chunk_bytes[c]`` added
-    at each forward of chunk ``c`` and released at its backward. Equal chunks give
+    """The most activation bytes stage ``stage`` holds at once under ``schedule``: its compute
+    order (:class:`fxpar.schedule.Schedule`'s, as the runtime runs it) walked with
+    ``chunk_bytes[c]`` added at each forward of its local chunk ``c`` and released when that
+    chunk's backward ends (``B``; ``W`` when split). Equal chunks give
     ``in_flight_microbatches × Σ chunk_bytes``; unequal ones (the last chunk holds the loss)
     give what the schedule really keeps, which that closed form over- or under-states
     (measured: tests/test_memory_measured.py).
@@ -458,11 +459,18 @@ def schedule_activation_peak(schedule: str, stage: int, stages: int, m: int,
     >>> schedule_activation_peak("interleaved", 1, 2, 4, [100, 150], v=2)  # 2 of chunk 0, 1 of chunk 1
     350
     """
-    from fxpar.cost.pipeline import schedule_actions
+    from fxpar.schedule import Schedule, normalize_name
+    from fxpar.schedule.actions import ActionKind as K
 
+    sched = Schedule.build(normalize_name(schedule), stages=stages, microbatches=m, chunks=v)
+    split = sched.split_backward
     live = peak = 0
-    for kind, _, c in schedule_actions(schedule, stage, stages, m, v):
-        live += chunk_bytes[c] if kind == "F" else -chunk_bytes[c]
+    for a in sched.compute_only()[stage]:
+        c = a.stage // stages
+        if a.kind is K.F:
+            live += chunk_bytes[c]
+        elif a.kind is (K.W if split else K.B):
+            live -= chunk_bytes[c]
         peak = max(peak, live)
     return peak
 

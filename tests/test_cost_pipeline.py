@@ -1,5 +1,6 @@
-"""fxpar.cost.pipeline: bubble fractions exact (Megatron-LM §2.2), the schedule simulator
-against them, warm-up counts (1F1B, eager-1F1B, interleaved), unequal stages."""
+"""fxpar.cost.pipeline: bubble fractions exact (Megatron-LM §2.2), the test oracle's schedule
+simulator (tests/schedule_oracle.py) against them, warm-up counts (1F1B, eager-1F1B,
+interleaved), unequal stages."""
 
 from fractions import Fraction
 
@@ -7,14 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxpar.cost.pipeline import (
-    bubble_fraction,
-    in_flight_microbatches,
-    schedule_actions,
-    simulate,
-    step_time,
-    warmup_forwards,
-)
+from fxpar.cost.pipeline import bubble_fraction, in_flight_microbatches, warmup_forwards
+from tests.schedule_oracle import schedule_actions, simulate, step_time
 
 
 @pytest.mark.parametrize("p, m", [(1, 1), (2, 4), (4, 8), (8, 32), (16, 64)])

@@ -1,8 +1,8 @@
 """Pipeline schedules as data: the action IR, the generators, lowering, text/CSV and the validator
 (issue #10 item 2).
 
-Expected orders come from independent sources: ``fxpar.cost.pipeline.schedule_actions`` and
-``warmup_forwards`` (closed forms written separately from fxpar.schedule), the papers' rules
+Expected orders come from independent sources: ``schedule_actions`` of tests/schedule_oracle.py
+and ``fxpar.cost.pipeline.warmup_forwards`` (closed forms written separately from fxpar.schedule), the papers' rules
 restated in the tests, and small hand-written lists.
 """
 
@@ -14,6 +14,7 @@ import fxpar
 from fxpar.cost import pipeline as cp
 from fxpar.errors import FxparError, ScheduleError
 from fxpar.schedule import GENERATORS, Action, Schedule, validate
+from tests import schedule_oracle
 
 NAMES = ["gpipe", "1f1b", "interleaved", "eager-1f1b", "zb-h1"]
 
@@ -147,7 +148,7 @@ def test_every_generated_schedule_validates(name):
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "eager-1f1b", "interleaved"])
 def test_compute_order_matches_cost_model_order(name):
-    """``fxpar.cost.pipeline.schedule_actions`` writes the same orders from the papers'
+    """``tests/schedule_oracle.py``'s ``schedule_actions`` writes the same orders from the papers'
     formulas, independently: (kind, microbatch, local chunk) per rank."""
     cname = name.replace("-", "_")
     for nm, p, m, v in _valid_args():
@@ -156,7 +157,7 @@ def test_compute_order_matches_cost_model_order(name):
         s = Schedule.build(name, stages=p, microbatches=m, chunks=v)
         for r in range(p):
             got = [(a.kind, a.microbatch, a.stage // p) for a in s.compute_only()[r]]
-            assert got == cp.schedule_actions(cname, r, p, m, v), (name, p, m, v, r)
+            assert got == schedule_oracle.schedule_actions(cname, r, p, m, v), (name, p, m, v, r)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "eager-1f1b", "interleaved", "zb-h1"])

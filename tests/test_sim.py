@@ -3,7 +3,8 @@ timelines, memory, and the Chrome trace.
 
 Oracles: Megatron-LM §2.2 (bubble ``(p−1)/m`` and ``(p−1)/(v·m)``), the zero-bubble paper's
 ZB-H1 bubble ``(p−1)(t_f + t_i − t_w)``, timelines worked out by hand in the docstrings, and
-``fxpar.cost.pipeline`` (closed forms and a compute-only simulator written separately).
+``fxpar.cost.pipeline`` (closed forms) and tests/schedule_oracle.py (a compute-only simulator
+written separately).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fxpar.cost import pipeline as cp
 from fxpar.errors import ScheduleError
 from fxpar.schedule import Action, Schedule
 from fxpar.sim import SimResult, simulate
+from tests import schedule_oracle
 
 
 # ---------------------------------------------------------------------------------------------
@@ -58,7 +60,7 @@ def test_public_api_example():
 
 def test_matches_cost_model_simulator_unequal_stages():
     """Random per-chunk times, no communication: same step time and busy time as
-    ``fxpar.cost.pipeline.simulate`` (its own compute-only event loop)."""
+    ``tests/schedule_oracle.py``'s ``simulate`` (its own compute-only event loop)."""
     rng = random.Random(0)
     for name, p, m, v in [("gpipe", 3, 5, 1), ("1f1b", 4, 7, 1), ("1f1b", 5, 3, 1),
                           ("eager-1f1b", 4, 6, 1), ("interleaved", 2, 4, 2), ("interleaved", 3, 6, 3),
@@ -67,7 +69,7 @@ def test_matches_cost_model_simulator_unequal_stages():
             f = [rng.uniform(0.5, 2.0) for _ in range(p * v)]
             b = [rng.uniform(0.5, 4.0) for _ in range(p * v)]
             r = simulate(Schedule.build(name, p, m, v), fwd=f, bwd=b)
-            ref = cp.simulate(name.replace("-", "_"), f, b, m, v=v, per_chunk=True)
+            ref = schedule_oracle.simulate(name.replace("-", "_"), f, b, m, v=v, per_chunk=True)
             assert r.step_time == pytest.approx(ref.step_time, rel=1e-12), (name, p, m, v)
             assert r.busy == pytest.approx(ref.busy, rel=1e-12)
             assert r.bubble_fraction == pytest.approx(ref.bubble_fraction, rel=1e-9, abs=1e-12)
