@@ -1,0 +1,311 @@
+"""The sharded optimizer: fp32 masters of this rank's chunks, the step, norms, saved state.
+
+:class:`ShardedOptimizer` builds any ``torch.optim`` optimizer over one rank's optimizer
+chunks (chunk ``k`` of ``s_os`` of each parameter's flat storage,
+:mod:`~fxpar.runtime.model_state.layout`), steps it on the reduced gradients the gradient
+buckets hold (:mod:`~fxpar.runtime.model_state.buckets`: views, no copy), and makes every rank's
+storage whole again: ``s_os > 1``: all-gather of the updated chunks inside the ``s_os``
+subgroup, ``(s_os−1)/s_os · eΦ`` per device (AMSP's ``T_os1``), in place, so ``param`` objects
+stay valid.
+
+Memory per rank (mixed precision, Adam): ``2Φ`` parameters + ``2Φ/s_g`` gradients + ``12Φ/s_os``
+fp32 master, ``exp_avg``, ``exp_avg_sq`` — the AMSP formula with ``s_p = 1`` on the local
+storage. fp32 parameters with ``s_os = 1`` are their own master (no copy). Special cases:
+DDP = ``(1, 1)``, ZeRO-1 = ``(1, n)``, ZeRO-2 = ``(n, n)``, MiCS/HSDP-like = ``(s, s)`` with
+``s < n``.
+
+Because the optimizer sees per-chunk tensors, element-wise optimizers (SGD, Adam, AdamW,
+Adagrad, RMSprop, …) give exactly the unsharded result; optimizers that couple elements of a
+tensor (LBFGS, Adafactor, per-tensor norms) see chunks instead of tensors.
+
+Flat step. If the optimizer is one of :data:`ELEMENTWISE`, it steps one tensor per (flat
+bucket, param group) — a view of the bucket's storage, the parameters of a param group
+contiguous in the bucket — whose gradient is a slice of the bucket's reduced buffer (no
+copy): one kernel per operation instead of one per parameter, and per element the
+per-parameter update (bitwise for AdamW on CPU, tested). Its states are per segment;
+:meth:`ShardedOptimizer.optimizer_state` still gives them per parameter. Other optimizers
+(built first over the segments, then again) get a master per parameter, as above.
+
+Norms and clipping: :func:`grad_norm_term` (this rank's share of ``Σ |g|^p``, each distinct
+element counted once over the world) and :func:`scale_grads` act on the reduced gradients
+before the step.
+
+One process, DDP factors (fp32: the flat bucket's storage is the master, no copy):
+
+>>> import torch
+>>> from fxpar.runtime.model_state.buckets import GradientBuckets
+>>> from fxpar.runtime.model_state.layout import param_shards, rank_layouts
+>>> w = torch.ones(4)
+>>> shards = param_shards({"w": w}, {"w": None}, rank_layouts({"w": w}, {"w": None}, 1, 1))
+>>> gb = GradientBuckets(shards)
+>>> opt = ShardedOptimizer(gb._params, gb._buckets, lambda ps: torch.optim.SGD(ps, lr=0.5))
+>>> gb.add_grad("w", torch.full((4,), 2.0)); gb.finish_backward()
+>>> float(grad_norm_term(gb._buckets, 2.0, {}))      # Σ g² over the one copy
+16.0
+>>> opt.step(); w
+tensor([0., 0., 0., 0.])
+>>> opt.memory()
+{'master': 0, 'optimizer': 0}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from fxpar.runtime.model_state.buckets import Bucket
+from fxpar.runtime.model_state.layout import ParamShard, lookup
+
+__all__ = ["ELEMENTWISE", "ShardedOptimizer", "param_options", "grad_norm_term", "scale_grads"]
+
+#: optimizers whose update of an element reads only that element's parameter, gradient and
+#: states (and per-tensor scalars that depend on the step count alone): stepping one flat
+#: tensor for many parameters gives what stepping each does (checked against torch 2.13)
+ELEMENTWISE = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
+                         torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+                         torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Rprop,
+                         torch.optim.ASGD})
+
+
+def param_options(fqns, param_groups: Callable[[str], Mapping] | None
+                  ) -> tuple[dict[str, dict], dict[str, tuple]]:
+    """``(options, keys)``: per parameter the optimizer options ``param_groups(fqn)`` gives
+    (``{}`` without), and a hashable key of them: equal keys make one param group (and one
+    segment of a flat bucket)."""
+    opts = {f: dict(param_groups(f) or {}) if param_groups else {} for f in fqns}
+    keys = {f: tuple(sorted((k, repr(v)) for k, v in o.items())) for f, o in opts.items()}
+    return opts, keys
+
+
+class ShardedOptimizer:
+    """``optimizer(params_or_groups)`` over this rank's optimizer chunks of ``params``
+    (:class:`ParamShard`, already in ``buckets``); ``options``/``keys``: per-parameter
+    optimizer options and their hashable keys (:func:`param_options`; the keys the buckets'
+    segments were made with), which become param groups when ``grouped``. ``self.optimizer``
+    is ``None`` when there are no parameters."""
+
+    def __init__(self, params: Mapping[str, ParamShard], buckets: Sequence[Bucket],
+                 optimizer: Callable[[list], torch.optim.Optimizer],
+                 options: Mapping[str, dict] | None = None, keys: Mapping[str, tuple] | None = None,
+                 grouped: bool = False) -> None:
+        self._params = params
+        self._buckets = buckets
+        if options is None or keys is None:
+            options, keys = param_options(params, None)
+        self._opts, self._okey = options, keys
+        self._make_masters(flat=True)
+        self.optimizer = self._make_optimizer(optimizer, grouped)
+        if type(self.optimizer) not in ELEMENTWISE and any(bk.flat for bk in buckets):
+            # it may couple the elements of a tensor: one master per parameter, as it expects
+            self._make_masters(flat=False)
+            self.optimizer = self._make_optimizer(optimizer, grouped)
+
+    # -- construction ------------------------------------------------------------------------
+    def _make_masters(self, flat: bool) -> None:
+        """The optimizer's tensors: with ``flat``, one per (bucket, param group) segment of
+        each flat bucket (a view of its storage); the others one per parameter. ``_masters``
+        lists ``(tensor, bucket, start)``: its gradient is ``bucket.reduced[start:start + n]``."""
+        self._masters: list[tuple[torch.Tensor, Bucket | None, int]] = []
+        for bk in self._buckets:
+            if not (flat and bk.flat):
+                continue
+            segs: dict[tuple, list[ParamShard]] = {}
+            for p in bk.params:
+                segs.setdefault(self._okey[p.fqn], []).append(p)
+            for ps in segs.values():
+                lo = ps[0].off
+                master = bk.store[lo:ps[-1].off + ps[-1].numel]
+                self._masters.append((master, bk, lo))
+                for p in ps:
+                    p.master, p.moff, p.master_is_view = master, p.off - lo, True
+        for p in self._params.values():
+            if flat and p.bucket is not None and p.bucket.flat:
+                continue
+            t = p.tensor
+            p.moff = 0
+            if t.dtype == torch.float32 and p.lay.s_os == 1 and t.is_contiguous():
+                # fp32 and unsharded: the parameter is its own master (a separate leaf tensor
+                # over the same storage, so its .grad is ours, not the user's)
+                p.master = t.detach().view(-1)
+                p.master_is_view = True
+            else:
+                p.master = torch.zeros(p.cos, dtype=torch.float32, device=t.device)
+                self._load_master(p)
+            self._masters.append((p.master, p.bucket,
+                                  p.off + p.lay.k * p.cos - p.lay.b * p.cg))
+
+    @staticmethod
+    def _load_master(p: ParamShard) -> None:
+        if p.master_is_view:
+            return
+        lo, real = p.lay.k * p.cos, p.real
+        with torch.no_grad():
+            p.master.zero_()
+            if real:
+                p.master[:real].copy_(p.tensor.detach().reshape(-1)[lo:lo + real])
+        p.version = p.tensor._version
+
+    def _make_optimizer(self, optimizer, grouped: bool) -> torch.optim.Optimizer | None:
+        if not self._params:  # a rank with nothing to train (a pipeline stage of loss ops)
+            return None
+        masters = {id(p.master): p for p in self._params.values()}  # first member of each
+        if not grouped:
+            return optimizer([p.master for p in masters.values()])
+        groups: dict[tuple, dict] = {}
+        for p in masters.values():
+            key = self._okey[p.fqn]
+            groups.setdefault(key, {**self._opts[p.fqn], "params": []})["params"].append(p.master)
+        return optimizer(list(groups.values()))
+
+    # -- step ------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Optimizer step on the local chunks (gradients: the buckets' reduced ones), then every
+        rank's storage is made whole again (all-gather over the ``s_os`` subgroups; in place,
+        so ``param`` objects stay valid)."""
+        for p in self._params.values():
+            if not p.master_is_view and p.tensor._version != p.version:
+                self._load_master(p)   # the parameter was changed outside (weights loaded)
+        for master, bk, lo in self._masters:   # the reduced gradient: a view into the bucket
+            g = None if bk is None or bk.reduced is None else bk.reduced[lo:lo + master.numel()]
+            if g is not None and g.dtype != torch.float32:
+                g = g.float()
+            master.grad = g
+        if self.optimizer is not None:
+            self.optimizer.step()
+        gathers = []
+        for bk in self._buckets:
+            lay = bk.lay
+            if lay.os_pg is None:
+                continue
+            inp = torch.empty(bk.orow, dtype=bk.dtype, device=bk.device)
+            for p in bk.params:
+                inp[p.ooff:p.ooff + p.cos].copy_(p.master)
+            out = torch.empty(lay.s_os * bk.orow, dtype=bk.dtype, device=bk.device)
+            gathers.append((bk, out, dist.all_gather_into_tensor(out, inp, group=lay.os_pg,
+                                                                 async_op=True)))
+        with torch.no_grad():
+            for p in self._params.values():
+                if p.lay.os_pg is None and not p.master_is_view:
+                    p.tensor.copy_(p.master[:p.numel].view(p.tensor.shape))
+                    p.version = p.tensor._version
+            for bk, out, work in gathers:
+                work.wait()
+                rows = out.view(bk.lay.s_os, bk.orow)
+                order = bk.lay.os_order.to(bk.device)
+                for p in bk.params:
+                    full = rows[:, p.ooff:p.ooff + p.cos].index_select(0, order).reshape(-1)
+                    p.tensor.copy_(full[:p.numel].view(p.tensor.shape))
+                    p.version = p.tensor._version
+        self.clear_grads()
+
+    def clear_grads(self) -> None:
+        """Drop the masters' gradients (views of the buckets' reduced gradients)."""
+        for master, _, _ in self._masters:
+            master.grad = None
+
+    # -- saved state ---------------------------------------------------------------------------
+    def optimizer_state(self) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict]]:
+        """The optimizer state of every parameter in its local STORAGE shape (per-element
+        states gathered over the ``s_os`` subgroup; scalars such as Adam's ``step`` as they
+        are, copied: a flat segment's parameters share them), and the param groups'
+        hyperparameters with ``"params"`` as FQN lists. Collective over the optimizer
+        subgroups; for checkpoints, not the hot path."""
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        members: dict[int, list[str]] = {}
+        for p in self._params.values():
+            members.setdefault(id(p.master), []).append(p.fqn)
+            st = self.optimizer.state.get(p.master, {})
+            n = p.master.numel()
+            out[p.fqn] = {k: (self._whole(p, v[p.moff:p.moff + p.cos]) if v.ndim and v.numel() == n
+                              else v.clone()) if torch.is_tensor(v) else v for k, v in st.items()}
+        order = {f: i for i, f in enumerate(self._params)}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": sorted((f for t in g["params"] for f in members[id(t)]), key=order.get)}
+                  for g in (self.optimizer.param_groups if self.optimizer is not None else ())]
+        return out, groups
+
+    @staticmethod
+    def _whole(p: ParamShard, chunk: torch.Tensor) -> torch.Tensor:
+        if p.lay.os_pg is None:
+            return chunk[:p.numel].view(p.tensor.shape).clone()
+        out = torch.empty(p.lay.s_os * p.cos, dtype=chunk.dtype, device=chunk.device)
+        dist.all_gather_into_tensor(out, chunk.contiguous(), group=p.lay.os_pg)
+        order = p.lay.os_order.to(chunk.device)
+        return out.view(p.lay.s_os, p.cos).index_select(0, order).reshape(-1)[:p.numel].view(p.tensor.shape)
+
+    def load_optimizer_state(self, state: Mapping[str, Mapping[str, torch.Tensor]],
+                             groups: list[dict] | None = None) -> None:
+        """Inverse of :meth:`optimizer_state`: per parameter, storage-shaped states are cut to this
+        rank's chunk (zero padding), scalars taken as they are; each param group's
+        hyperparameters are taken from the saved group that held its first parameter. The
+        states of a flat segment are rebuilt from its parameters' (one missing from ``state``
+        gets zeros there)."""
+        new: dict[int, dict] = {}
+        for fqn, st in state.items():
+            p = lookup(self._params, fqn)
+            m = p.master
+            chunk = new.setdefault(id(m), {})
+            for k, v in st.items():
+                if torch.is_tensor(v) and v.ndim and v.numel() == p.numel:
+                    if k not in chunk:
+                        chunk[k] = torch.zeros(m.numel(), dtype=v.dtype, device=m.device)
+                    lo = p.lay.k * p.cos
+                    chunk[k][p.moff:p.moff + p.real].copy_(v.reshape(-1)[lo:lo + p.real])
+                else:
+                    chunk[k] = v.to(m.device) if torch.is_tensor(v) else v
+            self.optimizer.state[m] = chunk
+        if groups and self.optimizer is not None:
+            saved = {f: g for g in groups for f in g["params"]}
+            fqn_of = {id(p.master): p.fqn for p in reversed(self._params.values())}
+            for g in self.optimizer.param_groups:
+                src = saved.get(fqn_of[id(g["params"][0])]) if g["params"] else None
+                if src is not None:
+                    g.update({k: v for k, v in src.items() if k != "params"})
+
+    def memory(self) -> dict[str, int]:
+        """Bytes of fp32 masters (copies only) and of optimizer states."""
+        master = sum(p.master.numel() * 4 for p in self._params.values() if not p.master_is_view)
+        states = 0
+        for st in (self.optimizer.state.values() if self.optimizer is not None else ()):
+            for v in st.values():
+                if torch.is_tensor(v) and v.dim() > 0:
+                    states += v.numel() * v.element_size()
+        return {"master": master, "optimizer": states}
+
+
+# -- norms and clipping --------------------------------------------------------------------------
+
+def grad_norm_term(buckets: Sequence[Bucket], norm_type: float,
+                   copies: Mapping[str, int]) -> torch.Tensor:
+    """This rank's share of ``Σ |g|^p`` over every distinct gradient element (fp32 scalar;
+    for ``p = inf`` the max ``|g|``), after the buckets' ``finish_backward``.
+
+    A rank holds chunk ``b`` of each reduced gradient (``s_g`` chunks per replica group of
+    ``n``), and ``n/s_g`` ranks of the group hold that same chunk; ``copies[fqn]`` says how
+    many more identical copies of the parameter's storage exist outside its replica group
+    (mesh axes where the plan replicates it and nothing is reduced; default 1). So element
+    sums are weighted by ``s_g / (n · copies)``: summed over all ranks (``all_reduce``),
+    each distinct element counts once. Padding is zero and adds nothing."""
+    inf = norm_type == float("inf")
+    total = torch.zeros((), dtype=torch.float32)
+    for bk in buckets:
+        if bk.reduced is None:
+            continue
+        for p in bk.params:
+            g = bk.reduced[p.off:p.off + p.cg].float()
+            if inf:
+                total = torch.maximum(total, g.abs().max().cpu() if g.numel() else total)
+            else:
+                w = bk.lay.s_g / (bk.lay.n * copies.get(p.fqn, 1))
+                total = total + g.abs().pow(norm_type).sum().cpu() * w
+    return total
+
+
+def scale_grads(buckets: Sequence[Bucket], factor: float) -> None:
+    """Multiply every reduced gradient chunk by ``factor`` (gradient clipping)."""
+    with torch.no_grad():
+        for bk in buckets:
+            if bk.reduced is not None:
+                bk.reduced.mul_(factor)
