@@ -1,31 +1,15 @@
-"""Materialize only this rank's shards of a model's parameters and buffers.
+"""The init replay: this rank's shards from a meta model's own initializers, without building
+full tensors (``local_state(..., source="init")``, :func:`from_init`).
 
-:func:`local_state` returns ``{fqn: local tensor}`` for the parameters and buffers named in a
-layout table (``fqn -> (spec, global shape)``), for one mesh coordinate, from one of four
-sources:
-
-* ``source=None``: the model holds real tensors; each rank copies its piece (pure slicing,
-  :func:`fxpar.runtime.redistribute.distribute`).
-* a mapping (a state dict of full tensors): the same, from the mapping. Every parameter and
-  persistent buffer asked for must be there (under its name or any alias of a tied weight),
-  every key must name a tensor of the model, and shapes must agree, else
-  :class:`MaterializeError` naming the key. Non-persistent buffers (never in state dicts) are
-  taken from the mapping if there, else from the model, else rebuilt as for ``"init"``.
-* a path: ``torch.load(path, mmap=True, weights_only=True)`` (or ``safetensors``' lazy
-  ``safe_open`` for ``*.safetensors``), then as for a mapping: only the pages of the local
-  slice are read, and the slice is cloned so the file can be closed. (The literal string
-  ``"init"`` means the next source; pass ``pathlib.Path("init")`` for a file of that name.)
-* ``"init"``: the model's parameters are on the ``meta`` device; each rank builds its shards
-  from the model's own initializers **without building full tensors** (below).
-
-How ``"init"`` works. The initializers run once on the meta tensors (cheap: no storage), in
-the order a real construction runs them: ``reset_parameters()`` (and ``_reset_parameters()``,
-which ``nn.MultiheadAttention`` uses) of every module, children before parents; then, when a module or an ancestor defines ``_init_weights`` (Hugging Face's
+How it works. The initializers run once on the meta tensors (cheap: no storage), in the order
+a real construction runs them (:func:`init_calls`): ``reset_parameters()`` (and
+``_reset_parameters()``, which ``nn.MultiheadAttention`` uses) of every module, children before
+parents; then, when a module or an ancestor defines ``_init_weights`` (Hugging Face's
 ``PreTrainedModel`` and nanoGPT-style models), ``owner._init_weights(module)`` for every
 module, children first, as ``PreTrainedModel.initialize_weights`` does. A
-``TorchDispatchMode`` records every in-place op that writes a tracked meta tensor (or a
-view of it that is a box: select / slice / narrow / transpose), and the meta no-op shortcuts
-of ``torch.nn.init`` (``trunc_normal_``, ``orthogonal_``, ``dirac_``, ``sparse_``) are
+``TorchDispatchMode`` records every in-place op that writes a tracked meta tensor (or a view
+of it that is a box: select / slice / narrow / transpose), and the meta no-op shortcuts of
+``torch.nn.init`` (``trunc_normal_``, ``orthogonal_``, ``dirac_``, ``sparse_``) are
 intercepted for the duration. Then, per tensor, the recorded sequence from its last
 whole-tensor overwrite on is **replayed on a tensor of the local shape**: random fills
 (``normal_``, ``uniform_``, ``trunc_normal_``, ``bernoulli_``, ...) draw from a
@@ -34,7 +18,8 @@ coordinates on the mesh axes where the spec is ``Shard`` — and deterministic o
 ``zero_``, ``copy_`` from a real tensor, pointwise ``mul_`` / ``add_`` / ``clamp_`` /
 ``erfinv_`` ... with scalars or real tensors) are applied to the local part of their region.
 Bounds computed from the shape (kaiming's ``1/sqrt(fan_in)``) come from the full meta
-shape, so they are right.
+shape, so they are right. Hugging Face's flags, init-function tables and rotary buffers are
+handled by :mod:`~fxpar.runtime.materialize.hf`.
 
 Honest semantics: replicas of one shard get bitwise identical values on every rank and
 different shards get independent draws, so the global tensor has the initializer's
@@ -51,35 +36,25 @@ re-running the initializer calls that touched it with the global CPU RNG seeded 
 names the fqn and the op. A tensor no initializer writes (a buffer computed in
 ``__init__``, whose value a meta tensor has lost) is taken from the model if real;
 otherwise, for a Hugging Face rotary embedding (``inv_freq`` / ``original_inv_freq``) it is
-recomputed from the module's config with its ``rope_init_fn`` / ``compute_default_rope_parameters``
-(transformers 5's ``_init_weights`` already does this through ``copy_``, which is recorded);
-anything else raises :class:`MaterializeError` naming the buffer rather than returning
-garbage. Known gap: an initializer that skips meta tensors by itself (``if t.is_meta:
-return`` in user code) cannot be seen; it would leave the earlier initializer's values.
-
-Tied weights appear once under the first name ``named_parameters()`` gives; layouts may use
-any alias (all aliases asked for are returned; under ``"init"`` they must share the layout).
-``dtype`` casts floating tensors; ``device`` places the results (default: the source's
-device, CPU for ``"init"``). Results are plain contiguous tensors (no grad).
+recomputed from the module's config (:func:`~fxpar.runtime.materialize.hf.rope_value`;
+transformers 5's ``_init_weights`` already does this through ``copy_``, which is recorded);
+anything else raises :class:`~fxpar.errors.MaterializeError` naming the buffer rather than
+returning garbage. Known gap: an initializer that skips meta tensors by itself (``if
+t.is_meta: return`` in user code) cannot be seen; it would leave the earlier initializer's
+values.
 
 >>> import torch
 >>> from torch import nn
+>>> from fxpar.runtime.materialize.sources import model_entries
 >>> from fxpar.spec import Spec
 >>> with torch.device("meta"):
 ...     lin = nn.Linear(6, 4)
->>> layouts = {"weight": (Spec.parse("S(0)R"), (4, 6)), "bias": (Spec.parse("RR"), (4,))}
->>> st = {c: local_state(lin, layouts, (2, 2), c, source="init", seed=0)
-...       for c in [(0, 0), (0, 1), (1, 0), (1, 1)]}
->>> st[(0, 0)]["weight"].shape, st[(0, 0)]["weight"].device.type
-(torch.Size([2, 6]), 'cpu')
->>> torch.equal(st[(0, 0)]["weight"], st[(0, 1)]["weight"])     # replicas agree
-True
->>> torch.equal(st[(0, 0)]["weight"], st[(1, 0)]["weight"])     # shards are independent draws
-False
->>> bool((st[(1, 1)]["weight"].abs() <= 6 ** -0.5).all())       # kaiming bound from the full fan_in
-True
->>> full = nn.Linear(6, 4).state_dict()
->>> local_state(lin, layouts, (2, 2), (1, 0), source=full)["weight"].equal(full["weight"][2:])
+>>> entries, _ = model_entries(lin)
+>>> want = {"weight": ("weight", Spec.parse("S(0)R"), (4, 6))}
+>>> w = {c: from_init(lin, entries, want, (2, 2), c)["weight"] for c in [(0, 0), (0, 1), (1, 0)]}
+>>> w[(0, 0)].shape, torch.equal(w[(0, 0)], w[(0, 1)]), torch.equal(w[(0, 0)], w[(1, 0)])
+(torch.Size([2, 6]), True, False)
+>>> bool((w[(1, 0)].abs() <= 6 ** -0.5).all())       # kaiming bound from the full fan_in
 True
 """
 
@@ -87,7 +62,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -99,66 +73,13 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpar.errors import MaterializeError
+from fxpar.runtime.materialize.hf import HFFlags, init_tables, rope_value
+from fxpar.runtime.materialize.sources import Entry, set_owned
 from fxpar.runtime.redistribute import distribute
 from fxpar.runtime.rng import seed_from, shard_key
-from fxpar.spec import Partial, Spec, as_spec
+from fxpar.spec import Partial, Spec
 
-__all__ = ["MaterializeError", "local_state"]
-
-
-
-
-# ---------------------------------------------------------------------------------------------
-# The model's tensors: canonical names, aliases, owners
-# ---------------------------------------------------------------------------------------------
-@dataclass
-class _Entry:
-    name: str                              # canonical fqn (first name named_parameters/buffers gives)
-    tensor: torch.Tensor
-    is_param: bool
-    persistent: bool = False
-    aliases: list[str] = field(default_factory=list)
-    owners: list[tuple[nn.Module, str]] = field(default_factory=list)   # (module, attribute)
-
-
-def _model_entries(model: nn.Module) -> tuple[dict[str, _Entry], dict[str, str]]:
-    """``({canonical: entry}, {alias or canonical: canonical})``."""
-    entries: dict[str, _Entry] = {}
-    by_id: dict[int, str] = {}
-    for n, p in model.named_parameters():
-        entries[n] = _Entry(n, p, True)
-        by_id[id(p)] = n
-    for n, b in model.named_buffers():
-        if id(b) not in by_id:
-            entries[n] = _Entry(n, b, False)
-            by_id[id(b)] = n
-    alias: dict[str, str] = {}
-    for prefix, mod in model.named_modules(remove_duplicate=False):
-        pre = prefix + "." if prefix else ""
-        for attr, t in list(mod._parameters.items()) + list(mod._buffers.items()):
-            if t is None or id(t) not in by_id:
-                continue
-            e = entries[by_id[id(t)]]
-            fqn = pre + attr
-            if fqn not in alias:
-                alias[fqn] = e.name
-                e.aliases.append(fqn)
-            if not any(m is mod and a == attr for m, a in e.owners):
-                e.owners.append((mod, attr))
-            if attr in mod._buffers and attr not in mod._non_persistent_buffers_set:
-                e.persistent = True
-        for attr, t in mod._parameters.items():
-            if t is not None and id(t) in by_id:
-                entries[by_id[id(t)]].persistent = True
-    return entries, alias
-
-
-def _set_owned(e: _Entry, value: torch.Tensor) -> None:
-    for mod, attr in e.owners:
-        if attr in mod._parameters:
-            mod._parameters[attr] = value
-        else:
-            mod._buffers[attr] = value
+__all__ = ["from_init", "init_calls"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -254,6 +175,7 @@ def _local_view(local: torch.Tensor, gslices: Sequence[slice], region: _Region):
     return sub, tuple(view_index)
 
 
+
 # ---------------------------------------------------------------------------------------------
 # Recording the initializers on meta tensors
 # ---------------------------------------------------------------------------------------------
@@ -283,7 +205,7 @@ class _Op:
 
 @dataclass
 class _Track:
-    entry: _Entry
+    entry: Entry
     shape: tuple[int, ...]
     stride: tuple[int, ...]
     offset: int
@@ -375,6 +297,7 @@ class _Recorder(TorchDispatchMode):
         self.add(tr, _Op(func, tuple(new_args), kw, region, overwrite, random, self.call, tuple(reals)))
 
 
+
 _META_SKIPPING = ("orthogonal_", "dirac_", "sparse_")
 _PATCH_MODULES = ("torch.nn.init", "torch.nn.modules.activation", "torch.nn.modules.transformer",
                   "torch.nn.modules.linear", "torch.nn.modules.loss", "torch.nn.modules.batchnorm",
@@ -430,10 +353,9 @@ class _InitPatches:
                 mod = sys.modules.get(mname)
                 if mod is not None and getattr(mod, fname, None) is orig:
                     self._set(mod, fname, wrapper)
-            hf = sys.modules.get("transformers.initialization")
-            table = getattr(hf, "TORCH_INIT_FUNCTIONS", None) if hf is not None else None
-            if isinstance(table, dict) and table.get(fname) is orig:
-                self._set(table, fname, wrapper, is_dict=True)
+            for table in init_tables():   # transformers' own references to them
+                if table.get(fname) is orig:
+                    self._set(table, fname, wrapper, is_dict=True)
         return self
 
     def __exit__(self, *exc):
@@ -467,7 +389,7 @@ def _takes_module(fn, mod) -> bool:
     return True
 
 
-def _init_calls(model: nn.Module) -> list[tuple[str, Callable[[], Any], nn.Module]]:
+def init_calls(model: nn.Module) -> list[tuple[str, Callable[[], Any], nn.Module]]:
     """The initializer calls in construction order: ``reset_parameters`` post-order, then
     ``owner._init_weights(module)`` post-order with the nearest owner defining it."""
     resets: list = []
@@ -493,39 +415,19 @@ def _init_calls(model: nn.Module) -> list[tuple[str, Callable[[], Any], nn.Modul
     return resets + hf
 
 
-class _HFFlags:
-    """Hide Hugging Face's ``_is_hf_initialized`` flags (its init functions skip flagged
-    tensors; on meta nothing was really loaded) and restore them after."""
 
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.saved: list = []
-
-    def __enter__(self):
-        objs = list(self.model.modules()) + list(self.model.parameters()) + list(self.model.buffers())
-        for o in objs:
-            if "_is_hf_initialized" in getattr(o, "__dict__", {}):
-                self.saved.append((o, o.__dict__["_is_hf_initialized"]))
-                delattr(o, "_is_hf_initialized")
-        return self
-
-    def __exit__(self, *exc):
-        for o, v in self.saved:
-            setattr(o, "_is_hf_initialized", v)
-
-
-def _record(model: nn.Module, entries: dict[str, _Entry], seed: int):
+def _record(model: nn.Module, entries: Mapping[str, Entry], seed: int):
     tracks: dict[Any, _Track] = {}
     for e in entries.values():
         t = e.tensor
         if t.is_meta:
             tracks[_skey(t)] = _Track(e, tuple(t.shape), tuple(t.stride()), t.storage_offset())
-    calls = _init_calls(model)
+    calls = init_calls(model)
     errors: dict[int, str] = {}
     if not tracks:
         return {}, calls
     rec = _Recorder(tracks)
-    with torch.random.fork_rng(devices=[]), torch.no_grad(), _HFFlags(model):
+    with torch.random.fork_rng(devices=[]), torch.no_grad(), HFFlags(model):
         torch.default_generator.manual_seed(seed_from("fxpar.materialize.record", seed))
         with _InitPatches(rec), rec:
             for k, (label, fn, mod) in enumerate(calls):
@@ -539,16 +441,10 @@ def _record(model: nn.Module, entries: dict[str, _Entry], seed: int):
     return {tr.entry.name: tr for tr in tracks.values()}, calls
 
 
+
 # ---------------------------------------------------------------------------------------------
 # Building one local tensor
 # ---------------------------------------------------------------------------------------------
-def _zero_partial(local: torch.Tensor, spec: Spec, coord: Sequence[int]) -> torch.Tensor:
-    for axis, p in enumerate(spec):
-        if isinstance(p, Partial) and p.reduce_op == "sum" and coord[axis] != 0:
-            return local.zero_()
-    return local
-
-
 def _plan(tr: _Track) -> tuple[list[_Op] | None, str | None]:
     """``(ops to replay, None)`` or ``(None, why it must be built whole)``; ``(None, None)``
     when nothing writes the tensor."""
@@ -603,9 +499,9 @@ def _whole(model, tr: _Track, calls, seed: int, why: str) -> torch.Tensor:
     if full.is_floating_point() or full.is_complex():
         full.fill_(float("nan"))
     real = nn.Parameter(full, requires_grad=meta.requires_grad) if e.is_param else full
-    _set_owned(e, real)
+    set_owned(e, real)
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), _HFFlags(model):
+        with torch.random.fork_rng(devices=[]), torch.no_grad(), HFFlags(model):
             torch.default_generator.manual_seed(seed_from("fxpar.materialize.whole", seed, e.name))
             for k in sorted(tr.calls):
                 label, fn, _ = calls[k]
@@ -616,179 +512,23 @@ def _whole(model, tr: _Track, calls, seed: int, why: str) -> torch.Tensor:
                         f"cannot materialize {e.name!r}: its initializer ({why}) had to run on the whole "
                         f"tensor and {label} failed: {type(exc).__name__}: {exc}") from exc
     finally:
-        _set_owned(e, meta)
+        set_owned(e, meta)
     if (full.is_floating_point() or full.is_complex()) and torch.isnan(full).any():
         raise MaterializeError(
             f"cannot materialize {e.name!r}: its initializers ({why}) leave part of it unset")
     return full.detach()
 
 
-def _rope_value(model: nn.Module, e: _Entry) -> torch.Tensor | None:
-    """A Hugging Face rotary embedding's ``inv_freq``/``original_inv_freq`` from its config."""
-    for mod, attr in e.owners:
-        if attr not in ("inv_freq", "original_inv_freq") or "Rotary" not in type(mod).__name__:
-            continue
-        cfg = getattr(mod, "config", None)
-        fn = getattr(mod, "rope_init_fn", None) or getattr(mod, "compute_default_rope_parameters", None)
-        if cfg is None or not callable(fn):
-            continue
-        try:
-            out = fn(cfg, torch.device("cpu"))
-        except TypeError:
-            out = fn(cfg)
-        value = out[0] if isinstance(out, tuple) else out
-        if isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(e.tensor.shape):
-            return value.to(e.tensor.dtype)
-    return None
 
-
-# ---------------------------------------------------------------------------------------------
-# Sources
-# ---------------------------------------------------------------------------------------------
-class _Safetensors:
-    """Lazy reads from a ``.safetensors`` file: only the requested slice is read."""
-
-    def __init__(self, path) -> None:
-        from safetensors import safe_open
-
-        self.f = safe_open(os.fspath(path), framework="pt", device="cpu")
-        self._keys = list(self.f.keys())
-
-    def keys(self):
-        return self._keys
-
-    def shape(self, key):
-        return tuple(self.f.get_slice(key).get_shape())
-
-    def take(self, key, spec, mesh_shape, coord):
-        sl = spec.global_slices(self.shape(key), mesh_shape, coord)
-        return _zero_partial(self.f.get_slice(key)[sl].clone(), spec, coord)
-
-
-class _MappingSource:
-    def __init__(self, mapping: Mapping[str, torch.Tensor], what: str) -> None:
-        self.m = mapping
-        for k, v in mapping.items():
-            if not isinstance(v, torch.Tensor):
-                raise MaterializeError(f"{what}: key {k!r} holds a {type(v).__name__}, not a tensor")
-
-    def keys(self):
-        return list(self.m.keys())
-
-    def shape(self, key):
-        return tuple(self.m[key].shape)
-
-    def take(self, key, spec, mesh_shape, coord):
-        return distribute(self.m[key].detach(), spec, mesh_shape, coord)
-
-
-def _open_path(path) -> _MappingSource | _Safetensors:
-    p = os.fspath(path)
-    if not os.path.exists(p):
-        raise MaterializeError(f"checkpoint {p!r} does not exist")
-    if p.endswith(".safetensors"):
-        return _Safetensors(p)
-    obj = torch.load(p, mmap=True, weights_only=True, map_location="cpu")
-    if isinstance(obj, Mapping) and not all(isinstance(v, torch.Tensor) for v in obj.values()):
-        for key in ("state_dict", "model"):
-            if isinstance(obj.get(key), Mapping):
-                obj = obj[key]
-                break
-    if not isinstance(obj, Mapping):
-        raise MaterializeError(f"checkpoint {p!r} holds a {type(obj).__name__}, not a state dict")
-    return _MappingSource(obj, f"checkpoint {p!r}")
-
-
-# ---------------------------------------------------------------------------------------------
-# The entry point
-# ---------------------------------------------------------------------------------------------
-def local_state(model: nn.Module, layouts: Mapping[str, tuple[Spec | str, Sequence[int]]],
-                mesh_shape: Sequence[int], coord: Sequence[int], *,
-                source: str | os.PathLike | Mapping[str, torch.Tensor] | None = None,
-                seed: int = 0, dtype: torch.dtype | None = None,
-                device: torch.device | str | None = None) -> dict[str, torch.Tensor]:
-    """``{fqn: local tensor}`` for every fqn of ``layouts`` (``fqn -> (spec, global shape)``) on
-    the device at mesh ``coord``; see the module docstring for the sources and semantics."""
-    mesh_shape = tuple(int(s) for s in mesh_shape)
-    coord = tuple(int(c) for c in coord)
-    if len(coord) != len(mesh_shape):
-        raise MaterializeError(f"coord {coord} does not fit mesh shape {mesh_shape}")
-    entries, alias = _model_entries(model)
-    model_name = type(model).__name__
-
-    # -- resolve the layout table ---------------------------------------------------------
-    want: dict[str, tuple[str, Spec, tuple[int, ...]]] = {}
-    for key, (spec, shape) in layouts.items():
-        if key not in alias:
-            raise MaterializeError(f"layouts name {key!r}, which is not a parameter or buffer of {model_name}")
-        spec, shape = as_spec(spec), tuple(int(s) for s in shape)
-        e = entries[alias[key]]
-        if tuple(e.tensor.shape) != shape:
-            raise MaterializeError(f"layouts give {key!r} the shape {shape} but the model's tensor has "
-                                   f"shape {tuple(e.tensor.shape)}")
-        spec.check(shape, mesh_shape)
-        want[key] = (e.name, spec, shape)
-
-    def finish(t: torch.Tensor) -> torch.Tensor:
-        t = t.detach()
-        if dtype is not None and t.is_floating_point():
-            t = t.to(dtype)
-        if device is not None:
-            t = t.to(device)
-        return t.contiguous()
-
-    out: dict[str, torch.Tensor] = {}
-    with torch.no_grad():
-        if source is None:
-            for key, (canon, spec, _) in want.items():
-                t = entries[canon].tensor
-                if t.is_meta:
-                    raise MaterializeError(
-                        f"{key!r} is on the meta device and no source was given: pass source='init' "
-                        f"(the model's initializers), a state dict, or a checkpoint path")
-                out[key] = finish(distribute(t.detach(), spec, mesh_shape, coord))
-            return out
-
-        if isinstance(source, str) and source == "init":
-            return _from_init(model, entries, want, mesh_shape, coord, seed, device, finish)
-
-        if isinstance(source, (str, os.PathLike)):
-            src = _open_path(source)
-            what = f"checkpoint {os.fspath(source)!r}"
-        elif isinstance(source, Mapping):
-            src = _MappingSource(source, "state dict")
-            what = "the state dict"
-        else:
-            raise MaterializeError(f"source must be None, 'init', a state dict or a path, "
-                                   f"not {type(source).__name__}")
-        keys = set(src.keys())
-        extra = sorted(k for k in keys if k not in alias)
-        if extra:
-            raise MaterializeError(f"{what} has key(s) {extra[:5]} that are not parameters or buffers of "
-                                   f"{model_name}" + (f" (and {len(extra) - 5} more)" if len(extra) > 5 else ""))
-        rebuild: dict[str, tuple[str, Spec, tuple[int, ...]]] = {}
-        for key, (canon, spec, shape) in want.items():
-            e = entries[canon]
-            found = next((k for k in [key, canon, *e.aliases] if k in keys), None)
-            if found is None:
-                if e.persistent:
-                    raise MaterializeError(f"{what} has no key {key!r}" +
-                                           (f" (nor its aliases {e.aliases})" if len(e.aliases) > 1 else ""))
-                if not e.tensor.is_meta:
-                    out[key] = finish(distribute(e.tensor.detach(), spec, mesh_shape, coord))
-                else:
-                    rebuild[key] = (canon, spec, shape)
-                continue
-            if src.shape(found) != shape:
-                raise MaterializeError(f"{what}: {found!r} has shape {src.shape(found)}, the model's "
-                                       f"{key!r} has shape {shape}")
-            out[key] = finish(src.take(found, spec, mesh_shape, coord))
-        if rebuild:
-            out.update(_from_init(model, entries, rebuild, mesh_shape, coord, seed, device, finish))
-        return {k: out[k] for k in want}
-
-
-def _from_init(model, entries, want, mesh_shape, coord, seed, device, finish) -> dict[str, torch.Tensor]:
+def from_init(model: nn.Module, entries: Mapping[str, Entry],
+              want: Mapping[str, tuple[str, Spec, tuple[int, ...]]], mesh_shape: Sequence[int],
+              coord: Sequence[int], seed: int = 0, device=None,
+              finish: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """``{key: local tensor}`` for ``want`` (``{key: (canonical name, spec, global shape)}``)
+    from the model's initializers (module docstring); a tensor that is not on meta is sliced
+    from the model. ``finish`` post-processes each result (``local_state``'s dtype, device,
+    contiguity); ``device``: where replay runs (default CPU). Tied aliases must share a spec."""
+    finish = finish or (lambda t: t.detach().contiguous())
     dev = torch.device("cpu") if device is None else torch.device(device)
     by_canon: dict[str, tuple[Spec, tuple[int, ...], str]] = {}
     for key, (canon, spec, shape) in want.items():
@@ -821,7 +561,7 @@ def _from_init(model, entries, want, mesh_shape, coord, seed, device, finish) ->
             built[canon] = finish(local.to(dev))
             continue
         if why is None:      # nothing writes it: a value computed in __init__, lost on meta
-            value = _rope_value(model, e)
+            value = rope_value(e.owners, e.tensor)
             if value is None:
                 kind = "parameter" if e.is_param else "buffer"
                 raise MaterializeError(
