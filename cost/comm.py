@@ -110,6 +110,8 @@ import functools
 from collections import Counter
 from collections.abc import Sequence
 
+from fxpar.kinds import Collective
+
 __all__ = [
     "COLLECTIVES",
     "ring_steps_and_factor",
@@ -123,8 +125,29 @@ __all__ = [
     "axis_bandwidth",
 ]
 
-#: Collectives this module prices (same names as :data:`fxpar.cluster.COLLECTIVES`).
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all", "send_recv")
+#: Collectives this module prices, by name (:class:`fxpar.kinds.Collective`; the same as
+#: :data:`fxpar.cluster.COLLECTIVES`).
+COLLECTIVES = tuple(c.value for c in Collective)
+C = Collective
+#: ``(steps, factor)`` of the flat ring over ``g > 1`` devices (:func:`ring_steps_and_factor`)
+_RING = {
+    C.ALL_GATHER: lambda g: (g - 1, float(g - 1)),
+    C.REDUCE_SCATTER: lambda g: (g - 1, (g - 1) / g),
+    C.ALL_TO_ALL: lambda g: (g - 1, (g - 1) / g),
+    C.ALL_REDUCE: lambda g: (2 * (g - 1), 2 * (g - 1) / g),
+    C.BROADCAST: lambda g: (g - 1, 1.0),
+    C.SEND_RECV: lambda g: (1, 1.0),
+}
+#: ``(intra_steps, inter_steps)`` of a group spanning ``n > 1`` nodes, at most ``k`` devices on
+#: one, ``depth = ⌈log2 n⌉``, ``steps`` the flat ring's (:func:`latency_steps`)
+_ACROSS_NODES = {
+    C.ALL_REDUCE: lambda g, n, k, depth, steps: (2 * (k - 1), 2 * depth),
+    C.ALL_GATHER: lambda g, n, k, depth, steps: (g - n, n - 1),
+    C.REDUCE_SCATTER: lambda g, n, k, depth, steps: (g - n, n - 1),
+    C.BROADCAST: lambda g, n, k, depth, steps: (k - 1, depth),
+    C.ALL_TO_ALL: lambda g, n, k, depth, steps: (0, steps),  # G−1 at the slowest link
+    C.SEND_RECV: lambda g, n, k, depth, steps: (0, steps),   # one hop
+}
 
 
 def ring_steps_and_factor(collective: str, group_size: int) -> tuple[int, float]:
@@ -145,15 +168,7 @@ def ring_steps_and_factor(collective: str, group_size: int) -> tuple[int, float]
         raise ValueError(f"unknown collective {collective!r}; known: {COLLECTIVES}")
     if g <= 1:
         return 0, 0.0
-    if collective == "all_gather":
-        return g - 1, float(g - 1)
-    if collective in ("reduce_scatter", "all_to_all"):
-        return g - 1, (g - 1) / g
-    if collective == "all_reduce":
-        return 2 * (g - 1), 2 * (g - 1) / g
-    if collective == "broadcast":
-        return g - 1, 1.0
-    return 1, 1.0  # send_recv
+    return _RING[collective](g)
 
 
 def latency_steps(collective: str, group_size: int, nodes: int = 1,
@@ -202,13 +217,7 @@ def latency_steps(collective: str, group_size: int, nodes: int = 1,
     if not -(-g // n) <= k <= g - n + 1:
         raise ValueError(f"latency_steps: {g} devices on {n} nodes cannot put at most {k} on one")
     depth = (n - 1).bit_length()  # ⌈log2 n⌉: depth of a binary tree over n nodes
-    if collective == "all_reduce":
-        return 2 * (k - 1), 2 * depth
-    if collective in ("all_gather", "reduce_scatter"):
-        return g - n, n - 1
-    if collective == "broadcast":
-        return k - 1, depth
-    return 0, steps  # all_to_all (G−1 at the slowest link), send_recv (one hop)
+    return _ACROSS_NODES[collective](g, n, k, depth, steps)
 
 
 def _span(group: Sequence[int], cluster) -> tuple[int, int]:

@@ -66,6 +66,7 @@ import torch
 import torch.fx as fx
 
 from fxpar.errors import FxparError
+from fxpar.kinds import StrKind
 from fxpar.ir import grad_flags, op_keys
 
 __all__ = [
@@ -87,6 +88,7 @@ __all__ = [
     "is_view_if_contiguous",
     "saves_of",
     "SAVES_KINDS",
+    "Saves",
     "op_name",
     # the formulas (pure functions (args, kwargs, out) -> OpCost) that op records reference
     "mm_cost", "addmm_cost", "bmm_cost", "baddbmm_cost", "matmul_cost", "linear_cost", "einsum_cost",
@@ -555,10 +557,26 @@ _COST: dict[object, Rule] = {}
 _INPLACE: dict[object, Rule] = {}
 _VIEWS: set = set()
 _VIEW_IF_CONTIGUOUS: set = set()
-_SAVES: dict[object, str] = {}
+_SAVES: dict[object, Saves] = {}
 
-#: What an op keeps for its backward (:func:`fxpar.cost.memory.activation_memory`).
-SAVES_KINDS = ("partners", "output", "input0", "stats", "qkvo", "nothing", "indices", "mask")
+
+class Saves(StrKind):
+    """What an op keeps for its backward, as its record says (``register(..., saves=...)``);
+    :func:`fxpar.cost.memory.activation_memory` counts each by its own rule."""
+
+    PARTNERS = "partners"   # each input whose partner in the op needs a gradient (a matmul's)
+    OUTPUT = "output"       # its output (tanh, softmax, ...)
+    INPUT0 = "input0"       # its first input
+    STATS = "stats"         # its first input and two fp32 statistics per row (norms)
+    QKVO = "qkvo"           # q, k, v, the output and the fp32 logsumexp (attention)
+    NOTHING = "nothing"
+    INDICES = "indices"     # its integer inputs (embedding, gather)
+    MASK = "mask"           # a bool mask of its first input (dropout)
+    ALL = "all"             # every tensor input: an op without a record (not registrable)
+
+
+#: What an op's record may say it keeps for its backward (:func:`fxpar.cost.memory.activation_memory`).
+SAVES_KINDS = tuple(k for k in Saves if k is not Saves.ALL)
 
 
 def set_op_cost(op: Any, rule: Rule | None = None, *, view: bool | str = False, saves: str | None = None) -> None:
@@ -583,7 +601,7 @@ def set_op_cost(op: Any, rule: Rule | None = None, *, view: bool | str = False, 
     elif view == "if_contiguous":
         _VIEW_IF_CONTIGUOUS.add(op)
     if saves is not None:
-        _SAVES[op] = saves
+        _SAVES[op] = Saves(saves)
 
 
 def _find(table: Mapping, target: Any) -> Any:
@@ -622,7 +640,7 @@ def is_view_if_contiguous(target: Any) -> bool:
     return any(k in _VIEW_IF_CONTIGUOUS for k in op_keys(target))
 
 
-def saves_of(target: Any) -> str | None:
+def saves_of(target: Any) -> Saves | None:
     """What ``target`` keeps for its backward (:data:`SAVES_KINDS`), ``None`` when unrecorded."""
     return _find(_SAVES, target)
 

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fxpar.cost.compute import _node_target, _val, is_view, is_view_if_contiguous, saves_of
+from fxpar.cost.compute import Saves, _node_target, _val, is_view, is_view_if_contiguous, saves_of
 from fxpar.ir import grad_flags, is_trainable_param
 from fxpar.cost.pipeline import in_flight_microbatches
 
@@ -241,6 +241,42 @@ def _list_inputs(n: fx.Node) -> list[fx.Node]:
     return [x for x in a if isinstance(x, fx.Node)] if isinstance(a, (list, tuple)) else []
 
 
+# what an op keeps for its backward, by its record's ``saves``: ``f(node, tensor inputs, grad
+# flags) -> (nodes whose storage it keeps, extra bytes it keeps besides)``
+def _saves_nothing(n, ins, flags):
+    return [], 0
+
+
+def _saves_partners(n, ins, flags):
+    return [a for a in ins if any(flags.get(b, False) for b in ins if b is not a)
+            or not _val(a).dtype.is_floating_point], 0
+
+
+def _saves_stats(n, ins, flags):  # mean and rstd (or the batch statistics): 2 fp32 per row
+    x = _val(ins[0])
+    rows = math.prod(int(s) for s in x.shape[:-1]) if x.dim() else 1
+    return ins[:1], 2 * 4 * rows
+
+
+def _saves_qkvo(n, ins, flags):
+    q = _val(ins[0])
+    return ins[:3] + [n], 4 * math.prod(int(s) for s in q.shape[:-1])  # logsumexp, fp32
+
+
+_SAVED = {
+    Saves.ALL: lambda n, ins, flags: (ins, 0),
+    Saves.PARTNERS: _saves_partners,
+    Saves.OUTPUT: lambda n, ins, flags: ([n], 0),
+    Saves.INPUT0: lambda n, ins, flags: (ins[:1], 0),
+    Saves.STATS: _saves_stats,
+    Saves.QKVO: _saves_qkvo,
+    Saves.INDICES: lambda n, ins, flags: ([a for a in ins if not _val(a).dtype.is_floating_point], 0),
+    Saves.NOTHING: _saves_nothing,
+    # the bool mask of its first input
+    Saves.MASK: lambda n, ins, flags: ([], sum(math.prod(int(s) for s in _val(a).shape) for a in ins[:1])),
+}
+
+
 def activation_memory(gm: fx.GraphModule, *,
                       requires_grad: Iterable[fx.Node] | Callable[[fx.Node], bool] = (),
                       only: Callable[[fx.Node], bool] | None = None) -> ActivationMemory:
@@ -284,32 +320,10 @@ def activation_memory(gm: fx.GraphModule, *,
             continue
         kind = saves_of(target)
         ins = [a for a in n.all_input_nodes if isinstance(_val(a), torch.Tensor)]
-        if kind == "mask":
-            extra += sum(math.prod(int(s) for s in _val(a).shape) for a in ins[:1])  # bool mask
-            kind = "nothing"
         if kind is None:
-            kind = "partners" if n.op == "call_module" else "all"
-        chosen: list[fx.Node] = []
-        if kind == "all":
-            chosen = ins
-        elif kind == "partners":
-            for a in ins:
-                if any(flags.get(b, False) for b in ins if b is not a) or not _val(a).dtype.is_floating_point:
-                    chosen.append(a)
-        elif kind == "output":
-            chosen = [n]
-        elif kind in ("input0", "stats"):
-            chosen = ins[:1]
-            if kind == "stats":  # mean and rstd (or the batch statistics): 2 fp32 per row
-                x = _val(ins[0])
-                rows = math.prod(int(s) for s in x.shape[:-1]) if x.dim() else 1
-                extra += 2 * 4 * rows
-        elif kind == "qkvo":
-            chosen = ins[:3] + [n]
-            q = _val(ins[0])
-            extra += 4 * math.prod(int(s) for s in q.shape[:-1])  # logsumexp, fp32
-        elif kind == "indices":
-            chosen = [a for a in ins if not _val(a).dtype.is_floating_point]
+            kind = Saves.PARTNERS if n.op == "call_module" else Saves.ALL
+        chosen, more = _SAVED.get(kind, _saves_nothing)(n, ins, flags)
+        extra += more
         for a in chosen:
             r = root.get(a, a)
             if not is_param.get(r, False):

@@ -40,15 +40,32 @@ from collections.abc import Sequence
 import torch
 
 from fxpar.cost.comm import axis_collective_time
+from fxpar.kinds import StrKind
 
-__all__ = ["STEP_KINDS", "COLLECTIVE_KINDS", "LOCAL_KINDS", "step_bytes", "step_time", "step_cost",
-           "max_local_shape", "local_numel"]
+__all__ = ["StepKind", "STEP_KINDS", "COLLECTIVE_KINDS", "LOCAL_KINDS", "step_bytes", "step_time",
+           "step_cost", "max_local_shape", "local_numel"]
+
+
+class StepKind(StrKind):
+    """What one resharding step does on one mesh axis (the table in the module docstring): four
+    collectives (their :class:`fxpar.kinds.Collective` names) and three local steps."""
+
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    ALL_TO_ALL = "all_to_all"
+    CHUNK = "chunk"
+    TO_PARTIAL = "to_partial"
+    RESCALE = "rescale"
+
 
 #: Steps that talk over the mesh axis (priced by the ring formulas).
-COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+COLLECTIVE_KINDS = (StepKind.ALL_GATHER, StepKind.REDUCE_SCATTER, StepKind.ALL_REDUCE, StepKind.ALL_TO_ALL)
 #: Steps that only touch local memory (priced by the memory bandwidth).
-LOCAL_KINDS = ("chunk", "to_partial", "rescale")
+LOCAL_KINDS = (StepKind.CHUNK, StepKind.TO_PARTIAL, StepKind.RESCALE)
 STEP_KINDS = COLLECTIVE_KINDS + LOCAL_KINDS
+#: local steps: passes over ``nbytes`` of device memory (read + write = 2)
+_MEMORY_PASSES = {StepKind.CHUNK: 2.0, StepKind.RESCALE: 2.0, StepKind.TO_PARTIAL: 1.0}
 
 
 def _itemsize(dtype) -> int:
@@ -105,14 +122,24 @@ def step_bytes(kind: str, src, dst, mesh_shape: Sequence[int], axis: int, shape:
     """
     if kind not in STEP_KINDS:
         raise ValueError(f"unknown reshard step kind {kind!r}; known: {STEP_KINDS}")
-    size = _itemsize(dtype)
-    if kind == "chunk":
-        return local_numel(dst, shape, mesh_shape) * size
-    if kind == "to_partial":
-        # Only Partial(sum) writes anything: the devices off axis-coordinate 0 zero their copy.
-        op = dst[axis].reduce_op
-        return local_numel(src, shape, mesh_shape) * size if op == "sum" and mesh_shape[axis] > 1 else 0
+    return _BYTES.get(kind, _source_bytes)(src, dst, mesh_shape, axis, shape, _itemsize(dtype))
+
+
+def _source_bytes(src, dst, mesh_shape, axis, shape, size) -> int:
     return local_numel(src, shape, mesh_shape) * size
+
+
+def _to_partial_bytes(src, dst, mesh_shape, axis, shape, size) -> int:
+    # Only Partial(sum) writes anything: the devices off axis-coordinate 0 zero their copy.
+    op = dst[axis].reduce_op
+    return local_numel(src, shape, mesh_shape) * size if op == "sum" and mesh_shape[axis] > 1 else 0
+
+
+#: bytes per kind where they are not the source's local buffer
+_BYTES = {
+    StepKind.CHUNK: lambda src, dst, mesh_shape, axis, shape, size: local_numel(dst, shape, mesh_shape) * size,
+    StepKind.TO_PARTIAL: _to_partial_bytes,
+}
 
 
 @functools.lru_cache(maxsize=65536)
@@ -129,11 +156,8 @@ def step_time(kind: str, nbytes: float, mesh, axis: int) -> float:
         return 0.0
     if kind in COLLECTIVE_KINDS:
         return _axis_time(kind, nbytes, mesh, axis)
-    bw = mesh.cluster.memory_bandwidth
-    if kind in ("chunk", "rescale"):
-        return 2.0 * nbytes / bw
-    if kind == "to_partial":
-        return nbytes / bw
+    if kind in _MEMORY_PASSES:
+        return _MEMORY_PASSES[kind] * nbytes / mesh.cluster.memory_bandwidth
     raise ValueError(f"unknown reshard step kind {kind!r}; known: {STEP_KINDS}")
 
 

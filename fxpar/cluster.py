@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from fxpar.errors import ClusterError
+from fxpar.kinds import Collective
 
 __all__ = ["Cluster", "Profile", "ProfileEntry", "ComputeProfile", "COLLECTIVES"]
 
@@ -51,7 +52,7 @@ GB = 1e9
 GiB = 2**30
 
 #: Collectives the cost model and the profiler know, by the names used everywhere in fxpar.
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all", "send_recv")
+COLLECTIVES = tuple(c.value for c in Collective)
 
 
 @dataclass(frozen=True)
@@ -530,41 +531,63 @@ def _group_device(group):
     return torch.device("cpu")
 
 
+def _bench_send_recv(x, sub, gsize, dist):
+    """Pairs (0,1), (2,3), ... exchange one buffer; time of one one-way transfer."""
+    me = dist.get_rank(sub)
+    peer = dist.get_global_rank(sub, me ^ 1) if me ^ 1 < gsize else None
+
+    def fn():
+        if peer is None:
+            return
+        if me % 2 == 0:
+            dist.send(x, peer, group=sub)
+        else:
+            dist.recv(x, peer, group=sub)
+    return fn
+
+
+def _bench_all_gather(x, sub, gsize, dist):
+    out = x.new_empty(x.numel() * gsize)
+    return lambda: dist.all_gather_into_tensor(out, x, group=sub)
+
+
+def _bench_reduce_scatter(x, sub, gsize, dist):
+    out = x.new_empty(x.numel() // gsize)
+    return lambda: dist.reduce_scatter_tensor(out, x, group=sub)
+
+
+def _bench_broadcast(x, sub, gsize, dist):
+    src = dist.get_global_rank(sub, 0)
+    return lambda: dist.broadcast(x, src=src, group=sub)
+
+
+def _bench_all_to_all(x, sub, gsize, dist):
+    out = x.new_empty(x.shape)
+    return lambda: dist.all_to_all_single(out, x, group=sub)
+
+
+#: collective -> ``f(x, group, group size, torch.distributed)`` returning the call to time on
+#: the float32 buffer ``x`` (:func:`_time_collective`)
+_BENCH = {
+    Collective.ALL_GATHER: _bench_all_gather,
+    Collective.REDUCE_SCATTER: _bench_reduce_scatter,
+    Collective.ALL_REDUCE: lambda x, sub, gsize, dist: lambda: dist.all_reduce(x, group=sub),
+    Collective.BROADCAST: _bench_broadcast,
+    Collective.ALL_TO_ALL: _bench_all_to_all,
+    Collective.SEND_RECV: _bench_send_recv,
+}
+
+
 def _time_collective(coll: str, nbytes: int, sub, gsize: int, device, iters: int, world_group):
     """Median over runs of the slowest rank's time for one collective, or None if unsupported."""
     import torch
     import torch.distributed as dist
 
     n = max(gsize, nbytes // 4 // gsize * gsize)  # float32 elements, divisible by the group
-    x = torch.ones(n, dtype=torch.float32, device=device)
-    me = dist.get_rank(sub)
-    if coll == "all_gather":
-        out = torch.empty(n * gsize, dtype=x.dtype, device=device)
-        fn = lambda: dist.all_gather_into_tensor(out, x, group=sub)  # noqa: E731
-    elif coll == "reduce_scatter":
-        out = torch.empty(n // gsize, dtype=x.dtype, device=device)
-        fn = lambda: dist.reduce_scatter_tensor(out, x, group=sub)  # noqa: E731
-    elif coll == "all_reduce":
-        fn = lambda: dist.all_reduce(x, group=sub)  # noqa: E731
-    elif coll == "broadcast":
-        src = dist.get_global_rank(sub, 0)
-        fn = lambda: dist.broadcast(x, src=src, group=sub)  # noqa: E731
-    elif coll == "all_to_all":
-        out = torch.empty_like(x)
-        fn = lambda: dist.all_to_all_single(out, x, group=sub)  # noqa: E731
-    elif coll == "send_recv":
-        # Pairs (0,1), (2,3), ... exchange one buffer; time of one one-way transfer.
-        peer = dist.get_global_rank(sub, me ^ 1) if me ^ 1 < gsize else None
-
-        def fn():
-            if peer is None:
-                return
-            if me % 2 == 0:
-                dist.send(x, peer, group=sub)
-            else:
-                dist.recv(x, peer, group=sub)
-    else:
+    if coll not in _BENCH:
         raise ClusterError(f"unknown collective {coll!r}; known: {COLLECTIVES}")
+    x = torch.ones(n, dtype=torch.float32, device=device)
+    fn = _BENCH[coll](x, sub, gsize, dist)
 
     try:
         fn()  # warm-up (also detects an unsupported collective on this backend)

@@ -192,14 +192,14 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             early = value.op != "placeholder"
             start = add(kind, edge, START, ([value], [edge.name]),
                         value if early else consumer, after=early)
-            out = add("wait", edge, WAIT, (start, value, edge.name, shape, edge.grad_mode),
+            out = add("wait", edge, WAIT, (start, value, edge.name, shape, str(edge.grad_mode)),
                       consumer, after=False)
         else:
             kinds = [f"{s.kind}_{s.axis_name}" for s in edge.fwd.steps]
             if not kinds and edge.bwd is not None and edge.bwd.steps:
                 kinds = ["grad_" + "_".join(f"{s.kind}_{s.axis_name}" for s in edge.bwd.steps)]
             out = add("_".join(dict.fromkeys(kinds)) or ("param" if edge.param else "grad_scale"),
-                      edge, REDISTRIBUTE, (value, edge.name, shape, edge.grad_mode),
+                      edge, REDISTRIBUTE, (value, edge.name, shape, str(edge.grad_mode)),  # a plain str in graphs
                       consumer, after=False)
         out.meta[ir.SPECS] = (edge.fwd.dst,)
         out.meta[ir.VAL] = v

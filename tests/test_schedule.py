@@ -451,7 +451,7 @@ def test_deadlock_three_ranks():
 
 def test_schedule_and_sim_import_no_torch():
     """Schedules and the simulator are plain data: no torch (so no torch.distributed), only
-    the standard library, fxpar.errors, fxpar.cost and each other (tests/test_layering.py
+    the standard library, fxpar.errors, fxpar.kinds, fxpar.cost and each other (tests/test_layering.py
     checks the fxpar edges dynamically; torch is preloaded there, hence this static check)."""
     import ast
     from pathlib import Path
@@ -467,4 +467,5 @@ def test_schedule_and_sim_import_no_torch():
                 top = n.split(".")[0]
                 assert top != "torch", f"{f.name} imports {n}"
                 if top == "fxpar":
-                    assert n.startswith(("fxpar.errors", "fxpar.cost", "fxpar.schedule")), f"{f.name} imports {n}"
+                    assert n.startswith(("fxpar.errors", "fxpar.kinds", "fxpar.cost", "fxpar.schedule")), \
+                        f"{f.name} imports {n}"

@@ -73,7 +73,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fxpar.cost.reshard import LOCAL_KINDS, local_numel, step_cost, step_time
+from fxpar.cost.reshard import LOCAL_KINDS, StepKind, local_numel, step_cost, step_time
 from fxpar.errors import ReshardError, SpecError
 from fxpar.spec import Partial, Placement, Replicate, Shard, Spec, as_spec
 from fxpar.units import dtype_name, fmt_time
@@ -89,7 +89,7 @@ class ReshardStep:
     ``src`` into ``dst``, moving ``nbytes`` per device (fullest device) in ``time`` seconds.
     Kinds in :data:`LOCAL_KINDS` (``chunk``, ``to_partial``, ``rescale``) move no data."""
 
-    kind: str
+    kind: StepKind
     axis: int
     axis_name: str
     src: Spec
@@ -174,7 +174,7 @@ def _ambiguous_partials(spec: Spec) -> bool:
     return len(ops) > 1 and not ops <= _LINEAR_OPS
 
 
-def step_kind(spec: Spec, axis: int, new: Placement) -> str | None:
+def step_kind(spec: Spec, axis: int, new: Placement) -> StepKind | None:
     """The kind of the step that sets ``spec``'s placement on ``axis`` to ``new``, or ``None``
     if that is not a legal single step (see the module docstring). ``spec`` must be
     normalized (non-negative shard dims)."""
@@ -185,23 +185,23 @@ def step_kind(spec: Spec, axis: int, new: Placement) -> str | None:
         if _later_shards(spec, axis, cur.dim):
             return None  # dim cur.dim is split further by a later axis: not contiguous here
         if isinstance(new, Replicate):
-            return "all_gather"
+            return StepKind.ALL_GATHER
         if isinstance(new, Shard):
-            return None if _later_shards(spec, axis, new.dim) else "all_to_all"
+            return None if _later_shards(spec, axis, new.dim) else StepKind.ALL_TO_ALL
         return None  # S -> P: go through R
     if isinstance(cur, Replicate):
         if isinstance(new, Shard):
-            return None if _later_shards(spec, axis, new.dim) else "chunk"
-        return "to_partial"
+            return None if _later_shards(spec, axis, new.dim) else StepKind.CHUNK
+        return StepKind.TO_PARTIAL
     # cur is Partial
     if isinstance(new, Replicate):
-        return "all_reduce"
+        return StepKind.ALL_REDUCE
     if isinstance(new, Shard):
         if cur.reduce_op not in _LINEAR_OPS or _later_shards(spec, axis, new.dim):
             return None
-        return "reduce_scatter"
+        return StepKind.REDUCE_SCATTER
     if {cur.reduce_op, new.reduce_op} == _LINEAR_OPS:
-        return "rescale"
+        return StepKind.RESCALE
     return None
 
 
@@ -272,21 +272,21 @@ def _moves(spec: Spec, ndim: int, ops: Sequence[str]) -> list[tuple[str, int, Sp
                 if later(axis, cur[1]):
                     continue
                 if new[0] == "R":
-                    kind = "all_gather"
+                    kind = StepKind.ALL_GATHER
                 elif new[0] == "S":
-                    kind = None if later(axis, new[1]) else "all_to_all"
+                    kind = None if later(axis, new[1]) else StepKind.ALL_TO_ALL
             elif cur[0] == "R":
                 if new[0] == "S":
-                    kind = None if later(axis, new[1]) else "chunk"
+                    kind = None if later(axis, new[1]) else StepKind.CHUNK
                 else:
-                    kind = "to_partial"
+                    kind = StepKind.TO_PARTIAL
             else:
                 if new[0] == "R":
-                    kind = "all_reduce"
+                    kind = StepKind.ALL_REDUCE
                 elif new[0] == "S":
-                    kind = None if cur[1] not in _LINEAR_OPS or later(axis, new[1]) else "reduce_scatter"
+                    kind = None if cur[1] not in _LINEAR_OPS or later(axis, new[1]) else StepKind.REDUCE_SCATTER
                 elif {cur[1], new[1]} == _LINEAR_OPS:
-                    kind = "rescale"
+                    kind = StepKind.RESCALE
             if kind is None:
                 continue
             nops = {c[1] for a, c in enumerate(codes) if a != axis and c[0] == "P"}
@@ -415,8 +415,7 @@ def reshard_costs(src: Spec | str, dsts: Sequence[Spec | str], mesh, shape: Sequ
     return reshard_cost_table([src], dsts, mesh, shape, dtype)[0].tolist()
 
 
-_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "chunk", "to_partial",
-          "rescale")
+_KINDS = tuple(StepKind)  # a step kind's index in the edge arrays
 
 
 class _Topology:
@@ -516,7 +515,7 @@ class _Graph:
         ms = self.mesh.shape
         size = self.dtype.itemsize
         numel = np.array([local_numel(sp, self.shape, ms) for sp in self.specs], np.int64)
-        chunk, to_partial = _KINDS.index("chunk"), _KINDS.index("to_partial")
+        chunk, to_partial = _KINDS.index(StepKind.CHUNK), _KINDS.index(StepKind.TO_PARTIAL)
         nbytes = np.where(K == chunk, numel[V], numel[U]) * size
         tp = np.flatnonzero(K == to_partial)
         if tp.size:   # only Partial(sum) writes anything, and not on an axis of size 1

@@ -56,6 +56,7 @@ import torch
 import torch.fx
 
 from fxpar.cost.reshard import LOCAL_KINDS
+from fxpar.kinds import StrKind
 from fxpar.resharding.intra import ReshardPlan
 from fxpar.runtime import redistribute as rt
 from fxpar.runtime.bindings import current
@@ -63,10 +64,20 @@ from fxpar.runtime.library import define
 from fxpar.spec import Partial
 
 __all__ = ["Edge", "grad_scale", "Regather", "COMM_OPS", "START", "WAIT", "REDISTRIBUTE", "EDGE_GRAD",
-           "SINK_GRAD", "GRAD_MODES"]
+           "SINK_GRAD", "GRAD_MODES", "GradMode"]
+
+class GradMode(StrKind):
+    """Where an edge's gradient goes (module docstring). Emitted graphs hold its string (the
+    ``grad`` argument of ``wait``/``redistribute``), so they print and pickle as before."""
+
+    NONE = "none"
+    IDENTITY = "identity"
+    RESHARD = "reshard"
+    SINK = "sink"
+
 
 #: The gradient destinations of an edge (module docstring).
-GRAD_MODES = ("none", "identity", "reshard", "sink")
+GRAD_MODES = tuple(GradMode)
 
 
 def grad_scale(src, dst, mesh_shape) -> float:
@@ -112,13 +123,13 @@ class Edge:
         return bool(self.fwd.steps) and self.fwd.steps[0].kind not in LOCAL_KINDS
 
     @property
-    def grad_mode(self) -> str:
+    def grad_mode(self) -> GradMode:
         """One of :data:`GRAD_MODES` (module docstring)."""
         if self.bwd is None:
-            return "none"
+            return GradMode.NONE
         if self.param is not None:
-            return "sink"
-        return "reshard" if self.bwd.steps or self.scale != 1.0 else "identity"
+            return GradMode.SINK
+        return GradMode.RESHARD if self.bwd.steps or self.scale != 1.0 else GradMode.IDENTITY
 
     def group(self, axis: int, coord) -> tuple[int, ...]:
         """The ranks the device at ``coord`` talks to over mesh ``axis``."""
@@ -308,15 +319,22 @@ def _sink_grad(g: torch.Tensor, edge: str) -> None:
     b.sink(e, (g * e.scale if e.scale != 1.0 else g).contiguous())
 
 
+def _sink_then_none(x: torch.Tensor, edge: str, g: torch.Tensor) -> None:
+    SINK_GRAD(g, edge)
+
+
+#: mode -> ``f(x, edge, g)``: the gradient of the edge's source ``x`` (None: autograd gets none)
+_GRAD_OF_X = {
+    GradMode.NONE: lambda x, edge, g: None,
+    GradMode.IDENTITY: lambda x, edge, g: g,
+    GradMode.RESHARD: lambda x, edge, g: EDGE_GRAD(g, edge, list(x.shape)),
+    GradMode.SINK: _sink_then_none,
+}
+
+
 def _grad_of_x(x: torch.Tensor, edge: str, mode: str, g: torch.Tensor):
     """The gradient of an edge's source ``x`` by the static ``mode`` (module docstring)."""
-    if mode == "identity":
-        return g
-    if mode == "reshard":
-        return EDGE_GRAD(g, edge, list(x.shape))
-    if mode == "sink":
-        SINK_GRAD(g, edge)
-    return None
+    return _GRAD_OF_X.get(mode, _GRAD_OF_X[GradMode.NONE])(x, edge, g)
 
 
 START = define("fxpar::start(Tensor[] xs, str[] edges) -> Tensor", _start,

@@ -62,6 +62,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fxpar.cost.reshard import StepKind
 from fxpar.errors import ReshardError
 from fxpar.spec import Partial, Replicate, Spec, as_spec, chunk_bounds, partial_reducible
 
@@ -201,64 +202,94 @@ def _local_shape(spec: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...]
     return tuple(spec.local_shape(shape, mesh_shape, coord))
 
 
+# one function per step kind: (local, axis i, group size G, source and destination placements
+# on i, this rank's coordinate on i, the destination's local shape) -> the new local tensor (a
+# local step) or the _Comm a collective needs
+def _step_chunk(local, i, G, src_p, dst_p, k, out_shape):
+    d = dst_p.dim
+    a, b = chunk_bounds(local.shape[d], G, k)
+    return local.narrow(d, a, b - a).clone()  # a copy: the full buffer can go
+
+
+def _step_to_partial(local, i, G, src_p, dst_p, k, out_shape):
+    return torch.zeros_like(local) if dst_p.reduce_op == "sum" and k != 0 else local
+
+
+def _step_rescale(local, i, G, src_p, dst_p, k, out_shape):
+    return local * G if dst_p.reduce_op == "avg" else local / G
+
+
+def _step_all_reduce(local, i, G, src_p, dst_p, k, out_shape):
+    x = local.contiguous()
+    return _Comm(StepKind.ALL_REDUCE, i, src_p.reduce_op, x.view(-1), lambda r: r.view(x.shape))
+
+
+def _step_all_gather(local, i, G, src_p, dst_p, k, out_shape):
+    # Pad to the first (largest) chunk; the G padded blocks end to end hold the n real
+    # entries as a prefix, because only trailing chunks are short.
+    d, n = src_p.dim, out_shape()[src_p.dim]
+    x = _pad(local, d, _ceil(n, G)).contiguous()
+
+    def finish_ag(r):
+        return torch.cat(r.reshape(G, *x.shape).unbind(0), dim=d).narrow(d, 0, n)
+    return _Comm(StepKind.ALL_GATHER, i, None, x.view(-1), finish_ag)
+
+
+def _step_reduce_scatter(local, i, G, src_p, dst_p, k, out_shape):
+    d = dst_p.dim
+    c = _ceil(local.shape[d], G)
+    blocks = torch.stack(_pad(local, d, G * c).split(c, dim=d))  # (G, chunk)
+    b = blocks.shape[1:]
+    n = out_shape()[d]
+    return _Comm(StepKind.REDUCE_SCATTER, i, src_p.reduce_op, blocks.view(G, b.numel()),
+                 lambda r: r.view(b).narrow(d, 0, n))
+
+
+def _step_all_to_all(local, i, G, src_p, dst_p, k, out_shape):
+    # S(d) -> S(e): chunk g of dim e goes to member g; what arrives from member g is its
+    # piece of dim d, so the pieces concatenate along d.
+    d, e = src_p.dim, dst_p.dim
+    shp = out_shape()
+    n_d = shp[d]
+    c_e = _ceil(local.shape[e], G)
+    x = _pad(_pad(local, d, _ceil(n_d, G)), e, G * c_e)
+    blocks = torch.stack(x.split(c_e, dim=e))
+    b = blocks.shape[1:]
+
+    def finish_a2a(r):
+        got = torch.cat(r.reshape(G, *b).unbind(0), dim=d)
+        return got.narrow(d, 0, n_d).narrow(e, 0, shp[e])
+    return _Comm(StepKind.ALL_TO_ALL, i, None, blocks.view(G, b.numel()), finish_a2a)
+
+
+_STEPS = {
+    StepKind.CHUNK: _step_chunk,
+    StepKind.TO_PARTIAL: _step_to_partial,
+    StepKind.RESCALE: _step_rescale,
+    StepKind.ALL_REDUCE: _step_all_reduce,
+    StepKind.ALL_GATHER: _step_all_gather,
+    StepKind.REDUCE_SCATTER: _step_reduce_scatter,
+    StepKind.ALL_TO_ALL: _step_all_to_all,
+}
+#: collectives that only move bytes: their result arrives as ``(G, m)`` per-member blocks, and
+#: any dtype travels bit-cast to ``uint8`` (:func:`_to_wire`)
+_BLOCKWISE = frozenset({StepKind.ALL_GATHER, StepKind.ALL_TO_ALL})
+
+
 def _start(step, local: torch.Tensor, mesh_shape: tuple[int, ...], shape: Sequence[int],
            coord: Sequence[int]) -> torch.Tensor | _Comm:
     """The new local tensor for a local step, or the :class:`_Comm` a collective step needs."""
     i = step.axis
     G = mesh_shape[i]
-    src_p, dst_p = step.src[i], step.dst[i]
-    kind = step.kind
-    if G == 1 and kind != "rescale":
+    if G == 1 and step.kind != StepKind.RESCALE:
         return local  # a size-1 axis: every layout on it is the same tensor
-    if kind == "chunk":
-        d = dst_p.dim
-        a, b = chunk_bounds(local.shape[d], G, coord[i])
-        return local.narrow(d, a, b - a).clone()  # a copy: the full buffer can go
-    if kind == "to_partial":
-        return torch.zeros_like(local) if dst_p.reduce_op == "sum" and coord[i] != 0 else local
-    if kind == "rescale":
-        return local * G if dst_p.reduce_op == "avg" else local / G
-    # The destination's local shape gives every size needed (dim pieces and this rank's chunk).
-    out_shape = _local_shape(step.dst, tuple(shape), tuple(mesh_shape), tuple(coord))
 
-    if kind == "all_reduce":
-        x = local.contiguous()
-        return _Comm(kind, i, src_p.reduce_op, x.view(-1), lambda r: r.view(x.shape))
-
-    if kind == "all_gather":
-        # Pad to the first (largest) chunk; the G padded blocks end to end hold the n real
-        # entries as a prefix, because only trailing chunks are short.
-        d, n = src_p.dim, out_shape[src_p.dim]
-        x = _pad(local, d, _ceil(n, G)).contiguous()
-
-        def finish_ag(r):
-            return torch.cat(r.reshape(G, *x.shape).unbind(0), dim=d).narrow(d, 0, n)
-        return _Comm(kind, i, None, x.view(-1), finish_ag)
-
-    if kind == "reduce_scatter":
-        d = dst_p.dim
-        c = _ceil(local.shape[d], G)
-        blocks = torch.stack(_pad(local, d, G * c).split(c, dim=d))  # (G, chunk)
-        b = blocks.shape[1:]
-        return _Comm(kind, i, src_p.reduce_op, blocks.view(G, b.numel()),
-                     lambda r: r.view(b).narrow(d, 0, out_shape[d]))
-
-    if kind == "all_to_all":
-        # S(d) -> S(e): chunk g of dim e goes to member g; what arrives from member g is its
-        # piece of dim d, so the pieces concatenate along d.
-        d, e = src_p.dim, dst_p.dim
-        n_d = out_shape[d]
-        c_e = _ceil(local.shape[e], G)
-        x = _pad(_pad(local, d, _ceil(n_d, G)), e, G * c_e)
-        blocks = torch.stack(x.split(c_e, dim=e))
-        b = blocks.shape[1:]
-
-        def finish_a2a(r):
-            got = torch.cat(r.reshape(G, *b).unbind(0), dim=d)
-            return got.narrow(d, 0, n_d).narrow(e, 0, out_shape[e])
-        return _Comm(kind, i, None, blocks.view(G, b.numel()), finish_a2a)
-
-    raise ReshardError(f"unknown reshard step kind {kind!r} ({step})")
+    def out_shape():  # the destination's local shape gives every size (dim pieces, this rank's chunk)
+        return _local_shape(step.dst, tuple(shape), tuple(mesh_shape), tuple(coord))
+    run = _STEPS.get(step.kind)
+    if run is None:
+        raise ReshardError(f"unknown reshard step kind {step.kind!r} ({step})")
+    return run(local, i, G, step.src[i], step.dst[i], coord[i], out_shape)
 
 
 #: Dtypes every backend fxpar runs on (gloo, NCCL) moves and reduces natively.
@@ -281,7 +312,7 @@ def _to_wire(buf: torch.Tensor, kind: str, op: str) -> torch.Tensor:
     dt = buf.dtype
     if dt in _NATIVE:
         return buf
-    if kind in ("all_gather", "all_to_all"):
+    if kind in _BLOCKWISE:
         return buf.view(torch.uint8)
     if not partial_reducible(dt, op):  # the planner offers no such Partial; a hand-made plan
         raise ReshardError(f"{kind} with reduce op {op!r} of dtype {dt}: no backend-supported "
@@ -302,11 +333,25 @@ def _from_wire(r: torch.Tensor, dtype: torch.dtype, kind: str) -> torch.Tensor:
     """What came back from a collective run on :func:`_to_wire`'s buffer, as ``dtype``."""
     if r.dtype == dtype:
         return r
-    if r.dtype == torch.uint8 and kind in ("all_gather", "all_to_all"):
+    if r.dtype == torch.uint8 and kind in _BLOCKWISE:
         return r.view(dtype)
     if dtype == torch.uint64 and r.dtype == torch.int64:
         return r.view(dtype)
     return r.to(dtype)
+
+
+def _launch_all_to_all(f, buf, op, G, name):
+    m = buf.shape[-1]  # per-member block, in wire elements
+    return f.all_to_all_single(buf.reshape(-1), [m] * G, [m] * G, name)
+
+
+#: collective -> ``f(functional ops, wire buffer, reduce op, group size, group name)`` launching it
+_LAUNCH = {
+    StepKind.ALL_REDUCE: lambda f, buf, op, G, name: f.all_reduce(buf, op, name),
+    StepKind.ALL_GATHER: lambda f, buf, op, G, name: f.all_gather_into_tensor(buf, G, name),
+    StepKind.REDUCE_SCATTER: lambda f, buf, op, G, name: f.reduce_scatter_tensor(buf.reshape(-1), op, G, name),
+    StepKind.ALL_TO_ALL: _launch_all_to_all,
+}
 
 
 def _launch_comms(comms: Sequence[_Comm], device_mesh, mesh_shape) -> tuple[list, list]:
@@ -330,22 +375,14 @@ def _launch_comms(comms: Sequence[_Comm], device_mesh, mesh_shape) -> tuple[list
         if total == 0:
             for k in idx:
                 d = comms[k].data
-                out[k] = comms[k].finish(d.new_empty((G, 0) if kind in ("all_gather", "all_to_all") else (0,)))
+                out[k] = comms[k].finish(d.new_empty((G, 0) if kind in _BLOCKWISE else (0,)))
             continue
         parts = [comms[k].data for k in idx]
         buf = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         dtype = buf.dtype
         buf = _to_wire(buf.contiguous(), kind, op)  # a dtype the backend has (same bytes moved)
         name = device_mesh.get_group(axis).group_name
-        if kind == "all_reduce":
-            h = f.all_reduce(buf, op, name)
-        elif kind == "all_gather":
-            h = f.all_gather_into_tensor(buf, G, name)
-        elif kind == "reduce_scatter":
-            h = f.reduce_scatter_tensor(buf.reshape(-1), op, G, name)
-        else:
-            m = buf.shape[-1]  # per-member block, in wire elements
-            h = f.all_to_all_single(buf.reshape(-1), [m] * G, [m] * G, name)
+        h = _LAUNCH[kind](f, buf, op, G, name)
         waiting.append((kind, G, idx, sizes, h, dtype))
     return out, waiting
 
@@ -356,7 +393,7 @@ def _finish_comms(comms: Sequence[_Comm], launched: tuple[list, list]) -> list[t
     out, waiting = launched
     for kind, G, idx, sizes, h, dtype in waiting:
         r = _from_wire(f.wait_tensor(h), dtype, kind)
-        if kind in ("all_gather", "all_to_all"):
+        if kind in _BLOCKWISE:
             r = r.view(G, -1)
         off = 0
         for k, m in zip(idx, sizes):
@@ -478,7 +515,7 @@ def in_flight(p: Pending) -> torch.Tensor | None:
     if len(waiting) != 1:
         return None
     kind, _, _, _, h, dtype = waiting[0]
-    return h if kind == "all_reduce" and h.dtype == dtype else None
+    return h if kind == StepKind.ALL_REDUCE and h.dtype == dtype else None
 
 
 def finish(p: Pending) -> list[torch.Tensor]:

@@ -49,24 +49,25 @@ Action(stage=1, kind='RECV_B', microbatch=0)
 
 from __future__ import annotations
 
-import enum
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 from fxpar.errors import ScheduleError
+from fxpar.kinds import StrKind
 
 __all__ = ["ActionKind", "KINDS", "COMPUTE_KINDS", "COMM_KINDS", "SEND_KINDS", "RECV_KINDS",
            "WEIGHT_GRAD_KINDS", "Action", "dependencies", "lower", "normalize_name"]
 
 
-class ActionKind(enum.StrEnum):
-    """What an action does, in torch.distributed.pipelining's short names. ``str``-valued:
-    a member equals, hashes, prints and serializes as its name (``ActionKind.SEND_F ==
-    "SEND_F"``), so schedules written as text and their CSV are unchanged.
+class ActionKind(StrKind):
+    """What an action does, in torch.distributed.pipelining's short names. A
+    :class:`fxpar.kinds.StrKind`: a member equals, hashes, prints and serializes as its name
+    (``ActionKind.SEND_F == "SEND_F"``), so schedules written as text and their CSV are
+    unchanged.
 
-    >>> ActionKind("I"), str(ActionKind.REDUCE_GRAD), ActionKind.F in {"F"}
-    (<ActionKind.I: 'I'>, 'REDUCE_GRAD', True)
+    >>> ActionKind("I") is ActionKind.I, str(ActionKind.REDUCE_GRAD), ActionKind.F in {"F"}
+    (True, 'REDUCE_GRAD', True)
     """
 
     F = "F"                      # forward
@@ -136,9 +137,6 @@ class Action:
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{'' if self.microbatch is None else self.microbatch}"
-
-    def __repr__(self) -> str:  # the kind as its string, as before kinds were an enum
-        return f"Action(stage={self.stage!r}, kind={str(self.kind)!r}, microbatch={self.microbatch!r})"
 
     @staticmethod
     def parse(text: str) -> Action:
