@@ -59,12 +59,21 @@ import math
 from collections.abc import Iterable, Sequence
 
 from fxpar.cost.comm import collective_time, group_bandwidth, group_latency
+from fxpar.kinds import StrKind
 
-__all__ = ["STRATEGIES", "hop_link", "level_link", "send_recv_time", "allgather_time", "broadcast_time",
+__all__ = ["Strategy", "STRATEGIES", "hop_link", "level_link", "send_recv_time", "allgather_time", "broadcast_time",
            "broadcast_chunks", "task_time", "chain", "lower_bound", "local_copy_time"]
 
 #: Per-task strategies, in the order the planner reports them.
-STRATEGIES = ("send_recv", "allgather", "broadcast")
+class Strategy(StrKind):
+    """How one unit task moves its slice (the table in the module docstring)."""
+
+    SEND_RECV = "send_recv"
+    ALLGATHER = "allgather"
+    BROADCAST = "broadcast"
+
+
+STRATEGIES = tuple(Strategy)
 
 #: Smallest chunk a pipelined broadcast cuts a slice into (bounds ``k``).
 MIN_CHUNK_BYTES = 1 << 16
@@ -242,13 +251,14 @@ def task_time(strategy: str, nbytes: float, sender: int, receivers: Sequence[int
     receivers = tuple(r for r in set(receivers) if r != sender)
     if not receivers:
         return 0.0
-    if strategy == "send_recv":
-        return send_recv_time(nbytes, sender, receivers, cluster)
-    if strategy == "allgather":
-        return allgather_time(nbytes, sender, receivers, cluster)
-    if strategy == "broadcast":
-        return broadcast_time(nbytes, sender, receivers, cluster)
-    raise ValueError(f"unknown cross-mesh strategy {strategy!r}; known: {STRATEGIES}")
+    time = _TASK_TIME.get(strategy)
+    if time is None:
+        raise ValueError(f"unknown cross-mesh strategy {strategy!r}; known: {STRATEGIES}")
+    return time(nbytes, sender, receivers, cluster)
+
+
+_TASK_TIME = {Strategy.SEND_RECV: send_recv_time, Strategy.ALLGATHER: allgather_time,
+              Strategy.BROADCAST: broadcast_time}
 
 
 def local_copy_time(nbytes: float, cluster) -> float:

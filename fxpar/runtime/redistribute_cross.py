@@ -50,8 +50,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fxpar.resharding.cross import CrossMeshPlan, region_slices
+from fxpar.cost.reshard_cross import Strategy
 from fxpar.errors import ReshardError
+from fxpar.kinds import StrKind
+from fxpar.resharding.cross import CrossMeshPlan, region_slices
 
 __all__ = ["cross_mesh_reshard", "cross_mesh_start", "prepare_cross_mesh", "plan_groups", "rank_ops"]
 
@@ -61,13 +63,23 @@ _WORLD: list = [None]
 
 
 # -- pure: the operations of a plan ------------------------------------------------------------
+class OpKind(StrKind):
+    """What one operation of a plan's global order does (:class:`_Op`)."""
+
+    SEND = "send"      # src -> dst
+    BCAST = "bcast"    # over group, from src
+    GATHER = "gather"  # all-gather over group
+
+
+_GROUP_OPS = frozenset({OpKind.BCAST, OpKind.GATHER})  # the ones that need a process group
+
+
 @dataclass(frozen=True)
 class _Op:
-    """One operation of the global order: ``kind`` in ``send`` (``src`` → ``dst``), ``bcast``
-    (over ``group`` from ``src``), ``gather`` (all-gather over ``group``); ``task`` is the unit
+    """One operation of the global order: ``kind`` an :class:`OpKind`; ``task`` is the unit
     task; ``part``/``parts`` the piece of an all-gather task (``parts == 0``: the whole slice)."""
 
-    kind: str
+    kind: OpKind
     task: int
     src: int
     dst: int = -1
@@ -76,7 +88,7 @@ class _Op:
     parts: int = 0
 
     def ranks(self) -> tuple[int, ...]:
-        return (self.src, self.dst) if self.kind == "send" else self.group
+        return (self.src, self.dst) if self.kind is OpKind.SEND else self.group
 
 
 def _hosts(plan: CrossMeshPlan, sender: int, receivers: Sequence[int]) -> list[tuple[int, ...]]:
@@ -89,23 +101,38 @@ def _hosts(plan: CrossMeshPlan, sender: int, receivers: Sequence[int]) -> list[t
     return [tuple(by[h]) for h in sorted(by, key=lambda h: (h != me, h))]
 
 
+def _send_recv_ops(plan: CrossMeshPlan, i: int, t) -> list[_Op]:
+    return [_Op(OpKind.SEND, i, t.sender, r) for r in t.receivers]
+
+
+def _broadcast_ops(plan: CrossMeshPlan, i: int, t) -> list[_Op]:
+    return [_Op(OpKind.BCAST, i, t.sender, group=tuple(sorted((t.sender,) + t.receivers)))]
+
+
+def _allgather_ops(plan: CrossMeshPlan, i: int, t) -> list[_Op]:
+    out: list[_Op] = []
+    s = t.sender
+    hosts = _hosts(plan, s, t.receivers)
+    for rs in hosts:
+        k = len(rs)
+        out += [_Op(OpKind.SEND, i, s, r, group=rs, part=j, parts=k) for j, r in enumerate(rs)]
+    out += [_Op(OpKind.GATHER, i, s, group=rs, parts=len(rs)) for rs in hosts if len(rs) > 1]
+    return out
+
+
+#: a task's strategy -> ``f(plan, task index, task)``: its operations
+_TASK_OPS = {Strategy.SEND_RECV: _send_recv_ops, Strategy.BROADCAST: _broadcast_ops,
+             Strategy.ALLGATHER: _allgather_ops}
+
+
 def _ops(plan: CrossMeshPlan) -> tuple[_Op, ...]:
     out: list[_Op] = []
     for i in plan.order:
         t = plan.tasks[i]
-        s = t.sender
-        if t.strategy == "send_recv":
-            out += [_Op("send", i, s, r) for r in t.receivers]
-        elif t.strategy == "broadcast":
-            out.append(_Op("bcast", i, s, group=tuple(sorted((s,) + t.receivers))))
-        elif t.strategy == "allgather":
-            hosts = _hosts(plan, s, t.receivers)
-            for rs in hosts:
-                k = len(rs)
-                out += [_Op("send", i, s, r, group=rs, part=j, parts=k) for j, r in enumerate(rs)]
-            out += [_Op("gather", i, s, group=rs, parts=len(rs)) for rs in hosts if len(rs) > 1]
-        else:
+        ops = _TASK_OPS.get(t.strategy)
+        if ops is None:
             raise ReshardError(f"cross-mesh plan task {i} has unknown strategy {t.strategy!r}")
+        out += ops(plan, i, t)
     return tuple(out)
 
 
@@ -119,7 +146,7 @@ def plan_groups(plan: CrossMeshPlan) -> tuple[tuple[int, ...], ...]:
     >>> plan_groups(fxpar.cross_mesh_plan(a, "S(0)", b, "R", shape=(4, 2**20)))
     ((0, 4, 5, 6, 7), (1, 4, 5, 6, 7), (2, 4, 5, 6, 7), (3, 4, 5, 6, 7))
     """
-    return tuple(sorted({op.group for op in _ops(plan) if op.kind in ("bcast", "gather")}))
+    return tuple(sorted({op.group for op in _ops(plan) if op.kind in _GROUP_OPS}))
 
 
 def rank_ops(plan: CrossMeshPlan, rank: int) -> tuple[_Op, ...]:
@@ -268,40 +295,48 @@ def cross_mesh_reshard(plan: CrossMeshPlan, local: torch.Tensor | None, *, devic
 
     parts: dict[int, torch.Tensor] = {}   # all-gather tasks: this rank's received part
     padded: dict[tuple[int, int], torch.Tensor] = {}   # sender: an all-gather task's padded bytes
+
+    def send_part(op: _Op, t, nb: int) -> None:  # part `op.part` of `op.parts` of an all-gather task
+        c = math.ceil(nb / op.parts)
+        if rank == op.src:
+            key = (op.task, op.parts)
+            if key not in padded:
+                padded[key] = _pad(piece(t), c * op.parts)
+            dist.send(padded[key][op.part * c: (op.part + 1) * c], op.dst, tag=tag)
+        else:
+            buf = torch.empty(c, dtype=torch.uint8, device=dev)
+            dist.recv(buf, op.src, tag=tag)
+            if op.parts == 1:
+                put(t, buf[:nb])
+            else:
+                parts[op.task] = buf
+
+    def send(op: _Op, t, nb: int) -> None:
+        if op.parts:
+            return send_part(op, t, nb)
+        if rank == op.src:
+            dist.send(piece(t), op.dst, tag=tag)
+        else:
+            buf = torch.empty(nb, dtype=torch.uint8, device=dev)
+            dist.recv(buf, op.src, tag=tag)
+            put(t, buf)
+
+    def bcast(op: _Op, t, nb: int) -> None:
+        buf = piece(t) if rank == op.src else torch.empty(nb, dtype=torch.uint8, device=dev)
+        dist.broadcast(buf, src=op.src, group=_GROUPS[op.group])
+        if rank != op.src:
+            put(t, buf)
+
+    def gather(op: _Op, t, nb: int) -> None:
+        mine = parts.pop(op.task)
+        full = torch.empty(mine.numel() * op.parts, dtype=torch.uint8, device=dev)
+        _all_gather(full, mine, group=_GROUPS[op.group])
+        put(t, full[:nb])
+
+    run = {OpKind.SEND: send, OpKind.BCAST: bcast, OpKind.GATHER: gather}
     for op in prep.ops:
         t = plan.tasks[op.task]
-        nb = t.nbytes
-        if op.kind == "send" and op.parts:  # part `op.part` of `op.parts` of an all-gather task
-            c = math.ceil(nb / op.parts)
-            if rank == op.src:
-                key = (op.task, op.parts)
-                if key not in padded:
-                    padded[key] = _pad(piece(t), c * op.parts)
-                dist.send(padded[key][op.part * c: (op.part + 1) * c], op.dst, tag=tag)
-            else:
-                buf = torch.empty(c, dtype=torch.uint8, device=dev)
-                dist.recv(buf, op.src, tag=tag)
-                if op.parts == 1:
-                    put(t, buf[:nb])
-                else:
-                    parts[op.task] = buf
-        elif op.kind == "send":
-            if rank == op.src:
-                dist.send(piece(t), op.dst, tag=tag)
-            else:
-                buf = torch.empty(nb, dtype=torch.uint8, device=dev)
-                dist.recv(buf, op.src, tag=tag)
-                put(t, buf)
-        elif op.kind == "bcast":
-            buf = piece(t) if rank == op.src else torch.empty(nb, dtype=torch.uint8, device=dev)
-            dist.broadcast(buf, src=op.src, group=_GROUPS[op.group])
-            if rank != op.src:
-                put(t, buf)
-        elif op.kind == "gather":
-            mine = parts.pop(op.task)
-            full = torch.empty(mine.numel() * op.parts, dtype=torch.uint8, device=dev)
-            _all_gather(full, mine, group=_GROUPS[op.group])
-            put(t, full[:nb])
+        run[op.kind](op, t, t.nbytes)
     return out
 
 
@@ -321,7 +356,7 @@ def cross_mesh_start(plan: CrossMeshPlan, local: torch.Tensor | None, *, device=
     waits for the receiver). Returns ``(out, works)``: this rank's destination shard, already
     received (``None`` off the destination mesh), and the sends' works, to wait on before
     ``local`` is changed or freed."""
-    bad = sorted({t.strategy for t in plan.tasks} - {"send_recv"})
+    bad = sorted({t.strategy for t in plan.tasks} - {Strategy.SEND_RECV})
     if bad:
         raise ReshardError(f"cross_mesh_start needs a send_recv plan; {plan!r} has {bad} tasks")
     got = _setup(plan, local, device, src_device_mesh)
