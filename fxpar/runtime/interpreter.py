@@ -73,6 +73,8 @@ from fxpar.runtime.bindings import Bindings, bind
 from fxpar.runtime.comm import REDISTRIBUTE, START, WAIT, gathers_params
 from fxpar.runtime.recompute import Recompute, known_layers
 from fxpar.runtime.runner import TrainingSteps, check_world, recompute_layers
+from fxpar.schedule.actions import COMPUTE_KINDS
+from fxpar.schedule.actions import ActionKind as K
 from fxpar.split import is_boundary
 
 __all__ = ["PipelineRunner", "SPLIT_BACKWARD"]
@@ -489,43 +491,59 @@ class PipelineRunner(TrainingSteps):
         return [by[nm] if nm in by else torch.zeros_like(o) for nm, o in zip(want, outs)]
 
     def _run(self, action, batch) -> None:
-        k, i, kind = action.stage, action.microbatch, action.kind
-        st = self.program.plan.stages
-        if kind in ("F", "B", "I", "W"):
+        if action.kind in COMPUTE_KINDS:
             # random ops (dropout) draw by (step, microbatch, site, shard): the same mask in
             # a microbatch's forward and its backward, whatever ran in between
-            self.tracker.set_microbatch(i)
-        if kind == "F":
-            self._forward(k, i, batch)
-        elif kind in ("B", "I"):
-            # a chunk that gathers parameters (ZeRO-3) runs I whole: a split W would re-read
-            # the gathered copies I released, and the sink, not the leaf, takes their gradient
-            self._backward(k, i, split=kind == "I" and SPLIT_BACKWARD and not self.chunks[k].gathers)
-        elif kind == "W":
-            self._weight(k, i)
-        elif kind == "SEND_F":
-            _, out, _ = self.chunks[k].saved[i]
-            self._send_link(k, i, 0, [o.detach() for o in out], self._peer(k + 1))
-        elif kind == "RECV_F":
-            metas = [n.meta[ir.VAL] for n in self._boundary_inputs(self.chunks[k])]
-            self._fwd_in[(k, i)] = self._recv_link(k - 1, i, 0, metas, self._peer(k - 1))
-        elif kind == "SEND_B":
-            c = self.chunks[k]
-            grads = self._bwd_out.pop((k, i))
-            names = [n.name for n in self._boundary_inputs(c) if n.meta[ir.INPUT].requires_grad]
-            # the previous chunk's outputs are this chunk's boundary inputs, in one order
-            by = dict(zip(names, grads))
-            vals = {n.name: n.meta[ir.VAL] for n in self._boundary_inputs(c)}
-            send = [by[nm] if nm in by else torch.zeros(tuple(vals[nm].shape), dtype=vals[nm].dtype)
-                    for nm in st[k - 1].outputs]
-            self._send_link(k - 1, i, 1, send, self._peer(k - 1))
-        elif kind == "RECV_B":
-            self._bwd_in[(k, i)] = self._recv_link(k, i, 1, self._out_metas(self.chunks[k]),
-                                                   self._peer(k + 1))
-        elif kind == "REDUCE_GRAD":
-            pass  # buckets launch as their last contribution arrives; finished after the list
-        else:
-            raise FxparError(f"action {action}: the interpreter does not run {kind!r} yet")
+            self.tracker.set_microbatch(action.microbatch)
+        run = self._ACTIONS.get(action.kind)
+        if run is None:
+            raise FxparError(f"action {action}: the interpreter does not run {action.kind!r} yet")
+        run(self, action.stage, action.microbatch, batch)
+
+    # one method per action kind: (chunk k, microbatch i, the flat global batch)
+    def _act_forward(self, k, i, batch) -> None:
+        self._forward(k, i, batch)
+
+    def _act_backward(self, k, i, batch) -> None:
+        self._backward(k, i, split=False)
+
+    def _act_input_grad(self, k, i, batch) -> None:
+        # a chunk that gathers parameters (ZeRO-3) runs I whole: a split W would re-read
+        # the gathered copies I released, and the sink, not the leaf, takes their gradient
+        self._backward(k, i, split=SPLIT_BACKWARD and not self.chunks[k].gathers)
+
+    def _act_weight_grad(self, k, i, batch) -> None:
+        self._weight(k, i)
+
+    def _act_send_f(self, k, i, batch) -> None:
+        _, out, _ = self.chunks[k].saved[i]
+        self._send_link(k, i, 0, [o.detach() for o in out], self._peer(k + 1))
+
+    def _act_recv_f(self, k, i, batch) -> None:
+        metas = [n.meta[ir.VAL] for n in self._boundary_inputs(self.chunks[k])]
+        self._fwd_in[(k, i)] = self._recv_link(k - 1, i, 0, metas, self._peer(k - 1))
+
+    def _act_send_b(self, k, i, batch) -> None:
+        c = self.chunks[k]
+        grads = self._bwd_out.pop((k, i))
+        names = [n.name for n in self._boundary_inputs(c) if n.meta[ir.INPUT].requires_grad]
+        # the previous chunk's outputs are this chunk's boundary inputs, in one order
+        by = dict(zip(names, grads))
+        vals = {n.name: n.meta[ir.VAL] for n in self._boundary_inputs(c)}
+        send = [by[nm] if nm in by else torch.zeros(tuple(vals[nm].shape), dtype=vals[nm].dtype)
+                for nm in self.program.plan.stages[k - 1].outputs]
+        self._send_link(k - 1, i, 1, send, self._peer(k - 1))
+
+    def _act_recv_b(self, k, i, batch) -> None:
+        self._bwd_in[(k, i)] = self._recv_link(k, i, 1, self._out_metas(self.chunks[k]),
+                                               self._peer(k + 1))
+
+    def _act_reduce_grad(self, k, i, batch) -> None:
+        pass  # buckets launch as their last contribution arrives; finished after the list
+
+    _ACTIONS = {K.F: _act_forward, K.B: _act_backward, K.I: _act_input_grad, K.W: _act_weight_grad,
+                K.SEND_F: _act_send_f, K.RECV_F: _act_recv_f, K.SEND_B: _act_send_b,
+                K.RECV_B: _act_recv_b, K.REDUCE_GRAD: _act_reduce_grad}
 
     @staticmethod
     def _out_metas(c: _Chunk):
