@@ -7,7 +7,7 @@
                    (used by ``Cluster.calibrate``)
 ``compute``        FLOPs and bytes per ATen op, forward and backward; roofline or calibrated time
 ``memory``         model states under (s_p, s_g, s_os) sharding, activation liveness, stage peaks
-``pipeline``       GPipe / 1F1B / interleaved / eager-1F1B bubbles, warm-ups and step time
+``pipeline``       GPipe / 1F1B / interleaved / eager-1F1B bubbles, warm-ups, in-flight microbatches
 ``reshard``        cost of one per-axis redistribution step (plans: :mod:`fxpar.resharding.intra`)
 ``reshard_cross``  cost of cross-mesh transfers: unit tasks, hop links, lower bound (plans:
                    :mod:`fxpar.resharding.cross`)
