@@ -38,9 +38,9 @@ __all__ = ["save", "load"]
 
 
 def _names(runner) -> tuple[str, dict[str, ir.ParamInfo]]:
-    """The prefix the loss wrapper adds (``"model."``) and ``{graph fqn: ParamInfo}``."""
-    pre = "model." if getattr(runner.program.model, "fxpar_wraps_loss", False) else ""
-    return pre, ir.params(runner.program.graph)
+    """The prefix the loss wrapper adds (:data:`fxpar.defaults.LOSS_PREFIX`, or ``""``:
+    ``RankRunner.fqn_prefix``) and ``{graph fqn: ParamInfo}``."""
+    return runner.fqn_prefix, ir.params(runner.program.graph)
 
 
 def _dtensor(runner, local: torch.Tensor, fqn: str, info) -> DTensor:

@@ -4,7 +4,8 @@ A pipeline :class:`~fxpar.program.Program` holds one sub-program per stage chunk
 on its stage's submesh, its own rank graphs). :class:`PipelineRunner` (built by
 ``Program.runner()`` under torchrun, on every rank) does:
 
-1. the plan-hash exchange and world-size check of :class:`~fxpar.runtime.runner.Runner`;
+1. the plan-hash exchange and world-size check of :class:`~fxpar.runtime.runner.Runner` (the
+   per-rank setup both runners share: :class:`fxpar.runtime.rank.RankRunner`, steps 1, 3, 4);
 2. one ``DeviceMesh`` of the whole mesh, made on every rank (making one is collective); each
    chunk's communication runs on the slice of it without ``pp`` (this rank's stage submesh);
 3. materializes this rank's shards of every parameter its chunks use (a parameter used by two
@@ -68,11 +69,13 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from fxpar import ir
+from fxpar.defaults import BUCKET_BYTES
 from fxpar.errors import FxparError, PlanError
 from fxpar.runtime.bindings import Bindings, bind
-from fxpar.runtime.comm import REDISTRIBUTE, START, WAIT, gathers_params
+from fxpar.runtime.comm import gathers_params
+from fxpar.runtime.rank import RankRunner, clip_grad_norm
 from fxpar.runtime.recompute import Recompute, known_layers
-from fxpar.runtime.runner import TrainingSteps, check_world, recompute_layers
+from fxpar.runtime.runner import recompute_layers
 from fxpar.schedule.actions import COMPUTE_KINDS
 from fxpar.schedule.actions import ActionKind as K
 from fxpar.split import is_boundary
@@ -106,19 +109,12 @@ class _Chunk:
     gathers: bool = False
 
 
-class PipelineRunner(TrainingSteps):
+class PipelineRunner(RankRunner):
     """This rank's part of a pipeline program (module docstring)."""
 
     def __init__(self, program, weights=None, *, s_g=1, s_os=1, seed=0, device=None,
-                 bucket_bytes=25 * 2**20, regather=True, recompute=None) -> None:
-        from fxpar.runtime.materialize import local_state
-        from fxpar.runtime.model_state import ModelStates
-        from fxpar.runtime.rng import RNGTracker
-
-        check_world(program.plan, program.mesh)
-        self.program, self.mesh = program, program.mesh
-        self.rank = dist.get_rank()
-        self.device = device or "cpu"
+                 bucket_bytes=BUCKET_BYTES, regather=True, recompute=None) -> None:
+        super().__init__(program, device=device, seed=seed)
         self.regather = regather
         self.schedule = program.schedule
         mesh, sched = program.mesh, program.schedule
@@ -130,8 +126,6 @@ class PipelineRunner(TrainingSteps):
         self._dm = program.device_mesh()
         sub_dm = self._dm[sub_axes] if len(sub_axes) > 1 else self._dm[sub_axes[0]]
         self._sub_dm = sub_dm
-        self.tracker = RNGTracker(seed)
-        self.state: dict[str, torch.Tensor] = {}
         self.chunks: dict[int, _Chunk] = {}
         layouts: dict[str, tuple] = {}
         sub_mesh = None
@@ -172,25 +166,13 @@ class PipelineRunner(TrainingSteps):
         #: the bindings of this rank's first chunk: its ``device_mesh`` is the stage submesh's
         #: (what checkpoints lay DTensors out on)
         self.bindings = next(iter(self.chunks.values())).bindings
-        model, pre = program.model, ""
-        if getattr(model, "fxpar_wraps_loss", False):
-            model, pre = model.model, "model."
-        local = local_state(model, {f.removeprefix(pre): v for f, v in layouts.items()},
-                            sub_mesh.shape, self.sub_coord, source=weights, seed=seed)
         infos = {f: i for c in self.chunks.values() for f, i in ir.params(c.gm).items()}
-        for f in layouts:
-            info, t = infos[f], local[f.removeprefix(pre)].to(self.device)
-            trainable = program.training and info.kind == "param" and info.requires_grad
-            self.state[f] = t.requires_grad_(True) if trainable else t
-        self.states = None
+        self.state = self._materialize(layouts, infos, sub_mesh.shape, self.sub_coord, weights, seed)
         #: ``I`` actions that left the weight gradients to their ``W`` (the others ran whole)
         self.split_backwards = 0
         if not program.training:
             return
-        if program.optimizer is None:
-            raise FxparError("training needs an optimizer: fxpar.compile(..., optimizer="
-                             "lambda params: torch.optim.AdamW(params, lr=...))")
-        params = {f: t for f, t in self.state.items() if t.requires_grad}
+        params = self._trainable()
         groups = {f: program.replica_group(f, self.rank) for f in params}
         # a gradient already complete on this rank over an axis its group sums over (another
         # chunk's is partial there: a tied copy) is the same on each rank of that axis; each
@@ -201,55 +183,19 @@ class PipelineRunner(TrainingSteps):
             n = math.prod(mesh.axis_size(a) for a in program.replica_axes(f) if a not in mine)
             if n > 1:
                 scale[f] = 1.0 / n
-        self.states = ModelStates(params, groups, program.optimizer, s_g=s_g, s_os=s_os,
-                                  bucket_bytes=bucket_bytes, grad_scale=scale)
         # A use through a communication op sends its gradient to the sink per microbatch;
         # direct uses accumulate on the leaf (``.grad``, in place) over every microbatch and
-        # chunk, handed to the model states once, with the last (:meth:`_direct`).
-        uses = dict.fromkeys(params, 0)
-        #: per parameter: direct-use backward passes per step, and how many ran this step
-        self._direct_n: dict[str, int] = {}
-        self._direct_seen: dict[str, int] = {}
-        for c in self.chunks.values():
-            edges = c.gm.meta.get(ir.EDGES, {})
-            for n in c.gm.graph.find_nodes(op="placeholder"):
-                f = n.meta[ir.PARAM].fqn if ir.PARAM in n.meta else None
-                if f not in params:
-                    continue
-                direct = False
-                for u in n.users:
-                    e = u.args[-3] if u.target in (WAIT, REDISTRIBUTE) else None
-                    if e is not None and edges[e].param == f:
-                        uses[f] += self.m
-                    elif u.target is not START:
-                        direct = True
-                if direct:
-                    c.direct.append(f)
-                    if f not in self._direct_n:
-                        params[f].register_post_accumulate_grad_hook(
-                            lambda p, f=f: self._direct(f))
-                        self.states.in_place(f)
-                        uses[f] += 1
-                    self._direct_n[f] = self._direct_n.get(f, 0) + self.m
-        for f, k in uses.items():
-            if k:
-                self.states.expect(f, k)
+        # chunk, handed to the model states once, with the last (``RankRunner._direct``).
+        direct = self._init_model_states(params, groups, [(c.gm, self.m) for c in self.chunks.values()],
+                                         s_g=s_g, s_os=s_os, bucket_bytes=bucket_bytes,
+                                         grad_scale=scale)
+        for c, fqns in zip(self.chunks.values(), direct):
+            c.direct = fqns
 
     @property
     def recomputed(self) -> int:
         """Recomputed layer forwards run in backward so far, over this rank's chunks."""
         return sum(c.run.recomputed for c in self.chunks.values() if isinstance(c.run, Recompute))
-
-    def _direct(self, fqn: str) -> None:
-        """One backward pass has accumulated into ``fqn``'s leaf (in its bucket where it can:
-        ``ModelStates.in_place``); after the step's last, its ``.grad`` goes to the model
-        states (one hand-off per step, not per microbatch)."""
-        k = self._direct_seen.get(fqn, 0) + 1
-        if k < self._direct_n[fqn]:
-            self._direct_seen[fqn] = k
-            return
-        self._direct_seen[fqn] = 0
-        self.states.leaf_grad(fqn)
 
     # -- point to point ----------------------------------------------------------------------
     def _peer(self, chunk: int) -> int:
@@ -599,8 +545,6 @@ class PipelineRunner(TrainingSteps):
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """As :meth:`fxpar.runtime.runner.Runner.clip_grad_norm_`, over every stage (a tied
         parameter's copies are one replica group, counted once). Collective."""
-        from fxpar.runtime.runner import clip_grad_norm
-
         # the axes each gradient's group reduced over (on every chunk, tied copies included)
         replica = {f: self.program.replica_axes(f) for f in self.specs}
         return clip_grad_norm(self.states, self.specs, self.sub_mesh, replica, max_norm,

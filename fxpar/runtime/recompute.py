@@ -101,8 +101,8 @@ def known_layers(gm: fx.GraphModule) -> set[str]:
 def resolve(recompute, known: Iterable[str], *, prefix: str = "") -> frozenset[str]:
     """The set of layers to recompute from a user's request: ``None``/``()`` (none), ``"all"``
     (every repeated layer, ``blocks.3``-like), or layer names; a name not in ``known`` is tried
-    with ``prefix`` (``"model."``: the loss wrapper's prefix), else :class:`RecomputeError`
-    naming it and the known ones."""
+    with ``prefix`` (the loss wrapper's, :data:`fxpar.defaults.LOSS_PREFIX`), else
+    :class:`RecomputeError` naming it and the known ones."""
     known = set(known)
     if recompute is None:
         return frozenset()

@@ -1,5 +1,7 @@
 """Runner: one rank's executable program, built by :meth:`fxpar.Program.runner` under torchrun.
 
+Steps 1-3 are the per-rank setup both runners share (:class:`fxpar.runtime.rank.RankRunner`):
+
 1. all ranks exchange the plan hash, then check the world size against the mesh: a mismatch
    raises :class:`~fxpar.PlanError` on every rank before any collective of the program runs;
 2. materializes only this rank's shards of parameters and buffers
@@ -30,16 +32,20 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from fxpar import ir
-from fxpar.errors import FxparError, PlanError
+from fxpar.defaults import BUCKET_BYTES
+from fxpar.errors import FxparError
 from fxpar.mesh import Mesh
 from fxpar.runtime.bindings import Bindings, bind
-from fxpar.runtime.comm import REDISTRIBUTE as _REDIST, START as _START, WAIT as _WAIT
 from fxpar.runtime.comm import gathers_params
+from fxpar.runtime.rank import (RankRunner, check_world, clip_grad_norm, loss_prefix,
+                                param_layouts)
 from fxpar.runtime.recompute import Recompute, known_layers, resolve
 
 __all__ = ["Runner", "TrainingSteps", "replica_group", "check_world", "clip_grad_norm",
            "recompute_layers"]
 
+#: the shared base of both runners, under its former name
+TrainingSteps = RankRunner
 
 
 def replica_group(mesh: Mesh, axes: Sequence[str], rank: int):
@@ -57,34 +63,6 @@ def replica_group(mesh: Mesh, axes: Sequence[str], rank: int):
     return ReplicaGroup("+".join(axes), mine, all_)
 
 
-def _edge_of(n: fx.Node) -> str | None:
-    """The edge a ``fxpar.wait``/``fxpar.redistribute`` node runs (``None`` for other nodes)."""
-    return n.args[-3] if n.target in (_WAIT, _REDIST) else None
-
-
-def check_world(plan, mesh) -> int:
-    """This rank, after checking (collectively, over the whole world) that every rank holds
-    the same plan and the world has the mesh's size; :class:`PlanError` on every rank if not.
-    The hash exchange comes first: a check that fails on some ranks only (a plan for another
-    world size on one rank) must not leave the others hanging."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        raise FxparError("Program.runner() needs an initialized torch.distributed process "
-                         "group (run under torchrun)")
-    world = dist.get_world_size()
-    hashes: list = [None] * world
-    dist.all_gather_object(hashes, plan.hash)
-    if len(set(hashes)) != 1:
-        bad = {r: h[:12] for r, h in enumerate(hashes)}
-        raise PlanError(f"ranks hold different plans (plan hash by rank: {bad}); every rank "
-                        "must compute or load the same plan")
-    if world != mesh.size:
-        raise PlanError(f"the plan is for {mesh.size} ranks ({mesh!r}) but the world has "
-                        f"{world} ranks")
-    return dist.get_rank()
-
-
 def recompute_layers(program, recompute, known) -> frozenset[str]:
     """The layers a runner recomputes: ``recompute`` as given (``"all"``, layer names, or
     ``()``/``False`` for none), or with ``None`` the plan's choice
@@ -95,105 +73,18 @@ def recompute_layers(program, recompute, known) -> frozenset[str]:
         recompute = sched.get("recompute") if hasattr(sched, "get") else None
     if recompute is False:
         recompute = None
-    pre = "model." if getattr(program.model, "fxpar_wraps_loss", False) else ""
-    return resolve(recompute, known, prefix=pre)
+    return resolve(recompute, known, prefix=loss_prefix(program.model))
 
 
-def clip_grad_norm(states, specs, mesh, replica, max_norm: float, norm_type: float,
-                   device) -> torch.Tensor:
-    """:meth:`Runner.clip_grad_norm_` for any runner: ``specs`` the storage spec of each
-    parameter on ``mesh`` (the mesh its shards are laid out on), ``replica`` the mesh axes its
-    gradient is reduced over (those copies are counted by ``states``, the others here)."""
-    import torch.distributed as dist
-
-    if states is None:
-        raise FxparError("clip_grad_norm_ needs a program compiled with training=True")
-    norm_type = float(norm_type)
-    copies = {}
-    for fqn, spec in specs.items():
-        axes = replica.get(fqn, ())
-        copies[fqn] = int(np.prod([g for a, (g, pl) in enumerate(zip(mesh.shape, spec))
-                                   if pl.is_replicate() and mesh.axis_names[a] not in axes]))
-    term = states.grad_norm_term(norm_type, copies).to(device)
-    inf = norm_type == float("inf")
-    dist.all_reduce(term, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
-    total = term if inf else term.pow(1.0 / norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    states.scale_grads(float(coef))
-    return total
-
-
-class TrainingSteps:
-    """What every runner does the same way once it has ``forward_backward`` and ``states``
-    (a :class:`~fxpar.runtime.model_state.ModelStates`): where gradients go, steps and
-    checkpoints."""
-
-    def _sink(self, edge, grad: torch.Tensor) -> None:
-        """Gradient of one parameter use (``fxpar.sink_grad``), in the consumer's gradient
-        layout, scaled: straight to the model states, or through its gradient plan (launched
-        with the rest of its bucket, finished after backward: ``ModelStates``) on the mesh of
-        the graph that runs (the active bindings)."""
-        from fxpar.runtime.bindings import current
-
-        if not edge.bwd.steps:
-            self.states.add_grad(edge.param, grad)
-        else:
-            self.states.add_planned_grad(edge.param, grad, edge.bwd, current().device_mesh,
-                                         edge.bucket, edge.name)
-
-    def _leaf_hook(self, fqn: str):
-        """A parameter leaf's post-accumulate hook: its gradient (the sum of its direct uses,
-        accumulated in the bucket where it can: ``ModelStates.in_place``) to the model
-        states."""
-        def hook(p: torch.Tensor) -> None:
-            self.states.leaf_grad(fqn)
-        return hook
-
-    def save_checkpoint(self, path) -> None:
-        """Write this rank's shards of parameters, buffers and optimizer state to ``path`` with
-        ``torch.distributed.checkpoint``, keyed by the model's FQNs with DTensor layouts, so it
-        loads under any plan and world size, or into a plain module (:mod:`fxpar.runtime.checkpoint`).
-        Collective."""
-        from fxpar.runtime.checkpoint import save
-
-        save(self, path)
-
-    def load_checkpoint(self, path) -> None:
-        """Load a checkpoint written under any plan into this runner's shards (collective)."""
-        from fxpar.runtime.checkpoint import load
-
-        load(self, path)
-
-    def optimizer_step(self) -> None:
-        """Optimizer step on the local shards, parameters restored, gradients zeroed."""
-        self.states.step()
-        self.states.zero_grad()
-
-    def step(self, *args, **kwargs) -> torch.Tensor:
-        """One training step on the global batch ``(*args, **kwargs)`` (the same on every rank;
-        a :class:`Runner` with ``local_batch=True``: this rank's piece): forward and backward
-        (a pipeline: its schedule), gradient reduction, optimizer step. Returns the detached
-        loss (the same on every rank)."""
-        loss = self.forward_backward(*args, **kwargs)
-        self.optimizer_step()
-        return loss
-
-
-class Runner(TrainingSteps):
+class Runner(RankRunner):
     """One rank's executable program (module docstring); build with :meth:`Program.runner`."""
 
     def __init__(self, program, weights=None, *, s_g=1, s_os=1, seed=0,
-                 local_batch=False, device=None, bucket_bytes=25 * 2**20,
+                 local_batch=False, device=None, bucket_bytes=BUCKET_BYTES,
                  regather=True, recompute=None) -> None:
-        from fxpar.runtime.materialize import local_state
-        from fxpar.runtime.model_state import ModelStates
-        from fxpar.runtime.rng import RNGTracker
-
-        mesh = program.mesh
-        rank = check_world(program.plan, mesh)
-        self.program, self.rank, self.mesh = program, rank, mesh
+        super().__init__(program, device=device, seed=seed)
+        mesh, rank = self.mesh, self.rank
         self.coord = mesh.coord(rank)
-        self.device = device or "cpu"
         self.local_batch = local_batch
         self.regather, self.regathers = regather, 0
         #: gathered parameters still held between forward and backward (``regather``: 0;
@@ -211,25 +102,12 @@ class Runner(TrainingSteps):
         # parameters and buffers: this rank's shards only
         holders = [n for n in gm.graph.find_nodes(op="placeholder") if ir.PARAM in n.meta]
         self.inputs = [n for n in gm.graph.find_nodes(op="placeholder") if ir.INPUT in n.meta]
-        layouts = {n.meta[ir.PARAM].fqn: (n.meta[ir.SPECS][0], n.meta[ir.PARAM].shape)
-                   for n in holders}
+        layouts = param_layouts(holders)
         #: storage spec of every parameter and buffer (its local shard's layout)
         self.specs = {f: spec for f, (spec, _) in layouts.items()}
-        # a loss_fn wrapper holds the model as ``model.``: materialize from the user's model
-        model, pre = program.model, ""
-        if getattr(model, "fxpar_wraps_loss", False):
-            model, pre = model.model, "model."
-        local = local_state(model, {f.removeprefix(pre): v for f, v in layouts.items()},
-                            mesh.shape, self.coord, source=weights, seed=seed)
-        local = {pre + f: t for f, t in local.items()}
-        self.state: dict[str, torch.Tensor] = {}
-        for n in holders:
-            info = n.meta[ir.PARAM]
-            t = local[info.fqn].to(self.device)
-            trainable = program.training and info.kind == "param" and info.requires_grad
-            self.state[info.fqn] = t.requires_grad_(True) if trainable else t
+        self.state = self._materialize(layouts, {n.meta[ir.PARAM].fqn: n.meta[ir.PARAM] for n in holders},
+                                       mesh.shape, self.coord, weights, seed)
         self._order = [n.meta[ir.PARAM].fqn for n in holders]
-        self.tracker = RNGTracker(seed)
         #: the layers whose forward is recomputed in backward (:mod:`fxpar.runtime.recompute`)
         self.recompute = recompute_layers(program, recompute, known_layers(gm))
         self._rc = None
@@ -243,37 +121,14 @@ class Runner(TrainingSteps):
         self._input_edges = [(at[e.producer], e) for e in edges.values()
                              if e.producer in at and e.collective]
         self.bindings = Bindings(edges, mesh, tuple(self.coord), sink=self._sink, tracker=self.tracker)
-        self.states = None
         if program.training:
-            if program.optimizer is None:
-                raise FxparError("training needs an optimizer: fxpar.compile(..., optimizer="
-                                 "lambda params: torch.optim.AdamW(params, lr=...))")
+            params = self._trainable()
             replica = gm.meta.get(ir.REPLICA_AXES, {})
-            params = {f: t for f, t in self.state.items() if t.requires_grad}
             groups = {f: replica_group(mesh, replica.get(f, ()), rank) for f in params}
-            self.states = ModelStates(params, groups, program.optimizer, s_g=s_g, s_os=s_os,
-                                      bucket_bytes=bucket_bytes)
             # A use through a communication op sends its gradient to the sink; the other
             # uses accumulate on the leaf, whose post-accumulate hook sends the sum (once).
-            uses = dict.fromkeys(params, 0)
-            for n in holders:
-                f = n.meta[ir.PARAM].fqn
-                if f not in params:
-                    continue
-                direct = False
-                for u in n.users:
-                    e = _edge_of(u)
-                    if e is not None and edges[e].param == f:
-                        uses[f] += 1
-                    elif u.target is not _START:
-                        direct = True
-                if direct:
-                    params[f].register_post_accumulate_grad_hook(self._leaf_hook(f))
-                    self.states.in_place(f)
-                    uses[f] += 1
-            for f, k in uses.items():
-                if k:
-                    self.states.expect(f, k)
+            self._init_model_states(params, groups, [(gm, 1)], s_g=s_g, s_os=s_os,
+                                    bucket_bytes=bucket_bytes)
 
     @property
     def recomputed(self) -> int:
