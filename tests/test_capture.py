@@ -481,6 +481,7 @@ TIED = {"gpt2": {"transformer.wte.weight": ("lm_head.weight",)},
                  "cls.predictions.bias": ("cls.predictions.decoder.bias",)}}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", HF_MODELS)
 def test_hf_model_capture_matches_eager(name):
     model = hf_model(name, use_cache=False) if name == "llama" else hf_model(name)
@@ -521,6 +522,7 @@ def test_hf_model_capture_matches_eager(name):
     assert_grads_match(model, ref_model, atol=1e-4)  # tied embeddings get both contributions
 
 
+@pytest.mark.slow
 def test_hf_gpt2_decompose_matches_eager():
     """Core-ATen sdpa has other strides than the fused op: a view after it must still work."""
     model = hf_model("gpt2")
@@ -579,6 +581,7 @@ except fxpar.CaptureError as e:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("debug", [False, True])
 def test_capture_failure_is_quiet(debug):
     """Only fxpar's error reaches the user: torch's log records and graph dumps of the
@@ -616,6 +619,7 @@ def _graph_fingerprint(gm) -> list:
     return rows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["no_grad", "llama", "mixtral"])
 def test_lazy_recompile_during_export_changes_nothing(name, monkeypatch):
     """capture() lets export's intermediate graph modules recompile lazily (it skips ~30
@@ -625,7 +629,7 @@ def test_lazy_recompile_during_export_changes_nothing(name, monkeypatch):
 
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
-    cap = sys.modules["fxpar.capture"]  # the module; ``fxpar.capture`` is the function
+    cap = sys.modules["fxpar.capture.export"]  # the export frontend (``fxpar.capture`` is the function)
 
     if name == "no_grad":
         model, args, kw = Gated(), (torch.randn(3, 4),), {}
@@ -677,7 +681,7 @@ def test_capture_without_stack_traces_changes_nothing_else(name):
 def test_stack_traces_read_lazily_are_the_same():
     """capture() lets the tracer read a frame's source line only when the frame is printed:
     every node's stack trace is the text torch's own listing gives."""
-    cap = sys.modules["fxpar.capture"]
+    cap = sys.modules["fxpar.capture.export"]
     model = hf_model("llama", use_cache=False)
     ids = torch.zeros(2, 16, dtype=torch.long)
     lazy = capture(model, (ids,), {"labels": ids})

@@ -1,0 +1,125 @@
+"""Which frontend captures a model: :func:`capture` tries them in order and reports each failure.
+
+Contract of :func:`capture`: the example inputs are prepared once (a meta-device model gets its
+tensor inputs moved to ``meta``; a tensor passed twice is cloned), then each frontend of
+``FRONTENDS`` is tried in order (``frontend="auto"``) or one alone: ``export``
+(:func:`fxpar.capture.export.export_graph`, non-strict), ``export_strict`` (the same through
+TorchDynamo), ``symbolic_trace`` (:func:`fxpar.capture.symbolic.symbolic_trace_graph`; not
+with ``decompose=True``). The first graph made is checked for data-dependent shapes
+(:func:`fxpar.capture.diagnose.refuse_data_dependent`, final: no other frontend can do
+better) and returned; when none succeeds, a :class:`~fxpar.errors.CaptureError` names every
+frontend tried and why it failed (:mod:`fxpar.capture.diagnose`). torch's own logs of a
+failing frontend are held back unless ``FXPAR_DEBUG=1``.
+
+Example (the same module through the torch-level frontend, and on the meta device)::
+
+    >>> import torch
+    >>> from fxpar import ir
+    >>> FRONTENDS
+    ('export', 'export_strict', 'symbolic_trace')
+    >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 2), torch.nn.ReLU())
+    >>> gm = capture(mlp, (torch.randn(3, 4),), frontend="symbolic_trace")
+    >>> gm.meta[ir.FRONTEND], [n.op for n in gm.graph.nodes]
+    ('symbolic_trace', ['placeholder', 'call_module', 'call_module', 'output'])
+    >>> with torch.device("meta"):
+    ...     big = torch.nn.Linear(4096, 4096)  # no weights allocated, nor by the capture
+    >>> capture(big, (torch.randn(8, 4096),)).meta[ir.PARAMS]["weight"].shape
+    (4096, 4096)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from fxpar.capture.diagnose import (capture_error, failure_reason, quiet_torch_logs,
+                                    refuse_data_dependent)
+from fxpar.capture.export import export_graph
+from fxpar.capture.model import on_meta, unalias_inputs
+from fxpar.capture.symbolic import symbolic_trace_graph
+
+__all__ = ["capture", "Frontend", "FRONTENDS"]
+
+Frontend = Literal["auto", "export", "export_strict", "symbolic_trace"]
+#: What ``frontend="auto"`` tries, in order: the ATen-level routes first, torch-level last.
+FRONTENDS: tuple[str, ...] = ("export", "export_strict", "symbolic_trace")
+_LABEL = {
+    "export": "export(non-strict)",
+    "export_strict": "export(strict)",
+    "symbolic_trace": "symbolic_trace",
+}
+
+
+def capture(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Any] | torch.Tensor = (),
+    example_kwargs: Mapping[str, Any] | None = None,
+    *,
+    frontend: Frontend = "auto",
+    decompose: bool = False,
+    stack_traces: bool = True,
+) -> fx.GraphModule:
+    """Capture ``model(*example_inputs, **example_kwargs)`` as a graph with fake-tensor meta.
+
+    See the module docstring for the graph form of each frontend. ``frontend`` is ``"auto"``
+    (export, then strict export, then symbolic_trace), or one of them alone. ``decompose=True``
+    lowers to core ATen (export frontends only). ``stack_traces=False``: no node carries
+    ``meta["stack_trace"]`` (:data:`fxpar.ir.STACK_TRACE`), everything else is the same;
+    export then skips symbolizing every node's Python stack, ~20% of a capture (for a graph
+    that is only planned on, e.g. the joint search's probe). Raises :class:`CaptureError` when no frontend
+    succeeds; its message names every frontend tried and the first line of its error, and
+    ``err.failures`` maps each frontend's label to its exception.
+    """
+    args, kwargs = _prepared_inputs(model, example_inputs, example_kwargs, frontend, decompose)
+    order = FRONTENDS if frontend == "auto" else (frontend,)
+    failures: dict[str, BaseException] = {}
+    reasons: list[str] = []
+    debug = os.environ.get("FXPAR_DEBUG") == "1"
+    for fe in order:
+        label = _LABEL[fe]
+        if fe == "symbolic_trace" and decompose:
+            reasons.append(f"{label}: skipped (decompose=True needs an ATen-level graph)")
+            continue
+        try:
+            with quiet_torch_logs(debug):
+                gm = _run_frontend(fe, model, args, kwargs, decompose, stack_traces)
+        except Exception as e:  # noqa: BLE001 - every frontend failure is reported, none hidden
+            failures[label] = e
+            reasons.append(failure_reason(label, e, debug=debug))
+            continue
+        refuse_data_dependent(gm, type(model).__name__)  # final: no other frontend can do better
+        return gm
+    raise capture_error(type(model).__name__, reasons, failures) from next(
+        iter(failures.values()), None)
+
+
+def _prepared_inputs(model: torch.nn.Module, example_inputs: Sequence[Any] | torch.Tensor,
+                     example_kwargs: Mapping[str, Any] | None, frontend: str,
+                     decompose: bool) -> tuple[tuple, dict]:
+    """The arguments checked, and the example inputs as every frontend gets them: a tuple and a
+    dict, on ``meta`` for a meta-device model, a tensor passed twice cloned."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"capture expects an nn.Module, got {type(model).__name__}")
+    if frontend != "auto" and frontend not in FRONTENDS:
+        raise ValueError(f"unknown frontend {frontend!r}; expected 'auto' or one of {FRONTENDS}")
+    if decompose and frontend == "symbolic_trace":
+        raise ValueError("decompose=True needs an ATen-level (export) frontend, not symbolic_trace")
+    args = (example_inputs,) if isinstance(example_inputs, torch.Tensor) else tuple(example_inputs)
+    kwargs = dict(example_kwargs or {})
+    if on_meta(model):
+        # Fake propagation refuses to mix devices: meta weights need meta inputs.
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    return unalias_inputs(args, kwargs)
+
+
+def _run_frontend(fe: str, model: torch.nn.Module, args: tuple, kwargs: dict, decompose: bool,
+                  stack_traces: bool) -> fx.GraphModule:
+    if fe == "symbolic_trace":
+        return symbolic_trace_graph(model, args, kwargs)
+    return export_graph(model, args, kwargs, strict=fe == "export_strict", decompose=decompose,
+                        stack_traces=stack_traces)
