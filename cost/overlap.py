@@ -24,10 +24,16 @@ exposed unless the channel was already busy: it then waits for that, too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Comm", "Overlap", "overlap"]
+import numpy as np
+
+from fxpar.defaults import BUCKET_BYTES, FIRST_BUCKET_BYTES
+from fxpar.errors import PlanError
+
+__all__ = ["Comm", "Overlap", "overlap", "plan_overlap"]
 
 
 @dataclass(frozen=True)
@@ -75,3 +81,141 @@ def overlap(compute: Sequence[float], comms: Sequence[Comm]) -> Overlap:
     total = float(sum(compute))
     exposed = step - total
     return Overlap(step, total, exposed, float(sum(c.time for c in comms)) - exposed)
+
+
+def plan_overlap(plan, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
+             first_bucket_bytes: int = FIRST_BUCKET_BYTES) -> Overlap:
+    """The step as the runtime orders it (:func:`fxpar.cost.overlap.overlap`): which of
+    ``plan.comm`` is exposed and which hidden behind compute. The solver minimizes every
+    edge's collectives summed; this replays one forward then one backward:
+
+    * an activation's collective starts after its producer, is waited before its consumer;
+    * parameter gathers of one layer coalesce into one collective per kind and axis,
+      started ``prefetch`` layers ahead of use (:mod:`fxpar.passes.prefetch`; 0: right
+      before it);
+    * in backward, an activation's gradient reshard is synchronous; a freed parameter's
+      re-gather (ZeRO-3; one per layer) starts when the layer after it is gathered again
+      (backward prefetch; ``prefetch=0``: when needed); parameter gradients are reduced in
+      buckets of ``bucket_bytes`` (the first of each kind and axis ``first_bucket_bytes``,
+      as :class:`fxpar.runtime.model_state.ModelStates` makes them) in the order they
+      arrive, each launched when its last gradient is in, all waited at the end of the step;
+    * then the optimizer step, on a cluster whose compute profile prices it
+      (:attr:`fxpar.cluster.ComputeProfile.optimizer`): ``per_tensor + per_element·n`` per
+      tensor of ``n`` local elements (a parameter's state bytes over the optimizer's
+      per-element bytes, divided by ``s_os`` where the plan shards optimizer states); fp32
+      parameters with unsharded states are stepped as one flat tensor per bucket, as the
+      runtime does for element-wise optimizers.
+
+    Coalesced collectives are priced again as one (``steps·α`` once) on the plan's cluster.
+    Returns an :class:`Overlap` (``step``, ``exposed``, ``hidden``)."""
+    if plan.stages:
+        raise PlanError("overlap() replays one SPMD step: a pipeline plan's step is its "
+                        "schedule's (Program.simulate()); call it on a stage's plan "
+                        "(plan.stages[k].plan)")
+    price = _pricer(plan)
+    ops = [n for n in plan.nodes if n.op != "placeholder"]
+    held = {n.name for n in plan.nodes if n.op == "placeholder"}
+    F = len(ops)
+    fi = {n.name: i for i, n in enumerate(ops)}
+    bi = {n.name: 2 * F - 1 - i for i, n in enumerate(ops)}  # backward runs them in reverse
+    compute = [n.fwd_time for n in ops] + [n.bwd_time for n in reversed(ops)] \
+        + [_optimizer_time(plan, bucket_bytes, first_bucket_bytes)]
+    edges = [e for e in plan.edges if e.consumer in fi]
+    first: dict[str, int] = {}  # gather unit (consumer's layer) -> its first use
+    for e in edges:
+        if e.producer in held:
+            first[e.layer] = min(first.get(e.layer, F), fi[e.consumer])
+    units = sorted(first, key=first.get)
+    unit_no = {u: k for k, u in enumerate(units)}
+    gathers: dict[tuple, list] = {}  # (issue, need, kind, axis) -> steps, coalesced
+    grads: list[tuple[int, StepCost]] = []  # (ready at, reduction step)
+    regathers: dict[tuple, list] = {}  # (layer, axis) -> [needed at, steps] in backward
+    comms = []
+    for e in edges:
+        use, back = fi[e.consumer], bi[e.consumer]
+        if e.direction == "fwd" and e.producer in held:
+            k = unit_no[e.layer]
+            issue = use if prefetch <= 0 else (first[units[k - prefetch]] if k >= prefetch else 0)
+            for st in e.steps:
+                gathers.setdefault((min(issue, first[e.layer]), first[e.layer], st.kind, st.axis),
+                                   []).append(st)
+        elif e.direction == "fwd":
+            comms.append(Comm(e.time, fi.get(e.producer, -1) + 1, use))
+        elif e.producer in held:
+            last = 2 * F - 1 - first[e.layer]  # the layer's first use runs last in backward
+            for st in e.steps:
+                if st.kind == "all_gather":  # re-gathered with its layer when first needed
+                    r = regathers.setdefault((e.layer, st.axis), [back, []])
+                    r[0] = min(r[0], back)
+                    r[1].append(st)
+                else:
+                    grads.append((last, st))
+        else:
+            comms.append(Comm(e.time, back + 1, back + 1))
+    for key, steps in gathers.items():
+        comms.append(Comm(price(key[2], key[3], steps), key[0], key[1]))
+    # backward prefetch: a layer's re-gather starts when the layer after it is gathered
+    order = sorted(regathers, key=lambda k: regathers[k][0])   # backward order
+    for j, key in enumerate(order):
+        need, steps = regathers[key]
+        issue = regathers[order[j - 1]][0] if prefetch > 0 and j > 0 else need
+        comms.append(Comm(price("all_gather", key[1], steps), issue, need))
+    open_: dict[tuple[str, str], list] = {}  # (kind, axis) -> [ready, steps, bytes]
+    closed: set[tuple[str, str]] = set()      # (kind, axis) whose first bucket is full
+    first_cap = min(first_bucket_bytes, bucket_bytes)
+    for ready, st in sorted(grads, key=lambda g: g[0]):
+        key = (st.kind, st.axis)
+        b = open_.setdefault(key, [0, [], 0])
+        b[0], b[2] = max(b[0], ready), b[2] + st.nbytes
+        b[1].append(st)
+        if b[2] >= (bucket_bytes if key in closed else first_cap):
+            comms.append(Comm(price(st.kind, st.axis, b[1]), b[0] + 1, 2 * F))
+            del open_[key]
+            closed.add(key)
+    for (kind, axis), (ready, steps, _) in open_.items():
+        comms.append(Comm(price(kind, axis, steps), ready + 1, 2 * F))
+    return overlap(compute, comms)
+
+def _optimizer_time(plan, bucket_bytes: int, first_bucket_bytes: int) -> float:
+    """Seconds of the optimizer step (:meth:`overlap`), 0 without a measured price."""
+    from fxpar.cost.memory import _PREC_ALIASES, model_state_bytes
+
+    prof = (plan.mesh.get("cluster") or {}).get("compute") or {}
+    if not prof.get("optimizer"):
+        return 0.0
+    per_tensor, per_element = prof["optimizer"]
+    precision = plan.options.get("precision", "mixed")
+    per_param = model_state_bytes(1, optimizer=plan.options.get("optimizer", "adam"),
+                                  precision=precision).total
+    # a parameter node's memory is already sharded by s_p (its spec); states by s_os/s_p more
+    s_os = plan.config.s_os // plan.config.s_p if plan.config is not None else 1
+    # a parameter's memory is its model states (fxpar.planner.pricing.node_memory)
+    n = [x.memory / per_param / s_os for x in plan.nodes if x.param]
+    if s_os == 1 and _PREC_ALIASES.get(precision.lower()) == "fp32" and n:
+        # ModelStates' flat step: one tensor per gradient bucket (a first small one)
+        rest = max(0.0, 4 * sum(n) - first_bucket_bytes)
+        return (1 + math.ceil(rest / bucket_bytes)) * per_tensor + per_element * sum(n)
+    return sum(per_tensor + per_element * k for k in n)
+
+def _pricer(plan):
+    """``price(kind, axis, steps)``: seconds of ``steps`` coalesced into one collective on
+    the plan's own mesh and cluster (the planner's :func:`fxpar.cost.comm.collective_time`),
+    or their sum where the plan does not carry them."""
+    from fxpar.cluster import Cluster
+    from fxpar.cost.comm import COLLECTIVES, collective_time
+    from fxpar.mesh import Mesh
+
+    try:
+        cl = Cluster.from_dict(plan.mesh["cluster"])
+        mesh = Mesh.from_devices(cl, plan.mesh["axis_names"],
+                                 np.asarray(plan.mesh["devices"]).reshape(plan.mesh["shape"]))
+    except (KeyError, TypeError, ValueError):
+        mesh = None
+
+    def price(kind: str, axis: str, steps) -> float:
+        if mesh is None or kind not in COLLECTIVES or len(steps) == 1:
+            return float(sum(st.time for st in steps))
+        groups = mesh.groups(axis)
+        return collective_time(kind, sum(st.nbytes for st in steps), groups[0], cl,
+                               concurrent=groups)
+    return price

@@ -27,6 +27,7 @@ from fxpar.capture import capture, run_captured
 from fxpar.ir import InputInfo, OutputInfo, ParamInfo, TensorMeta
 from fxpar.resharding.intra import ReshardPlan, ReshardStep, reshard_plan
 from fxpar.resharding.cross import CrossMeshPlan, cross_mesh_plan
+from fxpar.config import ParallelConfig, ScheduleKind
 from fxpar.plan_data import EdgePlan, NodePlan, Plan, StepCost
 from fxpar.planner import PlannerOptions, plan_graph
 from fxpar.api import Planned, compile, plan
@@ -43,7 +44,7 @@ __all__ = [
     "Cluster", "Mesh",
     "ir", "capture", "run_captured", "InputInfo", "OutputInfo", "ParamInfo", "TensorMeta",
     "reshard_plan", "ReshardPlan", "ReshardStep", "cross_mesh_plan", "CrossMeshPlan",
-    "Plan", "NodePlan", "EdgePlan", "StepCost", "PlannerOptions", "plan_graph",
+    "ParallelConfig", "ScheduleKind", "Plan", "NodePlan", "EdgePlan", "StepCost", "PlannerOptions", "plan_graph",
     "plan", "compile", "Planned", "Program", "Runner", "load",
     "Action", "Schedule", "SimResult", "simulate",
 ]

@@ -13,7 +13,7 @@ joint search as Alpa runs it: placement-agnostic communication costs, replicated
 states; its choice priced on the real cluster), all scored by the one cost model of
 :mod:`fxpar.planner`. ``axonn`` without a mesh tries AxoNN's ranked grids in
 order and keeps the first that plans; ``auto`` keeps the fastest of all meshes tried (by
-:meth:`fxpar.Plan.overlap`'s step: communication the runtime hides is not counted).
+``Plan.time``, the one step model of :mod:`fxpar.cost.step`).
 
 >>> import torch, fxpar
 >>> from examples.models import MLP
@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import re
 from collections.abc import Callable, Mapping, Sequence
 import dataclasses
 from dataclasses import dataclass, field
@@ -39,7 +38,8 @@ import torch
 import torch.fx as fx
 
 from fxpar.capture import WithLoss, capture, frozen_params
-from fxpar.errors import PlanError
+from fxpar.config import ParallelConfig
+from fxpar.errors import PinError, PlanError
 from fxpar.mesh import Mesh
 from fxpar.plan_data import BASELINES, PLAN_KINDS, SEARCHED, Plan
 from fxpar.planner import (BuildCache, BuiltProblem, PlannerOptions, axonn_meshes, baseline_mesh,
@@ -194,16 +194,16 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
                 raise
             errors.append(f"{msh!r}: {e}")
             continue
-        # meshes are compared by the step as the runtime runs it (bucketed gradients and
-        # prefetched gathers under compute); on one mesh the solver minimizes the summed time
-        step = p.overlap().step
+        # meshes are compared by the one step model (Plan.time), as the joint search ranks
+        # its configurations; on one mesh the solver minimizes the summed time
+        step = p.time
         if progress is not None:
             progress(f"{msh!r}: build {p.stats.get('build_s', 0):.2f} s, solve "
                      f"{p.stats.get('solve_s', 0):.2f} s ({p.stats.get('strategies', '?')} "
                      f"strategies), predicted step {step * 1e3:.4g} ms")
         tried.append((repr(msh), step))
-        if best is None or (step, p.time) < best_key:
-            best, best_mesh, kept, best_key = p, msh, (bp, sol), (step, p.time)
+        if best is None or (step, p.summed_time) < best_key:
+            best, best_mesh, kept, best_key = p, msh, (bp, sol), (step, p.summed_time)
     if best is None:
         raise PlanError(f"no {plan} plan on any candidate mesh: " + "; ".join(errors))
     notes = baseline_notes(plan, gm, best_mesh)
@@ -273,9 +273,6 @@ def _multi_node(cluster) -> bool:
     return getattr(cluster, "nodes", 1) > 1
 
 
-#: user-tuple keys (``plan={...}``) and what they fix in the joint search
-TUPLE_KEYS = ("pp", "dp", "tp", "microbatch", "schedule", "chunks", "recompute", "s_p", "s_g",
-              "s_os")
 
 
 def _global_batch(args, kwargs) -> int:
@@ -297,10 +294,7 @@ def _plan_joint(model, cluster, args, example_kwargs, *, plan, options, memory_b
     ranked configurations for ``explain()``."""
     from fxpar.planner.joint import search
 
-    only = dict(plan) if isinstance(plan, Mapping) else {}
-    bad = set(only) - set(TUPLE_KEYS)
-    if bad:
-        raise PlanError(f"plan={only}: unknown keys {sorted(bad)}; a degree tuple takes {TUPLE_KEYS}")
+    only = ParallelConfig.from_tuple(plan) if isinstance(plan, Mapping) else {}
     args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
     B = _global_batch(args, example_kwargs)
     opts = options or PlannerOptions()
@@ -332,8 +326,7 @@ def _plan_joint(model, cluster, args, example_kwargs, *, plan, options, memory_b
     # a value whose op cannot take the priced layout (no such strategy): the planner chooses
     # the layout of every value of that op, and says so; found before planning, on the
     # (sub)mesh the plan is built on (its strategy lists then come from the cache)
-    bad_ops = {targets[k] for k in unkeepable_pins(gm, _config_mesh(c, cluster), pins, cache=cache)}
-    dropped = [k for k in pins if targets.get(k) in bad_ops]
+    dropped = unkeepable_pins(gm, _config_mesh(c, cluster), pins, cache=cache)
     for k in dropped:
         pins.pop(k)
     for _ in range(len(pins) + 1):
@@ -348,16 +341,25 @@ def _plan_joint(model, cluster, args, example_kwargs, *, plan, options, memory_b
             # the same rule for a pin only a chunk's own graph rejects (the check above saw
             # the whole graph): let the planner choose it, and say so; any other error is
             # the user's
-            bad = re.search(r"pin '([^']+)' -> node '[^']+': no strategy", str(e))
-            if bad is None or bad.group(1) in ("input",):
+            bad = _pin_error(e)
+            if bad is None or bad.pin in ("input",):
                 raise
             # and every pin on a node of the same op (one retry per op, not per node)
-            same = [k for k in pins if k == bad.group(1) or
-                    (targets.get(k) is not None and targets.get(k) is targets.get(bad.group(1)))]
+            same = [k for k in pins if k == bad.pin or
+                    (targets.get(k) is not None and targets.get(k) is targets.get(bad.pin))]
             for k in same:
                 pins.pop(k)
             dropped.extend(same)
     raise PlanError(f"joint search: no pin of {c.name} could be kept")
+
+
+def _pin_error(e: BaseException):
+    """The :class:`PinError` that caused ``e`` (itself or a cause in its chain), else ``None``."""
+    while e is not None:
+        if isinstance(e, PinError):
+            return e
+        e = e.__cause__
+    return None
 
 
 def _config_mesh(c, cluster) -> Mesh:
@@ -370,56 +372,43 @@ def _config_mesh(c, cluster) -> Mesh:
 
 
 def _plan_config(gm, probe, cluster, c, res, opts, pins, dropped, cache) -> Planned:
-    """The search's winner ``c`` planned on ``gm`` (captured at its microbatch shape)."""
+    """The search's winner ``c`` planned on ``gm`` (captured at its microbatch shape) with the
+    layouts it priced (``pins``), then priced by the one step model under its configuration
+    (state factors, recomputed layers): ``plan.time`` and ``plan.memory`` are what the search
+    ranked it by, up to the realized layouts and shapes. Memory is the search's business, so
+    the intra-op planner plans it with no limit of its own (its liveness model knows neither
+    state sharding nor recomputation) and the plan shows the search's budget."""
+    from fxpar.planner.intra_op import priced
     from fxpar.planner.joint import _NO_LIMIT, unit_start_names
-    from fxpar.planner.stages import plan_pipeline, simulate_plan
+    from fxpar.planner.price import price_plan
+    from fxpar.planner.stages import plan_pipeline, with_step
 
+    config = res.config(c)
     notes = ((f"joint search: the planner chose the layout of {', '.join(dropped)} "
               "(no strategy takes the priced one)",) if dropped else ())
+    free = dataclasses.replace(opts, memory_budget=_NO_LIMIT)
     if c.pp == 1 and c.microbatches == 1:
-        from fxpar.layers import layer_of
-
         mesh = _config_mesh(c, cluster)
-        p, bp, sol = plan_and_keep(gm, mesh, pins=pins, options=opts, cache=cache)
-        # the state factors and recomputation drive the runner (s_p is the parameters' specs:
-        # the pins); recomputation as the search priced it, every layer's forward again
-        layers = _recomputed_layers(c, probe) or sorted(
-            {lay for n in gm.graph.nodes if n.op == "call_function"
-             and not (lay := layer_of(n)).startswith("(")} if c.recompute else [])
-        p = dataclasses.replace(p, notes=p.notes + notes, schedule={
-            **p.schedule, "recompute": layers,
-            "state": {"s_p": c.s_p, "s_g": c.s_g, "s_os": c.s_os}, "search": res.summary()})
+        p, bp, sol = plan_and_keep(gm, mesh, pins=pins, options=free, cache=cache)
+        p = priced(p, gm, config)
+        p = dataclasses.replace(p, notes=p.notes + notes, budget=int(res.budget),
+                                memory=int(max(price_plan(p)[1])),
+                                schedule={**p.schedule, "search": res.summary()})
         return Planned(p, gm, ((c.name, p.time),), bp, sol)
     mesh = Mesh(cluster, {"pp": c.pp, "dp": c.dp, "tp": c.tp})
     pplan, chunks = plan_pipeline(
         gm, mesh, schedule=c.schedule, microbatches=c.microbatches, chunks=c.chunks,
-        options=dataclasses.replace(opts, memory_budget=_NO_LIMIT), boundary="scatter_gather",
+        options=free, boundary="scatter_gather",
         pins=pins, start_nodes=unit_start_names(probe, c.starts), cache=cache)
-    layers = _recomputed_layers(c, probe) or (
-        sorted({lay for st in pplan.stages for lay in st.layers}) if c.recompute else [])
     # chunks were planned with no intra-op limit (memory is the search's); show the real one
     stages = tuple(dataclasses.replace(st, plan=dataclasses.replace(st.plan, budget=int(res.budget)))
                    for st in pplan.stages)
-    pplan = dataclasses.replace(
-        pplan, stages=stages, memory=int(c.memory), budget=int(res.budget), notes=notes,
-        schedule={**pplan.schedule, "recompute": layers,
-                  "state": {"s_p": c.s_p, "s_g": c.s_g, "s_os": c.s_os},
-                  "search": res.summary()})
-    if c.recompute:  # the step with the recomputed forwards
-        res_ = simulate_plan(pplan)
-        pplan = dataclasses.replace(pplan, time=float(res_.step_time),
-                                    schedule={**pplan.schedule, "bubble": float(res_.bubble_fraction)})
+    pplan = with_step(dataclasses.replace(pplan, stages=stages, budget=int(res.budget), notes=notes,
+                                          schedule={**pplan.schedule, "search": res.summary()}),
+                      dataclasses.replace(config, microbatch=c.microbatch))
+    pplan = dataclasses.replace(pplan, memory=int(max(price_plan(pplan)[1])))
     return Planned(pplan, gm, ((c.name, pplan.time),),
                    stage_graphs=tuple(ch.graph for ch in chunks))
-
-
-def _recomputed_layers(c, probe) -> list[str]:
-    """The layers of the units a partially recomputing candidate recomputes (``[]`` when it
-    recomputes none or all)."""
-    from fxpar.split import units
-
-    us = units(probe) if c.recomputed else ()
-    return sorted({us[i][0] for i in c.recomputed})
 
 
 def _microbatch(x, m: int, name: str):

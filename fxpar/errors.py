@@ -39,6 +39,19 @@ class PlanError(FxparError):
     """The planner found no feasible plan (e.g. the memory budget is too small)."""
 
 
+class MemoryBudgetError(PlanError):
+    """No plan fits the memory budget; the message names the budget, the binding liveness
+    point and its largest terms."""
+
+
+class PinError(PlanError):
+    """A pin cannot be kept: ``pin`` is its key (a node, parameter or ``"input"``)."""
+
+    def __init__(self, message: str, pin: str = "") -> None:
+        super().__init__(message)
+        self.pin = pin
+
+
 class PassError(FxparError):
     """A graph pass broke its contract: a ``requires`` check failed before it ran or an
     ``ensures`` check after it; the message names the pass, the check, the node at fault and

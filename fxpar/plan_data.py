@@ -12,7 +12,10 @@ exactly and hashes stably (``Plan.hash`` = sha256 of the canonical JSON of every
   bytes, seconds) actually paid under the chosen strategies (``direction`` is ``fwd`` for
   the value, ``bwd`` for its gradient; ``consumer == "output"`` is the finalisation of a
   graph output);
-- ``time``: predicted step time = Σ compute + Σ communication (no overlap modelled);
+- ``time``: the predicted step of :mod:`fxpar.cost.step` (the one step model the joint search
+  ranks by: pipeline schedule, gradient reductions on the communication lane, AMSP's
+  data-parallel terms for ``config``'s state factors); ``summed_time``: Σ compute + Σ
+  communication with no overlap, for display;
 - ``memory``: bytes per device at the one liveness point (model states + saved
   activations), and the budget it was planned under.
 
@@ -42,6 +45,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from fxpar.config import ParallelConfig
+from fxpar.cost.step import UnitCost
+from fxpar.defaults import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from fxpar.errors import PlanError
 from fxpar.units import fmt_bytes
 
@@ -104,6 +110,8 @@ class NodePlan:
     fwd_time: float
     bwd_time: float
     memory: int
+    #: a trainable parameter (its memory is its model states)
+    param: bool = False
 
     def to_strategy(self):
         """The chosen :class:`fxpar.strategies.base.Strategy` rebuilt from its specs."""
@@ -194,8 +202,15 @@ class Plan:
     notes: tuple[str, ...] = ()
     #: pipeline plans: one :class:`StagePlan` per stage chunk (empty for one SPMD step)
     stages: tuple[StagePlan, ...] = ()
-    #: pipeline plans: ``{"name", "microbatches", "chunks", "bubble"}`` (empty otherwise)
+    #: pipeline plans: ``{"name", "microbatches", "chunks", "csv", "bubble"}``; a joint
+    #: search's winner also ``"search"`` (its ranked configurations)
     schedule: Mapping = field(default_factory=dict)
+    #: the :class:`fxpar.ParallelConfig` the plan realizes (degrees, microbatching, schedule,
+    #: recomputed layers, state factors): what ``time`` and ``memory`` price and the runners run
+    config: ParallelConfig | None = None
+    #: its costs per unit of its graph (:func:`fxpar.planner.price.unit_table`), what ``time``
+    #: is priced from (a pipeline plan: its stages' plans hold theirs)
+    units: tuple[UnitCost, ...] = ()
 
     # -- lookups -----------------------------------------------------------------------
     def node(self, name: str) -> NodePlan:
@@ -217,6 +232,12 @@ class Plan:
     @property
     def compute(self) -> float:
         return self.compute_fwd + self.compute_bwd
+
+    @property
+    def summed_time(self) -> float:
+        """Every compute and communication second added, nothing overlapped (a pipeline's:
+        its busiest rank's chunks times the microbatches; no bubble)."""
+        return self.compute + self.comm
 
     def steps(self, kind: str | None = None, axis: str | None = None, direction: str | None = None):
         """Every paid resharding step ``(edge, step)``, filtered by kind/axis/direction."""
@@ -259,145 +280,13 @@ class Plan:
         return [f"{n.name} ({n.op})" for n in self.nodes if n.unsharded]
 
     # -- overlap -----------------------------------------------------------------------
-    def overlap(self, prefetch: int = 1, bucket_bytes: int = 25 * 2**20,
-                first_bucket_bytes: int = 2**20):
-        """The step as the runtime orders it (:func:`fxpar.cost.overlap.overlap`): which of
-        :attr:`comm` is exposed and which hidden behind compute. ``time`` sums every edge's
-        collectives (what the solver minimizes); this replays one forward then one backward:
+    def overlap(self, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
+                first_bucket_bytes: int = FIRST_BUCKET_BYTES):
+        """The step replayed node by node as the runtime orders it: which of :attr:`comm` is
+        exposed and which hidden behind compute (:func:`fxpar.cost.overlap.plan_overlap`)."""
+        from fxpar.cost.overlap import plan_overlap
 
-        * an activation's collective starts after its producer, is waited before its consumer;
-        * parameter gathers of one layer coalesce into one collective per kind and axis,
-          started ``prefetch`` layers ahead of use (:mod:`fxpar.passes.prefetch`; 0: right
-          before it);
-        * in backward, an activation's gradient reshard is synchronous; a freed parameter's
-          re-gather (ZeRO-3; one per layer) starts when the layer after it is gathered again
-          (backward prefetch; ``prefetch=0``: when needed); parameter gradients are reduced in
-          buckets of ``bucket_bytes`` (the first of each kind and axis ``first_bucket_bytes``,
-          as :class:`fxpar.runtime.model_state.ModelStates` makes them) in the order they
-          arrive, each launched when its last gradient is in, all waited at the end of the step;
-        * then the optimizer step, on a cluster whose compute profile prices it
-          (:attr:`fxpar.cluster.ComputeProfile.optimizer`): ``per_tensor + per_element·n`` per
-          tensor of ``n`` local elements (a parameter's state bytes over the optimizer's
-          per-element bytes, divided by ``s_os`` where the plan shards optimizer states); fp32
-          parameters with unsharded states are stepped as one flat tensor per bucket, as the
-          runtime does for element-wise optimizers.
-
-        Coalesced collectives are priced again as one (``steps·α`` once) on the plan's cluster.
-        Returns a :class:`fxpar.cost.overlap.Overlap` (``step``, ``exposed``, ``hidden``)."""
-        from fxpar.cost.overlap import Comm, overlap
-
-        if self.stages:
-            raise PlanError("overlap() replays one SPMD step: a pipeline plan's step is its "
-                            "schedule's (Program.simulate()); call it on a stage's plan "
-                            "(plan.stages[k].plan)")
-        price = self._pricer()
-        ops = [n for n in self.nodes if n.op != "placeholder"]
-        held = {n.name for n in self.nodes if n.op == "placeholder"}
-        F = len(ops)
-        fi = {n.name: i for i, n in enumerate(ops)}
-        bi = {n.name: 2 * F - 1 - i for i, n in enumerate(ops)}  # backward runs them in reverse
-        compute = [n.fwd_time for n in ops] + [n.bwd_time for n in reversed(ops)] \
-            + [self._optimizer_time(bucket_bytes, first_bucket_bytes)]
-        edges = [e for e in self.edges if e.consumer in fi]
-        first: dict[str, int] = {}  # gather unit (consumer's layer) -> its first use
-        for e in edges:
-            if e.producer in held:
-                first[e.layer] = min(first.get(e.layer, F), fi[e.consumer])
-        units = sorted(first, key=first.get)
-        unit_no = {u: k for k, u in enumerate(units)}
-        gathers: dict[tuple, list] = {}  # (issue, need, kind, axis) -> steps, coalesced
-        grads: list[tuple[int, StepCost]] = []  # (ready at, reduction step)
-        regathers: dict[tuple, list] = {}  # (layer, axis) -> [needed at, steps] in backward
-        comms = []
-        for e in edges:
-            use, back = fi[e.consumer], bi[e.consumer]
-            if e.direction == "fwd" and e.producer in held:
-                k = unit_no[e.layer]
-                issue = use if prefetch <= 0 else (first[units[k - prefetch]] if k >= prefetch else 0)
-                for st in e.steps:
-                    gathers.setdefault((min(issue, first[e.layer]), first[e.layer], st.kind, st.axis),
-                                       []).append(st)
-            elif e.direction == "fwd":
-                comms.append(Comm(e.time, fi.get(e.producer, -1) + 1, use))
-            elif e.producer in held:
-                last = 2 * F - 1 - first[e.layer]  # the layer's first use runs last in backward
-                for st in e.steps:
-                    if st.kind == "all_gather":  # re-gathered with its layer when first needed
-                        r = regathers.setdefault((e.layer, st.axis), [back, []])
-                        r[0] = min(r[0], back)
-                        r[1].append(st)
-                    else:
-                        grads.append((last, st))
-            else:
-                comms.append(Comm(e.time, back + 1, back + 1))
-        for key, steps in gathers.items():
-            comms.append(Comm(price(key[2], key[3], steps), key[0], key[1]))
-        # backward prefetch: a layer's re-gather starts when the layer after it is gathered
-        order = sorted(regathers, key=lambda k: regathers[k][0])   # backward order
-        for j, key in enumerate(order):
-            need, steps = regathers[key]
-            issue = regathers[order[j - 1]][0] if prefetch > 0 and j > 0 else need
-            comms.append(Comm(price("all_gather", key[1], steps), issue, need))
-        open_: dict[tuple[str, str], list] = {}  # (kind, axis) -> [ready, steps, bytes]
-        closed: set[tuple[str, str]] = set()      # (kind, axis) whose first bucket is full
-        first_cap = min(first_bucket_bytes, bucket_bytes)
-        for ready, st in sorted(grads, key=lambda g: g[0]):
-            key = (st.kind, st.axis)
-            b = open_.setdefault(key, [0, [], 0])
-            b[0], b[2] = max(b[0], ready), b[2] + st.nbytes
-            b[1].append(st)
-            if b[2] >= (bucket_bytes if key in closed else first_cap):
-                comms.append(Comm(price(st.kind, st.axis, b[1]), b[0] + 1, 2 * F))
-                del open_[key]
-                closed.add(key)
-        for (kind, axis), (ready, steps, _) in open_.items():
-            comms.append(Comm(price(kind, axis, steps), ready + 1, 2 * F))
-        return overlap(compute, comms)
-
-    def _optimizer_time(self, bucket_bytes: int, first_bucket_bytes: int) -> float:
-        """Seconds of the optimizer step (:meth:`overlap`), 0 without a measured price."""
-        from fxpar.cost.memory import _PREC_ALIASES, model_state_bytes
-
-        prof = (self.mesh.get("cluster") or {}).get("compute") or {}
-        if not prof.get("optimizer"):
-            return 0.0
-        per_tensor, per_element = prof["optimizer"]
-        precision = self.options.get("precision", "mixed")
-        per_param = model_state_bytes(1, optimizer=self.options.get("optimizer", "adam"),
-                                      precision=precision).total
-        s_os = (self.schedule.get("state") or {}).get("s_os", 1)
-        # parameters are the placeholders torch.export names p_<fqn>; their memory is their
-        # model states (fxpar.planner.pricing.node_memory)
-        n = [x.memory / per_param / s_os for x in self.nodes
-             if x.op == "placeholder" and x.name.startswith("p_")]
-        if s_os == 1 and _PREC_ALIASES.get(precision.lower()) == "fp32" and n:
-            # ModelStates' flat step: one tensor per gradient bucket (a first small one)
-            rest = max(0.0, 4 * sum(n) - first_bucket_bytes)
-            return (1 + math.ceil(rest / bucket_bytes)) * per_tensor + per_element * sum(n)
-        return sum(per_tensor + per_element * k for k in n)
-
-    def _pricer(self):
-        """``price(kind, axis, steps)``: seconds of ``steps`` coalesced into one collective on
-        the plan's own mesh and cluster (the planner's :func:`fxpar.cost.comm.collective_time`),
-        or their sum where the plan does not carry them."""
-        from fxpar.cluster import Cluster
-        from fxpar.cost.comm import COLLECTIVES, collective_time
-        from fxpar.mesh import Mesh
-
-        try:
-            cl = Cluster.from_dict(self.mesh["cluster"])
-            mesh = Mesh.from_devices(cl, self.mesh["axis_names"],
-                                     np.asarray(self.mesh["devices"]).reshape(self.mesh["shape"]))
-        except (KeyError, TypeError, ValueError):
-            mesh = None
-
-        def price(kind: str, axis: str, steps) -> float:
-            if mesh is None or kind not in COLLECTIVES or len(steps) == 1:
-                return float(sum(st.time for st in steps))
-            groups = mesh.groups(axis)
-            return collective_time(kind, sum(st.nbytes for st in steps), groups[0], cl,
-                                   concurrent=groups)
-        return price
+        return plan_overlap(self, prefetch, bucket_bytes, first_bucket_bytes)
 
     # -- explain -----------------------------------------------------------------------
     def explain(self, max_ops: int = 4) -> str:
@@ -405,9 +294,10 @@ class Plan:
         pipeline plan: the schedule and a per-stage table, then each stage's own plan)."""
         if self.stages:
             return self._explain_pipeline(max_ops)
-        head = (f"plan {self.kind} on {self.mesh_str}: step {_fmt_ms(self.time)} ms (compute "
-                f"{_fmt_ms(self.compute)} ms = fwd {_fmt_ms(self.compute_fwd)} + bwd "
-                f"{_fmt_ms(self.compute_bwd)}, comm {_fmt_ms(self.comm)} ms), memory "
+        head = (f"plan {self.kind} on {self.mesh_str}: step {_fmt_ms(self.time)} ms (summed "
+                f"{_fmt_ms(self.summed_time)} ms: compute {_fmt_ms(self.compute)} ms = fwd "
+                f"{_fmt_ms(self.compute_fwd)} + bwd {_fmt_ms(self.compute_bwd)}, comm "
+                f"{_fmt_ms(self.comm)} ms), memory "
                 f"{fmt_bytes(self.memory)}"
                 + (f" / {fmt_bytes(self.budget)}" if self.budget is not None else "")
                 + f" per device, solver {self.status}")
@@ -441,14 +331,25 @@ class Plan:
         lines.append(f"unsharded ops (replicate-only fallback): {', '.join(un) if un else 'none'}")
         sc = self.schedule
         lines += _search_lines(sc.get("search"))  # a joint search's winner as one SPMD step
-        if sc.get("state"):
-            lines.append("model states over dp: " + ", ".join(f"{k}={v}" for k, v in sc["state"].items()))
+        lines += self._config_lines()
+        if self.config is not None and self.config.dp_shard > 1:
             if "dp_shard" in self.mesh["axis_names"]:
                 lines.append(f"  (s_p: parameters sharded inside groups of dp_shard="
                              f"{self.mesh['shape'][self.mesh['axis_names'].index('dp_shard')]} "
                              "replicas, replicated across the groups on dp: HSDP / MiCS)")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _config_lines(self) -> list[str]:
+        c = self.config
+        if c is None:
+            return []
+        out = [f"configuration: {c.name}"]
+        if c.recompute:
+            out.append(f"recomputation: {len(c.recompute)} layers re-run their forward in backward")
+        if c.dp > 1:
+            out.append(f"model states over dp: s_p={c.s_p}, s_g={c.s_g}, s_os={c.s_os}")
+        return out
 
     def _explain_pipeline(self, max_ops: int) -> str:
         sc = self.schedule
@@ -468,10 +369,7 @@ class Plan:
         lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip()
                   for row in table]
         lines += _search_lines(sc.get("search"))
-        if sc.get("recompute"):
-            lines.append(f"recomputation: {len(sc['recompute'])} layers re-run their forward in backward")
-        if sc.get("state"):
-            lines.append("model states over dp: " + ", ".join(f"{k}={v}" for k, v in sc["state"].items()))
+        lines += self._config_lines()
         for st in self.stages:
             lines.append(f"-- stage {st.index} --")
             lines.append(st.plan.explain(max_ops))
@@ -486,6 +384,7 @@ class Plan:
     def to_dict(self, with_stats: bool = True) -> dict:
         d = asdict(self)
         d["mesh"] = dict(self.mesh)
+        d["config"] = self.config.to_dict() if self.config is not None else None
         d["stages"] = [dict(asdict(st), plan=st.plan.to_dict(with_stats)) for st in self.stages]
         if not with_stats:
             d.pop("stats")
@@ -509,6 +408,9 @@ class Plan:
             rest = {k: v for k, v in d.items() if k not in ("nodes", "edges", "mesh")}
             rest["notes"] = tuple(rest.get("notes", ()))
             rest["stages"] = tuple(StagePlan.from_dict(x) for x in rest.get("stages", ()))
+            rest["units"] = tuple(UnitCost(**u) for u in rest.get("units", ()))
+            if rest.get("config") is not None:
+                rest["config"] = ParallelConfig.from_dict(rest["config"])
             return cls(nodes=nodes, edges=edges, mesh=mesh, **rest)
         except (KeyError, TypeError) as e:
             raise PlanError(f"not a valid fxpar plan: {e}") from e

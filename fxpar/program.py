@@ -65,7 +65,7 @@ class Program:
         self.stage_programs: list[Program] = []
         self.schedule = None
         if plan.stages:
-            from fxpar.planner.stages import schedule_of
+            from fxpar.planner.price import schedule_of
 
             if stage_graphs is None or len(stage_graphs) != len(plan.stages):
                 raise PlanError("a pipeline plan needs its stage chunk graphs "
@@ -204,15 +204,15 @@ class Program:
         replica group (AMSP; ZeRO-1 = ``(1, N)``, ZeRO-2 = ``(N, N)``). ``regather``: free
         a gathered parameter after its forward use and gather it again in backward (what the
         planner prices, ZeRO-3); ``False`` keeps it for backward (more memory, less traffic).
-        ``s_g``/``s_os``/``recompute`` left out: what the plan chose (the joint search's
-        ``plan.schedule["state"]`` and ``["recompute"]``), else 1, 1 and none.
+        ``s_g``/``s_os``/``recompute`` left out: what the plan chose (``plan.config``'s state
+        factors and recomputed layers), else 1, 1 and none.
         """
-        state = self.plan.schedule.get("state", {})
+        cfg = self.plan.config
         # the plan's factors are over dp; the runner's are inside each parameter's replica
         # group, which parameters sharded over s_p of the replicas (ZeRO-3) shrink by s_p
-        sp = state.get("s_p", 1)
-        s_g = state.get("s_g", 1) // sp if s_g is None else s_g
-        s_os = state.get("s_os", 1) // sp if s_os is None else s_os
+        sp, g, o = cfg.state if cfg is not None else (1, 1, 1)
+        s_g = g // sp if s_g is None else s_g
+        s_os = o // sp if s_os is None else s_os
         if self.plan.stages:
             from fxpar.runtime.interpreter import PipelineRunner
 

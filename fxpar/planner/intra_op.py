@@ -46,7 +46,7 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.cost.compute import op_name
-from fxpar.errors import PlanError
+from fxpar.errors import MemoryBudgetError, PlanError
 from fxpar.ir import grad_flags
 from fxpar.layers import layer_of, repeated_copies
 from fxpar.plan_data import EdgePlan, NodePlan, Plan, StepCost
@@ -421,7 +421,8 @@ def solution_to_plan(bp: BuiltProblem, choice: Sequence[int], *, kind: str = "au
             inputs=s_in, outputs=s_out, unsharded=bool(s.unsharded),
             index=int(choice[i]), num_strategies=len(strats[i]),
             fwd_time=float(bp.fwd[i][choice[i]]), bwd_time=float(bp.bwd[i][choice[i]]),
-            memory=int(bp.problem.mem[i][choice[i]])))
+            memory=int(bp.problem.mem[i][choice[i]]),
+            param=n.op == "placeholder" and ir.is_trainable_param(n)))
     eps = []
     for i, j, p, o, needs_grad in bp.edge_info:
         sk, sl = strats[i][choice[i]], strats[j][choice[j]]
@@ -491,15 +492,26 @@ def plan_and_keep(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
             kw.update(filter_gap=opts.relative_gap,
                       params={"relative_gap_limit": opts.relative_gap})
         sol = solve(bp.problem, time_limit=opts.time_limit, **kw)
-    except PlanError as e:
-        if "memory budget" not in str(e):  # a tie group that the pins leave empty
-            raise PlanError(f"no {kind} plan on {mesh!r}: {e}") from e
-        raise PlanError(f"no {kind} plan on {mesh!r} within the memory budget "
-                        f"{bp.problem.budget} B ({bp.problem.budget / 2**30:.3g} GiB) per device: {e}") from e
+    except MemoryBudgetError as e:
+        raise MemoryBudgetError(f"no {kind} plan on {mesh!r} within the memory budget "
+                                f"{bp.problem.budget} B ({bp.problem.budget / 2**30:.3g} GiB) per device: {e}") from e
+    except PlanError as e:  # e.g. a tie group that the pins leave empty
+        raise PlanError(f"no {kind} plan on {mesh!r}: {e}") from e
     solve_t = time.perf_counter() - t0
     stats = dict(build_s=bp.build_time, solve_s=solve_t, objective=sol.objective, gap=sol.gap,
                  nodes=bp.problem.n, strategies=int(sum(c.size for c in bp.problem.cost)),
                  edges=len(bp.problem.edges), ties=len(bp.problem.ties),
                  solve_method=sol.stats.get("method"))
     plan = solution_to_plan(bp, sol.choice, kind=kind, status=sol.status, stats=stats)
-    return plan, bp, sol
+    return priced(plan, gm), bp, sol
+
+
+def priced(plan: Plan, gm: fx.GraphModule, config=None) -> Plan:
+    """``plan`` (of ``gm``, one SPMD step) with its unit table, ``config`` (default: read off
+    its mesh and parameter layouts, :func:`fxpar.planner.price.mesh_config`) and ``time``
+    the one step model's (:mod:`fxpar.cost.step`)."""
+    from fxpar.planner.price import mesh_config, price_plan, unit_table
+
+    plan = dataclasses.replace(plan, units=tuple(unit_table(gm, plan)))
+    plan = dataclasses.replace(plan, config=config or mesh_config(plan))
+    return dataclasses.replace(plan, time=price_plan(plan)[0].step)

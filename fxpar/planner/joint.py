@@ -5,7 +5,7 @@ minimizing the predicted step time.
 **Cost table.** The model is captured once at a *probe* shape (one sample per replica,
 ``probe_batch``) and planned by the intra-op planner on a ``tp=t`` mesh for every candidate
 ``t`` (repeated layers tied, so each distinct layer is solved once per ``t``). Per *unit* (a run
-of nodes of one layer, :func:`fxpar.stages.units`) the plan gives per-device forward and
+of nodes of one layer, :func:`fxpar.split.units`) the plan gives per-device forward and
 backward seconds, split into the part that scales with the microbatch (compute and activation
 communication) and the part that does not (communication of parameters), the saved activation
 bytes, the local parameter count and the bytes crossing the cut after it. A configuration with
@@ -22,7 +22,7 @@ gathers are paid per microbatch) and, for one SPMD step (``p = 1``, ``m = 1``), 
 sharded inside groups of ``s_p`` replicas (HSDP / MiCS, AMSP's intra-node ``s_p``;
 :func:`_zero_options`).
 
-* stage cuts: the exact linear-partition DP over units (:func:`fxpar.stages._balanced`) on the
+* stage cuts: the exact linear-partition DP over units (:func:`fxpar.split._balanced`) on the
   units' time at this ``(t, b)``, for ``p·v`` chunks;
 * per rank ``r``: work ``W_r = Σ_chunks (F + B)``, with recomputation ``B += F``;
 * memory of rank ``r`` (Megatron-LM §2.2 and §3.5; AMSP §IV-D):
@@ -63,11 +63,14 @@ import torch
 import torch.fx as fx
 
 from fxpar import ir
+from fxpar.config import ParallelConfig, is_layer
 from fxpar.cost.memory import STATE_BYTES_PER_PARAM, model_state_bytes
 from fxpar.cost.pipeline import in_flight_microbatches
+from fxpar.cost.step import BUCKET, UnitCost, chunk_costs, dp_terms, rank_memory
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.planner.intra_op import PlannerOptions, plan_and_keep
+from fxpar.planner.price import price_config
 from fxpar.spec import Spec
 from fxpar.split import units
 
@@ -77,36 +80,12 @@ __all__ = ["UnitCost", "Candidate", "SearchResult", "unit_costs", "search", "SCH
 SCHEDULES = ("1f1b", "interleaved", "eager-1f1b", "zb-h1")
 _MEM_KEY = {"1f1b": "1f1b", "interleaved": "interleaved", "eager-1f1b": "eager_1f1b",
             "zb-h1": "1f1b", "gpipe": "gpipe"}
-#: gradient bucket of the data-parallel reduction (AMSP's ``U``), bytes
-BUCKET = 25 * 2**20
 #: the intra-op budget of the cost-table plans: memory is the search's business (1 EiB)
 _NO_LIMIT = float(2**60)
 #: the largest microbatch per replica tried (Megatron-LM §3.2: small ones win with pipelines)
 MAX_MICROBATCH = 32
 #: candidates of each schedule simulated whatever their estimate (see :func:`search`)
 PER_SCHEDULE = 2
-
-
-@dataclass(frozen=True)
-class UnitCost:
-    """One unit (a run of one layer's nodes) on a ``tp=t`` mesh at the probe microbatch, per
-    device: seconds that scale with the batch (``fwd``, ``bwd``) and that do not
-    (``fwd_fixed``, ``bwd_fixed``: parameter communication), saved activation bytes ``act``,
-    local parameter count ``params`` and the bytes crossing a cut right after it (``out``)."""
-
-    layer: str
-    start: str
-    fwd: float
-    bwd: float
-    fwd_fixed: float
-    bwd_fixed: float
-    act: float
-    params: float
-    out: float
-
-    def forward(self, scale: float) -> float:
-        """Seconds of its forward at ``scale`` times the probe microbatch."""
-        return self.fwd * scale + self.fwd_fixed
 
 
 def _bytes_per_param(opts: PlannerOptions) -> int:
@@ -116,53 +95,11 @@ def _bytes_per_param(opts: PlannerOptions) -> int:
 def unit_costs(gm: fx.GraphModule, mesh: Mesh, options: PlannerOptions | None = None
                ) -> tuple[list[UnitCost], object]:
     """Plan ``gm`` on ``mesh`` with no memory limit (memory is the search's business) and
-    attribute the plan's costs to :func:`fxpar.stages.units` (module docstring). Returns the
-    unit costs and the :class:`~fxpar.plan_data.Plan`."""
+    return its unit table (:func:`fxpar.planner.price.unit_table`) and the
+    :class:`~fxpar.plan_data.Plan`."""
     opts = dataclasses.replace(options or PlannerOptions(), memory_budget=_NO_LIMIT)
     plan = plan_and_keep(gm, mesh, options=opts)[0]
-    us = units(gm)
-    unit_of = {nd.name: i for i, (_, nodes) in enumerate(us) for nd in nodes}
-    params = {n.name for n in gm.graph.nodes if n.op == "placeholder" and ir.is_trainable_param(n)}
-    first_use: dict[str, int] = {}
-    for i, (_, nodes) in enumerate(us):
-        for nd in nodes:
-            for a in nd.all_input_nodes:
-                first_use.setdefault(a.name, i)
-    acc = [dict(fwd=0.0, bwd=0.0, fwd_fixed=0.0, bwd_fixed=0.0, act=0.0, params=0.0, out=0.0)
-           for _ in us]
-    kp = _bytes_per_param(opts)
-    for n in plan.nodes:
-        if n.name in params and n.name in first_use:
-            acc[first_use[n.name]]["params"] += n.memory / kp
-        elif n.name in unit_of:
-            a = acc[unit_of[n.name]]
-            a["fwd"] += n.fwd_time
-            a["bwd"] += n.bwd_time
-            a["act"] += n.memory
-    last = len(us) - 1
-    for e in plan.edges:
-        i = unit_of.get(e.consumer, last)
-        fixed = e.producer in params
-        key = ("fwd" if e.direction == "fwd" else "bwd") + ("_fixed" if fixed else "")
-        acc[i][key] += e.time
-    # bytes crossing the cut after unit i: values made at or before i and read after it
-    nodes = {n.name: n for n in gm.graph.nodes}
-    last_use: dict[str, int] = {}
-    for i, (_, unodes) in enumerate(us):
-        for nd in unodes:
-            for a in nd.all_input_nodes:
-                if a.name in unit_of:
-                    last_use[a.name] = max(last_use.get(a.name, -1), i)
-    shape = tuple(mesh.shape)
-    for name, j in last_use.items():
-        i, val = unit_of[name], nodes[name].meta.get(ir.VAL)
-        if j <= i or not isinstance(val, torch.Tensor):
-            continue
-        spec = Spec.parse(plan.node(name).outputs[0])
-        nb = spec.local_numel(tuple(val.shape), shape) * val.dtype.itemsize
-        for k in range(i, j):
-            acc[k]["out"] += nb
-    return [UnitCost(lay, nodes_[0].name, **a) for (lay, nodes_), a in zip(us, acc)], plan
+    return list(plan.units), plan
 
 
 @dataclass(frozen=True)
@@ -208,6 +145,15 @@ class Candidate:
             return {"dp": self.dp // self.s_p, "dp_shard": self.s_p, "tp": self.tp}
         return {"dp": self.dp, "tp": self.tp}
 
+    def config(self, layers=()) -> ParallelConfig:
+        """This configuration as a :class:`~fxpar.config.ParallelConfig`; ``layers``: the
+        names of the layers it recomputes (the unit table knows them:
+        :meth:`SearchResult.config`)."""
+        return ParallelConfig(pp=self.pp, dp=self.dp, tp=self.tp, microbatch=self.microbatch,
+                              microbatches=self.microbatches, schedule=self.schedule,
+                              chunks=self.chunks, recompute=frozenset(layers), s_p=self.s_p,
+                              s_g=self.s_g, s_os=self.s_os)
+
     @property
     def name(self) -> str:
         r = ((f" recompute({len(self.recomputed)} units)" if self.recomputed else " recompute")
@@ -232,10 +178,18 @@ class SearchResult:
     stats: Mapping = field(default_factory=dict, compare=False)
     #: the cost table's plan per ``tp`` degree (the layouts the search priced)
     layouts: Mapping = field(default_factory=dict, compare=False, repr=False)
+    #: the unit table per ``tp`` degree
+    tables: Mapping = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def best(self) -> Candidate:
         return self.ranked[0]
+
+    def config(self, c: Candidate) -> ParallelConfig:
+        """``c`` as a :class:`~fxpar.config.ParallelConfig`, its recomputed layers named."""
+        us = self.tables[c.tp]
+        idx = c.recomputed if c.recomputed else (range(len(us)) if c.recompute else ())
+        return c.config(us[i].layer for i in idx)
 
     def summary(self, top: int = 6) -> dict:
         """JSON-able: what ``explain()`` prints (the ``top`` ranked, the runner-up's gap)."""
@@ -254,7 +208,8 @@ class SearchResult:
         :attr:`Candidate.spmd_axes`, replicated over ``dp`` and sharded over ``dp_shard``
         (``1 < s_p < dp``), the batch split over every replica axis; with ``gm`` (the graph
         captured at the configuration's microbatch), also every value that carries the batch
-        (dim 0 is one sample in ``probe``, ``dp·b`` rows in ``gm``): ``S(0)`` on the replica
+        (dim 0 is one sample in ``probe``, ``dp·b`` rows in ``gm``, or that batch flattened with
+        the dims after it, ``(b·s, h)``): ``S(0)`` on the replica
         axes and its ``tp`` layout, so no replica computes another's rows (data parallelism
         is the search's choice, not one the intra-op planner may undo to save a gradient
         reduction)."""
@@ -284,11 +239,15 @@ class SearchResult:
         batch = {i.name for i in ir.user_inputs(gm) if i.is_tensor}  # values derived from the batch
         for n in gm.graph.nodes:
             v, w = n.meta.get(ir.VAL), small.get(n.name)
+            if not any(a.name in batch for a in n.all_input_nodes):
+                continue
             if (isinstance(v, torch.Tensor) and isinstance(w, torch.Tensor) and v.ndim and w.ndim
-                    and int(v.shape[0]) == rows and int(w.shape[0]) == 1
-                    and tuple(v.shape[1:]) == tuple(w.shape[1:])
-                    and any(a.name in batch for a in n.all_input_nodes)):
+                    and int(v.shape[0]) == rows * int(w.shape[0])
+                    and tuple(v.shape[1:]) == tuple(w.shape[1:])):
+                # dim 0 is the batch, or the batch flattened with what follows it (b·s, ...)
                 out[n.name] = batch_s + tp(n.name)
+                batch.add(n.name)
+            elif isinstance(v, (tuple, list)):  # a split's pieces: its getitems carry the batch
                 batch.add(n.name)
         return out
 
@@ -311,15 +270,8 @@ def _zero3_dp(shape: tuple[int, ...], tp: str, d: int, t: int) -> str:
     return "R"
 
 
-def _tp_part(plan, key: str, gm: fx.GraphModule) -> str:
-    """The ``tp`` layout of the first user input in the cost table's plan (``R`` when the
-    batch of one sample stays whole there)."""
-    first = next((i.name for i in ir.user_inputs(gm) if i.is_tensor), None)
-    return plan.node(first).outputs[0] if first is not None else "R"
-
-
 def unit_start_names(gm: fx.GraphModule, starts: Sequence[int]) -> list[str]:
-    """The first node of each chunk's first unit (what :func:`fxpar.stages.split_stages`
+    """The first node of each chunk's first unit (what :func:`fxpar.split.split_stages`
     takes as ``start_nodes``; node names are the same at every captured batch size)."""
     us = units(gm)
     return [us[i][1][0].name for i in starts]
@@ -329,7 +281,7 @@ def unit_start_names(gm: fx.GraphModule, starts: Sequence[int]) -> list[str]:
 def partition(times: tuple[float, ...], n: int) -> tuple[int, ...]:
     """Start index of each of ``n`` contiguous, non-empty runs of ``times`` minimizing the
     largest run's sum: bisection on the cap with a greedy packing check (exact to a relative
-    ``1e-12``; ``O(u·log)`` where the DP of :mod:`fxpar.stages` is ``O(n·u²)``).
+    ``1e-12``; ``O(u·log)`` where the DP of :mod:`fxpar.split` is ``O(n·u²)``).
 
     >>> partition((1.0, 1.0, 1.0, 3.0), 2), partition((1.0,) * 5, 5)
     ((0, 3), (0, 1, 2, 3, 4))
@@ -369,33 +321,6 @@ def partition(times: tuple[float, ...], n: int) -> tuple[int, ...]:
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
-
-
-@functools.lru_cache(maxsize=4096)
-def _dp_time(phi: float, layers: int, m: int, d0: int, d1: int, s_p: int, s_g: int, s_os: int,
-             cluster) -> float:
-    """AMSP's per-step data-parallel terms ``T_p + T_g + T_os0 + T_os1`` for ``phi`` local
-    parameters in ``layers`` equal modules over ``d0 × d1`` (``T_p``: the parameter
-    all-gathers of forward and backward, zero unless ``s_p > 1``)."""
-    from fxpar.cost.amsp import Sharding, evaluate
-
-    if d0 * d1 == 1:
-        return 0.0
-    # priced on the d1 nodes one stage's replicas span (AMSP tiles its grid over the cluster,
-    # which a pipeline's stages and d1 not dividing the node count would break)
-    if cluster.nodes != d1:
-        cluster = dataclasses.replace(cluster, nodes=d1)
-    sp, g, o = _split(s_p, d0, d1), _split(s_g, d0, d1), _split(s_os, d0, d1)
-    r = evaluate(Sharding(sp, g, o), phi=phi, module_params=[phi / max(1, layers)],
-                 L=max(1, layers), M=m, U=BUCKET, cluster=cluster, dp=(d0, d1))
-    return r.t_p + r.t_g + r.t_os0 + r.t_os1
-
-
-def _split(s: int, d0: int, d1: int) -> tuple[int, int]:
-    """A factor ``s`` of ``d0·d1`` as ``(intra, inter)``: inside the node first (AMSP eq. 7)."""
-    if s <= d0:
-        return (s, 1)
-    return (d0, s // d0)
 
 
 #: the user-tuple keys that fix the model-state factors
@@ -455,9 +380,6 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
     "interleaved", "chunks": 2, "recompute": True, "s_g": 1, "s_os": 8}``; missing keys are
     searched). Raises
     :class:`PlanError` naming the budget and the smallest footprint when nothing fits."""
-    from fxpar.schedule import Schedule
-    from fxpar.sim import simulate
-
     t0 = time.perf_counter()
     opts = options or PlannerOptions()
     budget = opts.memory_budget if opts.memory_budget is not None else cluster.device_memory
@@ -488,7 +410,7 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
     smallest: Candidate | None = None
     for t in tps:
         us = table[t]
-        gathered = 2 * kp * max(u.params for u in us)  # ZeRO-3: the largest unit, twice (prefetch)
+        rec_all = frozenset(i for i, u in enumerate(us) if is_layer(u.layer))
         for p in pps:
             if n_dev % (p * t):
                 continue
@@ -516,29 +438,24 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                         if n > len(us) or (sname == "interleaved" and (p == 1 or m % p)):
                             continue
                         starts = partition(tuple(times), n)
-                        cc = _chunk_costs(us, starts, scale, p, d, t, cluster)
+                        # the one memory function's chunks, without and with recomputation
+                        ccs = {False: chunk_costs(us, starts, scale), True: chunk_costs(us, starts, scale, rec_all)}
+                        xs = [_xfer(ccs[False][k].out, k, p, d, t, cluster) for k in range(n - 1)]
                         fl = [in_flight_microbatches(_MEM_KEY[sname], r, p, m, v) for r in range(p)]
                         part = None  # partial recomputation tables, built when first needed
                         for rc in recs:
-                            W = [sum(cc.F[k] * (2 if rc else 1) + cc.B[k] for k in range(r, n, p))
-                                 for r in range(p)]
-                            act = []
-                            for r in range(p):
-                                f = fl[r]
-                                mine = range(r, n, p)
-                                kept = (f * sum(cc.I[k] for k in mine) + max(cc.Amax[k] for k in mine)
-                                        if rc else f * sum(cc.A[k] for k in mine))
-                                act.append(tmp + kept)
-                            est = m * max(W) + (sum(W) - max(W)) / v + 2 * sum(cc.x)
-                            phi = cc.phi
+                            ch = ccs[rc]
+                            W = [sum(ch[k].fwd + ch[k].bwd for k in range(r, n, p)) for r in range(p)]
+                            est = m * max(W) + (sum(W) - max(W)) / v + 2 * sum(xs)
+                            phi = [sum(ch[k].params for k in range(r, n, p)) for r in range(p)]
+                            red = [sum(ch[k].reduce for k in range(r, n, p)) for r in range(p)]
                             for s_p, s_g, s_os in _zero_options(d, only, p == 1 and m == 1, d0,
                                                                 sname == "zb-h1"):
                                 tried += 1
-                                mems = [kp * phi[r] / s_p + kg * phi[r] / s_g + kos * phi[r] / s_os
-                                        + act[r] + (gathered if s_p > 1 else 0.0) for r in range(p)]
+                                mems = rank_memory(ch, p, fl, (kp, kg, kos), (s_p, s_g, s_os), tmp)
                                 mem = max(mems)
-                                dpt = max(cc.reduce[r] + _dp_time(round(phi[r]), layers_r, m, d0, d1,
-                                                                  s_p, s_g, s_os, cluster) for r in range(p))
+                                dpt = max(red[r] + dp_terms(round(phi[r]), layers_r, m, d0, d1, s_p,
+                                                            s_g, s_os, cluster).total for r in range(p))
                                 c = Candidate(p, d, t, b, m, sname, v, rc, s_g, s_os,
                                               est + dpt, mem, est, dpt, starts, s_p=s_p)
                                 if smallest is None or mem < smallest.memory:
@@ -549,7 +466,7 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                                 over += 1
                                 if partial and not rc:  # recompute just enough units
                                     part = part or _partial_tables(us, starts, p, scale, fl)
-                                    c = _recompute_some(c, part, mems, budget, W, v, 2 * sum(cc.x))
+                                    c = _recompute_some(c, part, mems, budget, W, v, 2 * sum(xs))
                                     if c is not None:
                                         tried += 1
                                         cands.append((c.step, c))
@@ -560,6 +477,8 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                         "s_p is 1 or dp = s_g = s_os (ZeRO-3 over a stage's replicas; parameters "
                         "sharded inside groups of replicas need pp=1 and one microbatch), and "
                         "not under zb-h1's split backward")
+    if not tried:
+        raise PlanError(_empty_space(only, n_dev, batch, tps, pps, n_units))
     if not cands:
         detail = f"; the smallest found: {smallest.name} at {smallest.memory / 2**30:.1f} GiB" if smallest else ""
         raise PlanError(f"joint search: no configuration of {tried} tried fits the memory budget "
@@ -576,12 +495,27 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
     ranked = []
     t2 = time.perf_counter()
     for c in chosen:
-        ranked.append(_simulate(c, table[c.tp], c.microbatch / probe_batch, cluster, Schedule, simulate))
+        ranked.append(_simulate(c, table[c.tp], c.microbatch / probe_batch, cluster, opts))
     ranked.sort(key=_rank_key)
     return SearchResult(tuple(ranked), tried, over, smallest, float(budget),
                         stats={"table_s": plan_s, "sim_s": time.perf_counter() - t2,
-                               "search_s": time.perf_counter() - t0}, layouts=layouts)
+                               "search_s": time.perf_counter() - t0}, layouts=layouts, tables=table)
 
+
+
+def _empty_space(only: Mapping, n_dev: int, batch: int, tps, pps, n_units: int) -> str:
+    """Why no configuration exists at all (not a memory problem): which rule empties it."""
+    head = f"joint search: no configuration exists for {n_dev} devices and a batch of {batch}"
+    if only:
+        head += f" with plan={dict(only)}"
+    if batch < n_dev // max(max(tps), 1) // max(max(pps), 1):
+        return (f"{head}: every device must hold at least one sample of a replica "
+                f"(pp·tp ≤ {max(pps)}·{max(tps)} leaves ≥ {n_dev // (max(tps) * max(pps))} replicas "
+                f"for {batch} samples); use a batch of at least "
+                f"{n_dev // (max(tps) * max(pps))}, or fewer devices")
+    return (f"{head}: pp ∈ {list(pps)} (at most the model's {n_units} units), tp ∈ {list(tps)}; "
+            "the replicas dp = devices/(pp·tp) must divide the batch and the microbatch a "
+            "replica's share")
 
 
 def _rank_key(c: Candidate) -> tuple:
@@ -613,41 +547,6 @@ def _pair_link(src: int, dst: int, g: int, cluster) -> tuple[float, float]:
 
     pairs = [(src * g + i, dst * g + i) for i in range(g)]
     return group_latency(pairs[0], cluster), group_bandwidth(pairs[0], cluster, concurrent=pairs)
-
-
-@dataclass(frozen=True)
-class _ChunkCosts:
-    """Per chunk: forward/backward seconds of one microbatch (``F``, ``B``), saved activation
-    bytes (``A``), with per-layer recomputation the inputs of its units kept (``I``) and
-    the largest unit's saved bytes (``Amax``), transfer seconds to the next chunk (``x``);
-    per pipeline rank: local parameters (``phi``) and the parameter-gradient reductions paid
-    once per step (``reduce``)."""
-
-    F: list
-    B: list
-    A: list
-    I: list
-    Amax: list
-    x: list
-    phi: list
-    reduce: list
-
-
-def _chunk_costs(us: Sequence[UnitCost], starts, scale: float, p: int, d: int, t: int,
-                 cluster) -> _ChunkCosts:
-    n = len(starts)
-    bounds = list(starts) + [len(us)]
-    ch = [us[bounds[k]:bounds[k + 1]] for k in range(n)]
-    return _ChunkCosts(
-        F=[sum(u.forward(scale) for u in c) for c in ch],
-        B=[sum(u.bwd * scale for u in c) for c in ch],
-        A=[sum(u.act for u in c) * scale for c in ch],
-        I=[sum(us[i - 1].out for i in range(max(1, bounds[k]), bounds[k + 1])) * scale
-           for k in range(n)],
-        Amax=[max(u.act for u in c) * scale for c in ch],
-        x=[_xfer(us[bounds[k + 1] - 1].out * scale, k, p, d, t, cluster) for k in range(n - 1)],
-        phi=[sum(u.params for k in range(r, n, p) for u in ch[k]) for r in range(p)],
-        reduce=[sum(u.bwd_fixed for k in range(r, n, p) for u in ch[k]) for r in range(p)])
 
 
 #: the most unit-count combinations a rank's partial recomputation enumerates exactly
@@ -739,25 +638,15 @@ def _recompute_some(c: Candidate, part: Sequence[_Partial], mems: Sequence[float
                                memory=mem, pipeline=est)
 
 
-def _simulate(c: Candidate, us: list[UnitCost], scale: float, cluster, Schedule, simulate) -> Candidate:
-    cc = _chunk_costs(us, c.starts, scale, c.pp, c.dp, c.tp, cluster)
+def _simulate(c: Candidate, us: list[UnitCost], scale: float, cluster, opts) -> Candidate:
+    """``c`` priced by the one step model (:func:`fxpar.planner.price.price_config`): its
+    schedule simulated, memory by the one memory function."""
     n = c.pp * c.chunks
-    if c.recomputed:  # the recomputed units' forwards, in their chunks' backward
-        bounds = list(c.starts) + [len(us)]
-        extra = [sum(us[u].forward(scale) for u in c.recomputed
-                     if bounds[k] <= u < bounds[k + 1]) for k in range(n)]
-        B = [b + e for b, e in zip(cc.B, extra)]
-    else:
-        B = [b + f for b, f in zip(cc.B, cc.F)] if c.recompute else cc.B
-    sched = Schedule.build(c.schedule, stages=c.pp, microbatches=c.microbatches, chunks=c.chunks)
-
-    def comm(action) -> float:
-        if action.kind == "SEND_F":
-            return cc.x[action.stage] if action.stage < n - 1 else 0.0
-        if action.kind == "SEND_B":
-            return cc.x[action.stage - 1] if action.stage >= 1 else 0.0
-        return 0.0
-
-    res = simulate(sched, fwd=cc.F, bwd=B, comm=comm)
-    return dataclasses.replace(c, step=float(res.step_time) + c.dp_comm,
-                               pipeline=float(res.step_time), simulated=True)
+    rec = (frozenset(c.recomputed) if c.recomputed else
+           frozenset(i for i, u in enumerate(us) if is_layer(u.layer)) if c.recompute else frozenset())
+    ch = chunk_costs(us, c.starts, scale)
+    xs = [_xfer(ch[k].out, k, c.pp, c.dp, c.tp, cluster) for k in range(n - 1)]
+    st, mem = price_config(c.config(), us, c.starts, cluster, opts, scale=scale, recomputed=rec,
+                           xfer=lambda k: (xs[k], xs[k]))
+    return dataclasses.replace(c, step=st.step, pipeline=st.pipeline, dp_comm=st.dp_comm,
+                               memory=max(mem), simulated=True)

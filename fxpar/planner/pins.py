@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from fxpar import ir
-from fxpar.errors import PlanError
+from fxpar.errors import PinError, PlanError
 from fxpar.mesh import Mesh
 from fxpar.spec import Replicate, Spec, as_spec
 
@@ -96,8 +96,9 @@ def match_pins(gm, nodes, strats, pins, mesh, bad: list[str] | None = None
                 continue
             if not ok:
                 have = sorted({str(s.outputs[0]) for s in strats[i] if s.outputs})
-                raise PlanError(f"pin {key!r} -> node {name!r}: no strategy produces spec {spec} "
-                                f"(candidates: {', '.join(have[:12])}{' ...' if len(have) > 12 else ''})")
+                raise PinError(f"pin {key!r} -> node {name!r}: no strategy produces spec {spec} "
+                               f"(candidates: {', '.join(have[:12])}{' ...' if len(have) > 12 else ''})",
+                               pin=key)
             allowed[i] = sorted(set(ok) & set(allowed.get(i, ok)))
     return allowed, out_pin
 

@@ -44,11 +44,13 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch.fx as fx
 
+from fxpar.config import ParallelConfig, ScheduleKind
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.plan_data import Plan, StagePlan
 from fxpar.planner.baselines import baseline_pins
 from fxpar.planner.intra_op import BuildCache, PlannerOptions, plan_and_keep
+from fxpar.planner.price import price_plan, schedule_of
 from fxpar.planner.pricing import finalize_spec
 from fxpar.spec import Spec, as_spec
 from fxpar.split import StageGraph, is_boundary, split_stages
@@ -59,6 +61,7 @@ BOUNDARY_MODES = ("auto", "send_recv", "scatter_gather", "crossmesh")
 
 __all__ = ["PP_AXIS", "BOUNDARY_MODES", "plan_pipeline", "schedule_of", "simulate_plan", "stage_submesh", "boundary_time"]
 
+_KINDS = {k.value for k in ScheduleKind}
 #: the mesh axis whose coordinate is the pipeline rank
 PP_AXIS = "pp"
 
@@ -250,7 +253,7 @@ def _grad_reduce(e, params: set[str]) -> bool:
 
 
 def _params(p: Plan) -> set[str]:
-    return {n.name for n in p.nodes if n.op == "placeholder" and n.name.startswith("p_")}
+    return {n.name for n in p.nodes if n.param}
 
 
 def _chunk_times(st: StagePlan) -> tuple[float, float, float]:
@@ -264,48 +267,13 @@ def _chunk_times(st: StagePlan) -> tuple[float, float, float]:
     return p.compute_fwd + fwd, p.compute_bwd + bwd, red
 
 
-def schedule_of(plan: Plan):
-    """The :class:`fxpar.schedule.Schedule` a pipeline plan runs (its action lists are in
-    ``plan.schedule["csv"]``: the plan says exactly what every rank does)."""
-    from fxpar.schedule import Schedule
-
-    sc = plan.schedule
-    return Schedule.from_csv(sc["csv"], microbatches=sc["microbatches"], chunks=sc["chunks"],
-                             name=sc["name"])
-
-
 def simulate_plan(plan: Plan):
-    """:func:`fxpar.sim.simulate` of a pipeline plan: its schedule, each chunk's forward and
-    backward time from its intra-op plan (backward plus the forward compute again of the
-    nodes of the layers the plan recomputes), parameter-gradient reductions once per step,
-    each boundary transfer (either way) the chunk's ``send_time``; peak memory per rank: the model states of its chunks plus each chunk's
-    activations (its intra-op plan's op-node bytes) per microbatch in flight."""
-    from fxpar.sim import simulate
-
-    sched = schedule_of(plan)
-    fwd_t = {st.index: st.send_time for st in plan.stages}
-    back_t = {st.index: st.back_time for st in plan.stages}
-
-    def comm(action) -> float:
-        if action.kind == "SEND_F":
-            return fwd_t.get(action.stage, 0.0)
-        if action.kind == "SEND_B":
-            return back_t.get(action.stage - 1, 0.0)
-        return 0.0
-
-    times = [_chunk_times(st) for st in plan.stages]
-    # recomputed layers run their forward again before their backward
-    rc = set(plan.schedule.get("recompute", ()))
-    times = [(f, b + sum(n.fwd_time for n in st.plan.nodes if n.layer in rc), r)
-             for (f, b, r), st in zip(times, plan.stages)]
-    # memory: a chunk's activations per microbatch in flight (its op nodes' bytes), on top of
-    # the model states of every chunk on the rank (its placeholders' bytes)
-    act = [float(sum(n.memory for n in st.plan.nodes if n.op != "placeholder")) for st in plan.stages]
-    static = [float(sum(n.memory for st in plan.stages if st.rank == r
-                        for n in st.plan.nodes if n.op == "placeholder"))
-              for r in range(sched.stages)]
-    return simulate(sched, fwd=[t[0] for t in times], bwd=[t[1] for t in times], comm=comm,
-                    reduce=lambda a: times[a.stage][2], act_bytes=act, static_bytes=static)
+    """The :class:`fxpar.sim.SimResult` behind a pipeline plan's ``time`` (the one step model,
+    :func:`fxpar.planner.price.price_plan`): its schedule over each chunk's unit costs, the
+    recomputed layers' forwards again in backward, gradient reductions once per step on the
+    communication lanes, the boundary transfers, and memory traced per rank (each chunk's
+    activations per microbatch in flight over its rank's model states)."""
+    return price_plan(plan, memory=True)[0].sim
 
 
 def _pipeline_plan(kind, mesh, stages, sched) -> Plan:
@@ -317,7 +285,11 @@ def _pipeline_plan(kind, mesh, stages, sched) -> Plan:
     status = next((pl.status for pl in plans if pl.status != "OPTIMAL"), "OPTIMAL")
     mesh_d = dict(axis_names=tuple(mesh.axis_names), shape=tuple(mesh.shape),
                   devices=tuple(mesh.devices), cluster=mesh.cluster.to_dict())
-    plan = Plan(kind=kind, mesh=mesh_d, nodes=(), edges=(), time=0.0,
+    c0 = stages[0].plan.config
+    config = ParallelConfig(pp=p, dp=c0.dp, tp=c0.tp, extra=c0.extra, microbatches=m,
+                            schedule=sched.name if sched.name in _KINDS else "custom",
+                            chunks=sched.chunks, s_p=c0.s_p, s_g=c0.s_g, s_os=c0.s_os)
+    plan = Plan(kind=kind, mesh=mesh_d, nodes=(), edges=(), time=0.0, config=config,
                 compute_fwd=m * sum(s.plan.compute_fwd for s in busiest),
                 compute_bwd=m * sum(s.plan.compute_bwd for s in busiest),
                 comm=m * sum(s.plan.comm for s in busiest),
@@ -325,6 +297,13 @@ def _pipeline_plan(kind, mesh, stages, sched) -> Plan:
                 status=status, stages=tuple(stages),
                 schedule=dict(name=sched.name, microbatches=m, chunks=sched.chunks,
                               csv=sched.to_csv()))
-    res = simulate_plan(plan)
-    return dataclasses.replace(plan, time=float(res.step_time),
-                               schedule={**plan.schedule, "bubble": float(res.bubble_fraction)})
+    return with_step(plan)
+
+
+def with_step(plan: Plan, config: ParallelConfig | None = None) -> Plan:
+    """``plan`` (a pipeline) with ``config`` (default its own) and ``time`` and ``bubble`` the
+    one step model's (:func:`fxpar.planner.price.price_plan`)."""
+    config = config or plan.config
+    st = price_plan(plan, config)[0]
+    return dataclasses.replace(plan, config=config, time=st.step,
+                               schedule={**plan.schedule, "bubble": st.bubble})

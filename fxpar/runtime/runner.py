@@ -66,11 +66,11 @@ def replica_group(mesh: Mesh, axes: Sequence[str], rank: int):
 def recompute_layers(program, recompute, known) -> frozenset[str]:
     """The layers a runner recomputes: ``recompute`` as given (``"all"``, layer names, or
     ``()``/``False`` for none), or with ``None`` the plan's choice
-    (``plan.schedule["recompute"]``, what the joint planner writes), checked against the
+    (``plan.config.recompute``, what the joint planner writes), checked against the
     program's layers ``known`` (:func:`fxpar.runtime.recompute.resolve`)."""
     if recompute is None:
-        sched = getattr(program.plan, "schedule", None) or {}
-        recompute = sched.get("recompute") if hasattr(sched, "get") else None
+        cfg = getattr(program.plan, "config", None)
+        recompute = sorted(cfg.recompute) if cfg is not None and cfg.recompute else None
     if recompute is False:
         recompute = None
     return resolve(recompute, known, prefix=loss_prefix(program.model))

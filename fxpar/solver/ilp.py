@@ -11,7 +11,7 @@ from collections.abc import Collection, Sequence
 import numpy as np
 from ortools.sat.python import cp_model
 
-from fxpar.errors import PlanError
+from fxpar.errors import MemoryBudgetError, PlanError
 from fxpar.solver.bounds import bound_and_filter, lagrangian_bound
 from fxpar.solver.dp import eliminate
 from fxpar.solver.heuristic import feasible, greedy
@@ -386,5 +386,5 @@ def _raise_memory(problem, time_limit, workers, seed, reductions):
                 where += ("; largest terms there: " + (big or "none")
                           + (f", constant {fmt_bytes(const)}" if const else ""))
     what = "the smallest achievable peak is" if optimal else "the peak is at least"
-    raise PlanError(f"memory budget {fmt_bytes(problem.budget)} ({problem.budget} B) cannot be "
+    raise MemoryBudgetError(f"memory budget {fmt_bytes(problem.budget)} ({problem.budget} B) cannot be "
                     f"met: {what} {fmt_bytes(peak)} ({peak} B){where}")

@@ -146,18 +146,25 @@ def cat_rule(node: fx.Node):
     shapes = [tensor_shape(t) for t in ts]
     o = tensor_shape(node)
     stack = node.target.overloadpacket is aten.stack
-    r = len(shapes[0]) if shapes else 0
-    if not shapes or any(s is None or len(s) != r for s in shapes):
-        return  # legacy empty 1-d operands: replicate only
+    # torch.cat skips legacy empty operands (shape (0,)): they stay replicated (nothing to
+    # move), the others are sharded (e.g. a KV cache started from torch.empty(0))
+    empty = [not stack and s is not None and tuple(s) == (0,) and len(o) != 1 for s in shapes]
+    real = [s for s, e in zip(shapes, empty) if not e]
+    r = len(real[0]) if real else 0
+    if not real or any(s is None or len(s) != r for s in real):
+        return  # shapes it cannot follow: replicate only
     dim = b.get("dim", 0) % (r + 1 if stack else r)
+
+    def specs(p):
+        return [R if e else p for e in empty]
     for d in range(r):
         if d == dim and not stack:
             continue
         od = d + 1 if stack and d >= dim else d
-        if any(s[d] != o[od] for s in shapes):
+        if any(s[d] != o[od] for s in real):
             continue
-        yield choice(node, {"tensors": [S(d)] * len(ts)}, [S(od)], f"S{od}")
-    yield choice(node, {"tensors": [P()] * len(ts)}, [P()], "P")
+        yield choice(node, {"tensors": specs(S(d))}, [S(od)], f"S{od}")
+    yield choice(node, {"tensors": specs(P())}, [P()], "P")
 
 
 @register(aten.slice_copy)

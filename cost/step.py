@@ -1,0 +1,248 @@
+r"""The one step model: a configuration's step time and peak memory from its units' costs.
+
+The joint search prices every candidate with these functions (from a probe plan's unit
+costs scaled to the candidate's microbatch) and a realized :class:`fxpar.Plan` prices itself
+with them (from its own plans' unit costs at their real shapes), so the search's number for
+its pick and the realized ``Plan.time`` differ only where the realized layouts or shapes do.
+
+**Units.** A :class:`UnitCost` is one run of one layer's nodes (:func:`fxpar.split.units`) per
+device: ``fwd``/``bwd`` seconds that scale with the batch (compute and activation
+communication), ``fwd_fixed``/``bwd_fixed`` that do not (parameter communication on the
+chunk's own axes: gathers in forward, gradient reductions in backward), saved activation
+bytes ``act``, local parameter count ``params`` (a parameter counted at its first use, again in
+each later chunk that uses it: ``reused``) and bytes crossing a cut after it ``out``.
+
+**Chunks** (:func:`chunk_costs`): chunk ``k`` holds units ``starts[k] ≤ u < starts[k+1]``; at
+``scale`` times the units' batch, with the units in ``recomputed`` running their forward again
+and each replica gradient ``g`` all-reduced over the data-parallel group (``ar``); the latency
+``λ_u``/``μ_u`` of a unit's activation communication does not scale with the batch::
+
+    F_k = Σ_u (fwd_u − λ_u)·s + λ_u + fwd_fixed_u     B_k = Σ_u (bwd_u − μ_u)·s + μ_u + Σ_{u ∈ rec} F_u + Σ ar(g)
+    A_k = Σ_{u ∉ rec} act_u·s + Σ_{u ∈ rec} out_{u−1}·s     (a recomputed unit keeps its input)
+    Amax_k = max_{u ∈ rec} act_u·s                           (rebuilt one unit at a time)
+
+**Step** (:func:`step_time`): the schedule's action lists through :func:`fxpar.sim.simulate`
+with ``F_k``, ``B_k``, the boundary transfers ``x_k`` on the communication lanes and, per
+chunk, a ``REDUCE_GRAD`` on its rank's communication lane after its last backward: its
+gradient reductions on its own axes plus its share (by parameters) of the data-parallel terms
+of AMSP (:func:`dp_terms`: ``T_g + T_os0``); ZeRO-3's gathers ``T_p`` are paid per
+microbatch inside ``F``/``B`` (not overlapped); ``T_os1`` (gathering updated parameters) after
+the last rank finishes::
+
+    step = sim(F + T_p/2m, B + T_p/2m, x, REDUCE_GRAD = Σ bwd_fixed + T_g + T_os0) + T_os1
+
+For one SPMD step (one chunk, one microbatch) this is ``F + B + reductions + T_p + T_os1``.
+
+**Memory** (:func:`rank_memory`, Megatron-LM §2.2/§3.5, AMSP §IV-D), pipeline rank ``r``
+with ``f_r`` microbatches in flight::
+
+    states_r = Φ_r·(k_p/s_p + k_g/s_g + k_os/s_os) [+ 2·k_p·max_u params_u  if s_p > 1]
+    mem_r    = states_r + tmp + f_r·Σ_{k ∈ r} A_k + max_{k ∈ r} Amax_k
+
+with ``tmp`` two gradient buckets and one unit's backward (``2·U + max_u act_u·s``).
+
+>>> u = UnitCost("l0", "mm", fwd=1.0, bwd=2.0, fwd_fixed=0.0, bwd_fixed=0.5, act=10.0,
+...              params=4.0, out=3.0)
+>>> [c.fwd for c in chunk_costs([u, u], (0,), 2.0)], chunk_costs([u, u], (0,), 2.0)[0].bwd
+([4.0], 8.0)
+>>> chunk_costs([u, u], (0,), 1.0, recomputed={1})[0].act    # unit 1 keeps unit 0's output
+13.0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
+
+__all__ = ["UnitCost", "ChunkCost", "DpTerms", "StepTime", "chunk_costs", "dp_terms",
+           "rank_memory", "step_time", "BUCKET"]
+
+#: gradient bucket of the data-parallel reduction (AMSP's ``U``), bytes
+BUCKET = 25 * 2**20
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """One unit (module docstring), per device, at the batch it was priced at."""
+
+    layer: str
+    start: str
+    fwd: float
+    bwd: float
+    fwd_fixed: float
+    bwd_fixed: float
+    act: float
+    params: float
+    out: float
+    #: parameters it uses again after an earlier unit first did (a tied embedding and LM
+    #: head): ``(name, first unit, local elements)``, counted in its chunk when that first
+    #: use lies in another chunk (each chunk holds, reduces and steps its own copy)
+    reused: tuple[tuple[str, int, float], ...] = ()
+    #: bytes of each activation gradient reduced over the replicas in its backward (a value
+    #: not derived from the batch, e.g. a position embedding's lookup, read by one that is:
+    #: its gradient sums over the batch), one entry per such edge; priced per microbatch
+    #: by the configuration's data-parallel group (:func:`chunk_costs`' ``replica_reduce``)
+    replica_grads: tuple[float, ...] = ()
+    #: the latency part of its activation communication (``fwd``/``bwd`` hold it at the
+    #: priced batch): paid once per microbatch whatever its size
+    fwd_lat: float = 0.0
+    bwd_lat: float = 0.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "reused", tuple(tuple(x) for x in self.reused))
+        object.__setattr__(self, "replica_grads", tuple(float(x) for x in self.replica_grads))
+
+    def forward(self, scale: float) -> float:
+        """Seconds of its forward at ``scale`` times the priced batch."""
+        return (self.fwd - self.fwd_lat) * scale + self.fwd_lat + self.fwd_fixed
+
+    def backward(self, scale: float) -> float:
+        """Seconds of its backward at ``scale`` times the priced batch (no reductions)."""
+        return (self.bwd - self.bwd_lat) * scale + self.bwd_lat
+
+
+@dataclass(frozen=True)
+class ChunkCost:
+    """One stage chunk of one microbatch (module docstring): ``fwd``, ``bwd`` (with its
+    recomputed forwards), ``reduce`` (gradient reductions on its own axes, once per step),
+    ``params`` (local parameters), ``act``/``rebuilt`` (``A_k``/``Amax_k``), ``out`` (bytes
+    sent to the next chunk), ``max_params``/``max_act`` (its largest unit's)."""
+
+    fwd: float
+    bwd: float
+    reduce: float
+    params: float
+    act: float
+    rebuilt: float
+    out: float
+    max_params: float = 0.0
+    max_act: float = 0.0
+
+
+def chunk_costs(units: Sequence[UnitCost], starts: Sequence[int], scale: float = 1.0,
+                recomputed: Collection[int] = (),
+                replica_reduce: Callable[[float], float] | None = None) -> list[ChunkCost]:
+    """Per chunk its :class:`ChunkCost` (module docstring; ``recomputed``: unit indices;
+    ``replica_reduce(nbytes)``: seconds of an all-reduce over the data-parallel replicas, paid
+    in backward for each of the units' ``replica_grads``)."""
+    bounds = list(starts) + [len(units)]
+    rec = set(recomputed)
+    out = []
+    for k in range(len(starts)):
+        idx = range(bounds[k], bounds[k + 1])
+        us = [units[u] for u in idx]
+        fwd = sum(u.forward(scale) for u in us)
+        again = sum(units[u].forward(scale) for u in idx if u in rec)
+        act = sum((units[u - 1].out if u else 0.0) if u in rec else units[u].act for u in idx)
+        copies = {name: n for u in us for name, first, n in u.reused if first < bounds[k]}
+        sync = sum(replica_reduce(b) for u in us for b in u.replica_grads) if replica_reduce else 0.0
+        out.append(ChunkCost(
+            fwd=fwd, bwd=sum(u.backward(scale) for u in us) + again + sync,
+            reduce=sum(u.bwd_fixed for u in us), params=sum(u.params for u in us) + sum(copies.values()),
+            act=act * scale, rebuilt=max((units[u].act for u in idx if u in rec), default=0.0) * scale,
+            out=us[-1].out * scale, max_params=max(u.params for u in us),
+            max_act=max(u.act for u in us) * scale))
+    return out
+
+
+@dataclass(frozen=True)
+class DpTerms:
+    """AMSP's per-step data-parallel seconds for one pipeline rank's parameters."""
+
+    t_p: float = 0.0
+    t_g: float = 0.0
+    t_os0: float = 0.0
+    t_os1: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.t_p + self.t_g + self.t_os0 + self.t_os1
+
+
+@functools.lru_cache(maxsize=8192)
+def dp_terms(phi: float, layers: int, m: int, d0: int, d1: int, s_p: int, s_g: int, s_os: int,
+             cluster, precision: str = "mixed") -> DpTerms:
+    """AMSP's ``T_p, T_g, T_os0, T_os1`` (:func:`fxpar.cost.amsp.evaluate`) for ``phi`` local
+    parameters in ``layers`` equal modules over ``d0 × d1`` replicas (inside × across nodes),
+    ``m`` microbatches; each factor split inside the node first (AMSP eq. 7)."""
+    from fxpar.cost.amsp import Sharding, evaluate
+
+    if d0 * d1 == 1 or phi <= 0:
+        return DpTerms()
+    # priced on the d1 nodes one stage's replicas span (AMSP tiles its grid over the cluster)
+    if cluster.nodes != d1:
+        cluster = dataclasses.replace(cluster, nodes=d1)
+
+    def split(s: int) -> tuple[int, int]:
+        return (s, 1) if s <= d0 else (d0, s // d0)
+
+    r = evaluate(Sharding(split(s_p), split(s_g), split(s_os)), phi=phi,
+                 module_params=[phi / max(1, layers)], L=max(1, layers), M=m, U=BUCKET,
+                 cluster=cluster, dp=(d0, d1), precision=precision)
+    return DpTerms(r.t_p, r.t_g, r.t_os0, r.t_os1)
+
+
+def rank_memory(chunks: Sequence[ChunkCost], p: int, in_flight: Sequence[float],
+                state_bytes: tuple[float, float, float], state: tuple[int, int, int],
+                tmp: float) -> list[float]:
+    """Peak bytes per pipeline rank (module docstring); chunk ``k`` runs on rank ``k % p``;
+    ``state_bytes`` = ``(k_p, k_g, k_os)`` per parameter, ``state`` = ``(s_p, s_g, s_os)``."""
+    kp, kg, kos = state_bytes
+    s_p, s_g, s_os = state
+    out = []
+    for r in range(p):
+        mine = chunks[r::p]
+        phi = sum(c.params for c in mine)
+        gathered = 2 * kp * max(c.max_params for c in chunks) if s_p > 1 else 0.0
+        out.append(phi * (kp / s_p + kg / s_g + kos / s_os) + gathered + tmp
+                   + in_flight[r] * sum(c.act for c in mine) + max(c.rebuilt for c in mine))
+    return out
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """``step`` seconds; ``pipeline`` the simulated part, ``dp_comm`` the data-parallel
+    terms of the slowest rank, ``bubble`` the simulator's idle fraction, ``summed`` every
+    cost added with no overlap, ``sim`` the :class:`fxpar.sim.SimResult`."""
+
+    step: float
+    pipeline: float
+    dp_comm: float
+    bubble: float
+    summed: float
+    sim: object = None
+
+
+def step_time(schedule, chunks: Sequence[ChunkCost], xfer: Callable[[int], tuple[float, float]],
+              dp: Sequence[DpTerms], *, act_bytes: Sequence[float] | None = None,
+              static_bytes: Sequence[float] | None = None) -> StepTime:
+    """The step of ``schedule`` (a :class:`fxpar.schedule.Schedule`) over ``chunks`` (module
+    docstring). ``xfer(k)``: seconds of chunk ``k``'s boundary transfer to ``k+1`` and of its
+    gradient back; ``dp[r]``: pipeline rank ``r``'s :class:`DpTerms`."""
+    from fxpar.sim import simulate
+
+    p, m, n = schedule.stages, schedule.microbatches, len(chunks)
+    share = [c.params / max(sum(x.params for x in chunks[k % p::p]), 1e-30) for k, c in enumerate(chunks)]
+    gather = [dp[k % p].t_p / (2 * m) * share[k] for k in range(n)]
+    fwd = [c.fwd + g for c, g in zip(chunks, gather)]
+    bwd = [c.bwd + g for c, g in zip(chunks, gather)]
+    red = [c.reduce + (dp[k % p].t_g + dp[k % p].t_os0) * share[k] for k, c in enumerate(chunks)]
+    xs = [xfer(k) for k in range(n - 1)]
+
+    def comm(action) -> float:
+        if action.kind == "SEND_F":
+            return xs[action.stage][0] if action.stage < n - 1 else 0.0
+        if action.kind == "SEND_B":
+            return xs[action.stage - 1][1] if action.stage >= 1 else 0.0
+        return 0.0
+
+    kw = {}
+    if act_bytes is not None:
+        kw.update(act_bytes=list(act_bytes), static_bytes=list(static_bytes or [0.0] * p))
+    res = simulate(schedule, fwd=fwd, bwd=bwd, comm=comm, reduce=lambda a: red[a.stage], **kw)
+    tail = max(d.t_os1 for d in dp)
+    summed = (m * sum(fwd) + m * sum(bwd) + sum(red) + m * sum(a + b for a, b in xs) + tail)
+    return StepTime(float(res.step_time) + tail, float(res.step_time), max(d.total for d in dp),
+                    float(res.bubble_fraction), float(summed), res)

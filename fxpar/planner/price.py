@@ -1,0 +1,276 @@
+"""A configuration priced by the one step model (:mod:`fxpar.cost.step`), from plans.
+
+* :func:`unit_table`: a plan's costs attributed to the units of its graph
+  (:func:`fxpar.split.units`): per device, compute and communication on the plan's own axes;
+  parameter communication over the replica axes (``dp``, ``dp_shard``) is left out, the step
+  model prices it with AMSP's terms from the configuration's state factors, and so are the
+  reductions of activation gradients summed over the batch (``replica_grads``: their bytes,
+  priced by the configuration's data-parallel group);
+* :func:`price_config`: a :class:`~fxpar.config.ParallelConfig`'s step
+  (:class:`~fxpar.cost.step.StepTime`) and peak memory per pipeline rank from its chunks' unit
+  tables. The joint search calls it on the probe's table scaled to each candidate's
+  microbatch; a realized plan on its own tables at their real shapes
+  (:func:`price_plan`), so the two agree where the layouts agree.
+
+>>> import torch, fxpar
+>>> from examples.models import MLP
+>>> gm = fxpar.capture(MLP(8, 16, 4), (torch.randn(4, 8),))
+>>> p = fxpar.plan(MLP(8, 16, 4), fxpar.Cluster.preset("dgx-a100"), (torch.randn(4, 8),),
+...                mesh={"dp": 2}).plan
+>>> [u.layer for u in unit_table(gm, p)] == [u.layer for u in p.units]
+True
+>>> p.time == price_plan(p)[0].step, p.config.dp
+(True, 2)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.config import ParallelConfig
+from fxpar.cost.memory import STATE_BYTES_PER_PARAM, model_state_bytes
+from fxpar.cost.pipeline import in_flight_microbatches
+from fxpar.cost.step import (BUCKET, DpTerms, StepTime, UnitCost, chunk_costs, dp_terms,
+                             rank_memory, step_time)
+from fxpar.spec import Spec
+from fxpar.split import units
+
+__all__ = ["REPLICA_AXES", "schedule_of", "unit_table", "replica_grid", "price_config", "price_plan",
+           "recomputed_units"]
+
+#: mesh axes whose devices hold replicas of the batch split (data parallelism)
+REPLICA_AXES = ("dp", "dp_shard")
+#: memory key of each schedule (:func:`fxpar.cost.pipeline.in_flight_microbatches`)
+_MEM_KEY = {"1f1b": "1f1b", "interleaved": "interleaved", "eager-1f1b": "eager_1f1b",
+            "zb-h1": "1f1b", "gpipe": "gpipe"}
+
+
+def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
+    """``plan`` (of ``gm``) attributed to ``gm``'s units (module docstring): a node's compute
+    and saved bytes to its unit, an edge's seconds to its consumer's unit (``fwd``/``bwd``, or
+    ``*_fixed`` out of a parameter), a parameter's local elements (over the non-replica axes)
+    to the unit that first uses it, and each value's local bytes to every cut it crosses."""
+    us = units(gm)
+    unit_of = {nd.name: i for i, (_, nodes) in enumerate(us) for nd in nodes}
+    nodes = {n.name: n for n in gm.graph.nodes}
+    params = {n.name for n in gm.graph.nodes if n.op == "placeholder" and ir.is_trainable_param(n)}
+    names, shape = tuple(plan.mesh["axis_names"]), tuple(plan.mesh["shape"])
+    own = tuple(1 if a in REPLICA_AXES else s for a, s in zip(names, shape))
+    first_use: dict[str, int] = {}
+    last_use: dict[str, int] = {}
+    for i, (_, unodes) in enumerate(us):
+        for nd in unodes:
+            for a in nd.all_input_nodes:
+                first_use.setdefault(a.name, i)
+                if a.name in unit_of:
+                    last_use[a.name] = max(last_use.get(a.name, -1), i)
+    acc = [dict(fwd=0.0, bwd=0.0, fwd_fixed=0.0, bwd_fixed=0.0, act=0.0, params=0.0, out=0.0,
+                fwd_lat=0.0, bwd_lat=0.0) for _ in us]
+    users: dict[str, set[int]] = {}
+    for i, (_, unodes) in enumerate(us):
+        for nd in unodes:
+            for a in nd.all_input_nodes:
+                users.setdefault(a.name, set()).add(i)
+    reused: list[list] = [[] for _ in us]
+    for n in plan.nodes:
+        if n.name in params and n.name in first_use:
+            val = nodes[n.name].meta[ir.VAL]
+            k = Spec.parse(n.outputs[0]).local_numel(tuple(val.shape), own)
+            f = first_use[n.name]
+            acc[f]["params"] += k
+            for u in sorted(users[n.name] - {f}):
+                reused[u].append((n.name, f, float(k)))
+        elif n.name in unit_of:
+            a = acc[unit_of[n.name]]
+            a["fwd"] += n.fwd_time
+            a["bwd"] += n.bwd_time
+            a["act"] += n.memory
+    # activation gradients summed over the batch: reduced over the replicas, priced by the
+    # configuration (the search's probe has no replica axis to show them)
+    batch = _batch_derived(gm)
+    flags = ir.grad_flags(gm)
+    sync: set[tuple[str, str]] = set()
+    grads: list[list[float]] = [[] for _ in us]
+    for n in gm.graph.nodes:
+        val = n.meta.get(ir.VAL)
+        if (n.op != "call_function" or n.name in batch or not flags.get(n)
+                or not isinstance(val, torch.Tensor) or n.name not in unit_of):
+            continue
+        nb = Spec.parse(plan.node(n.name).outputs[0]).local_numel(tuple(val.shape), own) * val.dtype.itemsize
+        for c in n.users:
+            if c.name in batch and c.name in unit_of and flags.get(c):
+                sync.add((n.name, c.name))
+                grads[unit_of[c.name]].append(float(nb))
+    last = len(us) - 1
+    lat = _latency(plan)
+    for e in plan.edges:
+        fixed = e.producer in params
+        keep_replica = not fixed and (e.direction == "fwd" or (e.producer, e.consumer) not in sync)
+        steps = [s for s in e.steps if keep_replica or s.axis not in REPLICA_AXES]
+        d = "fwd" if e.direction == "fwd" else "bwd"
+        a = acc[unit_of.get(e.consumer, last)]
+        a[d + ("_fixed" if fixed else "")] += sum(s.time for s in steps)
+        if not fixed:
+            a[d + "_lat"] += sum(min(lat(s), s.time) for s in steps)
+    for name, j in last_use.items():
+        i, val = unit_of[name], nodes[name].meta.get(ir.VAL)
+        if j <= i or not isinstance(val, torch.Tensor):
+            continue
+        nb = Spec.parse(plan.node(name).outputs[0]).local_numel(tuple(val.shape), shape) * val.dtype.itemsize
+        for k in range(i, j):
+            acc[k]["out"] += nb
+    return [UnitCost(lay, nodes_[0].name, **a, reused=tuple(r), replica_grads=tuple(g))
+            for (lay, nodes_), a, r, g in zip(us, acc, reused, grads)]
+
+
+def _latency(plan) -> Callable:
+    """``step -> seconds`` of a collective step's latency on the plan's mesh and cluster (0
+    for local steps and where the plan does not carry its cluster)."""
+    from fxpar.cost.comm import COLLECTIVES, latency_time
+    from fxpar.mesh import Mesh
+
+    try:
+        cl = plan.cluster()
+        mesh = Mesh.from_devices(cl, plan.mesh["axis_names"],
+                                 np.asarray(plan.mesh["devices"]).reshape(plan.mesh["shape"]))
+    except (KeyError, TypeError, ValueError):
+        return lambda s: 0.0
+    groups = {a: mesh.groups(a)[0] for a in mesh.axis_names}
+    return lambda s: (latency_time(s.kind, groups[s.axis], cl)
+                      if s.kind in COLLECTIVES and s.axis in groups else 0.0)
+
+
+def _batch_derived(gm: fx.GraphModule) -> set[str]:
+    """Names of the nodes computed from the batch (the user's tensor inputs), transitively."""
+    out = {i.name for i in ir.user_inputs(gm) if i.is_tensor}
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and any(a.name in out for a in n.all_input_nodes):
+            out.add(n.name)
+    return out
+
+
+def replica_grid(dp: int, pp: int, tp: int, cluster) -> tuple[int, int]:
+    """``(d0, d1)``: a stage's ``dp`` replicas as ``d0`` inside a node × ``d1`` across nodes
+    (tensor parallelism innermost, then data, then pipeline)."""
+    R = cluster.devices_per_node
+    d0 = math.gcd(dp, max(1, R // tp)) if pp * dp * tp >= R else dp
+    return d0, dp // d0
+
+
+def replica_allreduce(config: ParallelConfig, cluster) -> Callable[[float], float] | None:
+    """``nbytes -> seconds`` of an all-reduce over one data-parallel group of ``config`` (all
+    its replicas, on the devices a mesh of its degrees gives them), ``None`` without one."""
+    from fxpar.cost.comm import collective_time
+    from fxpar.mesh import Mesh
+
+    if config.dp == 1:
+        return None
+    deg = {k: v for k, v in config.degrees.items() if k != "dp_shard"}
+    deg["dp"] = config.dp
+    groups = Mesh(cluster, deg).groups("dp")
+    return lambda nb: collective_time("all_reduce", nb, groups[0], cluster, concurrent=groups)
+
+
+def recomputed_units(us: Sequence[UnitCost], layers) -> frozenset[int]:
+    """Indices of the units whose layer is in ``layers``."""
+    return frozenset(i for i, u in enumerate(us) if u.layer in layers)
+
+
+def _state_bytes(options) -> tuple[float, float, float]:
+    from fxpar.cost.memory import _OPT_ALIASES, _PREC_ALIASES
+
+    key = (_OPT_ALIASES.get(options.optimizer.lower(), options.optimizer.lower()),
+           _PREC_ALIASES.get(options.precision.lower(), options.precision.lower()))
+    return STATE_BYTES_PER_PARAM[key]
+
+
+def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequence[int],
+                 cluster, options, *, scale: float = 1.0, recomputed=None,
+                 xfer: Callable[[int], tuple[float, float]] | None = None,
+                 schedule=None, memory: bool = False) -> tuple[StepTime, list[float]]:
+    """``config``'s step and peak bytes per pipeline rank over the units ``us`` cut into chunks
+    at ``starts`` (``pp·chunks`` of them), at ``scale`` times the units' batch;
+    ``recomputed``: unit indices (default: the units of ``config.recompute``); ``xfer(k)``: a
+    boundary transfer's seconds forward and back (default none); ``schedule``: the
+    :class:`~fxpar.schedule.Schedule` (default built from ``config``)."""
+    from fxpar.schedule import Schedule
+
+    p, m, v = config.pp, config.microbatches, config.chunks
+    rec = recomputed_units(us, config.recompute) if recomputed is None else recomputed
+    chunks = chunk_costs(us, starts, scale, rec, replica_allreduce(config, cluster))
+    sched = schedule or Schedule.build(str(config.schedule), stages=p, microbatches=m, chunks=v)
+    d0, d1 = replica_grid(config.dp, p, config.tp, cluster)
+    layers = max(1, math.ceil(len(us) / p))
+    prec = options.precision
+    dp = [dp_terms(round(sum(c.params for c in chunks[r::p])), layers, m, d0, d1, *config.state,
+                   cluster, prec) if config.dp > 1 else DpTerms() for r in range(p)]
+    fl = [in_flight_microbatches(_MEM_KEY.get(str(config.schedule), "gpipe"), r, p, m, v)
+          for r in range(p)]
+    tmp = 2 * BUCKET + max(c.max_act for c in chunks)
+    kb = _state_bytes(options)
+    mem = rank_memory(chunks, p, fl, kb, config.state, tmp)
+    kw = {}
+    if memory:
+        per = sum(k / s for k, s in zip(kb, config.state))
+        kw = dict(act_bytes=[c.act for c in chunks],
+                  static_bytes=[per * sum(c.params for c in chunks[r::p]) for r in range(p)])
+    st = step_time(sched, chunks, xfer or (lambda k: (0.0, 0.0)), dp, **kw)
+    return st, mem
+
+
+def bytes_per_param(options) -> int:
+    return int(model_state_bytes(1, optimizer=options.optimizer, precision=options.precision).total)
+
+
+def schedule_of(plan):
+    """The :class:`fxpar.schedule.Schedule` a pipeline plan runs (its action lists are in
+    ``plan.schedule["csv"]``: the plan says exactly what every rank does)."""
+    from fxpar.schedule import Schedule
+
+    sc = plan.schedule
+    return Schedule.from_csv(sc["csv"], microbatches=sc["microbatches"], chunks=sc["chunks"],
+                             name=sc["name"])
+
+
+def mesh_config(plan) -> ParallelConfig:
+    """The configuration an SPMD ``plan`` realizes, read off its mesh (``dp``·``dp_shard``
+    replicas, ``tp``, other axes as ``extra``) and its parameters' layouts (``s_p``: the
+    replica axes that shard any parameter; gradients and optimizer states sharded with them,
+    as the runner does by default)."""
+    deg = dict(zip(plan.mesh["axis_names"], plan.mesh["shape"]))
+    s_p = 1
+    for a in REPLICA_AXES:
+        if a in deg and deg[a] > 1:
+            k = list(deg).index(a)
+            if any(n.param and Spec.parse(n.outputs[0]).placements[k].is_shard() for n in plan.nodes):
+                s_p *= deg[a]
+    extra = tuple((a, k) for a, k in deg.items() if a not in (*REPLICA_AXES, "tp", "pp"))
+    return ParallelConfig(dp=deg.get("dp", 1) * deg.get("dp_shard", 1), tp=deg.get("tp", 1),
+                          extra=extra, s_p=s_p, s_g=s_p, s_os=s_p)
+
+
+def price_plan(plan, config: ParallelConfig | None = None, *, memory: bool = False
+               ) -> tuple[StepTime, list[float]]:
+    """A realized ``plan``'s step and memory per rank from its unit tables (its stages' in
+    chunk order, or its own) under ``config`` (default ``plan.config``); with ``memory``,
+    the simulator also traces memory (each chunk's activations per microbatch in flight
+    over its rank's model states), as :meth:`fxpar.program.Program.simulate` shows."""
+    config = config or plan.config
+    opts = SimpleNamespace(optimizer=plan.options.get("optimizer", "adam"),
+                           precision=plan.options.get("precision", "mixed"))
+    tables = [st.plan.units for st in plan.stages] if plan.stages else [plan.units]
+    us = [u for t in tables for u in t]
+    starts = [0]
+    for t in tables[:-1]:
+        starts.append(starts[-1] + len(t))
+    st_x = {s.index: (s.send_time, s.back_time) for s in plan.stages}
+    sched = schedule_of(plan) if plan.stages else None
+    return price_config(config, us, starts, plan.cluster(), opts, memory=memory,
+                        xfer=lambda k: st_x.get(k, (0.0, 0.0)), schedule=sched)
