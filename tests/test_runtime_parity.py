@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+pytestmark = pytest.mark.dist
+
 TOL = dict(rtol=1e-4, atol=2e-5)
 
 
@@ -77,12 +79,13 @@ def _build(name: str):
                            num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
                            hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=4)
         return tf.ViTForImageClassification(cfg), (torch.randn(4, 3, 8, 8),), (), None
-    if name in ("gpt2", "llama", "bert", "mixtral"):
+    if name in ("gpt2", "gpt2-cache", "llama", "bert", "mixtral"):
         import transformers as tf
 
-        if name == "gpt2":
+        if name.startswith("gpt2"):  # with its cache: k/v concatenated onto torch.empty(0)
             cfg = tf.GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=4,
-                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                use_cache=name == "gpt2-cache")
             m = tf.GPT2LMHeadModel(cfg)
         elif name == "bert":
             cfg = tf.BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2,
@@ -122,7 +125,7 @@ def run_parity(name: str, plan: str, mesh: dict, s_g: int = 1, s_os: int = 1, st
     from fxpar.runtime.redistribute import distribute
 
     model, inputs, targets, loss_fn = _build(name)
-    kwargs = {"labels": inputs[0]} if name in ("gpt2", "llama", "bert", "mixtral") else {}
+    kwargs = {"labels": inputs[0]} if name in ("gpt2", "gpt2-cache", "llama", "bert", "mixtral") else {}
     if name == "vit":
         kwargs = {"labels": torch.arange(inputs[0].shape[0]) % 4}
     ref = copy.deepcopy(model)
@@ -179,6 +182,7 @@ def _check(results):
     ("cnn", "dp", {"dp": 2}, 1, 2),
     ("ln-mlp", "megatron", {"tp": 2}, 1, 1),
     ("gpt2", "megatron", {"dp": 1, "tp": 2}, 1, 1),
+    ("gpt2-cache", "dp", {"dp": 2}, 1, 1),
     ("llama", "auto", {"tp": 2}, 1, 1),
     ("bert", "megatron", {"dp": 1, "tp": 2}, 1, 1),
     ("mixtral", "auto", {"dp": 2}, 1, 1),
