@@ -112,7 +112,7 @@ from collections.abc import Sequence
 
 from fxpar.kinds import Collective
 
-__all__ = [
+__all__ = ["pairs_time", 
     "COLLECTIVES",
     "ring_steps_and_factor",
     "latency_steps",
@@ -404,6 +404,24 @@ def _calibrated_beta(collective: str, group: tuple[int, ...], cluster, beta: flo
             share = beta / alone if math.isfinite(alone) and alone > 0 else 1.0
             beta = entry.bandwidth * share
     return beta
+
+
+def pairs_time(nbytes: float, pairs: Sequence[tuple[int, int]], cluster) -> float:
+    """Seconds of index-aligned point-to-point copies run at once (a stage boundary: device
+    ``src[i]`` sends its ``nbytes`` shard to ``dst[i]``): the slowest pair's ``send_recv``,
+    the pairs that cross nodes sharing their links. The one price of a pipeline transfer
+    (planned boundaries, the joint search, Megatron's formulas).
+
+    >>> from fxpar import Cluster
+    >>> c = Cluster.preset("dgx-a100", nodes=2)
+    >>> t = pairs_time(1e6, [(i, 8 + i) for i in range(8)], c)   # 8 pairs share the 200 GB/s NIC
+    >>> round(t * 1e6, 3)                                         # 8 µs + 8·1 MB / 200 GB/s
+    48.0
+    """
+    if not nbytes or not pairs:
+        return 0.0
+    pairs = [tuple(int(x) for x in pr) for pr in pairs]
+    return max(collective_time("send_recv", nbytes, pr, cluster, concurrent=pairs) for pr in pairs)
 
 
 def collective_time(collective: str, nbytes: float, group: Sequence[int], cluster, *,

@@ -16,7 +16,7 @@ data-parallel size, ``n = p·t·d`` devices, ``X`` achieved FLOP/s per device.
 
 from __future__ import annotations
 
-from fxpar.cost.comm import collective_time
+from fxpar.cost.comm import collective_time, pairs_time
 from fxpar.cost.pipeline import bubble_fraction
 
 __all__ = [
@@ -131,9 +131,8 @@ def pp_boundary_time(b: int, s: int, h: int, cluster, src_group, dst_group, *, s
     """
     src, dst = tuple(src_group), tuple(dst_group)
     t = len(src)
-    pairs = [(a, b_) for a, b_ in zip(src, dst)]
     nbytes = pp_boundary_traffic(b, s, h, t, scatter_gather=scatter_gather, bytes_per_elem=bytes_per_elem)
-    send = max(collective_time("send_recv", nbytes, pr, cluster, concurrent=pairs) for pr in pairs)
+    send = pairs_time(nbytes, list(zip(src, dst)), cluster)
     if not scatter_gather or t == 1:
         return send
     return send + collective_time("all_gather", nbytes, dst, cluster)

@@ -531,22 +531,16 @@ def _state_key(opts: PlannerOptions) -> tuple[str, str]:
             _PREC_ALIASES.get(opts.precision.lower(), opts.precision.lower()))
 
 
+@functools.lru_cache(maxsize=65536)
 def _xfer(nbytes: float, k: int, p: int, d: int, t: int, cluster) -> float:
     """Seconds of one boundary transfer from chunk ``k``'s rank to the next one's: every
     device of the stage sends its shard to the same position of the next stage, all at once
-    (:func:`fxpar.planner.stages.boundary_time`; the pairs are alike, so one is priced)."""
-    if not nbytes:
-        return 0.0
-    alpha, beta = _pair_link(k % p, (k + 1) % p, d * t, cluster)
-    return alpha + nbytes / beta
+    (:func:`fxpar.cost.comm.pairs_time`, as a planned boundary is priced)."""
+    from fxpar.cost.comm import pairs_time
 
-
-@functools.lru_cache(maxsize=4096)
-def _pair_link(src: int, dst: int, g: int, cluster) -> tuple[float, float]:
-    from fxpar.cost.comm import group_bandwidth, group_latency
-
-    pairs = [(src * g + i, dst * g + i) for i in range(g)]
-    return group_latency(pairs[0], cluster), group_bandwidth(pairs[0], cluster, concurrent=pairs)
+    g = d * t
+    src, dst = k % p, (k + 1) % p
+    return pairs_time(nbytes, [(src * g + i, dst * g + i) for i in range(g)], cluster)
 
 
 #: the most unit-count combinations a rank's partial recomputation enumerates exactly

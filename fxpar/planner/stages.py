@@ -80,12 +80,10 @@ def stage_submesh(mesh: Mesh, rank: int) -> Mesh:
 def boundary_time(nbytes: float, src: Sequence[int], dst: Sequence[int], cluster) -> float:
     """Seconds to move a boundary value from submesh ``src`` to ``dst`` (device ids, same
     order: device ``src[i]`` sends its ``nbytes`` shard to ``dst[i]``, all pairs at once):
-    ``α + nbytes/β`` of the slowest pair, the pairs that cross nodes sharing their links."""
-    from fxpar.cost.comm import group_bandwidth, group_latency
+    :func:`fxpar.cost.comm.pairs_time`."""
+    from fxpar.cost.comm import pairs_time
 
-    pairs = [(int(s), int(d)) for s, d in zip(src, dst)]
-    return max(group_latency(pr, cluster) + nbytes / group_bandwidth(pr, cluster, concurrent=pairs)
-               for pr in pairs) if nbytes else 0.0
+    return pairs_time(nbytes, list(zip(src, dst)), cluster)
 
 
 def _boundary_spec(plan: Plan, name: str) -> Spec:
