@@ -128,7 +128,7 @@ def plan_overlap(plan, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
     units = sorted(first, key=first.get)
     unit_no = {u: k for k, u in enumerate(units)}
     gathers: dict[tuple, list] = {}  # (issue, need, kind, axis) -> steps, coalesced
-    grads: list[tuple[int, StepCost]] = []  # (ready at, reduction step)
+    grads: list[tuple] = []  # (ready at, reduction step)
     regathers: dict[tuple, list] = {}  # (layer, axis) -> [needed at, steps] in backward
     comms = []
     for e in edges:

@@ -56,11 +56,13 @@ import functools
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
+from fxpar.defaults import BUCKET_BYTES
+
 __all__ = ["UnitCost", "ChunkCost", "DpTerms", "StepTime", "chunk_costs", "dp_terms",
            "rank_memory", "step_time", "BUCKET"]
 
 #: gradient bucket of the data-parallel reduction (AMSP's ``U``), bytes
-BUCKET = 25 * 2**20
+BUCKET = BUCKET_BYTES
 
 
 @dataclass(frozen=True)

@@ -38,12 +38,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-
-import numpy as np
 
 from fxpar.config import ParallelConfig
 from fxpar.cost.step import UnitCost

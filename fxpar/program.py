@@ -27,6 +27,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from fxpar import ir
+from fxpar.defaults import BUCKET_BYTES
 from fxpar.errors import CaptureError, FxparError, PlanError
 from fxpar.mesh import Mesh
 from fxpar.passes.infra import PassContext, run_passes
@@ -194,7 +195,7 @@ class Program:
 
     def runner(self, weights: Any = None, *, s_g: int | None = None, s_os: int | None = None, seed: int = 0,
                local_batch: bool = False, device: str | None = None,
-               bucket_bytes: int = 25 * 2**20, regather: bool = True,
+               bucket_bytes: int = BUCKET_BYTES, regather: bool = True,
                recompute=None) -> Runner:
         """This rank's :class:`Runner` (collective: every rank of the mesh calls it).
 
@@ -259,8 +260,9 @@ def load(path, model: torch.nn.Module, *, optimizer: Callable | None = None,
          loss_fn: Callable | None = None) -> Program:
     """Rebuild a :class:`Program` from :meth:`Program.save` for ``model`` (re-captured from the
     saved input shapes). Raises :class:`PlanError` if the file was made for another model."""
-    from fxpar.capture import WithLoss as _WithLoss, frozen_params as _Frozen
+    from fxpar.capture import WithLoss as _WithLoss
     from fxpar.capture import capture
+    from fxpar.capture import frozen_params as _Frozen
 
     with open(path) as f:
         d = json.load(f)

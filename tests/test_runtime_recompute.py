@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+pytestmark = pytest.mark.dist
+
 TOL = dict(rtol=1e-4, atol=2e-5)
 SAME = dict(rtol=1e-6, atol=1e-7)   # recompute vs not: the same ops on the same values
 
@@ -177,7 +179,8 @@ def unknown_layer():
     # the plan's choice is used when none is given (the joint planner writes it there)
     import dataclasses
 
-    prog.plan = dataclasses.replace(prog.plan, schedule=dict(prog.plan.schedule, recompute=["blocks.1"]))
+    prog.plan = dataclasses.replace(prog.plan, config=dataclasses.replace(prog.plan.config,
+                                                                          recompute={"blocks.1"}))
     return msg, sorted(prog.runner().recompute), sorted(prog.runner(recompute=()).recompute)
 
 

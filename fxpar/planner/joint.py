@@ -70,8 +70,7 @@ from fxpar.cost.step import BUCKET, UnitCost, chunk_costs, dp_terms, rank_memory
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.planner.intra_op import PlannerOptions, plan_and_keep
-from fxpar.planner.price import price_config
-from fxpar.spec import Spec
+from fxpar.planner.price import price_config, replica_allreduce
 from fxpar.split import units
 
 __all__ = ["UnitCost", "Candidate", "SearchResult", "unit_costs", "search", "SCHEDULES"]
@@ -386,7 +385,9 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
     n_dev = devices or cluster.num_devices
     only = dict(only or {})
     R = cluster.devices_per_node
-    tps = [t for t in (tps or [t for t in (1, 2, 4, 8, 16) if t <= R]) if n_dev % t == 0]
+    # tensor parallelism inside a node, and across two where a node is smaller than 16 (the
+    # degrees a placement-agnostic search, alpa's, also tries: auto's space holds its picks)
+    tps = [t for t in (tps or [t for t in (1, 2, 4, 8, 16) if t <= max(R, 16)]) if n_dev % t == 0]
     if "tp" in only:
         tps = [only["tp"]]
     n_units = len(units(gm))
@@ -421,6 +422,8 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
             d0 = math.gcd(d, R // t) if p * d * t >= R else d
             d1 = d // d0
             layers_r = max(1, math.ceil(n_units / p))
+            # activation gradients summed over the batch, all-reduced over the replicas
+            sync = replica_allreduce(ParallelConfig(pp=p, dp=d, tp=t), cluster)
             bs = [b for b in _divisors(batch // d) if b <= MAX_MICROBATCH]
             if "microbatch" in only:  # when it divides a replica's share of the batch
                 bs = [only["microbatch"]] if (batch // d) % only["microbatch"] == 0 else []
@@ -439,7 +442,8 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                             continue
                         starts = partition(tuple(times), n)
                         # the one memory function's chunks, without and with recomputation
-                        ccs = {False: chunk_costs(us, starts, scale), True: chunk_costs(us, starts, scale, rec_all)}
+                        ccs = {rc: chunk_costs(us, starts, scale, rec_all if rc else (), sync)
+                               for rc in (False, True)}
                         xs = [_xfer(ccs[False][k].out, k, p, d, t, cluster) for k in range(n - 1)]
                         fl = [in_flight_microbatches(_MEM_KEY[sname], r, p, m, v) for r in range(p)]
                         part = None  # partial recomputation tables, built when first needed

@@ -62,6 +62,7 @@ from fxpar import ir
 from fxpar.cost.compute import TensorArg, is_view, op_cost, op_time
 from fxpar.cost.memory import model_state_bytes
 from fxpar.cost.reshard import max_local_shape
+from fxpar.defaults import BUCKET_BYTES
 from fxpar.mesh import Mesh
 from fxpar.resharding.intra import reshard_cost_table
 from fxpar.spec import Spec, grad_in_spec, grad_out_spec
@@ -176,7 +177,7 @@ def node_key(node: fx.Node, flags) -> tuple | None:
 
 #: Bytes of one gradient-reduction bucket: :class:`fxpar.runtime.model_state.ModelStates`'
 #: default (DDP's 25 MiB); a test keeps the two equal.
-GRAD_BUCKET_BYTES = 25 * 2**20
+GRAD_BUCKET_BYTES = BUCKET_BYTES
 
 
 def bucket_share(shape, dtype) -> float:
