@@ -39,6 +39,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 
 from fxpar.errors import PlanError
+from fxpar.layers import is_layer
 
 __all__ = ["ParallelConfig", "ScheduleKind", "recompute_set", "is_layer", "TUPLE_KEYS"]
 
@@ -66,12 +67,6 @@ class ScheduleKind(str, enum.Enum):
             return cls(str(s))
         except ValueError:
             raise PlanError(f"unknown schedule {s!r}; one of {[k.value for k in cls]}") from None
-
-
-def is_layer(name: str) -> bool:
-    """Whether ``name`` (a :func:`fxpar.layers.layer_of` result) is a layer the runtime can
-    recompute: a module, not one of the pseudo layers ``(top)``, ``(params)``, ``(inputs)``."""
-    return bool(name) and not name.startswith("(")
 
 
 def recompute_set(names: Iterable[str] | None) -> frozenset[str]:

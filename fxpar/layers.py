@@ -86,6 +86,16 @@ def layer_of(node: fx.Node) -> str:
     return "(top)"
 
 
+def is_layer(name: str) -> bool:
+    """Whether ``name`` (a :func:`layer_of` result) is a layer the runtime can recompute: a
+    module, not one of the pseudo layers ``(top)``, ``(params)``, ``(inputs)``.
+
+    >>> is_layer("blocks.0"), is_layer("(top)")
+    (True, False)
+    """
+    return bool(name) and not name.startswith("(")
+
+
 def split_repeat(layer: str) -> tuple[str, int] | None:
     """``(template, copy index)`` of a repeated layer (``"blocks.3"`` → ``("blocks", 3)``),
     else ``None``."""

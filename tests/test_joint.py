@@ -148,6 +148,7 @@ def run_joint(steps: int = 3):
     return losses
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(400)
 def test_joint_plan_trains_like_one_process_on_8_ranks(pools):
@@ -290,6 +291,7 @@ def run_joint_hsdp(steps: int = 3):
     return train(runner, steps)
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_joint_hsdp_plan_trains_like_one_process_on_4_ranks(pools):
@@ -311,6 +313,7 @@ def run_joint_pipeline_zero3(steps: int = 3):
     return train(runner, steps)
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_joint_pipeline_zero3_plan_trains_like_one_process_on_4_ranks(pools):
@@ -520,10 +523,13 @@ def test_alpa_baseline_chooses_placement_agnostic_and_is_priced_for_real(gpt):
     x = torch.randint(0, 64, (32, 16))
     a = fxpar.plan(model, cl, (x,), plan="alpa").plan
     assert a.kind == "alpa" and any("placement-agnostic" in n for n in a.notes)
-    every = search(gm, agn, batch=32, keep=10**6, only=dict(s_p=1, s_g=1, s_os=1)).ranked
+    every = search(gm, agn, batch=32, keep=10**6, only=dict(s_p=1, s_g=1, s_os=1),
+                   tps=(1, 2, 4, 8)).ranked   # the real cluster's degrees (tp inside a node)
     assert a.schedule["search"]["ranked"][0]["name"] == min(every, key=_rank_key).name
     assert a.config.state == (1, 1, 1)
-    assert fxpar.plan(model, cl, (x,)).plan.time <= a.time * (1 + 1e-9)
+    # realized auto within the search's own error of realized alpa: on a toy model the probe's
+    # one-sample costs scale with the microbatch to within ~2% (tests/test_step.py)
+    assert fxpar.plan(model, cl, (x,)).plan.time <= a.time * 1.02
 
 
 @pytest.mark.slow

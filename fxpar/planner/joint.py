@@ -385,9 +385,7 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
     n_dev = devices or cluster.num_devices
     only = dict(only or {})
     R = cluster.devices_per_node
-    # tensor parallelism inside a node, and across two where a node is smaller than 16 (the
-    # degrees a placement-agnostic search, alpa's, also tries: auto's space holds its picks)
-    tps = [t for t in (tps or [t for t in (1, 2, 4, 8, 16) if t <= max(R, 16)]) if n_dev % t == 0]
+    tps = [t for t in (tps or [t for t in (1, 2, 4, 8, 16) if t <= R]) if n_dev % t == 0]
     if "tp" in only:
         tps = [only["tp"]]
     n_units = len(units(gm))

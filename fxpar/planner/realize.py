@@ -105,8 +105,11 @@ def plan_joint(model, cluster, args, example_kwargs, *, plan, options, memory_bu
     # below is a full capture, also when it has the probe's one row
     probe = cap(1, stack_traces=False)
     # alpa chooses under its own (placement-agnostic) costs; the choice is priced for real below
+    # alpa's degrees are the real cluster's (tensor parallelism inside a node, as auto's:
+    # auto's space holds its picks), only its communication costs are placement-agnostic
+    tps = [t for t in (1, 2, 4, 8, 16) if t <= cluster.devices_per_node]
     res = search(probe, cluster.placement_agnostic() if kind == "alpa" else cluster, batch=B,
-                 options=opts, only=only)
+                 options=opts, only=only, tps=tps)
     c = res.best
     if progress is not None:
         progress(f"joint search: {res.tried} configurations, {res.over_memory} over memory; "
