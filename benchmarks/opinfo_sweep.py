@@ -1,7 +1,7 @@
 """OpInfo sweep: every op of PyTorch's ``op_db`` (float32 on CPU, with the integer/bool
 tensor arguments its samples carry), each sample compiled by fxpar with ``plan="auto"`` on
 ``{"dp": 2, "tp": 2}`` over a nearly-free-communication cluster, run on 4 gloo ranks and
-compared with eager (:mod:`fxpar.testing_ops`).
+compared with eager (:mod:`tests.opinfo_ops`).
 
 Writes ``benchmarks/results/opinfo_sweep.json`` (per op and sample: outcome, first line of the
 error, phase, sharded or not, unsharded fallbacks, time) and prints a summary: counts per
@@ -34,8 +34,11 @@ from pathlib import Path
 
 import torch
 
-from fxpar import testing_ops as T
 from fxpar.testing import WorkerPool
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the harness lives in tests/ (tests/opinfo_ops.py)
+from tests import opinfo_ops as T  # noqa: E402
 
 OUT = Path(__file__).resolve().parent / "results" / "opinfo_sweep.json"
 

@@ -1,10 +1,20 @@
-"""Shared fixtures: live gloo rank pools, one per world size, kept for the whole session."""
+"""Shared fixtures: live gloo rank pools, one per world size, kept for the whole session.
+
+Markers (``pyproject.toml``): ``dist`` on every test that starts processes (a
+:class:`WorkerPool`, the ``pools`` fixture, ``torchrun``); ``slow`` on tests that take more than
+a few seconds on a 2-core machine (about 5 s, a parametrized group counted together, and the
+few more that keep the rest under 3 minutes). ``./dev test --fast`` runs neither. The ``dist``
+marker cannot drift: collecting a test that uses ``pools`` without it is an error, and so is
+starting a :class:`WorkerPool` from a test that lacks it.
+"""
 
 from __future__ import annotations
 
 import pytest
 
 from fxpar.testing import WorkerPool
+
+_MARK_HELP = "mark it @pytest.mark.dist (or pytestmark = pytest.mark.dist for the whole file)"
 
 
 @pytest.fixture(scope="session")
@@ -21,3 +31,36 @@ def pools():
     yield get
     for p in started.values():
         p.close()
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects anything: every collected test is checked
+def pytest_collection_modifyitems(config, items):
+    bad = [it.nodeid for it in items
+           if "pools" in getattr(it, "fixturenames", ()) and it.get_closest_marker("dist") is None]
+    if bad:
+        raise pytest.UsageError("tests using the `pools` fixture without the `dist` marker ("
+                                + _MARK_HELP + "):\n  " + "\n  ".join(bad))
+
+
+# The test being set up, run or torn down (a module-scoped fixture starts its pool in the setup
+# of the first test that asks for it).
+_current: pytest.Item | None = None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _current
+    _current = item
+
+
+_start = WorkerPool.start
+
+
+def _start_only_under_dist(self: WorkerPool) -> None:
+    if _current is not None and _current.get_closest_marker("dist") is None:
+        pytest.fail(f"{_current.nodeid} starts a WorkerPool({self.world_size}) but has no "
+                    f"`dist` marker: {_MARK_HELP}", pytrace=False)
+    _start(self)
+
+
+WorkerPool.start = _start_only_under_dist

@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
 STEPS = 2
 
 

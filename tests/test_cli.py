@@ -83,6 +83,7 @@ def test_bad_target_is_a_clear_exit(tmp_path):
         main(["plan", f"{tmp_path / 'x.py'}:build", *COMMON])
 
 
+@pytest.mark.slow
 def test_pipeline_plan_and_dump(target, tmp_path, capsys):
     """A pp axis in --mesh plans a pipeline (explain says so) and dumps one program per stage
     chunk on each of its ranks."""

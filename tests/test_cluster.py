@@ -90,6 +90,7 @@ def _calibrate_then_measure():
     return c, sorted(runs)[len(runs) // 2]
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(240)
 def test_calibrate_on_live_group(pools):
     results = pools(4).run(_calibrate_then_measure, timeout=200)

@@ -147,6 +147,7 @@ def _calibrate_tiny():
                           min_time=5e-4)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(180)
 def test_calibrate_measures_compute_on_two_ranks(pools):
     clusters = pools(2).run(_calibrate_tiny, timeout=150)

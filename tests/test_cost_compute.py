@@ -197,6 +197,7 @@ def test_gpt_flops_match_megatron_formula(B, s, l, h, V):
     assert set(c.by_kind) >= {"matmul", "attention"} and not c.unknown_ops
 
 
+@pytest.mark.slow
 def test_gpt_flops_on_core_aten_graph():
     """After run_decompositions SDPA is bmm + softmax: the same GEMM FLOPs."""
     B, s, l, h, V = 2, 64, 2, 128, 1000

@@ -300,6 +300,7 @@ def _random_case(rng: random.Random):
     return src, sspec, dst, dspec, shape
 
 
+@pytest.mark.slow
 def test_never_worse_than_naive_and_valid_on_random_cases():
     rng = random.Random(11)
     for _ in range(40):

@@ -44,6 +44,7 @@ def class_optimum(red):
     return min(vals) if vals else None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("points", [1, 2])
 def test_lagrangian_bound_brackets_the_enumerated_optimum(points):
     """lower <= OPT <= upper, x is feasible with value upper; exact (gap 0) and proven means
@@ -67,6 +68,7 @@ def test_lagrangian_bound_brackets_the_enumerated_optimum(points):
     assert proven >= 40 and branched >= 10, (proven, branched)
 
 
+@pytest.mark.slow
 def test_a_gap_stops_early_and_stays_within_it():
     """With gap g, a proven answer is within g of the optimum of the whole objective
     (offset included), and a looser gap never takes more nodes."""
@@ -83,6 +85,7 @@ def test_a_gap_stops_early_and_stays_within_it():
             assert loose.lower <= opt
 
 
+@pytest.mark.slow
 def test_solve_with_a_gap_is_within_it_of_brute_force():
     """solve() with a requested gap: the Lagrangian DP answers (method lagrange-dp) when it
     proves the gap; either way the objective is within the gap of brute force and the

@@ -121,6 +121,7 @@ _CASES = [(mod, bad) for mod in MODULES for rule, bads in RULES if _applies(rule
           for bad in bads]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mod,bad", [pytest.param(m, b, id=f"{m}-/->{b}") for m, b in _CASES])
 def test_forbidden_edge(loaded, mod, bad):
     got = loaded[mod]
@@ -132,11 +133,13 @@ def test_forbidden_edge(loaded, mod, bad):
     assert not hits, f"importing {mod} loads {hits[:8]} (forbidden: {bad})"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mod", list(MODULES))
 def test_module_imports_alone(loaded, mod):
     assert "error" not in loaded[mod], f"importing {mod} alone failed: {loaded[mod]['error']}"
 
 
+@pytest.mark.slow
 def test_the_check_sees_a_forbidden_edge():
     """The dynamic check is not vacuous: the planner does load the solver and OR-Tools."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))

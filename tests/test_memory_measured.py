@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+pytestmark = pytest.mark.dist
+
 REL = 0.02
 
 

@@ -74,6 +74,7 @@ def _device_mesh_groups():
     return {ax: dist.get_process_group_ranks(dm.get_group(ax)) for ax in m.axis_names}
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(180)
 def test_to_device_mesh_matches_groups(pools):
     m = Mesh(Cluster.local(4), dp=2, tp=2)

@@ -104,6 +104,7 @@ def contiguous_results_worker():
     return seen
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_reshard_results_are_contiguous(pools):
     for seen in pools(4).run(contiguous_results_worker):
@@ -116,6 +117,7 @@ def raw_storage_worker():
     return [_run_vs_eager(f, (x,)) for f in (_resize, _as_strided, _view_after_gather)]
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(180)
 def test_raw_storage_ops_after_a_gather_match_eager(pools):
     """``resize_``/``as_strided``/``view`` read the gathered tensor's storage: no padding."""
@@ -217,6 +219,7 @@ def dropout_output_worker():
     return bool(kept.any()), float(loss)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_dropout_as_graph_output(pools):
     res = pools(2).run(dropout_output_worker)
@@ -260,6 +263,7 @@ def wire_dtypes_worker():
     return done
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(180)
 def test_dtypes_gloo_lacks_still_run(pools):
     """int16/uint16/uint32/uint64 (and complex all-to-all) travel as a dtype gloo has:
@@ -358,6 +362,8 @@ def local_numeric_worker():
     return True
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.timeout(240)
 def test_local_programs_match_eager(pools):
     assert all(pools(4).run(local_numeric_worker))
@@ -393,6 +399,7 @@ def _zero3_gpt_on_calibrated(**kw):
                                  pins=REPRO_PINS, **kw)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_zero3_on_a_calibrated_cluster_emits_every_rank():
     """The calibrated cluster's plan has two collectives from ``add`` (to ``layer_norm`` and
@@ -437,6 +444,8 @@ def calibrated_zero3_step_worker():
     return dist.get_rank(), float(loss)
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_zero3_on_a_calibrated_cluster_trains_like_one_process(pools):
     res = pools(4).run(calibrated_zero3_step_worker)
@@ -583,6 +592,7 @@ def sweep_numeric_worker():
     return True
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(180)
 def test_sweep_cases_match_eager(pools):
     assert all(pools(4).run(sweep_numeric_worker))
@@ -677,6 +687,7 @@ def mean_loss_worker():
     return True
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(180)
 def test_mean_loss_with_ignored_targets_matches_eager(pools):
     assert all(pools(4).run(mean_loss_worker))
@@ -717,6 +728,7 @@ def mean_loss_training_worker():
     return bool(prog.rank_graph(0).graph.find_nodes(op="call_function", target=sharded_mean_loss))
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(180)
 def test_mean_loss_with_ignored_targets_trains_like_one_process(pools):
     res = pools(4).run(mean_loss_training_worker)

@@ -2,7 +2,7 @@
 does: a deterministic sample of ``op_db`` ops, each sample wrapped in a tiny module, compiled
 with ``plan="auto"`` on ``{"dp": 2, "tp": 2}`` over a cluster whose communication is nearly
 free (so small tensors really get sharded), run on the 4-rank gloo pool and compared with
-eager (:mod:`fxpar.testing_ops`; the full sweep is ``./dev bench opinfo_sweep``).
+eager (:mod:`tests.opinfo_ops`; the full sweep is ``./dev bench opinfo_sweep``).
 
 The outcome of each op (the worst over its samples) is held against
 ``tests/opinfo_expected.json`` (``op -> {"outcome", "reason"}``); the test fails on
@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxpar import testing_ops as T
+from tests import opinfo_ops as T
 from fxpar.testing import WorkerPool
 
 EXPECTED = Path(__file__).with_name("opinfo_expected.json")
@@ -87,6 +87,8 @@ def _expected() -> dict[str, dict]:
     return T.load_expected(str(EXPECTED))
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.timeout(900)
 def test_opinfo_against_expected_failures(results):
     """Every sampled op passes or fails exactly as listed (with its reason)."""
@@ -115,6 +117,8 @@ def test_opinfo_expected_entries_are_explained():
         assert len(e.get("reason", "")) >= 15, f"{op}: give a specific reason, not {e!r}"
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_opinfo_sample_is_really_sharded(results):
     """The sweep proves something only if the planner sharded: most compiled cases have an
@@ -133,6 +137,8 @@ def test_opinfo_sample_is_really_sharded(results):
     assert not missing, f"never sharded: {missing}"
 
 
+@pytest.mark.slow
+@pytest.mark.dist
 @pytest.mark.timeout(60)
 def test_opinfo_explain_lists_unsharded_ops(results):
     """For every compiled case, ``Plan.explain()`` names each replicate-only fallback."""

@@ -18,6 +18,8 @@ import torch.distributed as dist
 
 import fxpar
 
+pytestmark = pytest.mark.dist
+
 TOL = dict(rtol=1e-4, atol=2e-5)
 
 
@@ -152,6 +154,7 @@ def test_pipeline_2_ranks(pools, name, schedule, m):
     _check(pools(2).run(run_pipeline, name, {"pp": 2}, schedule, m))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_clip_grad_norm_with_tied_embeddings(pools):
     """GPT-2's tied embedding lives on both stages: the total norm counts it once. In this
@@ -193,6 +196,7 @@ def test_hand_written_schedule(pools):
     _check(pools(2).run(run_pipeline, "gpt", {"pp": 2}, text, 2))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name,mesh,schedule,m,chunks,plan", [
     ("gpt", {"pp": 4}, "1f1b", 4, 1, "auto"),
@@ -223,6 +227,7 @@ def test_pipeline_with_state_sharding(pools):
                         "auto", 2, 2))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(500)
 def test_pipeline_8_ranks(pools):
     """pp=2 × dp=2 × tp=2 (Megatron PTD-P): tensor parallel inside a stage, data parallel

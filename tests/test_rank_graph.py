@@ -72,6 +72,7 @@ def two_runners_worker():
     return out
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(300)
 def test_two_runners_eager_and_compiled(pools):
     for losses in pools(2).run(two_runners_worker):

@@ -375,6 +375,7 @@ def test_fast_moves_equal_step_kind_moves():
                 assert [(k, x, y) for k, x, y in a] == [(k, x, y) for k, x, y in b], sp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("axes,shape", [({"dp": 2, "tp": 4}, (24, 20)),
                                         ({"a": 2, "b": 2, "c": 2}, (5, 3, 7)),
                                         ({"a": 2, "b": 2, "c": 2, "d": 2}, (6, 8))])

@@ -192,6 +192,7 @@ def test_every_pair_2x2(pools, shape):
     _run(pools(4), (2, 2), shape, list(itertools.product(specs, specs)), batched=False)
 
 
+@pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("shape", [(8, 4), (5, 3)])

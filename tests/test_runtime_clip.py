@@ -9,6 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+pytestmark = pytest.mark.dist
+
 TOL = dict(rtol=1e-4, atol=2e-6)
 
 

@@ -14,6 +14,8 @@ import pytest
 import torch
 from torch import nn
 
+pytestmark = pytest.mark.dist
+
 
 class DropMLP(nn.Module):
     def __init__(self) -> None:

@@ -217,6 +217,7 @@ def test_parity_4_ranks(pools, name, plan, mesh, s_g, s_os):
     _check(pools(4).run(run_parity, name, plan, mesh, s_g, s_os))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name,plan,mesh", [
     ("gpt", "axonn", {"z": 2, "y": 2, "x": 2}),  # AxoNN 3D: batch on z, weights on (y, x)

@@ -289,6 +289,7 @@ def _gpt_wide():
     return GPT(vocab=64, d_model=48, n_heads=4, n_layers=2, seq_len=16)
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_bad_input_every_rank(pools, tmp_path):
     """Each case raises a clear fxpar error on *every* rank, and the pool is usable after:
@@ -328,6 +329,7 @@ def inference_worker(plan: str, mesh: dict):
     return tuple(out.shape), tuple(local.shape), m.training
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("plan,mesh,local_shape", [
     ("megatron", {"dp": 1, "tp": 2}, None),
@@ -358,6 +360,7 @@ def save_load_worker(tmp: str, steps: int = 3):
     return la, lb
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_save_load_round_trip(pools, tmp_path):
     res = pools(2).run(save_load_worker, str(tmp_path))
@@ -389,6 +392,7 @@ def bf16_worker(plan: str, mesh: dict, steps: int = 3):
     return losses, ref_losses
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("plan,mesh", [("dp", {"dp": 2}), ("megatron", {"tp": 2})])
 def test_bf16(pools, plan, mesh):
@@ -419,6 +423,7 @@ def meta_init_worker(steps: int = 2):
     return losses, same, sharded
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_meta_init(pools):
     res = pools(2).run(meta_init_worker)
@@ -490,6 +495,7 @@ def off_critical_path_worker(local_batch: bool, steps: int = 2):
     return log, loss_edge, input_edges, losses, ref_losses
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("local_batch", [False, True])
 def test_loss_reduction_and_input_edges_off_the_critical_path(pools, local_batch):
@@ -541,6 +547,7 @@ def backward_prefetch_worker(steps: int = 2):
     return log, losses, ref_losses
 
 
+@pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_zero3_backward_prefetch(pools):
     """FSDP's backward prefetch: the layers' weights are gathered again in backward in reverse

@@ -160,6 +160,7 @@ def test_compute_order_matches_cost_model_order(name):
             assert got == schedule_oracle.schedule_actions(cname, r, p, m, v), (name, p, m, v, r)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "eager-1f1b", "interleaved", "zb-h1"])
 def test_forwards_before_first_backward(name):
     """1F1B: ``min(m, p−r)``; eager-1F1B: ``min(m, 2(p−r)−1)`` (cross-mesh paper §4); GPipe:

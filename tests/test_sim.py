@@ -25,6 +25,7 @@ from tests import schedule_oracle
 # ---------------------------------------------------------------------------------------------
 # exact bubbles with equal stages and free transfers
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "eager-1f1b"])
 @pytest.mark.parametrize("tf,tb", [(1.0, 2.0), (0.7, 1.3)])
 def test_bubble_one_chunk(name, tf, tb):
@@ -38,6 +39,7 @@ def test_bubble_one_chunk(name, tf, tb):
             assert r.busy == pytest.approx([m * (tf + tb)] * p)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("v", [1, 2, 4])
 def test_bubble_interleaved(v):
     """Megatron §2.2.2: with per-chunk times ``t_f``, ``t_b`` a rank computes ``m·v(t_f+t_b)``
@@ -192,6 +194,7 @@ def test_reduce_grad_on_comm_lane():
 # ---------------------------------------------------------------------------------------------
 # zero bubble
 # ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_zb_h1_closed_form():
     """Zero-bubble paper: ZB-H1's bubble is ``(p−1)(t_f + t_i − t_w)`` against 1F1B's
     ``(p−1)(t_f + t_i + t_w)`` (``t_i + t_w = t_b``), for ``m ≥ p`` and ``t_w ≤ t_f``."""

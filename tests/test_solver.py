@@ -251,6 +251,7 @@ def test_filter_gap_stays_within_the_gap():
         assert s.bound <= best.objective + 1e-12
 
 
+@pytest.mark.slow
 def test_filter_solves_a_large_domain_chain_with_a_skip_edge():
     """Domains of 300 values on a chain with a residual edge: bucket elimination's table
     (300^3) is over its cap, the filter leaves few values and the answer equals the optimum
@@ -481,6 +482,7 @@ print(json.dumps([list(solve(build(d, reverse=True)).choice), list(solve(build(d
 """
 
 
+@pytest.mark.slow
 def test_deterministic_across_processes_and_insertion_orders():
     import fxpar
 

@@ -7,6 +7,8 @@ import torch.distributed as dist
 from fxpar.errors import CollectiveTimeoutError
 from fxpar.testing import WorkerError
 
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
 
 def _allreduce_rank():
     t = torch.tensor([float(dist.get_rank())])

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = [pytest.mark.dist, pytest.mark.slow]
+
 ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--steps", "6", "--ckpt-every", "3", "--mesh", "dp=2"]
 
