@@ -207,7 +207,8 @@ def rank_memory(chunks: Sequence[ChunkCost], p: int, in_flight: Sequence[float],
 class StepTime:
     """``step`` seconds; ``pipeline`` the simulated part, ``dp_comm`` the data-parallel
     terms of the slowest rank, ``bubble`` the simulator's idle fraction, ``summed`` every
-    cost added with no overlap, ``sim`` the :class:`fxpar.sim.SimResult`."""
+    cost added with no overlap, ``sim`` the :class:`fxpar.sim.SimResult` (its ``step_time``
+    is ``step``: the timeline plus ``T_os1``)."""
 
     step: float
     pipeline: float
@@ -246,5 +247,7 @@ def step_time(schedule, chunks: Sequence[ChunkCost], xfer: Callable[[int], tuple
     res = simulate(schedule, fwd=fwd, bwd=bwd, comm=comm, reduce=lambda a: red[a.stage], **kw)
     tail = max(d.t_os1 for d in dp)
     summed = (m * sum(fwd) + m * sum(bwd) + sum(red) + m * sum(a + b for a, b in xs) + tail)
+    # the simulator's result with the step the model predicts (T_os1 after the last rank)
     return StepTime(float(res.step_time) + tail, float(res.step_time), max(d.total for d in dp),
-                    float(res.bubble_fraction), float(summed), res)
+                    float(res.bubble_fraction), float(summed),
+                    dataclasses.replace(res, step_time=float(res.step_time) + tail))

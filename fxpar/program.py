@@ -80,15 +80,17 @@ class Program:
         return self.plan.explain()
 
     def simulate(self):
-        """The step predicted from the plan's costs (:func:`fxpar.sim.simulate` over the
-        schedule's action lists; one SPMD step: a one-stage, one-microbatch schedule)."""
-        from fxpar.planner.stages import simulate_plan
+        """The step the plan predicts (``plan.time``, the one step model's:
+        :func:`fxpar.planner.price.price_plan`) as a :class:`fxpar.sim.SimResult` over the
+        schedule's action lists (one SPMD step: a one-stage, one-microbatch schedule), with
+        memory traced; a plan saved without its unit costs: its summed costs simulated."""
+        from fxpar.planner.price import price_plan
         from fxpar.schedule import Schedule
         from fxpar.sim import simulate
 
-        if self.plan.stages:
-            return simulate_plan(self.plan)
         p = self.plan
+        if p.config is not None and (p.units or (p.stages and p.stages[0].plan.units)):
+            return price_plan(p, memory=True)[0].sim
         return simulate(Schedule.build("1f1b", stages=1, microbatches=1),
                         fwd=p.compute_fwd + sum(e.time for e in p.edges if e.direction == "fwd"),
                         bwd=p.compute_bwd + sum(e.time for e in p.edges if e.direction != "fwd"))
