@@ -56,7 +56,7 @@ import functools
 import math
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -377,11 +377,58 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
     restrict the degrees tried (``microbatches``: per-replica microbatch sizes ``b``);
     ``only``: a user tuple (``{"tp": 8, "pp": 16, "dp": 8, "microbatch": 1, "schedule":
     "interleaved", "chunks": 2, "recompute": True, "s_g": 1, "s_os": 8}``; missing keys are
-    searched). Raises
-    :class:`PlanError` naming the budget and the smallest footprint when nothing fits."""
+    searched). Every configuration is enumerated (:func:`_configurations`) and priced by the
+    estimate (:func:`_price`); those within the budget are ranked (:func:`_rank_key`), the
+    ``keep`` best and each schedule's :data:`PER_SCHEDULE` best simulated and ranked again.
+    Raises :class:`PlanError` naming the budget and the smallest footprint when nothing fits,
+    or the rule that leaves no configuration at all."""
     t0 = time.perf_counter()
     opts = options or PlannerOptions()
     budget = opts.memory_budget if opts.memory_budget is not None else cluster.device_memory
+    space = _space(gm, cluster, batch=batch, probe_batch=probe_batch, devices=devices,
+                   only=only, tps=tps, pps=pps, schedules=schedules, recompute=recompute,
+                   microbatches=microbatches)
+    table, layouts, plan_s = _cost_tables(gm, cluster, space.tps, opts)
+    pricing = _Pricing(table, STATE_BYTES_PER_PARAM[_state_key(opts)], budget, cluster,
+                       space.n_units, "recompute" not in space.only and True in space.recompute)
+    cands, tried, over, smallest = _price_all(_configurations(space, table, cluster), pricing)
+    _raise_if_nothing(space, cands, tried, smallest, budget)
+    t2 = time.perf_counter()
+    ranked = sorted((_simulate(c, table[c.tp], c.microbatch / probe_batch, cluster, opts)
+                     for c in _finalists(cands, keep)), key=_rank_key)
+    return SearchResult(tuple(ranked), tried, over, smallest, float(budget),
+                        stats={"table_s": plan_s, "sim_s": time.perf_counter() - t2,
+                               "search_s": time.perf_counter() - t0}, layouts=layouts, tables=table)
+
+
+# --- the space -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Space:
+    """What :func:`search` enumerates: ``n_dev`` devices (``per_node`` a node), a global
+    ``batch``, the probe's ``probe_batch`` samples, the model's ``n_units``, the user tuple
+    ``only`` and the degrees, schedules, recomputation and microbatch sizes left to try
+    (``microbatches``: ``None`` for every divisor up to :data:`MAX_MICROBATCH`)."""
+
+    n_dev: int
+    per_node: int
+    batch: int
+    probe_batch: int
+    n_units: int
+    only: Mapping
+    tps: list[int]
+    pps: list[int]
+    schedules: list[str]
+    recompute: list[bool]
+    microbatches: Sequence[int] | None
+
+
+def _space(gm: fx.GraphModule, cluster, *, batch, probe_batch, devices, only, tps, pps,
+           schedules, recompute, microbatches) -> _Space:
+    """:func:`search`'s arguments as a :class:`_Space`: a user tuple's degrees, schedule and
+    recomputation replace the lists; ``tp`` divides the devices, ``pp`` is at most the
+    model's units."""
     n_dev = devices or cluster.num_devices
     only = dict(only or {})
     R = cluster.devices_per_node
@@ -392,86 +439,190 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
     pps = [p for p in (pps or _divisors(n_dev)) if p <= n_units]
     if "pp" in only:
         pps = [only["pp"]]
-    table, layouts = {}, {}
-    plan_s = 0.0
+    scheds = [only["schedule"]] if "schedule" in only else list(schedules)
+    recs = [bool(only["recompute"])] if "recompute" in only else list(recompute)
+    return _Space(n_dev, R, batch, probe_batch, n_units, only, tps, pps, scheds, recs,
+                  microbatches)
+
+
+def _cost_tables(gm: fx.GraphModule, cluster, tps: Sequence[int], opts: PlannerOptions
+                 ) -> tuple[dict[int, list[UnitCost]], dict[int, object], float]:
+    """Per ``tp`` degree the unit table and its plan (:func:`unit_costs` on a ``tp=t``
+    mesh), and the seconds the planning took."""
+    table, layouts, plan_s = {}, {}, 0.0
     for t in tps:
         t1 = time.perf_counter()
         mesh = Mesh(cluster, tp=t) if t > 1 else Mesh(cluster, dp=1)
         table[t], layouts[t] = unit_costs(gm, mesh, opts)
         plan_s += time.perf_counter() - t1
-    kp, kg, kos = STATE_BYTES_PER_PARAM[_state_key(opts)]
-    scheds = [only["schedule"]] if "schedule" in only else list(schedules)
-    recs = [bool(only["recompute"])] if "recompute" in only else list(recompute)
-    # partial recomputation: when recomputation is searched (not fixed by the user)
-    partial = "recompute" not in only and True in recs
-    cands: list[tuple[float, Candidate]] = []
-    tried = over = 0
-    smallest: Candidate | None = None
-    for t in tps:
-        us = table[t]
-        rec_all = frozenset(i for i, u in enumerate(us) if is_layer(u.layer))
-        for p in pps:
-            if n_dev % (p * t):
+    return table, layouts, plan_s
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """One ``(t, p, b, schedule, v)`` of the space and the choices taken on it: ``p·d·t``
+    devices (``d0`` of the ``d`` replicas inside a node), ``m`` microbatches of ``b`` samples
+    per replica (``scale = b / probe_batch``), ``schedule`` with ``v`` chunks per rank, chunk
+    ``k`` starting at unit ``starts[k]``; ``sync``: seconds of an all-reduce over the replicas
+    (:func:`fxpar.planner.price.replica_allreduce`); each of ``recompute`` × ``states``
+    (``(s_p, s_g, s_os)``, :func:`_zero_options`) is one configuration."""
+
+    t: int
+    p: int
+    d: int
+    d0: int
+    b: int
+    m: int
+    schedule: str
+    v: int
+    starts: tuple[int, ...]
+    scale: float
+    sync: Callable[[float], float] | None
+    recompute: tuple[bool, ...]
+    states: tuple[tuple[int, int, int], ...]
+
+
+def _configurations(space: _Space, table: Mapping[int, Sequence[UnitCost]], cluster
+                    ) -> Iterator[_Shape]:
+    """Every ``(t, p, b, schedule, v)`` of ``space`` that can run, in the order the search
+    prices them (the order breaks ranking ties): ``p·t`` dividing the devices, the replicas
+    ``d`` the batch (and equal to a user's ``dp``); then :func:`_shapes_at`."""
+    R, only = space.per_node, space.only
+    for t in space.tps:
+        for p in space.pps:
+            if space.n_dev % (p * t):
                 continue
-            d = n_dev // (p * t)
-            if "dp" in only and only["dp"] != d or batch % d:
+            d = space.n_dev // (p * t)
+            if "dp" in only and only["dp"] != d or space.batch % d:
                 continue
             # replicas inside a node (a divisor of d and of the node's R/t tp groups), then across
             d0 = math.gcd(d, R // t) if p * d * t >= R else d
-            d1 = d // d0
-            layers_r = max(1, math.ceil(n_units / p))
             # activation gradients summed over the batch, all-reduced over the replicas
             sync = replica_allreduce(ParallelConfig(pp=p, dp=d, tp=t), cluster)
-            bs = [b for b in _divisors(batch // d) if b <= MAX_MICROBATCH]
-            if "microbatch" in only:  # when it divides a replica's share of the batch
-                bs = [only["microbatch"]] if (batch // d) % only["microbatch"] == 0 else []
-            elif microbatches is not None:
-                bs = [b for b in bs if b in microbatches]
-            for b in bs:
-                m = batch // (d * b)
-                scale = b / probe_batch
-                times = [(u.fwd + u.bwd) * scale + u.fwd_fixed for u in us]
-                tmp = 2 * BUCKET + max(u.act for u in us) * scale  # buckets, one unit's backward
-                for sname in (scheds if p > 1 else scheds[:1]):  # one rank: all the same
-                    vs = ([only["chunks"]] if "chunks" in only else [2, 4]) if sname == "interleaved" else [1]
-                    for v in vs:
-                        n = p * v
-                        if n > len(us) or (sname == "interleaved" and (p == 1 or m % p)):
-                            continue
-                        starts = partition(tuple(times), n)
-                        # the one memory function's chunks, without and with recomputation
-                        ccs = {rc: chunk_costs(us, starts, scale, rec_all if rc else (), sync)
-                               for rc in (False, True)}
-                        xs = [_xfer(ccs[False][k].out, k, p, d, t, cluster) for k in range(n - 1)]
-                        fl = [in_flight_microbatches(_MEM_KEY[sname], r, p, m, v) for r in range(p)]
-                        part = None  # partial recomputation tables, built when first needed
-                        for rc in recs:
-                            ch = ccs[rc]
-                            W = [sum(ch[k].fwd + ch[k].bwd for k in range(r, n, p)) for r in range(p)]
-                            est = m * max(W) + (sum(W) - max(W)) / v + 2 * sum(xs)
-                            phi = [sum(ch[k].params for k in range(r, n, p)) for r in range(p)]
-                            red = [sum(ch[k].reduce for k in range(r, n, p)) for r in range(p)]
-                            for s_p, s_g, s_os in _zero_options(d, only, p == 1 and m == 1, d0,
-                                                                sname == "zb-h1"):
-                                tried += 1
-                                mems = rank_memory(ch, p, fl, (kp, kg, kos), (s_p, s_g, s_os), tmp)
-                                mem = max(mems)
-                                dpt = max(red[r] + dp_terms(round(phi[r]), layers_r, m, d0, d1, s_p,
-                                                            s_g, s_os, cluster).total for r in range(p))
-                                c = Candidate(p, d, t, b, m, sname, v, rc, s_g, s_os,
-                                              est + dpt, mem, est, dpt, starts, s_p=s_p)
-                                if smallest is None or mem < smallest.memory:
-                                    smallest = c
-                                if mem <= budget:
-                                    cands.append((c.step, c))
-                                    continue
-                                over += 1
-                                if partial and not rc:  # recompute just enough units
-                                    part = part or _partial_tables(us, starts, p, scale, fl)
-                                    c = _recompute_some(c, part, mems, budget, W, v, 2 * sum(xs))
-                                    if c is not None:
-                                        tried += 1
-                                        cands.append((c.step, c))
+            yield from _shapes_at(space, table[t], t, p, d, d0, sync)
+
+
+def _shapes_at(space: _Space, us: Sequence[UnitCost], t: int, p: int, d: int, d0: int,
+               sync) -> Iterator[_Shape]:
+    """:func:`_configurations` at one ``(t, p)``: each microbatch size ``b`` dividing a
+    replica's share (at most :data:`MAX_MICROBATCH`, or the user's), each schedule (one
+    without a pipeline: they are all the same there), each chunk count (2 or 4, or the
+    user's, for ``interleaved``, which needs ``p | m``), at most one chunk per unit; stage
+    cuts by :func:`partition` on the units' time at ``b``."""
+    only, share = space.only, space.batch // d
+    bs = [b for b in _divisors(share) if b <= MAX_MICROBATCH]
+    if "microbatch" in only:  # when it divides a replica's share of the batch
+        bs = [only["microbatch"]] if share % only["microbatch"] == 0 else []
+    elif space.microbatches is not None:
+        bs = [b for b in bs if b in space.microbatches]
+    for b in bs:
+        m = space.batch // (d * b)
+        scale = b / space.probe_batch
+        times = tuple((u.fwd + u.bwd) * scale + u.fwd_fixed for u in us)
+        for sname in (space.schedules if p > 1 else space.schedules[:1]):
+            interleaved = sname == "interleaved"
+            for v in ([only["chunks"]] if "chunks" in only else [2, 4]) if interleaved else [1]:
+                if p * v > len(us) or (interleaved and (p == 1 or m % p)):
+                    continue
+                states = _zero_options(d, only, p == 1 and m == 1, d0, sname == "zb-h1")
+                yield _Shape(t, p, d, d0, b, m, sname, v, partition(times, p * v), scale, sync,
+                             tuple(space.recompute), tuple(states))
+
+
+# --- pricing ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Pricing:
+    """What pricing needs besides a :class:`_Shape`: the unit table per ``tp`` degree, the
+    bytes per parameter of each model state ``(k_p, k_g, k_os)``, the ``budget`` (bytes per
+    device), the cluster, the model's ``n_units`` and whether over-budget configurations try
+    recomputing some units (``partial``: recomputation is searched, not fixed by the user)."""
+
+    table: Mapping[int, Sequence[UnitCost]]
+    state_bytes: tuple[float, float, float]
+    budget: float
+    cluster: object
+    n_units: int
+    partial: bool
+
+    @functools.cached_property
+    def recomputable(self) -> dict[int, frozenset[int]]:
+        """Per ``tp`` degree the units full recomputation rebuilds (those of named layers)."""
+        return {t: frozenset(i for i, u in enumerate(us) if is_layer(u.layer))
+                for t, us in self.table.items()}
+
+
+def _price_all(shapes: Iterable[_Shape], pricing: _Pricing
+               ) -> tuple[list[Candidate], int, int, Candidate | None]:
+    """Price every configuration of ``shapes`` (:func:`_price`): the candidates within the
+    budget in enumeration order, each over-budget one's partial recomputation after it; how
+    many were tried (those included), how many were over the budget, and the smallest peak
+    memory seen (of a whole configuration, partial recomputations aside)."""
+    cands: list[Candidate] = []
+    tried = over = 0
+    smallest: Candidate | None = None
+    for s in shapes:
+        for c, some in _price(s, pricing):
+            tried += 1
+            if smallest is None or c.memory < smallest.memory:
+                smallest = c
+            if c.memory <= pricing.budget:
+                cands.append(c)
+                continue
+            over += 1
+            if some is not None:
+                tried += 1
+                cands.append(some)
+    return cands, tried, over, smallest
+
+
+def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate | None]]:
+    """Each configuration of ``s`` (recomputation × state factors, in that order) priced as
+    the module docstring says: the :class:`Candidate` (estimated step, the fullest rank's
+    memory by :func:`fxpar.cost.step.rank_memory`) and, when it is over the budget without
+    recomputation and ``pricing.partial``, the same recomputing just enough units
+    (:func:`_recompute_some`, ``None`` if none fits), else ``None``. The chunk costs,
+    transfers and in-flight counts are computed once for ``s``, the per-rank sums once per
+    recomputation choice."""
+    us, p, n = pricing.table[s.t], s.p, s.p * s.v
+    tmp = 2 * BUCKET + max(u.act for u in us) * s.scale  # buckets, one unit's backward
+    # the one memory function's chunks, without and with recomputation
+    ccs = {rc: chunk_costs(us, s.starts, s.scale, pricing.recomputable[s.t] if rc else (), s.sync)
+           for rc in (False, True)}
+    xfer = 2 * sum(_xfer(ccs[False][k].out, k, p, s.d, s.t, pricing.cluster)
+                   for k in range(n - 1))
+    fl = [in_flight_microbatches(_MEM_KEY[s.schedule], r, p, s.m, s.v) for r in range(p)]
+    layers_r = max(1, math.ceil(pricing.n_units / p))
+    part = None  # partial recomputation tables, built when first needed
+    for rc in s.recompute:
+        ch = ccs[rc]
+        W = [sum(ch[k].fwd + ch[k].bwd for k in range(r, n, p)) for r in range(p)]
+        est = s.m * max(W) + (sum(W) - max(W)) / s.v + xfer
+        phi = [sum(ch[k].params for k in range(r, n, p)) for r in range(p)]
+        red = [sum(ch[k].reduce for k in range(r, n, p)) for r in range(p)]
+        for s_p, s_g, s_os in s.states:
+            mems = rank_memory(ch, p, fl, pricing.state_bytes, (s_p, s_g, s_os), tmp)
+            dpt = max(red[r] + dp_terms(round(phi[r]), layers_r, s.m, s.d0, s.d // s.d0, s_p,
+                                        s_g, s_os, pricing.cluster).total for r in range(p))
+            c = Candidate(p, s.d, s.t, s.b, s.m, s.schedule, s.v, rc, s_g, s_os, est + dpt,
+                          max(mems), est, dpt, s.starts, s_p=s_p)
+            some = None
+            if pricing.partial and not rc and not c.memory <= pricing.budget:
+                part = part or _partial_tables(us, s.starts, p, s.scale, fl)
+                some = _recompute_some(c, part, mems, pricing.budget, W, s.v, xfer)
+            yield c, some
+
+
+# --- ranking ---------------------------------------------------------------------------------
+
+
+def _raise_if_nothing(space: _Space, cands: Sequence[Candidate], tried: int,
+                    smallest: Candidate | None, budget: float) -> None:
+    """Raise :class:`PlanError` when nothing is left to rank: no configuration takes the
+    user's state factors, none exists at all (:func:`_empty_space`), or none fits the
+    budget (naming the smallest footprint)."""
+    only = space.only
     if not tried and any(k in only for k in _STATE_KEYS):
         raise PlanError(f"plan={only}: no configuration takes these state factors: s_p | s_g | "
                         "s_os, each dividing dp (AMSP eq. 3) and dividing or a multiple of a "
@@ -480,29 +631,26 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                         "sharded inside groups of replicas need pp=1 and one microbatch), and "
                         "not under zb-h1's split backward")
     if not tried:
-        raise PlanError(_empty_space(only, n_dev, batch, tps, pps, n_units))
+        raise PlanError(_empty_space(only, space.n_dev, space.batch, space.tps, space.pps,
+                                     space.n_units))
     if not cands:
         detail = f"; the smallest found: {smallest.name} at {smallest.memory / 2**30:.1f} GiB" if smallest else ""
         raise PlanError(f"joint search: no configuration of {tried} tried fits the memory budget "
                         f"of {budget / 2**30:.1f} GiB per device{detail}")
-    cands.sort(key=lambda sc: _rank_key(sc[1]))
-    # the estimate is 1F1B's bubble; other schedules' (zb-h1's, eager's) differ, so each
-    # schedule's best estimates are simulated too, not only the overall top ``keep``
-    chosen = [c for _, c in cands[:keep]]
+
+
+def _finalists(cands: Sequence[Candidate], keep: int) -> list[Candidate]:
+    """The candidates to simulate: the ``keep`` best by estimate (:func:`_rank_key`) and each
+    schedule's :data:`PER_SCHEDULE` best. The estimate is 1F1B's bubble; other schedules'
+    (zb-h1's, eager's) differ, so each schedule's best estimates are simulated too."""
+    ordered = sorted(cands, key=_rank_key)  # stable: ties keep the enumeration order
+    chosen = ordered[:keep]
     per = Counter(c.schedule for c in chosen)
-    for _, c in cands[keep:]:   # in rank order: a schedule's first are its best estimates
+    for c in ordered[keep:]:   # in rank order: a schedule's first are its best estimates
         if per[c.schedule] < PER_SCHEDULE:
             per[c.schedule] += 1
             chosen.append(c)
-    ranked = []
-    t2 = time.perf_counter()
-    for c in chosen:
-        ranked.append(_simulate(c, table[c.tp], c.microbatch / probe_batch, cluster, opts))
-    ranked.sort(key=_rank_key)
-    return SearchResult(tuple(ranked), tried, over, smallest, float(budget),
-                        stats={"table_s": plan_s, "sim_s": time.perf_counter() - t2,
-                               "search_s": time.perf_counter() - t0}, layouts=layouts, tables=table)
-
+    return chosen
 
 
 def _empty_space(only: Mapping, n_dev: int, batch: int, tps, pps, n_units: int) -> str:
