@@ -324,17 +324,15 @@ class Plan:
             ov = self.overlap()
             lines.append(f"overlap as the runtime orders it (prefetch 1): step {_fmt_ms(ov.step)} ms, "
                          f"communication exposed {_fmt_ms(ov.exposed)} ms, hidden {_fmt_ms(ov.hidden)} ms")
+        lines += self._config_lines()
+        if self.config is not None and self.config.dp_shard > 1 and "dp_shard" in self.mesh["axis_names"]:
+            lines.append(f"  (s_p: parameters sharded inside groups of dp_shard="
+                         f"{self.mesh['shape'][self.mesh['axis_names'].index('dp_shard')]} "
+                         "replicas, replicated across the groups on dp: HSDP / MiCS)")
+        lines += _search_lines(self.schedule.get("search"))  # a joint search's winner, SPMD
+        lines += [f"note: {n}" for n in self.notes]
         un = self.unsharded
         lines.append(f"unsharded ops (replicate-only fallback): {', '.join(un) if un else 'none'}")
-        sc = self.schedule
-        lines += _search_lines(sc.get("search"))  # a joint search's winner as one SPMD step
-        lines += self._config_lines()
-        if self.config is not None and self.config.dp_shard > 1:
-            if "dp_shard" in self.mesh["axis_names"]:
-                lines.append(f"  (s_p: parameters sharded inside groups of dp_shard="
-                             f"{self.mesh['shape'][self.mesh['axis_names'].index('dp_shard')]} "
-                             "replicas, replicated across the groups on dp: HSDP / MiCS)")
-        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def _config_lines(self) -> list[str]:
