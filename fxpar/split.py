@@ -10,8 +10,7 @@ planner and the passes take it as they take a whole model.
   ``"model.layers.8"``), a chunk starts at the first node traced under that module. Otherwise
   the units are split into ``n`` runs minimizing the largest run's compute time (the cost
   model's roofline time of each node on one device of ``cluster``: an exact linear-partition
-  DP, ``f[k][j] = min_i max(f[k−1][i], T(i..j))``, :func:`partition`, which the joint search
-  also cuts with).
+  DP, ``f[k][j] = min_i max(f[k−1][i], T(i..j))``).
 * **Which chunk a node runs in**: ``chunk(n) = max(chunk of its unit, chunk of every input)``,
   so the order is always valid; a ``getitem`` stays with its producer.
 * **Boundary values.** A value made in chunk ``a`` and used in chunk ``b > a + 1`` (a skip
@@ -38,7 +37,6 @@ planner and the passes take it as they take a whole model.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -51,7 +49,7 @@ from fxpar import ir
 from fxpar.errors import PlanError
 from fxpar.layers import _stack_fqns, layer_of
 
-__all__ = ["StageGraph", "is_boundary", "partition", "split_stages", "units"]
+__all__ = ["StageGraph", "is_boundary", "split_stages", "units"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,114 +113,28 @@ def _unit_times(gm: fx.GraphModule, us, cluster) -> list[float]:
     return out
 
 
-#: the partition DP's tie margin: a cut replaces an earlier one only when better by more
-_TIE = 1e-15
-
-
-@functools.lru_cache(maxsize=65536)
-def partition(times: tuple[float, ...], n: int) -> tuple[int, ...]:
-    """Start index of each of ``n`` contiguous, non-empty runs of ``times`` minimizing the
-    largest run's sum: the exact linear-partition DP ``f[k][j] = min_i max(f[k−1][i],
-    T(i..j))`` over prefix sums, a tie (within :data:`_TIE`) going to the earliest ``i`` (from
-    the last run back, each run as long as the best of the runs before it allows). Computed
-    only in the windows where a cut can lie with every run at most just over the optimum
-    (:func:`_windows` of :func:`_cap`'s bisection): ``O(u·log + n·w)`` for windows of ``w``
-    units. Raises :class:`PlanError` unless ``1 ≤ n ≤ len(times)``.
-
-    >>> partition((1.0, 1.0, 1.0, 3.0), 2), partition((1.0, 1.0, 1.0), 2)
-    ((0, 3), (0, 1))
-    """
+def _balanced(times: Sequence[float], n: int) -> list[int]:
+    """Start index of each of ``n`` contiguous runs of ``times`` minimizing the largest sum
+    (exact DP; ties: the earliest cut)."""
     u = len(times)
-    if not 1 <= n <= u:
-        raise PlanError(f"{n} stage chunks for {u} units")
     pre = [0.0]
     for t in times:
         pre.append(pre[-1] + t)
-    lo, hi = _windows(pre, n, _cap(times, n) * (1 + 1e-9) + (n + 4) * 10 * _TIE)
-    if lo[0] != 0 or any(lo[k] > hi[k] for k in range(n + 1)):
-        lo, hi = list(range(n + 1)), [u - n + k for k in range(n + 1)]  # safety net: every cell
     inf = float("inf")
-    f, g, low = [0.0] * (u + 1), [inf] * (u + 1), [inf] * (u + 1)
-    args = []
+    f = [[inf] * (u + 1) for _ in range(n + 1)]
+    arg = [[0] * (u + 1) for _ in range(n + 1)]
+    f[0][0] = 0.0
     for k in range(1, n + 1):
-        args.append(_dp_row(pre, f, g, low, (lo[k - 1], hi[k - 1]), (lo[k], hi[k])))
-        f, g = g, f
+        for j in range(k, u + 1):
+            for i in range(k - 1, j):
+                v = max(f[k - 1][i], pre[j] - pre[i])
+                if v < f[k][j] - 1e-15:
+                    f[k][j], arg[k][j] = v, i
     starts, j = [], u
     for k in range(n, 0, -1):
-        j = args[k - 1][j - lo[k]]
+        j = arg[k][j]
         starts.append(j)
-    return tuple(starts[::-1])
-
-
-def _cap(times: Sequence[float], n: int) -> float:
-    """A bound on the largest run at least the optimum, within a relative ``1e-10`` of it
-    (bisection with a greedy packing check)."""
-    def fits(cap: float) -> bool:
-        k, s = 1, 0.0
-        for t in times:
-            if s + t > cap:
-                k, s = k + 1, t
-            else:
-                s += t
-        return k <= n
-
-    lo, hi = max(times), sum(times)
-    for _ in range(200):
-        if hi - lo <= 1e-10 * hi:
-            break
-        mid = (lo + hi) / 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return hi
-
-
-def _windows(pre: Sequence[float], n: int, cap: float) -> tuple[list[int], list[int]]:
-    """Per ``k ≤ n``, the first and last ``j`` the ``k``-th cut can take with every run of
-    ``n`` at most ``cap`` (run sums as the DP takes them, ``pre[j] − pre[i]``): greedy runs
-    from the end and from the start, each at least one unit."""
-    u = len(pre) - 1
-    reach, back = [0], [u]
-    for _ in range(n):
-        i = reach[-1]
-        j = min(i + 1, u)
-        while j < u and pre[j + 1] - pre[i] <= cap:
-            j += 1
-        reach.append(j)
-        b = back[-1]
-        j = max(b - 1, 0)
-        while j > 0 and pre[b] - pre[j - 1] <= cap:
-            j -= 1
-        back.append(j)
-    return ([max(back[n - k], k) for k in range(n + 1)],
-            [min(reach[k], u - (n - k)) for k in range(n + 1)])
-
-
-def _dp_row(pre: Sequence[float], f: list[float], g: list[float], low: list[float],
-            prev: tuple[int, int], cur: tuple[int, int]) -> list[int]:
-    """One row of :func:`partition`'s DP: ``g[j]`` for ``j`` in the window ``cur`` from the
-    previous row ``f`` (set on its window ``prev``), returning the best ``i`` per ``j``. As
-    the full DP (``i`` from the first up, kept when better by more than :data:`_TIE`), with
-    its scan started where the full one would surely keep it (each ``j`` from the previous
-    ``j``'s choice, backed up while an earlier ``i`` might still be close) and stopped when
-    no later ``f[i]`` (``low``: their minimum) can improve."""
-    a0, a1 = prev
-    low[a1] = f[a1]
-    for i in range(a1 - 1, a0 - 1, -1):
-        low[i] = f[i] if f[i] < low[i + 1] else low[i + 1]
-    arg, s = [], a0
-    for j in range(cur[0], cur[1] + 1):
-        while s > a0 and not max(f[s], pre[j] - pre[s]) < (pre[j] - pre[s - 1]) - _TIE:
-            s -= 1
-        best, at = float("inf"), s
-        for i in range(s, min(j, a1 + 1)):
-            if low[i] >= best:
-                break
-            v = max(f[i], pre[j] - pre[i])
-            if v < best - _TIE:
-                best, at = v, i
-        g[j] = best
-        arg.append(at)
-        s = at
-    return arg
+    return starts[::-1]
 
 
 def _cut_starts(gm, us, n, split_points, cluster) -> list[int]:
@@ -235,7 +147,7 @@ def _cut_starts(gm, us, n, split_points, cluster) -> list[int]:
             from fxpar.cluster import Cluster
 
             cluster = Cluster.preset("dgx-a100")
-        return list(partition(tuple(_unit_times(gm, us, cluster)), n))
+        return _balanced(_unit_times(gm, us, cluster), n)
     points = list(split_points)
     if len(points) != n - 1:
         raise PlanError(f"{len(points)} split points {points} for {n} stage chunks: give "

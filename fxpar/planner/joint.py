@@ -22,7 +22,7 @@ gathers are paid per microbatch) and, for one SPMD step (``p = 1``, ``m = 1``), 
 sharded inside groups of ``s_p`` replicas (HSDP / MiCS, AMSP's intra-node ``s_p``;
 :func:`_zero_options`).
 
-* stage cuts: the exact linear-partition DP over units (:func:`fxpar.split.partition`) on the
+* stage cuts: the exact linear-partition DP over units (:func:`fxpar.split._balanced`) on the
   units' time at this ``(t, b)``, for ``p·v`` chunks;
 * per rank ``r``: work ``W_r = Σ_chunks (F + B)``, with recomputation ``B += F``;
 * memory of rank ``r`` (Megatron-LM §2.2 and §3.5; AMSP §IV-D):
@@ -71,7 +71,7 @@ from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.planner.intra_op import PlannerOptions, plan_and_keep
 from fxpar.planner.price import price_config, replica_allreduce
-from fxpar.split import partition, units
+from fxpar.split import units
 
 __all__ = ["UnitCost", "Candidate", "SearchResult", "unit_costs", "search", "SCHEDULES"]
 
@@ -274,6 +274,48 @@ def unit_start_names(gm: fx.GraphModule, starts: Sequence[int]) -> list[str]:
     takes as ``start_nodes``; node names are the same at every captured batch size)."""
     us = units(gm)
     return [us[i][1][0].name for i in starts]
+
+
+@functools.lru_cache(maxsize=65536)
+def partition(times: tuple[float, ...], n: int) -> tuple[int, ...]:
+    """Start index of each of ``n`` contiguous, non-empty runs of ``times`` minimizing the
+    largest run's sum: bisection on the cap with a greedy packing check (exact to a relative
+    ``1e-12``; ``O(u·log)`` where the DP of :mod:`fxpar.split` is ``O(n·u²)``).
+
+    >>> partition((1.0, 1.0, 1.0, 3.0), 2), partition((1.0,) * 5, 5)
+    ((0, 3), (0, 1, 2, 3, 4))
+    """
+    u = len(times)
+    if not 1 <= n <= u:
+        raise PlanError(f"{n} stage chunks for {u} units")
+
+    def pack(cap: float) -> list[int]:
+        starts, s = [0], times[0]
+        for i in range(1, u):
+            left = n - len(starts)
+            if left and (s + times[i] > cap or u - i == left):
+                starts.append(i)
+                s = times[i]
+            else:
+                s += times[i]
+        return starts
+
+    def fits(cap: float) -> bool:
+        k, s = 1, 0.0
+        for t in times:
+            if s + t > cap:
+                k, s = k + 1, t
+            else:
+                s += t
+        return k <= n
+
+    lo, hi = max(times), sum(times)
+    for _ in range(200):
+        if hi - lo <= 1e-12 * hi:
+            break
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return tuple(pack(hi))
 
 
 def _divisors(n: int) -> list[int]:
