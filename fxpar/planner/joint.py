@@ -64,31 +64,24 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.config import ParallelConfig, is_layer
-from fxpar.cost.memory import STATE_BYTES_PER_PARAM, model_state_bytes
 from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import BUCKET, UnitCost, chunk_costs, dp_terms, rank_memory
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.planner.intra_op import PlannerOptions, plan_and_keep
-from fxpar.planner.price import price_config, replica_allreduce
+from fxpar.planner.price import MEM_KEY, price_config, replica_allreduce, state_bytes
 from fxpar.split import units
 
 __all__ = ["UnitCost", "Candidate", "SearchResult", "unit_costs", "search", "SCHEDULES"]
 
 #: schedules the search tries (``chunks > 1`` only for interleaved)
 SCHEDULES = ("1f1b", "interleaved", "eager-1f1b", "zb-h1")
-_MEM_KEY = {"1f1b": "1f1b", "interleaved": "interleaved", "eager-1f1b": "eager_1f1b",
-            "zb-h1": "1f1b", "gpipe": "gpipe"}
 #: the intra-op budget of the cost-table plans: memory is the search's business (1 EiB)
 _NO_LIMIT = float(2**60)
 #: the largest microbatch per replica tried (Megatron-LM §3.2: small ones win with pipelines)
 MAX_MICROBATCH = 32
 #: candidates of each schedule simulated whatever their estimate (see :func:`search`)
 PER_SCHEDULE = 2
-
-
-def _bytes_per_param(opts: PlannerOptions) -> int:
-    return int(model_state_bytes(1, optimizer=opts.optimizer, precision=opts.precision).total)
 
 
 def unit_costs(gm: fx.GraphModule, mesh: Mesh, options: PlannerOptions | None = None
@@ -389,7 +382,7 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                    only=only, tps=tps, pps=pps, schedules=schedules, recompute=recompute,
                    microbatches=microbatches)
     table, layouts, plan_s = _cost_tables(gm, cluster, space.tps, opts)
-    pricing = _Pricing(table, STATE_BYTES_PER_PARAM[_state_key(opts)], budget, cluster,
+    pricing = _Pricing(table, state_bytes(opts), budget, cluster,
                        space.n_units, "recompute" not in space.only and True in space.recompute)
     cands, tried, over, smallest = _price_all(_configurations(space, table, cluster), pricing)
     _raise_if_nothing(space, cands, tried, smallest, budget)
@@ -592,7 +585,7 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
            for rc in (False, True)}
     xfer = 2 * sum(_xfer(ccs[False][k].out, k, p, s.d, s.t, pricing.cluster)
                    for k in range(n - 1))
-    fl = [in_flight_microbatches(_MEM_KEY[s.schedule], r, p, s.m, s.v) for r in range(p)]
+    fl = [in_flight_microbatches(MEM_KEY[s.schedule], r, p, s.m, s.v) for r in range(p)]
     layers_r = max(1, math.ceil(pricing.n_units / p))
     part = None  # partial recomputation tables, built when first needed
     for rc in s.recompute:
@@ -672,13 +665,6 @@ def _rank_key(c: Candidate) -> tuple:
     """Faster first; on a tie (to the nanosecond) fewer microbatches, chunks and
     recomputation (less runtime overhead than the model sees), then less memory."""
     return (round(c.step, 9), c.microbatches, c.chunks, c.recompute, c.memory)
-
-
-def _state_key(opts: PlannerOptions) -> tuple[str, str]:
-    from fxpar.cost.memory import _OPT_ALIASES, _PREC_ALIASES
-
-    return (_OPT_ALIASES.get(opts.optimizer.lower(), opts.optimizer.lower()),
-            _PREC_ALIASES.get(opts.precision.lower(), opts.precision.lower()))
 
 
 @functools.lru_cache(maxsize=65536)

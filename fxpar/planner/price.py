@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.config import ParallelConfig
-from fxpar.cost.memory import STATE_BYTES_PER_PARAM, model_state_bytes
+from fxpar.cost.memory import STATE_BYTES_PER_PARAM
 from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import (BUCKET, DpTerms, StepTime, UnitCost, chunk_costs, dp_terms,
                              rank_memory, step_time)
@@ -48,7 +48,7 @@ __all__ = ["REPLICA_AXES", "schedule_of", "unit_table", "replica_grid", "price_c
 #: mesh axes whose devices hold replicas of the batch split (data parallelism)
 REPLICA_AXES = ("dp", "dp_shard")
 #: memory key of each schedule (:func:`fxpar.cost.pipeline.in_flight_microbatches`)
-_MEM_KEY = {"1f1b": "1f1b", "interleaved": "interleaved", "eager-1f1b": "eager_1f1b",
+MEM_KEY = {"1f1b": "1f1b", "interleaved": "interleaved", "eager-1f1b": "eager_1f1b",
             "zb-h1": "1f1b", "gpipe": "gpipe"}
 
 
@@ -183,7 +183,8 @@ def recomputed_units(us: Sequence[UnitCost], layers) -> frozenset[int]:
     return frozenset(i for i, u in enumerate(us) if u.layer in layers)
 
 
-def _state_bytes(options) -> tuple[float, float, float]:
+def state_bytes(options) -> tuple[float, float, float]:
+    """``(k_p, k_g, k_os)``: model-state bytes per parameter for ``options``' optimizer and precision."""
     from fxpar.cost.memory import _OPT_ALIASES, _PREC_ALIASES
 
     key = (_OPT_ALIASES.get(options.optimizer.lower(), options.optimizer.lower()),
@@ -211,10 +212,10 @@ def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequenc
     prec = options.precision
     dp = [dp_terms(round(sum(c.params for c in chunks[r::p])), layers, m, d0, d1, *config.state,
                    cluster, prec) if config.dp > 1 else DpTerms() for r in range(p)]
-    fl = [in_flight_microbatches(_MEM_KEY.get(str(config.schedule), "gpipe"), r, p, m, v)
+    fl = [in_flight_microbatches(MEM_KEY.get(str(config.schedule), "gpipe"), r, p, m, v)
           for r in range(p)]
     tmp = 2 * BUCKET + max(c.max_act for c in chunks)
-    kb = _state_bytes(options)
+    kb = state_bytes(options)
     mem = rank_memory(chunks, p, fl, kb, config.state, tmp)
     kw = {}
     if memory:
@@ -223,10 +224,6 @@ def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequenc
                   static_bytes=[per * sum(c.params for c in chunks[r::p]) for r in range(p)])
     st = step_time(sched, chunks, xfer or (lambda k: (0.0, 0.0)), dp, **kw)
     return st, mem
-
-
-def bytes_per_param(options) -> int:
-    return int(model_state_bytes(1, optimizer=options.optimizer, precision=options.precision).total)
 
 
 def schedule_of(plan):
