@@ -19,6 +19,12 @@ class CaptureError(FxparError):
     """No frontend could capture the model; the message names each frontend and its reason."""
 
 
+class GuardError(FxparError):
+    """A value read from tensor data (``.item()``, ``.tolist()``) that capture specialized to the
+    example inputs' differs in this step; the message names the guard node, the read's source
+    line and both values (:mod:`fxpar.runtime.guards`)."""
+
+
 class SpecError(FxparError, ValueError):
     """A sharding spec does not fit its tensor or mesh (wrong placement count, dim out of range)."""
 

@@ -14,6 +14,13 @@ Contract of :func:`capture`
   :class:`~fxpar.errors.CaptureError` naming each frontend tried and why it failed. A
   data-dependent output SHAPE (``nonzero``, ``unique``...) raises :class:`CaptureError` naming
   the node and op (no fallback to another frontend: static shapes are fxpar's premise).
+* A value read with ``.item()``/``.tolist()`` that sets a size or a branch (``x[:n.item()]``,
+  ``if t.max().item() > 0``, ``x.split(counts.tolist())``) is specialized to the value the
+  real example inputs give and guarded: the graph holds ``fxpar.guard_value`` where the read
+  was, and a step whose value differs raises :class:`~fxpar.errors.GuardError` naming the node,
+  the line and both values (:mod:`fxpar.capture.specialize`; fake or meta example inputs raise
+  :class:`CaptureError` asking for real ones). A read used as a number (``x * t.item()``)
+  stays a capture error.
 * Parameters and buffers are identified by fully qualified name: ``gm.meta[PARAMS]`` is an
   ordered ``{fqn: ParamInfo}`` and the node holding each carries ``node.meta[PARAM]``; user inputs
   carry ``node.meta[INPUT]`` (keys and helpers in :mod:`fxpar.ir`). Tied weights (GPT-2's

@@ -7,7 +7,9 @@ line of its error, and for a data-dependent failure the op and the user's source
 it) and, when none succeeds, raises :func:`capture_error`'s :class:`~fxpar.errors.CaptureError`
 (``err.failures`` maps each label to its exception). A graph a frontend did produce is checked
 last by :func:`refuse_data_dependent`: fxpar plans static shapes, so a node whose output size
-or value is known only at run time is refused, naming the node and op. Messages are
+or value is known only at run time is refused, naming the node and op (a value read with
+``.item()`` that sets a size or a branch was specialized before, :mod:`fxpar.capture.specialize`;
+one left here is used as a number in the computation). Messages are
 deterministic (sets of unbacked symbols sorted), so every rank raises the same one.
 
 Example::
@@ -88,7 +90,9 @@ def capture_error(owner: str, reasons: list[str],
     if any(type(f).__name__ in DATA_DEPENDENT_ERRORS for f in failures.values()):
         why = (" (fxpar plans static shapes and static control flow: an op whose output shape "
                "depends on tensor values, a Python value read from a tensor (torch.equal, "
-               ".item()), or a branch or size taken from one, cannot be captured)")
+               "if t:, int(t)), or a branch or size taken from one, cannot be captured, but one "
+               "read with .item()/.tolist() is specialized to the example inputs' value when "
+               "they are real)")
     err = CaptureError(f"could not capture {owner}: " + "; ".join(reasons) + why)
     err.failures = failures  # type: ignore[attr-defined]
     return err
@@ -193,8 +197,13 @@ def refuse_data_dependent(gm: fx.GraphModule, owner: str) -> None:
         if syms:
             what = ("output shape (sizes" if isinstance(v, (torch.Tensor, tuple, list))
                     else "output value (a Python number read from a tensor, as .item() does:")
+            read = n.target in (torch.ops.aten.item.default,
+                                torch.ops.aten._local_scalar_dense.default)
             raise CaptureError(
                 f"could not capture {owner}: node {n.name} ({n.target}) has a data-dependent "
-                f"{what} {sorted(map(str, syms))} known only at run time); fxpar plans static "
-                "shapes, so ops such as nonzero, argwhere, unique, masked_select, boolean-mask "
-                "indexing and .item() are not supported")
+                f"{what} {sorted(map(str, syms))} known only at run time)" + (
+                    " used as a number in the computation; fxpar specializes a value read with "
+                    ".item()/.tolist() to the example inputs' only when it sets a size or a "
+                    "branch: keep this one a tensor (x * t, not x * t.item())" if read else
+                    "; fxpar plans static shapes, so ops such as nonzero, argwhere, unique, "
+                    "masked_select and boolean-mask indexing are not supported"))

@@ -51,6 +51,7 @@ from fxpar.capture.cleanup import (constants_to_attrs, decompose as decompose_gr
                                    drop_metadata_asserts, fill_missing_vals,
                                    inline_set_grad_regions, merge_tied_placeholders)
 from fxpar.capture.model import canonical_names, param_info_from_tensor, unique_state
+from fxpar.capture.specialize import name_guards, replaying
 from fxpar.errors import CaptureError
 from fxpar.ir import InputInfo, OutputInfo, ParamInfo
 
@@ -58,14 +59,20 @@ __all__ = ["export_graph"]
 
 
 def export_graph(model: torch.nn.Module, args: tuple, kwargs: dict, *, strict: bool,
-                 decompose: bool, stack_traces: bool = True) -> fx.GraphModule:
+                 decompose: bool, stack_traces: bool = True,
+                 reads: dict | None = None) -> fx.GraphModule:
     """``model(*args, **kwargs)`` exported (``strict``: TorchDynamo), cleaned up and described
-    as the module docstring says; ``decompose``: lowered to core ATen."""
+    as the module docstring says; ``decompose``: lowered to core ATen. ``reads`` (non-strict
+    only): the values of :func:`fxpar.capture.specialize.record_reads`, which each
+    ``.item()``/``.tolist()`` returns, guarded by a ``guard_value`` node."""
+    if reads is not None and strict:
+        raise ValueError("export_graph: reads are replayed by non-strict export only")
     with _stack_traces(stack_traces):
         # Dynamo traces the forward itself; the output-sanitizing wrapper is for non-strict only.
         guard = contextlib.nullcontext() if strict else _pytree_outputs(model)
+        replay = contextlib.nullcontext() if reads is None else replaying(model, reads)
         # (strict export reads attributes a lazily recompiled module lacks: eager there)
-        with guard, (contextlib.nullcontext() if strict else _lazy_recompile()):
+        with guard, replay, (contextlib.nullcontext() if strict else _lazy_recompile()):
             ep = torch.export.export(model, args, kwargs, strict=strict)
         _recompile_lazy(ep.graph_module)
         # Inline grad-mode regions first: run_decompositions would inline them WITHOUT the
@@ -73,7 +80,10 @@ def export_graph(model: torch.nn.Module, args: tuple, kwargs: dict, *, strict: b
         inline_set_grad_regions(ep.graph_module)
         if decompose:
             ep = decompose_graph(ep)
-        return _from_exported(ep, model, "export(strict)" if strict else "export(non-strict)")
+        gm = _from_exported(ep, model, "export(strict)" if strict else "export(non-strict)")
+        if reads is not None:
+            name_guards(gm)
+        return gm
 
 
 # --- around the call to export -------------------------------------------------------------------

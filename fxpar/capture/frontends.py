@@ -5,9 +5,13 @@ tensor inputs moved to ``meta``; a tensor passed twice is cloned), then each fro
 ``FRONTENDS`` is tried in order (``frontend="auto"``) or one alone: ``export``
 (:func:`fxpar.capture.export.export_graph`, non-strict), ``export_strict`` (the same through
 TorchDynamo), ``symbolic_trace`` (:func:`fxpar.capture.symbolic.symbolic_trace_graph`; not
-with ``decompose=True``). The first graph made is checked for data-dependent shapes
-(:func:`fxpar.capture.diagnose.refuse_data_dependent`, final: no other frontend can do
-better) and returned; when none succeeds, a :class:`~fxpar.errors.CaptureError` names every
+with ``decompose=True``). When non-strict export leaves a value read with
+``.item()``/``.tolist()`` that sets a size or a branch
+(:func:`~fxpar.capture.specialize.reads_to_specialize`), or fails on a data-dependent guard,
+it is run again with the reads specialized to an eager run's values and guarded
+(:mod:`fxpar.capture.specialize`; when that run read nothing, as before). The first graph made
+is checked for data-dependent shapes (:func:`fxpar.capture.diagnose.refuse_data_dependent`,
+final: no other frontend can do better) and returned; when none succeeds, a :class:`~fxpar.errors.CaptureError` names every
 frontend tried and why it failed (:mod:`fxpar.capture.diagnose`). torch's own logs of a
 failing frontend are held back unless ``FXPAR_DEBUG=1``.
 
@@ -37,10 +41,13 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
-from fxpar.capture.diagnose import (capture_error, failure_reason, quiet_torch_logs,
-                                    refuse_data_dependent)
+from fxpar import ir
+from fxpar.capture.diagnose import (DATA_DEPENDENT_ERRORS, capture_error, failure_reason,
+                                    quiet_torch_logs, refuse_data_dependent)
 from fxpar.capture.export import export_graph
 from fxpar.capture.model import on_meta, unalias_inputs
+from fxpar.capture.specialize import reads_to_specialize, record_reads
+from fxpar.errors import CaptureError
 from fxpar.capture.symbolic import symbolic_trace_graph
 
 __all__ = ["capture", "Frontend", "FRONTENDS"]
@@ -91,7 +98,28 @@ def capture(
         except Exception as e:  # noqa: BLE001 - every frontend failure is reported, none hidden
             failures[label] = e
             reasons.append(failure_reason(label, e, debug=debug))
+            if fe == "export" and _data_dependent(e):
+                # a guard on a value read with .item()/.tolist() (a branch): specialize the reads
+                try:
+                    gm = _specialized(model, args, kwargs, decompose, stack_traces, debug)
+                except CaptureError as e2:
+                    failures[f"{label}, specialized"] = e2
+                    reasons.append(f"{label}, values read from tensor data specialized: {e2}")
+                    continue
+                if gm is not None:
+                    refuse_data_dependent(gm, type(model).__name__)
+                    return gm
             continue
+        if fe == "export" and (reads := reads_to_specialize(gm)):
+            # a value read with .item()/.tolist() sets a size or a branch: specialize the reads
+            try:
+                gm = _specialized(model, args, kwargs, decompose, stack_traces, debug) or gm
+            except CaptureError as e:
+                r = reads[0]
+                raise CaptureError(
+                    f"could not capture {type(model).__name__}: node {r.name} ({r.target}"
+                    f"{_source(r)}) reads a value from tensor data that sets a size or a branch: "
+                    f"{e}") from e
         refuse_data_dependent(gm, type(model).__name__)  # final: no other frontend can do better
         return gm
     raise capture_error(type(model).__name__, reasons, failures) from next(
@@ -115,6 +143,39 @@ def _prepared_inputs(model: torch.nn.Module, example_inputs: Sequence[Any] | tor
         # Fake propagation refuses to mix devices: meta weights need meta inputs.
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     return unalias_inputs(args, kwargs)
+
+
+def _data_dependent(e: BaseException) -> bool:
+    return type(e).__name__ in DATA_DEPENDENT_ERRORS
+
+
+def _source(node: fx.Node) -> str:
+    """``", at FILE:LINE: `CODE`"`` of the innermost frame of a node's stack trace, or ``""``."""
+    lines = [ln.strip() for ln in (node.meta.get(ir.STACK_TRACE) or "").splitlines() if ln.strip()]
+    at = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
+    if not at:
+        return ""
+    i = at[-1]
+    code = f": `{lines[i + 1]}`" if i + 1 < len(lines) else ""
+    return f", {lines[i]}{code}"
+
+
+def _specialized(model: torch.nn.Module, args: tuple, kwargs: dict, decompose: bool,
+                 stack_traces: bool, debug: bool) -> fx.GraphModule | None:
+    """``model`` exported (non-strict) with each ``.item()``/``.tolist()`` specialized to its
+    value in an eager run on the example inputs and guarded (:mod:`fxpar.capture.specialize`);
+    ``None`` when that run read no value. Failures are :class:`CaptureError`."""
+    reads = record_reads(model, args, kwargs)
+    if not reads:
+        return None
+    try:
+        with quiet_torch_logs(debug):
+            return export_graph(model, args, kwargs, strict=False, decompose=decompose,
+                                stack_traces=stack_traces, reads=reads)
+    except CaptureError:
+        raise
+    except Exception as e:  # noqa: BLE001 - reported as this route's reason
+        raise CaptureError(failure_reason("export(non-strict)", e, debug=debug)) from e
 
 
 def _run_frontend(fe: str, model: torch.nn.Module, args: tuple, kwargs: dict, decompose: bool,

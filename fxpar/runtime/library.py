@@ -62,7 +62,9 @@ def define(schema: str, impl: Callable, *, fake: Callable, backward: Callable | 
     a tensor argument is its :class:`TensorMeta` (shape, dtype, device; no storage), so an op
     keeps no activation alive for its backward (what autograd saves goes through
     ``saved_tensors_hooks``: recomputation and memory accounting see all of it).
-    ``differentiable=False`` marks the outputs as carrying no gradient (a token, a mask)."""
+    ``differentiable=False`` marks the outputs as carrying no gradient (a token, a mask). An
+    op returning nothing (``-> ()``, a check) gets no ``Autograd`` kernel: there is nothing to
+    differentiate, and autograd's fallback runs the kernel as it is."""
     qualname, _, sig = schema.partition("(")
     ns, name = qualname.split("::")
     lib = _LIBS.get(ns) or _LIBS.setdefault(ns, torch.library.Library(ns, "FRAGMENT"))
@@ -70,6 +72,8 @@ def define(schema: str, impl: Callable, *, fake: Callable, backward: Callable | 
     lib.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(qualname, fake, lib=lib)
     op = getattr(getattr(torch.ops, ns), name).default
+    if sig.replace(" ", "").endswith("->()"):
+        return op
 
     class Fn(torch.autograd.Function):
         @staticmethod

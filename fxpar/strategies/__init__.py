@@ -1,7 +1,7 @@
 """Op records, one file per op family; :func:`strategies_for` is the entry for the planner.
 
-Each family file (``matmul``, ``attention``, ``conv``, ``embedding``, ``losses``, ``moe``,
-``norms``, ``pointwise``, ``reductions``, ``views``) registers ONE
+Each family file (``matmul``, ``attention``, ``conv``, ``embedding``, ``guards``, ``losses``,
+``moe``, ``norms``, ``pointwise``, ``reductions``, ``views``) registers ONE
 :class:`~fxpar.strategies.base.OpRecord` per op: its sharding rule, its cost formula (which fills
 :mod:`fxpar.cost.compute`'s table), its local rewrite (:func:`local_rule`, used by
 ``passes/localize.py``) and its flags (``view``, ``differentiable``, ``saves``). Adding an op
@@ -46,8 +46,8 @@ import torch.fx as fx
 
 from fxpar.errors import FxparError, PlanError
 
-from fxpar.strategies import (attention, conv, embedding, losses, matmul, moe, norms,  # noqa: F401
-                              pointwise, reductions, views)
+from fxpar.strategies import (attention, conv, embedding, guards, losses, matmul, moe,  # noqa: F401
+                              norms, pointwise, reductions, views)
 from fxpar.strategies.base import (RECORDS, AxisStrategy, OpRecord, Strategy, declare, expand, input_shapes,
                                    out_shapes, record_for, register, rule_for, tensor_shape)
 from fxpar.strategies.local import LocalContext, local_rule
