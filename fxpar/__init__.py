@@ -34,6 +34,7 @@ from fxpar.api import Planned, compile, plan
 from fxpar.program import Program, Runner, load
 from fxpar.schedule import Action, Schedule
 from fxpar.sim import SimResult, simulate
+from fxpar.verify import Divergence, VerifyReport
 
 __version__ = "0.1.0"
 
@@ -46,5 +47,5 @@ __all__ = [
     "reshard_plan", "ReshardPlan", "ReshardStep", "cross_mesh_plan", "CrossMeshPlan",
     "ParallelConfig", "ScheduleKind", "Plan", "NodePlan", "EdgePlan", "StepCost", "PlannerOptions", "plan_graph",
     "plan", "compile", "Planned", "Program", "Runner", "load",
-    "Action", "Schedule", "SimResult", "simulate",
+    "Action", "Schedule", "SimResult", "simulate", "VerifyReport", "Divergence",
 ]

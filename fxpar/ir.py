@@ -34,6 +34,10 @@ Node keys (``node.meta[...]``)
                     ``gm.meta[EDGES][name]``.
 ``GLOBAL_VAL``      ``"fxpar_global_val"``: the node's GLOBAL value (fake tensors) once
                     ``passes/localize.py`` has replaced ``VAL`` by the local-shape meta value.
+``GRAD_SPEC``       ``"fxpar_grad_spec"``: the layout of the node's output gradient where it is
+                    not ``grad_out_spec(spec)``: ``P(sum)`` on the axes
+                    ``passes/insert_collectives.py`` leaves partial (sunk into parameter
+                    reductions); read by ``fxpar.verify``.
 ``SPEC_TEXT``       ``"fxpar_spec"``: short text shown by an emitted graph's ``print_readable``
                     (the node's spec, or the edge's collective and gradient plan).
 ==================  ============================================================================
@@ -106,6 +110,7 @@ __all__ = [
     "FRONTEND",
     "REPLICA_AXES",
     "GLOBAL_VAL",
+    "GRAD_SPEC",
     "EDGES",
     "ParamInfo",
     "InputInfo",
@@ -143,6 +148,7 @@ STRATEGY = "fxpar_strategy"
 EDGE = "fxpar_edge"
 SPEC_TEXT = "fxpar_spec"
 GLOBAL_VAL = "fxpar_global_val"
+GRAD_SPEC = "fxpar_grad_spec"
 
 # --- graph-module keys ---------------------------------------------------------------------------
 PARAMS = "fxpar_params"

@@ -95,6 +95,19 @@ class Program:
                         fwd=p.compute_fwd + sum(e.time for e in p.edges if e.direction == "fwd"),
                         bwd=p.compute_bwd + sum(e.time for e in p.edges if e.direction != "fwd"))
 
+    def verify(self, *args, weights: Any = None, atol: float | None = None,
+               rtol: float | None = None, **kwargs):
+        """Run the single-process capture and this distributed program on one batch (the
+        global batch, as ``runner.step`` takes it) and compare every node's forward value and
+        gradient, and every parameter's reduced gradient; returns a
+        :class:`fxpar.VerifyReport` (``ok``; ``first``: the first diverging node with its op,
+        layer, strategy, specs and errors; ``str()``: a short table). Collective: every rank
+        calls it; every rank gets the same report. ``weights`` as for :meth:`runner` (a
+        ``meta`` model: ``"init"``). :mod:`fxpar.verify` says how."""
+        from fxpar.verify import verify
+
+        return verify(self, args, kwargs, weights=weights, atol=atol, rtol=rtol)
+
     # -- pipelines -------------------------------------------------------------------------
     def device_mesh(self):
         """The ``DeviceMesh`` of the whole mesh (made once; collective on first use)."""

@@ -135,6 +135,9 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     uses = list(_uses(gm))
     replica = _replica_axes(uses, flags)
     sunk = _sunk(uses, flags, replica)
+    for a, axes in sunk.items():   # its gradient stays partial there (what verify compares)
+        g = grad_out_spec(a.meta[ir.SPECS][0])
+        a.meta[ir.GRAD_SPEC] = Spec(tuple(_SUM if i in axes else pl for i, pl in enumerate(g)))
     gm.meta[ir.REPLICA_AXES] = {a.meta[ir.PARAM].fqn: tuple(mesh.axis_names[i] for i in ax)
                                 for a, ax in replica.items()}
     edges: dict[str, Edge] = gm.meta.setdefault(ir.EDGES, {})
