@@ -209,9 +209,12 @@ def dp_worker(name: str):
                                    msg=lambda s: f"{fqn}: {s}")
     try:
         runner.forward_backward(*diff)
+        msg = "no GuardError"
     except GuardError as e:
-        return str(e)
-    return "no GuardError"
+        msg = str(e)
+    # the runner goes on: the next step (the example batch) is one process's
+    torch.testing.assert_close(runner.step(*ex), ref(*ex).detach(), rtol=1e-5, atol=1e-6)
+    return msg
 
 
 @pytest.mark.dist
@@ -220,4 +223,63 @@ def dp_worker(name: str):
 def test_dp_trains_like_one_process_and_every_rank_raises_the_guard(pools, name):
     msgs = pools(2).run(dp_worker, name)
     assert msgs[0].startswith("node guard_value: `") and "in this step" in msgs[0], msgs
+    assert msgs[1] == msgs[0]
+
+
+class Piped(nn.Module):
+    """Three layers, a read setting a size between the second and the third."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, n):
+        h = torch.relu(self.l2(torch.relu(self.l1(x))))
+        k = n.max().item()
+        return (self.l3(h)[:, :k] ** 2).mean()
+
+
+def pipeline_worker():
+    """2 stages, 2 microbatches (captured at the first: ``n[:2]``, max 5): trains like one
+    process; a batch whose second microbatch reads 6 raises on BOTH stages at the end of the
+    step (the guard's stage does not stop alone, leaving the other waiting), its gradients
+    dropped: the steps after it are one process's again."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    m = Piped()
+    ref = copy.deepcopy(m)
+    x, n = torch.randn(4, 8), torch.tensor([3, 5, 5, 1])
+    opt = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    prog = fxpar.compile(m, fxpar.Cluster.local(dist.get_world_size()), (x, n), plan="dp",
+                         mesh={"pp": 2}, microbatches=2, split_points=["l3"], optimizer=opt,
+                         time_limit=20)
+    assert len(guards(prog.graph)) == 1
+    runner, ropt = prog.runner(), opt(ref.parameters())
+
+    def both():
+        loss = runner.step(x, n)
+        want = ref(x, n)
+        want.backward()
+        ropt.step()
+        ropt.zero_grad()
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+
+    both()
+    try:
+        runner.step(x, torch.tensor([3, 5, 6, 1]))
+        msg = "no GuardError"
+    except GuardError as e:
+        msg = str(e)
+    both()
+    both()
+    return msg
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_a_pipeline_raises_the_guard_on_every_stage(pools):
+    msgs = pools(2).run(pipeline_worker)
+    assert msgs[0].startswith("node guard_value: `k = n.max().item()` at ") and \
+        "read 5 when the model was captured and reads 6 in this step" in msgs[0], msgs
     assert msgs[1] == msgs[0]

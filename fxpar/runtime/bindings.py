@@ -16,7 +16,10 @@ looked up in the :class:`Bindings` active while the graph (and its backward) run
   from the global batch the runner was handed (the collective is skipped; same values);
 * ``deferred``: a list while a training step runs (``None`` otherwise): the all-reduces of
   graph outputs (the loss) whose wait the runner moved after backward, which needs nothing
-  of their values (DDP never reduces the loss at all; fxpar reduces it off the critical path).
+  of their values (DDP never reduces the loss at all; fxpar reduces it off the critical path);
+* ``guard_failures``: a list where a pipeline runner collects the errors of failing
+  ``fxpar.guard_value`` checks, to raise them on every rank at the end of the step
+  (``None``: a failing guard raises at once, :mod:`fxpar.runtime.guards`).
 
 So one graph serves any number of runners (each with its own Bindings), prints, pickles and
 goes through ``torch.compile``. The active Bindings is process-global (not thread-local):
@@ -55,6 +58,7 @@ class Bindings:
     pending: dict[str, tuple[Any, int]] = field(default_factory=dict)
     given: dict[str, Any] = field(default_factory=dict)
     deferred: list | None = None
+    guard_failures: list | None = None
     _device_mesh: Any = field(default=None, repr=False)
 
     @property

@@ -11,7 +11,11 @@ values equal within ``64 * eps`` of their dtype (relative, and absolute near 0),
 distributed program sums partial results in another order than one process. The op returns
 nothing (it is kept by dead-code elimination: ``torch.fx.node.has_side_effect``) and has no
 gradient. Its sharding record (:mod:`fxpar.strategies.guards`) requires ``t`` replicated, so
-every rank reads the same value and raises at the same node.
+every rank of an SPMD program reads the same value and raises at the same node. In a pipeline
+the guard runs on one stage only: its ranks append the error to the bindings'
+``guard_failures`` and go on (every shape is static, so the step runs through), and the
+pipeline runner raises it on every rank at the end of the step, before the optimizer steps
+(:mod:`fxpar.runtime.interpreter`): raising at once would leave the other stages waiting.
 
 >>> import torch
 >>> GUARD_VALUE(torch.tensor([2, 3]), [2, 3], "node guard_value: `t.tolist()` at m.py:7")
@@ -27,7 +31,7 @@ import math
 
 import torch
 
-from fxpar.errors import GuardError
+from fxpar.errors import FxparError, GuardError
 from fxpar.runtime.library import define
 
 __all__ = ["GUARD_VALUE", "same_values"]
@@ -63,12 +67,27 @@ def _show(values: list, other: list) -> str:
 def _guard_value(x: torch.Tensor, expected: list, where: str) -> None:
     got = x.detach().reshape(-1).tolist()
     expected = list(expected)
-    if not same_values(got, expected, x.dtype):
-        raise GuardError(
-            f"{where} read {_show(expected, got)} when the model was captured and reads "
-            f"{_show(got, expected)} in this step; fxpar specialized the graph to the captured "
-            "value (it sets a size or a branch), so this step cannot run: capture with inputs "
-            "that give this value, or keep it a tensor (no .item()/.tolist())")
+    if same_values(got, expected, x.dtype):
+        return
+    err = GuardError(
+        f"{where} read {_show(expected, got)} when the model was captured and reads "
+        f"{_show(got, expected)} in this step; fxpar specialized the graph to the captured "
+        "value (it sets a size or a branch), so this step cannot run: capture with inputs "
+        "that give this value, or keep it a tensor (no .item()/.tolist())")
+    sink = _failures()
+    if sink is None:
+        raise err
+    sink.append(err)
+
+
+def _failures() -> list | None:
+    """The active bindings' ``guard_failures`` (a pipeline step), or ``None``."""
+    from fxpar.runtime.bindings import current
+
+    try:
+        return current().guard_failures
+    except FxparError:  # no bindings: a single-process run (run_captured)
+        return None
 
 
 GUARD_VALUE = define("fxpar::guard_value(Tensor x, Scalar[] expected, str where) -> ()",

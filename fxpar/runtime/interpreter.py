@@ -42,7 +42,11 @@ on its stage's submesh, its own rank graphs). :class:`PipelineRunner` (built by
    ========  ==================================================================================
 
    then gradients are finished (``ModelStates.finish_backward``), the optimizer steps on the
-   local shards, and the loss (mean over microbatches) is broadcast from the last stage.
+   local shards, and the loss (mean over microbatches) is broadcast from the last stage. A
+   guard of a value capture specialized (``fxpar.guard_value``) that failed on some stage
+   raises its :class:`~fxpar.errors.GuardError` on every rank after the gradients are
+   finished (then dropped) and before the optimizer steps
+   (:meth:`PipelineRunner._raise_guard_failures`).
 
 Recomputation (``recompute=``: layer names or ``"all"``; default the plan's
 ``schedule["recompute"]``): a chunk holding recomputed layers runs its forward through
@@ -70,7 +74,7 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.defaults import BUCKET_BYTES
-from fxpar.errors import FxparError, PlanError
+from fxpar.errors import FxparError, GuardError, PlanError
 from fxpar.runtime.bindings import Bindings, bind
 from fxpar.runtime.comm import gathers_params
 from fxpar.runtime.rank import RankRunner, clip_grad_norm
@@ -170,6 +174,15 @@ class PipelineRunner(RankRunner):
         self.state = self._materialize(layouts, infos, sub_mesh.shape, self.sub_coord, weights, seed)
         #: ``I`` actions that left the weight gradients to their ``W`` (the others ran whole)
         self.split_backwards = 0
+        # A failing guard (fxpar.guard_value) is collected and raised on every rank at the end
+        # of the step: raised at once on its stage, the other stages would wait on it. Known
+        # from the global graph, so every rank runs the check's collective or none does.
+        from fxpar.runtime.guards import GUARD_VALUE
+
+        self._guarded = bool(program.graph.graph.find_nodes(op="call_function", target=GUARD_VALUE))
+        self._guard_failures: list = []
+        for c in self.chunks.values():
+            c.bindings.guard_failures = self._guard_failures if self._guarded else None
         if not program.training:
             return
         params = self._trainable()
@@ -538,9 +551,28 @@ class PipelineRunner(RankRunner):
         self._sends.clear()
         self.states.finish_backward()
         self.tracker.next_step()
+        self._raise_guard_failures()
         loss = torch.stack(self._losses).mean() if self._losses else torch.zeros(())
         loss = loss.to(torch.float32).contiguous()
         return loss, dist.broadcast(loss, src=self.program.loss_rank(), async_op=True)
+
+    def _raise_guard_failures(self) -> None:
+        """Raise on every rank the first guard error of the lowest rank that had one this step
+        (:mod:`fxpar.runtime.guards`), the step's gradients dropped; nothing when no guard
+        failed. Collective when the program has guards: one all-reduce of a flag (and, only
+        on a failure, a gather of the messages)."""
+        if not self._guarded:
+            return
+        failed = torch.tensor(float(bool(self._guard_failures)), device=self.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if not failed.item():
+            return
+        mine = str(self._guard_failures[0]) if self._guard_failures else None
+        self._guard_failures.clear()
+        self.states.zero_grad()  # this step's gradients are of a wrong size or branch
+        msgs: list = [None] * dist.get_world_size()
+        dist.all_gather_object(msgs, mine)
+        raise GuardError(next(m for m in msgs if m is not None))
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """As :meth:`fxpar.runtime.runner.Runner.clip_grad_norm_`, over every stage (a tied
