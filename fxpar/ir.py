@@ -58,6 +58,10 @@ Graph-module keys (``gm.meta[...]``)
                 transformers ``ModelOutput``) from the flat user outputs.
 ``FRONTEND``    ``"fxpar_frontend"``: which frontend produced the graph: ``"export(non-strict)"``,
                 ``"export(strict)"`` (both ATen-level) or ``"symbolic_trace"`` (torch-level).
+``READS``       ``"fxpar_reads"``: on a graph whose ``.item()``/``.tolist()`` values capture
+                specialized, ``{(file, line): [Read, ...]}`` of the eager run it replayed
+                (:mod:`fxpar.capture.specialize`); ``Program.save`` keeps them, so a loaded
+                program is captured with the same values.
 ``REPLICA_AXES`` ``"fxpar_replica_axes"``: ``{fqn: mesh axis names}`` over which a trainable
                 parameter's gradient is a partial sum that the model-state manager reduces
                 (``passes/insert_collectives.py``).
@@ -112,6 +116,7 @@ __all__ = [
     "GLOBAL_VAL",
     "GRAD_SPEC",
     "EDGES",
+    "READS",
     "ParamInfo",
     "InputInfo",
     "OutputInfo",
@@ -159,6 +164,7 @@ OUTPUT_TREE = "fxpar_output_tree"
 FRONTEND = "fxpar_frontend"
 REPLICA_AXES = "fxpar_replica_axes"
 EDGES = "fxpar_edges"
+READS = "fxpar_reads"
 
 
 class _Sized:

@@ -244,7 +244,11 @@ class Program:
     # -- save / load -----------------------------------------------------------------------
     def save(self, path) -> None:
         """The plan, the model's parameter signature and the captured input shapes (a
-        pipeline's: one microbatch's) as JSON; :func:`load` rebuilds the program."""
+        pipeline's: one microbatch's) as JSON, with the values capture specialized
+        (``ir.READS``: the file's inputs are only shapes); :func:`load` rebuilds the program."""
+        from fxpar.capture.specialize import reads_to_json
+
+        reads = self.graph.meta.get(ir.READS)
         d = dict(fxpar_program=1, plan=self.plan.to_dict(), signature=model_signature(self.graph),
                  inputs=[dict(name=i.name, path=i.path, shape=list(i.shape) if i.is_tensor else None,
                               dtype=str(i.dtype).removeprefix("torch.") if i.is_tensor else None,
@@ -252,7 +256,8 @@ class Program:
                          for i in ir.user_inputs(self.graph)],
                  in_spec=pytree.treespec_dumps(self.graph.meta[ir.INPUT_TREE]),
                  training=self.training, prefetch=self.prefetch,
-                 n_targets=getattr(self.model, "n_targets", 0))
+                 n_targets=getattr(self.model, "n_targets", 0),
+                 reads=reads_to_json(reads) if reads is not None else None)
         with open(path, "w") as f:
             json.dump(d, f)
 
@@ -278,6 +283,7 @@ def load(path, model: torch.nn.Module, *, optimizer: Callable | None = None,
     from fxpar.capture import WithLoss as _WithLoss
     from fxpar.capture import capture
     from fxpar.capture import frozen_params as _Frozen
+    from fxpar.capture.specialize import reads_from_json
 
     with open(path) as f:
         d = json.load(f)
@@ -294,7 +300,9 @@ def load(path, model: torch.nn.Module, *, optimizer: Callable | None = None,
     model.train(training)  # captured as compile() did: eval + frozen for inference plans
     try:
         with _Frozen(model) if not training else contextlib.nullcontext():
-            gm = capture(wrapped, args, kwargs)
+            # the values capture specialized are the saved ones, not the zero inputs'
+            gm = capture(wrapped, args, kwargs, reads=reads_from_json(d["reads"])
+                         if d.get("reads") is not None else None)
     except CaptureError as e:
         raise PlanError(f"{path}: this model does not accept the plan file's inputs "
                         f"{[i['name'] for i in d['inputs']]} (a plan made for another model?): "

@@ -183,6 +183,20 @@ def test_a_read_only_the_trace_makes_is_named():
         capture(Tracing(), (torch.randn(4, 3), torch.tensor([2, 3])))
 
 
+def test_a_saved_program_is_loaded_with_the_specialized_values(tmp_path):
+    """The file's inputs are only shapes (zeros when loaded): the values capture specialized
+    are saved with it, and the loaded program is the same (captured on zeros, the router
+    would send every token to one expert)."""
+    m, ex, _, _ = _batches("split")
+    prog = fxpar.compile(m, fxpar.Cluster.local(2), ex, plan="dp", mesh={"dp": 2},
+                         time_limit=20)
+    prog.save(tmp_path / "p.json")
+    loaded = fxpar.load(tmp_path / "p.json", m)
+    assert [g.args[1:] for g in guards(loaded.graph)] == [g.args[1:] for g in guards(prog.graph)]
+    for r in range(2):
+        assert loaded.rank_graph(r).code == prog.rank_graph(r).code
+
+
 # ---------------------------------------------------------------------------------------------
 # 2 gloo ranks, plan="dp": trained like one process; a differing batch raises on every rank
 # ---------------------------------------------------------------------------------------------

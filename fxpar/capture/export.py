@@ -83,7 +83,7 @@ def export_graph(model: torch.nn.Module, args: tuple, kwargs: dict, *, strict: b
             ep = decompose_graph(ep)
         gm = _from_exported(ep, model, "export(strict)" if strict else "export(non-strict)")
         if reads is not None:
-            name_guards(gm)
+            name_guards(gm, reads)
         return gm
 
 

@@ -70,6 +70,7 @@ def capture(
     frontend: Frontend = "auto",
     decompose: bool = False,
     stack_traces: bool = True,
+    reads: dict | None = None,
 ) -> fx.GraphModule:
     """Capture ``model(*example_inputs, **example_kwargs)`` as a graph with fake-tensor meta.
 
@@ -78,7 +79,9 @@ def capture(
     lowers to core ATen (export frontends only). ``stack_traces=False``: no node carries
     ``meta["stack_trace"]`` (:data:`fxpar.ir.STACK_TRACE`), everything else is the same;
     export then skips symbolizing every node's Python stack, ~20% of a capture (for a graph
-    that is only planned on, e.g. the joint search's probe). Raises :class:`CaptureError` when no frontend
+    that is only planned on, e.g. the joint search's probe). ``reads``: the values to
+    specialize ``.item()``/``.tolist()`` reads to (a saved graph's ``gm.meta[ir.READS]``)
+    instead of an eager run's. Raises :class:`CaptureError` when no frontend
     succeeds; its message names every frontend tried and the first line of its error, and
     ``err.failures`` maps each frontend's label to its exception.
     """
@@ -101,7 +104,7 @@ def capture(
             if fe == "export" and _data_dependent(e):
                 # a guard on a value read with .item()/.tolist() (a branch): specialize the reads
                 try:
-                    gm = _specialized(model, args, kwargs, decompose, stack_traces, debug)
+                    gm = _specialized(model, args, kwargs, decompose, stack_traces, debug, reads)
                 except CaptureError as e2:
                     failures[f"{label}, specialized"] = e2
                     reasons.append(f"{label}, values read from tensor data specialized: {e2}")
@@ -110,12 +113,12 @@ def capture(
                     refuse_data_dependent(gm, type(model).__name__)
                     return gm
             continue
-        if fe == "export" and (reads := reads_to_specialize(gm)):
+        if fe == "export" and (wanted := reads_to_specialize(gm)):
             # a value read with .item()/.tolist() sets a size or a branch: specialize the reads
             try:
-                gm = _specialized(model, args, kwargs, decompose, stack_traces, debug) or gm
+                gm = _specialized(model, args, kwargs, decompose, stack_traces, debug, reads) or gm
             except CaptureError as e:
-                r = reads[0]
+                r = wanted[0]
                 raise CaptureError(
                     f"could not capture {type(model).__name__}: node {r.name} ({r.target}"
                     f"{_source(r)}) reads a value from tensor data that sets a size or a branch: "
@@ -161,11 +164,12 @@ def _source(node: fx.Node) -> str:
 
 
 def _specialized(model: torch.nn.Module, args: tuple, kwargs: dict, decompose: bool,
-                 stack_traces: bool, debug: bool) -> fx.GraphModule | None:
+                 stack_traces: bool, debug: bool, reads: dict | None) -> fx.GraphModule | None:
     """``model`` exported (non-strict) with each ``.item()``/``.tolist()`` specialized to its
-    value in an eager run on the example inputs and guarded (:mod:`fxpar.capture.specialize`);
-    ``None`` when that run read no value. Failures are :class:`CaptureError`."""
-    reads = record_reads(model, args, kwargs)
+    value in an eager run on the example inputs (or in ``reads``) and guarded
+    (:mod:`fxpar.capture.specialize`); ``None`` when that run read no value. Failures are
+    :class:`CaptureError`."""
+    reads = record_reads(model, args, kwargs) if reads is None else reads
     if not reads:
         return None
     try:

@@ -18,6 +18,9 @@ Contract:
   of the caller of ``.item()``/``.tolist()``) and their order at that site, so reads only the
   eager run makes (code that skips checks while tracing) are ignored; a read the trace makes
   that the eager run did not is a :class:`~fxpar.errors.CaptureError` naming the line.
+* The graph keeps the reads it replayed (``gm.meta[ir.READS]``): ``Program.save`` writes them
+  (:func:`reads_to_json`) and :func:`fxpar.load` captures with them again
+  (``capture(..., reads=...)``), since the file's inputs are only shapes.
 * The eager run changes nothing: no gradient, buffers (BatchNorm statistics) updated on
   copies, the RNG state restored. It needs real tensors: example inputs or weights on the
   ``meta`` device or fake raise :class:`CaptureError` saying to pass real example inputs.
@@ -67,7 +70,7 @@ from fxpar.errors import CaptureError
 from fxpar.runtime.guards import GUARD_VALUE
 
 __all__ = ["Read", "record_reads", "replaying", "reads_to_specialize", "name_guards", "guards",
-           "READ_OPS"]
+           "reads_to_json", "reads_from_json", "READ_OPS"]
 
 #: the ATen ops a plain export records for ``.item()`` (``tolist`` reads element by element)
 READ_OPS = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
@@ -94,6 +97,27 @@ class Read:
     def flat(self) -> list:
         """The value's elements, row-major (what the guard compares)."""
         return list(pytree.tree_leaves(self.value))
+
+
+def reads_to_json(reads: dict[Site, list[Read]]) -> list[dict]:
+    """``reads`` as plain JSON data (:func:`reads_from_json` inverts it; floats round-trip).
+
+    >>> r = {("m.py", 3): [Read(("m.py", 3), 0, "tolist", (2,), torch.int64, [4, 1])]}
+    >>> reads_from_json(reads_to_json(r)) == r
+    True
+    """
+    return [dict(site=list(r.site), index=r.index, kind=r.kind, shape=list(r.shape),
+                 dtype=str(r.dtype).removeprefix("torch."), value=r.value)
+            for rs in reads.values() for r in rs]
+
+
+def reads_from_json(data: list[dict]) -> dict[Site, list[Read]]:
+    out: dict[Site, list[Read]] = defaultdict(list)
+    for d in sorted(data, key=lambda d: (tuple(d["site"]), d["index"])):
+        site = (d["site"][0], int(d["site"][1]))
+        out[site].append(Read(site, d["index"], d["kind"], tuple(d["shape"]),
+                              getattr(torch, d["dtype"]), d["value"]))
+    return dict(out)
 
 
 def _site() -> Site:
@@ -235,8 +259,10 @@ def guards(gm: fx.GraphModule) -> list[fx.Node]:
     return list(gm.graph.find_nodes(op="call_function", target=GUARD_VALUE))
 
 
-def name_guards(gm: fx.GraphModule) -> None:
-    """Prefix each guard's ``where`` with its node name (known only once export named it)."""
+def name_guards(gm: fx.GraphModule, reads: dict[Site, list[Read]]) -> None:
+    """Prefix each guard's ``where`` with its node name (known only once export named it);
+    keep the ``reads`` replayed in ``gm.meta[ir.READS]``."""
+    gm.meta[ir.READS] = reads
     for n in guards(gm):
         x, expected, where = n.args
         if not where.startswith("node "):
