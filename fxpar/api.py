@@ -42,7 +42,8 @@ from fxpar.mesh import Mesh
 from fxpar.plan_data import BASELINES, PLAN_KINDS, SEARCHED, Plan
 from fxpar.planner import (PlannerOptions, axonn_meshes, baseline_mesh,
                            baseline_notes, baseline_pins, candidate_meshes, plan_and_keep)
-from fxpar.planner.realize import Planned, microbatch as _microbatch, plan_joint
+from fxpar.plan_broadcast import on_rank0
+from fxpar.planner.realize import Planned, microbatch as _microbatch, plan_joint, planned_from
 
 __all__ = ["plan", "compile", "Planned"]
 
@@ -88,7 +89,7 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
          strategies: Callable | None = None, graph: fx.GraphModule | None = None,
          progress: Callable[[str], None] | None = None, schedule="1f1b",
          microbatches: int = 1, chunks: int = 1, split_points: Sequence[str] | None = None,
-         boundary: str = "auto") -> Planned:
+         boundary: str = "auto", broadcast: bool = True) -> Planned:
     """Capture ``model`` and plan it on ``cluster`` (module docstring for ``plan=`` kinds).
 
     ``mesh``: a :class:`Mesh` or ``{"dp": 2, "tp": 4}``; ``None`` picks one; with a ``"pp"``
@@ -98,19 +99,27 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
     ``progress(line)`` is called once per candidate mesh as it is planned (its build and
     solve times and predicted step, or why it failed).
     Raises :class:`PlanError` when no plan fits ``memory_budget`` (default device memory).
+
+    **Under torch.distributed** (an initialized process group, e.g. under ``torchrun``), call
+    it on every rank: global rank 0 plans and broadcasts its plan, the other ranks capture the
+    model (they need the graph) but never solve, so every rank holds the same plan whatever
+    ``time_limit`` cuts (:mod:`fxpar.plan_broadcast`). A planning error on rank 0 is raised on
+    every rank, as the same error type with the same message. On the other ranks ``why()`` is
+    unavailable (they hold no solver problem) and ``progress`` is not called.
+    ``broadcast=False`` plans on this rank alone, as without a process group.
     """
     if isinstance(plan, str) and plan in SEARCHED:
         if mesh is not None or graph is not None or model is None:
             raise PlanError(f"plan={plan!r} searches its own configurations ({SEARCHED[plan]}, "
                             "over every device of the cluster): give a model, no mesh or graph")
-        return plan_joint(model, cluster, example_inputs, example_kwargs, plan=SEARCHED[plan],
-                           options=options, memory_budget=memory_budget, time_limit=time_limit,
-                           progress=progress, kind=plan)
+        return _joint_on_rank0(model, cluster, example_inputs, example_kwargs, broadcast,
+                               plan=SEARCHED[plan], options=options, memory_budget=memory_budget,
+                               time_limit=time_limit, progress=progress, kind=plan)
     if isinstance(plan, Mapping) or (plan == "auto" and mesh is None and graph is None
                                      and model is not None and _multi_node(cluster)):
-        return plan_joint(model, cluster, example_inputs, example_kwargs, plan=plan,
-                           options=options, memory_budget=memory_budget, time_limit=time_limit,
-                           progress=progress)
+        return _joint_on_rank0(model, cluster, example_inputs, example_kwargs, broadcast,
+                               plan=plan, options=options, memory_budget=memory_budget,
+                               time_limit=time_limit, progress=progress)
     if plan not in PLAN_KINDS:
         raise PlanError(f"unknown plan {plan!r}; one of {PLAN_KINDS}")
     if mesh is not None and "pp" in (mesh.axis_names if isinstance(mesh, Mesh) else dict(mesh)):
@@ -120,51 +129,58 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
         return _compile_pipeline(model, model, cluster, args, example_kwargs, optimizer=None,
                                  plan=plan, training=model.training, prefetch=1, emit=False,
                                  schedule=schedule, microbatches=microbatches, chunks=chunks,
-                                 split_points=split_points, mesh=mesh, boundary=boundary, **kw)
-    gm = graph if graph is not None else capture(model, example_inputs, example_kwargs)
+                                 split_points=split_points, mesh=mesh, boundary=boundary,
+                                 broadcast=broadcast, **kw)
     opts = options or PlannerOptions()
     kw = {k: v for k, v in (("memory_budget", memory_budget), ("time_limit", time_limit))}
     opts = PlannerOptions(**{**{f: getattr(opts, f) for f in opts.__dataclass_fields__},
                              **{k: v for k, v in kw.items() if v is not None or k == "time_limit"}})
-    m = _as_mesh(mesh, cluster)
-    # axonn without a mesh: AxoNN's ranked grids in order, the first that plans (AxoNN tries
-    # its top configurations); the others: their one default mesh; auto: the best of all.
-    first_fit = m is None and plan == "axonn"
-    meshes = [m] if m is not None else (
-        candidate_meshes(gm, cluster) if plan == "auto" else
-        axonn_meshes(gm, cluster) if first_fit else [baseline_mesh(plan, gm, cluster)])
-    best, kept, tried, errors, best_key = None, None, [], [], None
-    for msh in meshes:
-        if first_fit and best is not None:
-            break
-        all_pins = dict(baseline_pins(plan, gm, msh)) if plan != "auto" else {}
-        all_pins.update(pins or {})
-        try:
-            p, bp, sol = plan_and_keep(gm, msh, pins=all_pins, options=opts,
-                                       strategies=strategies, kind=plan)
-        except PlanError as e:
+
+    def solve(gm: fx.GraphModule) -> Planned:
+        m = _as_mesh(mesh, cluster)
+        # axonn without a mesh: AxoNN's ranked grids in order, the first that plans (AxoNN tries
+        # its top configurations); the others: their one default mesh; auto: the best of all.
+        first_fit = m is None and plan == "axonn"
+        meshes = [m] if m is not None else (
+            candidate_meshes(gm, cluster) if plan == "auto" else
+            axonn_meshes(gm, cluster) if first_fit else [baseline_mesh(plan, gm, cluster)])
+        best, kept, tried, errors, best_key = None, None, [], [], None
+        for msh in meshes:
+            if first_fit and best is not None:
+                break
+            all_pins = dict(baseline_pins(plan, gm, msh)) if plan != "auto" else {}
+            all_pins.update(pins or {})
+            try:
+                p, bp, sol = plan_and_keep(gm, msh, pins=all_pins, options=opts,
+                                           strategies=strategies, kind=plan)
+            except PlanError as e:
+                if progress is not None:
+                    progress(f"{msh!r}: no plan ({str(e).splitlines()[0][:120]})")
+                if len(meshes) == 1:
+                    raise
+                errors.append(f"{msh!r}: {e}")
+                continue
+            # meshes are compared by the one step model (Plan.time), as the joint search ranks
+            # its configurations; on one mesh the solver minimizes the summed time
+            step = p.time
             if progress is not None:
-                progress(f"{msh!r}: no plan ({str(e).splitlines()[0][:120]})")
-            if len(meshes) == 1:
-                raise
-            errors.append(f"{msh!r}: {e}")
-            continue
-        # meshes are compared by the one step model (Plan.time), as the joint search ranks
-        # its configurations; on one mesh the solver minimizes the summed time
-        step = p.time
-        if progress is not None:
-            progress(f"{msh!r}: build {p.stats.get('build_s', 0):.2f} s, solve "
-                     f"{p.stats.get('solve_s', 0):.2f} s ({p.stats.get('strategies', '?')} "
-                     f"strategies), predicted step {step * 1e3:.4g} ms")
-        tried.append((repr(msh), step))
-        if best is None or (step, p.summed_time) < best_key:
-            best, best_mesh, kept, best_key = p, msh, (bp, sol), (step, p.summed_time)
-    if best is None:
-        raise PlanError(f"no {plan} plan on any candidate mesh: " + "; ".join(errors))
-    notes = baseline_notes(plan, gm, best_mesh)
-    if notes:
-        best = dataclasses.replace(best, notes=notes)
-    return Planned(best, gm, tuple(tried), *kept)
+                progress(f"{msh!r}: build {p.stats.get('build_s', 0):.2f} s, solve "
+                         f"{p.stats.get('solve_s', 0):.2f} s ({p.stats.get('strategies', '?')} "
+                         f"strategies), predicted step {step * 1e3:.4g} ms")
+            tried.append((repr(msh), step))
+            if best is None or (step, p.summed_time) < best_key:
+                best, best_mesh, kept, best_key = p, msh, (bp, sol), (step, p.summed_time)
+        if best is None:
+            raise PlanError(f"no {plan} plan on any candidate mesh: " + "; ".join(errors))
+        notes = baseline_notes(plan, gm, best_mesh)
+        if notes:
+            best = dataclasses.replace(best, notes=notes)
+        return Planned(best, gm, tuple(tried), *kept)
+
+    return on_rank0(solve, lambda gm, p, tried: Planned(p, gm, tuple(map(tuple, tried))),
+                    plan_of=_plan_of, extra_of=_tried_of, enabled=broadcast,
+                    prepare=lambda: graph if graph is not None else
+                    capture(model, example_inputs, example_kwargs))
 
 
 @_gc_paused
@@ -180,7 +196,9 @@ def compile(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | tor
     ``example_inputs``/``example_kwargs``: one global batch of the model's inputs (fake or
     meta tensors are fine). ``loss_fn(output, *targets)`` with ``example_targets`` when the
     model does not return its loss. ``optimizer(params)`` builds any ``torch.optim`` optimizer.
-    ``plan``: ``"auto"``, a baseline name, or a :class:`Plan` (e.g. from :func:`fxpar.load`).
+    ``plan``: ``"auto"``, a baseline name, or a :class:`Plan` (e.g. from :func:`fxpar.load`,
+    or made on another rank: a pipeline plan's stage chunks are split again where it says).
+    Under ``torch.distributed``, rank 0 plans and broadcasts (see :func:`plan`; ``broadcast=``).
     ``training=False`` captures the model in eval mode and plans the forward only.
     ``emit=False`` stops after planning and returns a :class:`Planned`. Other keyword
     arguments go to :func:`plan` (``mesh``, ``pins``, ``memory_budget``...).
@@ -210,9 +228,9 @@ def compile(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | tor
     model.train(training)
     try:
         with (frozen_params(model) if not training else contextlib.nullcontext()):
-            if isinstance(plan, Plan):
-                graph = kwargs.pop("graph", None) or capture(wrapped, args + targets, example_kwargs)
-                planned = Planned(plan, graph)
+            if isinstance(plan, Plan):  # a pipeline plan's chunks split again where it says
+                planned = planned_from(plan, wrapped, args + targets, example_kwargs,
+                                       graph=kwargs.pop("graph", None))
             else:
                 planned = globals()["plan"](wrapped, cluster, args + targets, example_kwargs,
                                             plan=plan, **kwargs)
@@ -228,11 +246,25 @@ def _multi_node(cluster) -> bool:
     return getattr(cluster, "nodes", 1) > 1
 
 
+def _plan_of(planned: Planned) -> Plan:
+    return planned.plan
+
+
+def _tried_of(planned: Planned) -> tuple:
+    return planned.tried
+
+
+def _joint_on_rank0(model, cluster, args, kwargs, broadcast: bool, **kw) -> Planned:
+    """:func:`plan_joint` on rank 0; the other ranks capture the model at the shape of rank
+    0's winner (:func:`planned_from`): which one is known only from the plan."""
+    return on_rank0(lambda _: plan_joint(model, cluster, args, kwargs, **kw),
+                    lambda _, p, tried: planned_from(p, model, args, kwargs, tried=tried),
+                    plan_of=_plan_of, extra_of=_tried_of, enabled=broadcast)
 
 
 def _compile_pipeline(model, wrapped, cluster, args, example_kwargs, *, optimizer, plan,
                       training, prefetch, emit, schedule, microbatches, chunks, split_points,
-                      mesh, **kwargs):
+                      mesh, broadcast: bool = True, **kwargs):
     """:func:`compile` for a mesh with a ``pp`` axis (see there)."""
     from fxpar.planner.stages import plan_pipeline
     from fxpar.program import Program
@@ -260,18 +292,26 @@ def _compile_pipeline(model, wrapped, cluster, args, example_kwargs, *, optimize
     over = {k: kwargs[k] for k in ("memory_budget", "time_limit") if k in kwargs}
     if over:
         opts = dataclasses.replace(opts, **over)
-    was_training = model.training
-    model.train(training)
-    try:
-        with (frozen_params(model) if not training else contextlib.nullcontext()):
-            gm = capture(wrapped, mb_args, mb_kwargs or None)
-    finally:
-        model.train(was_training)
-    pplan, chunks_ = plan_pipeline(gm, m, schedule=schedule, microbatches=microbatches,
-                                   chunks=chunks, split_points=split_points,
-                                   pins=kwargs.get("pins"), options=opts, kind=plan,
-                                   boundary=kwargs.get("boundary", "auto"))
+    def captured() -> fx.GraphModule:
+        was_training = model.training
+        model.train(training)
+        try:
+            with (frozen_params(model) if not training else contextlib.nullcontext()):
+                return capture(wrapped, mb_args, mb_kwargs or None)
+        finally:
+            model.train(was_training)
+
+    def solve(gm):
+        pplan, chunks_ = plan_pipeline(gm, m, schedule=schedule, microbatches=microbatches,
+                                       chunks=chunks, split_points=split_points,
+                                       pins=kwargs.get("pins"), options=opts, kind=plan,
+                                       boundary=kwargs.get("boundary", "auto"))
+        return Planned(pplan, gm, stage_graphs=tuple(c.graph for c in chunks_))
+
+    # rank 0 plans; the others split their capture where rank 0's chunks start
+    planned = on_rank0(solve, lambda gm, p, _: planned_from(p, wrapped, (), None, graph=gm),
+                       plan_of=_plan_of, prepare=captured, enabled=broadcast)
     if not emit:
-        return Planned(pplan, gm)
-    return Program(pplan, gm, wrapped, optimizer=optimizer, training=training,
-                   prefetch=prefetch, stage_graphs=[c.graph for c in chunks_])
+        return planned
+    return Program(planned.plan, planned.graph, wrapped, optimizer=optimizer, training=training,
+                   prefetch=prefetch, stage_graphs=list(planned.stage_graphs))

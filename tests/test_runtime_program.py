@@ -263,19 +263,23 @@ def bad_inputs_worker(tmp: str):
     out["mlp_model"] = _catch(fxpar.load, path, MLP(16, 64, 16))
 
     # a world size that does not match: compiled for 4 devices, run on 2 ranks
-    def mlp(n, kind, mesh):
+    def mlp(n, kind, mesh, broadcast=True):
         torch.manual_seed(0)
         return fxpar.compile(MLP(16, 64, 16), fxpar.Cluster.local(n), (torch.randn(8, 16),),
                              loss_fn=nn.functional.mse_loss, example_targets=(torch.randn(8, 16),),
-                             plan=kind, mesh=mesh, time_limit=20, optimizer=_opt)
+                             plan=kind, mesh=mesh, time_limit=20, optimizer=_opt,
+                             broadcast=broadcast)
 
     out["world"] = _catch(mlp(4, "dp", {"dp": 4}).runner)
 
-    # ranks holding different plans (same size): rank 0 dp, rank 1 megatron
-    progx = mlp(2, *(("dp", {"dp": 2}) if dist.get_rank() == 0 else ("megatron", {"tp": 2})))
+    # ranks holding different plans (same size): rank 0 dp, rank 1 megatron, each planned
+    # alone (by default rank 0's plan would be every rank's)
+    progx = mlp(2, *(("dp", {"dp": 2}) if dist.get_rank() == 0 else ("megatron", {"tp": 2})),
+                broadcast=False)
     out["plans"] = _catch(progx.runner)
     # different plans that also disagree on the world size: still an error on every rank
-    progy = mlp(2, "dp", {"dp": 2}) if dist.get_rank() == 0 else mlp(4, "dp", {"dp": 4})
+    progy = (mlp(2, "dp", {"dp": 2}, broadcast=False) if dist.get_rank() == 0
+             else mlp(4, "dp", {"dp": 4}, broadcast=False))
     out["plans_world"] = _catch(progy.runner)
     dist.barrier()  # and nobody hangs afterwards
     return out

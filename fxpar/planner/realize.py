@@ -23,7 +23,7 @@ from fxpar.plan_data import Plan
 from fxpar.planner.intra_op import BuildCache, BuiltProblem, PlannerOptions, plan_and_keep, unkeepable_pins
 from fxpar.solver import Solution
 
-__all__ = ["Planned", "plan_joint", "microbatch"]
+__all__ = ["Planned", "plan_joint", "planned_from", "microbatch"]
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,41 @@ class Planned:
             raise PlanError("why() needs the planning problem: this Planned holds a given or "
                             "loaded Plan only; plan it with fxpar.plan(...)")
         return why(self.problem, self.solution.choice, node, top=top)
+
+
+def planned_from(plan: Plan, model, args, kwargs, *, graph: fx.GraphModule | None = None,
+                 tried=()) -> Planned:
+    """The :class:`Planned` of ``plan`` made elsewhere (on rank 0, loaded from a file) for
+    ``model`` called on the global batch ``args``/``kwargs``: the model captured as the
+    planner captured it (one SPMD step: the whole batch; a pipeline: one microbatch, dim 0
+    divided by ``plan.schedule["microbatches"]``) unless ``graph`` is given, and a pipeline's
+    stage chunk graphs split again where the plan's chunks start (``StagePlan.start``): the
+    same chunks, node for node. No solver runs; ``why()`` is unavailable.
+
+    >>> import torch, fxpar
+    >>> from examples.models import MLP
+    >>> model, x = MLP(8, 16, 4), torch.randn(4, 8)
+    >>> prog = fxpar.compile(model, fxpar.Cluster.local(2), (x,), mesh={"pp": 2}, microbatches=2,
+    ...                      loss_fn=lambda out: out.sum())
+    >>> got = planned_from(prog.plan, prog.model, (x,), {})
+    >>> names = lambda g: [n.name for n in g.graph.nodes]
+    >>> [names(g) for g in got.stage_graphs] == [names(sp.graph) for sp in prog.stage_programs]
+    True
+    """
+    from fxpar.split import split_stages
+
+    args = (args,) if isinstance(args, torch.Tensor) else tuple(args)
+    kwargs = dict(kwargs or {})
+    if plan.stages:
+        m = int(plan.schedule["microbatches"])
+        args = tuple(microbatch(x, m, f"#{i}") for i, x in enumerate(args))
+        kwargs = {k: microbatch(v, m, repr(k)) for k, v in kwargs.items()}
+    gm = graph if graph is not None else capture(model, args, kwargs or None)
+    chunks = ()
+    if plan.stages:
+        chunks = tuple(c.graph for c in split_stages(gm, len(plan.stages),
+                                                     start_nodes=[st.start for st in plan.stages]))
+    return Planned(plan, gm, tuple(tuple(t) for t in tried), stage_graphs=chunks)
 
 
 def _global_batch(args, kwargs) -> int:

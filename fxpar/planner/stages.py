@@ -194,8 +194,10 @@ def plan_pipeline(gm: fx.GraphModule, mesh: Mesh, *, schedule="1f1b",
               if k + 1 < n else [])
         stages.append(StagePlan(
             k, k % p, sg.layers, sg.inputs, sg.outputs, plan,
-            send_bytes=sum(x[0] for x in xs), scatter=tuple(x[1] for x in xs),
-            send_time=sum(x[2] for x in xs), back_time=sum(x[3] for x in xs),
+            # typed as StagePlan.from_dict reads them: the last chunk's empty sums are int 0,
+            # which would print "0" where a plan from JSON (another rank's) prints "0.0"
+            send_bytes=int(sum(x[0] for x in xs)), scatter=tuple(x[1] for x in xs),
+            send_time=float(sum(x[2] for x in xs)), back_time=float(sum(x[3] for x in xs)),
             in_specs=tuple(str(recv[k][name]) for name in sg.inputs),
             out_specs=tuple(str(sent[k][name]) for name in sg.outputs), start=sg.start))
     return _pipeline_plan(kind, mesh, stages, sched), graphs
