@@ -12,7 +12,18 @@ import torch.distributed as dist
 
 import fxpar
 
-pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_error_measure():
+    """Equal infinities (a masked_fill with -inf) and equal NaNs agree; NaN against a finite
+    reference is infinitely far; the scale is the reference's largest finite magnitude."""
+    from fxpar.verify import _error
+
+    inf, nan = float("inf"), float("nan")
+    assert _error(torch.tensor([-inf, 1.0, nan]), torch.tensor([-inf, 1.5, nan])) == (0.5, 1.5)
+    assert _error(torch.tensor([nan, 1.0]), torch.tensor([2.0, 1.0]))[0] == inf
+    assert _error(torch.tensor([1.0, 2.0]), torch.tensor([1.0]))[0] == inf   # shapes differ
 
 
 def _gpt():
@@ -39,6 +50,7 @@ def _verify(plan, mesh, break_node=None, **kw):
 
 @pytest.mark.parametrize("plan,mesh", [("dp", {"dp": 2}), ("zero3", {"dp": 2}),
                                        ("megatron", {"tp": 2})])
+@pytest.mark.dist
 def test_correct_programs_verify_clean(pools, plan, mesh):
     """Includes the GPT's position embedding under dp, whose gradient insert_collectives
     leaves partial (ir.GRAD_SPEC): not a divergence."""
@@ -47,6 +59,7 @@ def test_correct_programs_verify_clean(pools, plan, mesh):
         assert values > 50 and grads > 30 and params > 10, text
 
 
+@pytest.mark.dist
 def test_pipeline_verifies_clean(pools):
     for ok, text, first, values, grads, params in pools(2).run(_verify, "auto", {"pp": 2},
                                                                microbatches=2):
@@ -60,6 +73,7 @@ def _gelu_node():
     return next(n.name for n in gm.graph.nodes if "gelu" in str(n.target))
 
 
+@pytest.mark.dist
 def test_first_divergence_is_the_broken_node(pools):
     name = _gelu_node()
     res = pools(2).run(_verify, "megatron", {"tp": 2}, break_node=name)
