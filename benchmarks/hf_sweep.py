@@ -51,7 +51,11 @@ OUT = Path(__file__).resolve().parent / "results" / "hf_sweep.json"
 
 
 def _commit() -> str:
-    """The checkout's commit (``+dirty`` with uncommitted changes to tracked files)."""
+    """The checkout's commit (``+dirty`` with uncommitted changes to tracked files);
+    ``FXPAR_SWEEP_COMMIT`` names it for a run from an exported copy of the tree (other work
+    in progress in a shared checkout stays out of the record)."""
+    if os.environ.get("FXPAR_SWEEP_COMMIT"):
+        return os.environ["FXPAR_SWEEP_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, cwd=ROOT, check=True).stdout.strip()
