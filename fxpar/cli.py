@@ -17,6 +17,11 @@
                                and every node whose strategy differs
 ``fxpar dump FILE.py:FUNC --out DIR``  compile and write every rank's readable program to
                                ``DIR/rank{r}.py``
+``fxpar verify FILE.py:FUNC``  compile for ``--mesh`` and run ``prog.verify`` (every node's value
+                               and gradient against one process; exit status 1 if one
+                               diverges): under torchrun on its ranks, else on that many local
+                               gloo processes; ``FUNC()`` must build the same model and batch on
+                               every rank (seed it) and the model must return its loss
 """
 
 from __future__ import annotations
@@ -212,6 +217,47 @@ def cmd_dump(args) -> None:
     print(f"wrote {len(files)} files to {out}/ ({files[0][0]} ... {files[-1][0]})")
 
 
+def _verify_rank(target: str, mesh: dict, plan: str, time_limit: float, pipeline: dict) -> str:
+    """One rank of ``fxpar verify``: build, compile, verify; the report's text."""
+    import fxpar
+
+    model, inputs, kwargs = _load_target(target)
+    import torch.distributed as dist
+
+    cluster = fxpar.Cluster.local(dist.get_world_size())
+    if "pp" not in mesh:
+        pipeline = {}
+    prog = fxpar.compile(model, cluster, inputs, kwargs, plan=plan, mesh=mesh,
+                         time_limit=time_limit, **pipeline)
+    r = prog.verify(*inputs, **kwargs)
+    return ("OK " if r.ok else "DIVERGED ") + str(r)
+
+
+def cmd_verify(args) -> None:
+    import math
+    import os
+
+    mesh = _parse_mesh(args.mesh)
+    call = (args.target, mesh, args.plan, args.time_limit, _pipeline_args(args))
+    if "WORLD_SIZE" in os.environ:   # under torchrun: this process is one rank
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("gloo")
+        text = _verify_rank(*call)
+        if dist.get_rank() == 0:
+            print(text)
+    else:
+        from fxpar.testing import WorkerPool
+
+        sys.path.insert(0, str(Path(args.target.rpartition(":")[0]).resolve().parent))
+        with WorkerPool(math.prod(mesh.values()), timeout=args.timeout) as pool:
+            text = pool.run(_verify_rank, *call)[0]
+        print(text)
+    if not text.startswith("OK"):
+        raise SystemExit(1)
+
+
 def _import_examples():
     try:
         import examples.models as models
@@ -338,6 +384,17 @@ def main(argv: list[str] | None = None) -> None:
         else:
             q.add_argument("--out", required=True, help="directory for rank{r}.py")
             q.add_argument("--inference", action="store_true", help="forward-only programs")
+    v = sub.add_parser("verify", help="compile FILE.py:FUNC for --mesh and compare every node "
+                       "with one process", epilog=_EXAMPLES["verify"],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    v.add_argument("target", help="FILE.py:FUNC")
+    v.add_argument("--mesh", required=True, help="axes, e.g. dp=2,tp=2 (local processes: their product)")
+    v.add_argument("--plan", default="auto", help="auto, dp, zero3, megatron or axonn")
+    v.add_argument("--time-limit", type=float, default=20.0, help="solver seconds")
+    v.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are killed")
+    v.add_argument("--schedule", default="1f1b", help="pipeline schedule (a pp axis in --mesh)")
+    v.add_argument("--microbatches", type=int, default=1, help="pipeline microbatches")
+    v.add_argument("--chunks", type=int, default=1, help="chunks per pipeline rank (interleaved)")
     e = sub.add_parser("explain", help="print a saved plan")
     e.add_argument("plan", help="plan JSON (fxpar plan --json, or Program.save)")
     c = sub.add_parser("compare", help="two plans of one model side by side")
@@ -345,7 +402,8 @@ def main(argv: list[str] | None = None) -> None:
     c.add_argument("b")
     args = ap.parse_args(argv)
     {"demo": cmd_demo, "presets": cmd_presets, "reshard": cmd_reshard, "plan": cmd_plan,
-     "explain": cmd_explain, "compare": cmd_compare, "dump": cmd_dump}[args.cmd](args)
+     "explain": cmd_explain, "compare": cmd_compare, "dump": cmd_dump,
+     "verify": cmd_verify}[args.cmd](args)
 
 
 _EXAMPLES = {
@@ -356,6 +414,9 @@ _EXAMPLES = {
   fxpar compare auto.json m.json""",
     "dump": """examples:
   fxpar dump my_model.py:build --cluster local --nodes 4 --mesh dp=2,tp=2 --out ranks/""",
+    "verify": """examples:
+  fxpar verify my_model.py:build --mesh dp=2,tp=2 --plan megatron     # 4 local gloo processes
+  torchrun --nproc-per-node 4 -m fxpar.cli verify my_model.py:build --mesh dp=2,tp=2""",
 }
 
 

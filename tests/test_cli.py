@@ -95,3 +95,32 @@ def test_pipeline_plan_and_dump(target, tmp_path, capsys):
     main(["dump", t, *pp, "--out", str(tmp_path / "ranks")])
     files = sorted(p.name for p in (tmp_path / "ranks").iterdir())
     assert files == ["rank0_chunk0.py", "rank1_chunk0.py", "rank2_chunk1.py", "rank3_chunk1.py"]
+
+
+LOSS_MODEL = textwrap.dedent("""
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 32), nn.Linear(32, 8)
+
+        def forward(self, x):
+            return self.b(torch.relu(self.a(x))).pow(2).mean()
+
+    def build():
+        torch.manual_seed(0)
+        return Net(), (torch.randn(8, 8),)
+""")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_verify_command(tmp_path, capsys):
+    """``fxpar verify`` spawns the mesh's local ranks and prints the report (a divergence's
+    report: tests/test_verify.py)."""
+    (tmp_path / "m.py").write_text(LOSS_MODEL)
+    main(["verify", f"{tmp_path / 'm.py'}:build", "--mesh", "tp=2", "--plan", "megatron"])
+    out = capsys.readouterr().out
+    assert out.startswith("OK verify:") and "all equal" in out
