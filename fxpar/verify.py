@@ -234,16 +234,21 @@ def _compare(local, ref, spec: Spec, shape, bindings, coord) -> tuple[float, flo
         from fxpar.runtime.redistribute import _local_shape
 
         local = ref.new_zeros(_local_shape(spec, tuple(shape), tuple(bindings.mesh.shape), coord))
-    if not local.is_floating_point() and not local.is_complex():
-        local = local.to(torch.int64)
-    local = _summed(local, spec, shape, bindings)
-    plain = grad_out_spec(spec)
-    want = distribute(ref if ref.is_floating_point() else ref.to(torch.int64), plain,
-                      tuple(bindings.mesh.shape), coord)
+    local = _numeric(_summed(local, spec, shape, bindings))
+    want = distribute(_numeric(ref), grad_out_spec(spec), tuple(bindings.mesh.shape), coord)
     return _error(local, want)
 
 
+def _numeric(t: torch.Tensor) -> torch.Tensor:
+    """Floats as they are, complex as pairs of reals, integers and booleans as int64."""
+    if t.is_complex():
+        return torch.view_as_real(t)
+    return t if t.is_floating_point() else t.to(torch.int64)
+
+
 def _rtol(dtype: torch.dtype, rtol: float | None) -> tuple[float, float]:
+    if dtype.is_complex:
+        dtype = dtype.to_real()
     r = rtol if rtol is not None else RTOL.get(dtype, 0.0)
     return r, r / 10
 

@@ -26,6 +26,17 @@ def test_error_measure():
     assert _error(torch.tensor([1.0, 2.0]), torch.tensor([1.0]))[0] == inf   # shapes differ
 
 
+def test_complex_and_integer_values_compare_by_value():
+    """A complex value (DeepSeek-V2's rotary ``polar``) compares both parts, an integer one
+    exactly; neither is cast through a lossy dtype."""
+    from fxpar.verify import _numeric, _rtol
+
+    z = torch.polar(torch.ones(3), torch.tensor([0.0, 1.0, 2.0]))
+    assert torch.equal(_numeric(z), torch.view_as_real(z))
+    assert _numeric(torch.tensor([True, False])).dtype == torch.int64
+    assert _rtol(torch.complex64, None) == _rtol(torch.float32, None) != (0.0, 0.0)
+
+
 def _gpt():
     from examples.models import GPT
 
