@@ -16,8 +16,11 @@ Contract (per rank, ``ctx.coord`` set; runs after insert_collectives):
   :func:`fxpar.runtime.ops.vocab_parallel_embedding` with this rank's first row, a training
   ``aten.dropout`` is ``torch.ops.fxpar.sharded_dropout`` keyed by the node's name (the site:
   its crc32, unique across a pipeline's chunk graphs, which keep the model graph's names) and
-  this rank's shard coordinates; random ops without an entry raise
-  :class:`fxpar.PlanError` naming the node (replicas would silently diverge).
+  this rank's shard coordinates; every other random op that draws (training attention with
+  dropout, ``uniform_``, ``rand_like``, ``normal``, ``bernoulli``...) becomes a
+  ``torch.ops.fxpar.keyed_*`` op keyed the same way (:mod:`fxpar.strategies.rand`); the few
+  without a keyed form raise :class:`fxpar.PlanError` naming the node (planning refused them
+  already: replicas would silently diverge).
 
 Example (``view(x[4, 6], [4, 2, 3])`` with ``x`` ``S(0)`` on a 2-way axis, coordinate 1):
 the node becomes ``view(x, [2, 2, 3])``.

@@ -1,6 +1,7 @@
 """Regression tests for the operator gaps of issue #15 (items 1-5): memory layout after a
-gather, random ops refused, raw crashes turned into fxpar errors, rules that chose what the op
-cannot run locally, and a baseline plan the emitter rejected on a calibrated cluster.
+gather, random ops keyed by shard (or refused by the planner), raw crashes turned into fxpar
+errors, rules that chose what the op cannot run locally, and a baseline plan the emitter
+rejected on a calibrated cluster.
 
 Graph-level checks run in this process (``prog.rank_graph(r)`` for every rank needs no process
 group); numeric checks run on a live gloo pool (``pools(n)`` of conftest) against one process.
@@ -273,7 +274,8 @@ def test_dtypes_gloo_lacks_still_run(pools):
 
 
 # ---------------------------------------------------------------------------------------------
-# 2. random ops are refused (all of torch.Tag.nondeterministic_seeded but dropout)
+# 2. random ops run shard-keyed (tests/test_runtime_random.py checks their values on live ranks);
+#    the few without a keyed form are refused by the planner
 # ---------------------------------------------------------------------------------------------
 RANDOM = {
     "cauchy_": lambda x: x.clone().cauchy_(),
@@ -290,13 +292,28 @@ RANDOM = {
 
 
 @pytest.mark.parametrize("op", sorted(RANDOM))
-def test_random_ops_refused_naming_the_node(op):
-    """Replicas would draw different numbers: a PlanError naming the node, on every plan
-    (sharded or not), before anything runs."""
-    with pytest.raises(fxpar.PlanError, match="random ops other than dropout") as ei:
-        _all_ranks(_compile(RANDOM[op], torch.randn(4, 6)))
-    assert f"node {op.rstrip('_')}" in str(ei.value) or f"({op}" in str(ei.value) \
-        or op.split("_")[0] in str(ei.value), str(ei.value)
+def test_random_ops_become_keyed_ops_on_every_rank(op):
+    """Every rank's program draws through a torch.ops.fxpar.keyed_* op; no ATen random op that
+    draws is left (it would draw from each process's own generator)."""
+    from fxpar.strategies.local import draws
+    from fxpar.strategies.rand import is_random
+
+    for gm in _all_ranks(_compile(RANDOM[op], torch.randn(4, 6))):
+        calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+        assert any(str(n.target).startswith("fxpar.keyed_") for n in calls), gm.code
+        assert not [n for n in calls if is_random(n.target) and draws(n)], gm.code
+
+
+def _gamma(x):
+    return torch._standard_gamma(x.abs() + 1) * 2
+
+
+def test_random_op_without_a_keyed_form_refused_by_the_planner():
+    """``_standard_gamma`` (its reparameterized gradient has no keyed form yet): ``fxpar.plan``
+    itself raises, naming the node, before any program or runner exists."""
+    with pytest.raises(fxpar.PlanError, match=r"node _standard_gamma \(aten._standard_gamma.default\): "
+                                              "fxpar has no shard-keyed form"):
+        _compile(_gamma, torch.randn(4, 6), emit=False)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -245,7 +245,7 @@ def run_dropout(schedule: str, p: float, steps: int = 2):
     torch.manual_seed(0)
     cfg = tf.GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=4,
                         resid_pdrop=p, embd_pdrop=p, attn_pdrop=0.0, use_cache=False)
-    # (attention dropout inside SDPA is refused under sharding, pipeline or not)
+    # (attention dropout inside SDPA: tests/test_runtime_random.py)
     model, ids = tf.GPT2LMHeadModel(cfg), torch.randint(0, 96, (2, 16)).repeat(2, 1)
     prog = fxpar.compile(model, fxpar.Cluster.local(2), (ids,), {"labels": ids},
                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2), mesh={"pp": 2},

@@ -11,6 +11,8 @@
   different shards independent ones.
 * ``torch.ops.fxpar.sharded_dropout(x, p, train, site, shard_key)``: ``x * mask / (1 - p)``
   with that mask; its backward draws the mask again (nothing saved).
+* every other random op, keyed the same way: ``torch.ops.fxpar.keyed_*``
+  (:mod:`fxpar.runtime.keyed`; defined when this module is imported).
 
 >>> import torch
 >>> w = torch.arange(6.).reshape(3, 2)            # rows 3..5 of a 6-row table
@@ -81,3 +83,6 @@ SHARDED_DROPOUT = define(
     "fxpar::sharded_dropout(Tensor x, float p, bool train, int site, int[] shard_key) -> Tensor",
     _sharded_dropout, fake=lambda x, p, train, site, shard_key: torch.empty_like(x),
     backward=_dropout_backward)
+
+# the keyed random ops build on keep_mask / sharded_dropout: defined with them
+import fxpar.runtime.keyed  # noqa: E402,F401

@@ -26,7 +26,9 @@ Consequences worth knowing:
 
 The ``localize`` pass replaces a training ``aten.dropout`` node by
 ``torch.ops.fxpar.sharded_dropout`` (:mod:`fxpar.runtime.ops`; the same arithmetic as
-:func:`dropout`) with the node's site and the rank's shard key; the runner binds its tracker,
+:func:`dropout`) with the node's site and the rank's shard key, and every other random op by a
+``torch.ops.fxpar.keyed_*`` op drawing from :meth:`RNGTracker.generator` the same way
+(:mod:`fxpar.runtime.keyed`); the runner binds its tracker,
 calls :meth:`RNGTracker.next_step` once per training step, and a pipeline interpreter calls
 :meth:`RNGTracker.set_microbatch` before each microbatch's forward AND backward (the backward
 draws the mask again).

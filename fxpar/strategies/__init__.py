@@ -23,7 +23,9 @@ all-replicate strategy is always first; the order is deterministic; no duplicate
 * strategies with a ``Partial`` output the collectives cannot reduce exactly on its dtype
   (:func:`fxpar.spec.partial_reducible`) are dropped;
 * ops without a rule: ONE all-replicate strategy with ``unsharded=True``
-  (:func:`unsharded_strategy`, THE replicate-only fallback).
+  (:func:`unsharded_strategy`, THE replicate-only fallback);
+* a random op the runtime cannot key by shard raises :class:`PlanError` naming the node
+  (:func:`fxpar.strategies.rand.check_random`), so planning refuses it, not the runner.
 
 >>> import torch
 >>> from fxpar import Cluster, Mesh
@@ -51,6 +53,7 @@ from fxpar.strategies import (attention, conv, embedding, guards, losses, matmul
 from fxpar.strategies.base import (RECORDS, AxisStrategy, OpRecord, Strategy, declare, expand, input_shapes,
                                    out_shapes, record_for, register, rule_for, tensor_shape)
 from fxpar.strategies.local import LocalContext, local_rule
+from fxpar.strategies.rand import check_random
 
 __all__ = ["strategies_for", "is_unsharded", "AxisStrategy", "Strategy", "OpRecord", "RECORDS", "register",
            "declare", "record_for", "rule_for", "strategy_rule", "local_rule", "LocalContext", "expand",
@@ -106,6 +109,7 @@ def strategies_for(node: fx.Node, mesh) -> list[Strategy]:
         return [Strategy((), () if shp is None else (rep,), name="const")]
     if node.op == "placeholder":
         return placeholder_strategies(node, mesh)
+    check_random(node)  # a random op localize could not key is refused here, by the planner
     rule = _rule(node) if node.op == "call_function" else None
     if rule is None:
         return [unsharded_strategy(node, mesh.ndim)]

@@ -10,8 +10,9 @@ broadcast to ``[B, H, L, S]`` follows (sharded where its dim is not a broadcast 
 * never E (the head dim is contracted) or S (the softmax runs over it).
 
 Extra outputs of the variants (logsumexp ``[B, H, L]``) shard like the output on B, H, L; scalar
-RNG seeds/offsets stay replicated. Attention with dropout (``dropout_p > 0``) is refused when
-localizing (:func:`attention_local`). ``sdpa(q, k, v, is_causal=True)`` on one axis::
+RNG seeds/offsets stay replicated. Training attention with dropout (``dropout_p > 0``) becomes
+math attention with a shard-keyed dropout on its probabilities (:func:`attention_local`); the
+fused variants with dropout are refused at plan time (:func:`fxpar.strategies.rand.check_random`). ``sdpa(q, k, v, is_causal=True)`` on one axis::
 
     R: R, R, R -> R      dp: S(0), S(0), S(0) -> S(0)      heads: S(1), S(1), S(1) -> S(1)
 """
@@ -46,10 +47,28 @@ def _mask_pl(mask, dim):
 
 def attention_local(node: fx.Node, lctx: LocalContext) -> None:
     """Attention is tagged ``nondeterministic_seeded`` for its dropout: without dropout
-    (``dropout_p == 0``) the plain op is right; with it, replicas would draw different masks, so
-    it is refused like any random op."""
-    if bound(node).get("dropout_p") or 0.0:
+    (``dropout_p == 0``) the plain op is right. With it, ``aten.scaled_dot_product_attention``
+    becomes ``torch.ops.fxpar.keyed_sdpa`` (:mod:`fxpar.runtime.keyed`): math attention whose
+    probabilities ``[B, H, L, S]`` go through ``fxpar.sharded_dropout`` keyed by the node's site and
+    this rank's coordinates on the axes sharding B, H or L (the scores' own sharded dims: S is
+    never split), so replicas draw one mask, shards independent ones, and backward the same mask
+    again. The fused variants (``_scaled_dot_product_flash_attention``...) with dropout are
+    refused (planning refused them already)."""
+    b = bound(node)
+    if not (b.get("dropout_p") or 0.0):
+        return
+    if node.target is not aten.scaled_dot_product_attention.default:
         refuse_random(node, lctx)
+        return
+    from fxpar.strategies.rand import random_key
+
+    import fxpar.runtime.ops  # noqa: F401  (registers torch.ops.fxpar: only when localizing)
+
+    node.target = torch.ops.fxpar.keyed_sdpa.default
+    node.args = (b["query"], b["key"], b["value"], b.get("attn_mask"), float(b["dropout_p"]),
+                 bool(b.get("is_causal", False)), b.get("scale"), bool(b.get("enable_gqa", False)),
+                 int(lctx.site), random_key(node, lctx, dims=(0, 1, 2)))
+    node.kwargs = {}
 
 
 @register(*_VARIANTS, cost=sdpa_cost, saves="qkvo", local=attention_local)

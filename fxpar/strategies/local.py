@@ -19,8 +19,9 @@ The shared rewrites live here; each family file names the ones its ops use:
   :func:`arange_bounds` — a sharded ``arange`` gets this rank's bounds;
 * :func:`reads_storage` — ops that address storage (``as_strided``, ``resize_``...) refuse an
   input that arrives through a collective when eager's input is a view into a larger storage;
-* :func:`refuse_random` — every op tagged ``torch.Tag.nondeterministic_seeded`` without an
-  entry of its own (replicas would draw different numbers): no hand list;
+* random ops — every op tagged ``torch.Tag.nondeterministic_seeded`` without an entry of its
+  own gets :func:`fxpar.strategies.rand.keyed_local` (a shard-keyed op, or a ``PlanError`` for
+  the few it has no keyed form of): no hand list; :func:`refuse_random` is the refusal;
 * dropout (:mod:`.pointwise`) and the vocabulary-parallel lookup (:mod:`.embedding`) have theirs
   in their family file.
 
@@ -170,13 +171,14 @@ def draws(node: fx.Node) -> bool:
 
 
 def refuse_random(node: fx.Node, lctx: LocalContext) -> None:
-    """Random ops without a shard-aware rewrite: ranks holding the same data would draw different
-    numbers (silently wrong), so they are refused, unless the call draws nothing
-    (:func:`draws`: then the plain op on local tensors is right)."""
+    """A random op without a shard-keyed form (:mod:`fxpar.strategies.rand`): ranks holding the
+    same data would draw different numbers (silently wrong), so it is refused, unless the call
+    draws nothing (:func:`draws`: then the plain op on local tensors is right)."""
     if not draws(node):
         return
-    raise PlanError(f"node {node.name} ({node.target}): random ops other than dropout are not "
-                    "supported under sharding yet (replicas would draw different values)")
+    from fxpar.strategies.rand import refusal
+
+    raise PlanError(refusal(node))
 
 
 def _storage_plain(v) -> bool:
@@ -236,17 +238,20 @@ def shard_key(spec, coord) -> list[int]:
 
 def local_rule(target) -> LocalRule | None:
     """The local rewrite of ``target``: its record's ``local`` entry; for an op without one that
-    is tagged ``nondeterministic_seeded``, :func:`refuse_random`; else ``None`` (the plain op).
+    is tagged ``nondeterministic_seeded``, :func:`fxpar.strategies.rand.keyed_local` (its
+    shard-keyed form); else ``None`` (the plain op).
 
     >>> import torch
     >>> local_rule(torch.ops.aten.mm.default) is None
     True
-    >>> local_rule(torch.ops.aten.randn.default) is refuse_random
-    True
+    >>> local_rule(torch.ops.aten.randn.default).__name__
+    'keyed_local'
     """
     rec = record_for(target)
     if rec is not None and rec.local is not None:
         return rec.local
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
-        return refuse_random
+        from fxpar.strategies.rand import keyed_local
+
+        return keyed_local
     return None

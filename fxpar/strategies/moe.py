@@ -122,7 +122,7 @@ def factory_rule(node):
 
     Sharded factories would need localized sizes (and offsets for ``arange``): not offered.
     Their local entries (size arguments, ``arange`` bounds) keep a node right whatever layout it
-    is given; random factories are refused when localizing (``nondeterministic_seeded``).
+    is given; random factories become shard-keyed draws when localizing (:mod:`.rand`).
     """
     return ()
 

@@ -54,8 +54,9 @@ def test_plan_from_another_graph_is_an_error():
         run_passes(other.graph, PassContext(p.plan, None), GLOBAL_PASSES[:1])
 
 
-def test_random_op_without_shard_rule_is_refused():
-    """Noise added in forward would differ between replicas: refused, naming the node."""
+def test_random_op_without_a_keyed_form_is_refused():
+    """A random op localize cannot key (replicas would draw different values) is refused,
+    naming the node, by planning: before any pass runs."""
 
     class Noisy(torch.nn.Module):
         def __init__(self):
@@ -63,9 +64,8 @@ def test_random_op_without_shard_rule_is_refused():
             self.fc = torch.nn.Linear(4, 4)
 
         def forward(self, x):
-            return self.fc(x) + 0.1 * torch.randn_like(x)
+            return self.fc(x) * torch._standard_gamma(x.abs() + 1)
 
-    prog = fxpar.compile(Noisy(), fxpar.Cluster.local(2), (torch.randn(4, 4),), mesh={"dp": 2},
-                         plan="dp", training=False)
-    with pytest.raises(fxpar.PlanError, match="randn_like.*random ops other than dropout"):
-        prog.rank_graph(0)
+    with pytest.raises(fxpar.PlanError, match="_standard_gamma.*no shard-keyed form"):
+        fxpar.compile(Noisy(), fxpar.Cluster.local(2), (torch.randn(4, 4),), mesh={"dp": 2},
+                      plan="dp", training=False)
