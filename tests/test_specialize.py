@@ -64,6 +64,26 @@ class SplitMoE(nn.Module):
         return (out[order.argsort()] ** 2).mean()
 
 
+class LoopMoE(nn.Module):
+    """LongCat-Flash's expert loop: over the experts some token chose (``nonzero``: a loop of
+    data-dependent length), each one's index read with ``.item()`` and its tokens found with
+    ``torch.where``, their outputs added back with ``index_add``."""
+
+    def __init__(self, d: int = 8, experts: int = 4) -> None:
+        super().__init__()
+        self.router = nn.Linear(d, experts)
+        self.experts = nn.ModuleList(nn.Linear(d, d) for _ in range(experts))
+
+    def forward(self, x):
+        mask = F.one_hot(self.router(x).argmax(-1), len(self.experts)).T  # (experts, tokens)
+        out = torch.zeros_like(x)
+        for e in (mask.sum(1) > 0).nonzero():
+            i = int(e.item())
+            (tokens,) = torch.where(mask[i])
+            out = out.index_add(0, tokens, self.experts[i](x[tokens]))
+        return (out ** 2).mean()
+
+
 def _batches(name: str):
     """``(model, example inputs, same-valued other inputs, differing inputs)``."""
     torch.manual_seed(0)
@@ -77,6 +97,10 @@ def _batches(name: str):
     if name == "split":  # 12 tokens: 6, 2 and 4 per expert (2, 3 and 7 in the other batch)
         m, x = SplitMoE(), torch.randn(12, 8)
         return m, (x,), (x,), (torch.randn(12, 8),)
+    if name == "loop":  # 10 tokens: experts 0, 1, 3 chosen by 2, 2, 6 (all four in the other)
+        m = LoopMoE()
+        xs = [torch.randn(10, 8) for _ in range(5)]
+        return m, (xs[4],), (xs[4],), (xs[0],)
     raise ValueError(name)
 
 
@@ -100,6 +124,33 @@ def test_a_read_that_sets_a_size_or_branch_is_specialized_and_guarded(name, expe
         run_captured(gm, m, *diff)
     msg = str(ei.value)
     assert msg.startswith(g.args[2] + " read ") and "in this step" in msg, msg
+
+
+def test_a_loop_over_nonzero_is_specialized_to_its_length():
+    """LongCat-Flash's loop: the number of experts hit (``nonzero``), each one's index
+    (``.item()``) and tokens (``where``) specialized; the graph computes the three experts
+    the example chose, with their eager gradients, and a batch hitting all four raises at the
+    loop's guard."""
+    m, ex, _, diff = _batches("loop")
+    ref = copy.deepcopy(m)
+    gm = capture(m, ex)
+    got = [(g.args[1], g.args[2].split(": ", 1)[1].split(" at ")[0]) for g in guards(gm)]
+    assert got == [([3], "the number of nonzero elements in `for e in (mask.sum(1) > 0).nonzero():`"),
+                   ([0], "`i = int(e.item())`"),
+                   ([2], "the number of nonzero elements in `(tokens,) = torch.where(mask[i])`"),
+                   ([1], "`i = int(e.item())`"),
+                   ([2], "the number of nonzero elements in `(tokens,) = torch.where(mask[i])`"),
+                   ([3], "`i = int(e.item())`"),
+                   ([6], "the number of nonzero elements in `(tokens,) = torch.where(mask[i])`")]
+    assert not gm.graph.find_nodes(op="call_function", target=torch.ops.aten.nonzero.default)
+    run_captured(gm, m, *ex).backward()
+    ref(*ex).backward()
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+    with pytest.raises(GuardError, match=r"^node guard_value: the number of nonzero elements in "
+                                         r"`for e in .* read 3 when the model was captured and "
+                                         r"reads 4 in this step"):
+        run_captured(gm, m, *diff)
 
 
 def test_a_specialized_split_has_the_eager_gradients():
@@ -233,10 +284,10 @@ def dp_worker(name: str):
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["size", "branch", "split"])
+@pytest.mark.parametrize("name", ["size", "branch", "split", "loop"])
 def test_dp_trains_like_one_process_and_every_rank_raises_the_guard(pools, name):
     msgs = pools(2).run(dp_worker, name)
-    assert msgs[0].startswith("node guard_value: `") and "in this step" in msgs[0], msgs
+    assert msgs[0].startswith("node guard_value: ") and "in this step" in msgs[0], msgs
     assert msgs[1] == msgs[0]
 
 

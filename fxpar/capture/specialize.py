@@ -24,11 +24,15 @@ Contract:
 * The eager run changes nothing: no gradient, buffers (BatchNorm statistics) updated on
   copies, the RNG state restored. It needs real tensors: example inputs or weights on the
   ``meta`` device or fake raise :class:`CaptureError` saying to pass real example inputs.
-* Only explicit reads are specialized (``.item()``, ``.tolist()``); implicit ones (``if t:``,
-  ``int(t)``) and data-dependent output shapes (``nonzero``) stay capture errors. A read whose
-  value is used only as a number in the computation (``x * t.item()``) is refused, not
-  specialized (every new batch would fail its guard): :func:`reads_to_specialize` returns
-  nothing for it. Once a model needs specializing, every read is specialized.
+* Only explicit reads are specialized (``.item()``, ``.tolist()``), and the size of
+  ``nonzero``/``argwhere``/``where(cond)`` (its count guarded, the op replaced by
+  ``nonzero_static`` of that size) when export failed on a guard: a loop over the hit experts
+  of an MoE router (``for e in mask.nonzero():``), LongCat-Flash's. Implicit reads
+  (``if t:``, ``int(t)``) stay capture errors, and so does a data-dependent output shape
+  (``nonzero``, boolean masks) that only flows through the graph. A read whose value is used
+  only as a number in the computation (``x * t.item()``) is refused, not specialized (every
+  new batch would fail its guard): :func:`reads_to_specialize` returns nothing for it. Once a
+  model needs specializing, every read is specialized.
 
 Example (a read that sets a size)::
 
@@ -74,7 +78,9 @@ __all__ = ["Read", "record_reads", "replaying", "reads_to_specialize", "name_gua
 
 #: the ATen ops a plain export records for ``.item()`` (``tolist`` reads element by element)
 READ_OPS = (torch.ops.aten.item.default, torch.ops.aten._local_scalar_dense.default)
-_READS = (torch.Tensor.item, torch.Tensor.tolist)
+_VALUE_READS = (torch.Tensor.item, torch.Tensor.tolist)
+#: ops whose output size is a count read from the data (``torch.where(cond)`` is one too)
+_NONZERO = (torch.nonzero, torch.Tensor.nonzero, torch.argwhere, torch.Tensor.argwhere)
 
 Site = tuple[str, int]
 #: export's node meta naming the unbacked symbols a node allocates (torch's key)
@@ -129,11 +135,30 @@ def _site() -> Site:
 
 
 def _describe(kind: str, site: Site) -> str:
-    """``"`SOURCE LINE` at FILE:LINE"`` (``.item() at FILE:LINE`` without the source)."""
+    """``"`SOURCE LINE` at FILE:LINE"`` (``.item() at FILE:LINE`` without the source); for a
+    ``nonzero`` read, ``"the number of nonzero elements in ..."``."""
     path, line = site
     src = linecache.getline(path, line).strip()
     rel = os.path.relpath(path) if not os.path.relpath(path).startswith("..") else path
-    return f"`{src[:100]}` at {rel}:{line}" if src else f".{kind}() at {rel}:{line}"
+    at = f"`{src[:100]}` at {rel}:{line}" if src else f".{kind}() at {rel}:{line}"
+    return f"the number of nonzero elements in {at}" if kind == "nonzero" else at
+
+
+def _kind(func, args: tuple, kwargs: dict | None) -> str | None:
+    """What a call reads from tensor data: ``"item"``, ``"tolist"``, ``"nonzero"`` (the size
+    of ``nonzero``/``argwhere``/``where(cond)``), or ``None``."""
+    if not args or not isinstance(args[0], torch.Tensor):
+        return None
+    if func in _VALUE_READS:
+        return func.__name__
+    if func in _NONZERO or (func is torch.where and len(args) == 1 and not kwargs):
+        return "nonzero"
+    return None
+
+
+def _count(out: Any) -> int:
+    """The number of nonzero elements from ``nonzero``'s output (a tuple with as_tuple)."""
+    return int((out[0] if isinstance(out, (tuple, list)) else out).shape[0])
 
 
 class _Recorder(TorchFunctionMode):
@@ -143,11 +168,11 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in _READS and isinstance(args[0], torch.Tensor):
-            site = _site()
-            t = args[0]
-            self.reads[site].append(Read(site, len(self.reads[site]), func.__name__,
-                                         tuple(t.shape), t.dtype, out))
+        kind = _kind(func, args, kwargs)
+        if kind is not None:
+            site, t = _site(), args[0]
+            self.reads[site].append(Read(site, len(self.reads[site]), kind, tuple(t.shape),
+                                         t.dtype, _count(out) if kind == "nonzero" else out))
         return out
 
 
@@ -194,7 +219,8 @@ class _Replayer(TorchFunctionMode):
         self.reads, self.seen = reads, defaultdict(int)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func not in _READS or not isinstance(args[0], torch.Tensor):
+        kind = _kind(func, args, kwargs)
+        if kind is None:
             return func(*args, **(kwargs or {}))
         t, site = args[0], _site()
         k = self.seen[site]
@@ -204,17 +230,25 @@ class _Replayer(TorchFunctionMode):
         done = self.reads.get(site, [])
         if k >= len(done):
             raise CaptureError(
-                f"{_describe(func.__name__, site)} read a value from tensor data while tracing "
+                f"{_describe(kind, site)} read a value from tensor data while tracing "
                 f"that the eager run on the example inputs did not read ({len(done)} reads "
                 "there): the model takes another path when traced")
         r = done[k]
-        if tuple(t.shape) != r.shape or t.dtype != r.dtype:
+        if tuple(t.shape) != r.shape or t.dtype != r.dtype or kind != r.kind:
             raise CaptureError(
-                f"{_describe(func.__name__, site)}: read {k} there is of a {t.dtype} tensor of "
-                f"shape {tuple(t.shape)} while tracing, but of {r.dtype} {r.shape} in the eager "
-                "run on the example inputs: the model takes another path when traced")
-        GUARD_VALUE(t, r.flat(), _describe(r.kind, site))  # recorded by export as a graph node
-        return r.value
+                f"{_describe(kind, site)}: read {k} there is a {kind} of a {t.dtype} tensor of "
+                f"shape {tuple(t.shape)} while tracing, but a {r.kind} of {r.dtype} {r.shape} "
+                "in the eager run on the example inputs: the model takes another path when "
+                "traced")
+        where = _describe(r.kind, site)
+        if kind != "nonzero":
+            GUARD_VALUE(t, r.flat(), where)  # recorded by export as a graph node
+            return r.value
+        # the count guarded, the indices a static-size nonzero (exact under the guard)
+        GUARD_VALUE((t != 0).sum(), [r.value], where)
+        out = torch.nonzero_static(t, size=r.value)
+        as_tuple = func is torch.where or bool((kwargs or {}).get("as_tuple"))
+        return out.unbind(1) if as_tuple else out
 
 
 def _tolist_via_torch_function(self):
