@@ -53,6 +53,8 @@ from fxpar.spec import Partial, Spec, grad_out_spec
 
 __all__ = ["Divergence", "VerifyReport", "verify"]
 
+aten = torch.ops.aten
+
 #: default ``rtol`` by dtype (``atol`` is ``rtol / 10``): float32 rounding over a small model's
 #: reductions is far below 1e-4 of a tensor's scale; half precisions keep ~3 digits
 RTOL = {torch.float64: 1e-7, torch.float32: 1e-4, torch.bfloat16: 3e-2, torch.float16: 1e-2}
@@ -175,9 +177,20 @@ def _is_empty(n: fx.Node) -> bool:
 
 
 def _is_random(n: fx.Node) -> bool:
-    name = str(n.target)
-    return any(k in name for k in ("dropout", "keep_mask", "rand", "bernoulli", "normal",
-                                   "uniform", "exponential"))
+    """A node that draws random numbers (dropout with ``p > 0``, attention with dropout, any op
+    torch tags ``nondeterministic_seeded``): its values differ from the reference by design."""
+    from fxpar.strategies.rand import is_random
+
+    t = n.target
+    if t is aten.scaled_dot_product_attention.default:
+        p = n.args[4] if len(n.args) > 4 else n.kwargs.get("dropout_p", 0.0)
+        return bool(p)
+    if t in (aten.dropout.default, aten.native_dropout.default, aten.feature_dropout.default,
+             aten.alpha_dropout.default, aten.feature_alpha_dropout.default):
+        p = n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.0)
+        train = n.args[2] if len(n.args) > 2 else n.kwargs.get("train", True)
+        return bool(p) and train is not False
+    return is_random(t)
 
 
 def _reference(gm: fx.GraphModule, full: dict[str, torch.Tensor], flat_inputs: list,

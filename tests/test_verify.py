@@ -95,3 +95,23 @@ def test_first_divergence_is_the_broken_node(pools):
         assert first.outputs[0].startswith("S("), text   # megatron's column output
         assert first.max_abs > 1e-2 and name in text.splitlines()[1]
     assert all(r[1] == res[0][1] for r in res)   # the same report on every rank
+
+
+def test_random_nodes_are_the_drawing_ones():
+    """Dropout with p > 0 in training and attention with dropout are random; p = 0 is not."""
+    import torch.nn.functional as F
+
+    from fxpar.verify import _is_random
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            a = F.dropout(x, 0.5, True) + F.dropout(x, 0.0, True)
+            q = x.view(1, 1, 4, 4)
+            return a, F.scaled_dot_product_attention(q, q, q, dropout_p=0.1), \
+                F.scaled_dot_product_attention(q, q, q)
+
+    gm = fxpar.capture(M(), (torch.randn(4, 4),))
+    got = [(str(n.target).split(".")[1], _is_random(n)) for n in gm.graph.nodes
+           if "dropout" in str(n.target) or "attention" in str(n.target)]
+    assert got == [("dropout", True), ("dropout", False), ("scaled_dot_product_attention", True),
+                   ("scaled_dot_product_attention", False)]
