@@ -14,7 +14,7 @@ aliases (found from the fake values' storages) with the inverse of each view::
 
     e = new_empty(...)          e = new_empty(...)
     s = slice(e, 3, 0, 8)       s = slice(e, 3, 0, 8)
-    copy_(s, k)          ->     c = copy(s, k)                        # functional
+    copy_(s, k)          ->     c = alias(k)       # copy_'s functional form: k as s's dtype/shape
     sdpa(q, e, v)               e2 = slice_scatter(e, c, 3, 0, 8)     # b's new value
                                 sdpa(q, e2, v)                        # later readers of e
 
@@ -40,7 +40,7 @@ metadata changes (``resize_``, ``unsqueeze_``...) to their own strategies.
 >>> from fxpar.capture import capture
 >>> gm = capture(M(), (torch.ones(2, 2),))
 >>> [str(n.target).removeprefix("aten.") for n in gm.graph.nodes if n.op == "call_function"]
-['new_empty.default', 'slice.Tensor', 'copy.default', 'slice_scatter.default', 'slice.Tensor', 'mul.Tensor', 'copy.default', 'slice_scatter.default', 'sum.default']
+['new_empty.default', 'slice.Tensor', 'alias.default', 'slice_scatter.default', 'slice.Tensor', 'mul.Tensor', 'alias.default', 'slice_scatter.default', 'sum.default']
 """
 
 from __future__ import annotations

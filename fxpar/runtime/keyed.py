@@ -60,7 +60,6 @@ import torch
 from fxpar.errors import FxparError
 from fxpar.runtime.bindings import current
 from fxpar.runtime.library import define
-from fxpar.runtime.ops import KEEP_MASK, SHARDED_DROPOUT
 
 __all__ = ["KEYED_DRAW", "KEYED_SAMPLE", "KEYED_RANDOM", "KEYED_RANDOM_", "KEYED_NORMAL",
            "KEYED_NATIVE_DROPOUT", "KEYED_SDPA", "DRAWS", "SAMPLES", "TRANSFORMS", "KeyedRandomError"]
@@ -170,7 +169,7 @@ def _rrelu(x, lower, upper, site, key):
 #: ``kind -> f(x, params, site, key)``: random functions of a tensor (keyed_random's kinds).
 TRANSFORMS: dict[str, Callable] = {
     "rrelu": lambda x, p, s, k: _rrelu(x, p[0], p[1], s, k),
-    "dropout": lambda x, p, s, k: SHARDED_DROPOUT(x, p[0], True, s, k),
+    "dropout": lambda x, p, s, k: torch.ops.fxpar.sharded_dropout(x, p[0], True, s, k),
     "alpha_dropout": lambda x, p, s, k: _noise_dropout(x, p[0], False, True, s, k),
     "feature_dropout": lambda x, p, s, k: _noise_dropout(x, p[0], True, False, s, k),
     "feature_alpha_dropout": lambda x, p, s, k: _noise_dropout(x, p[0], True, True, s, k),
@@ -216,8 +215,8 @@ KEYED_NORMAL = _composite(
 
 def _native_dropout(x, p, site, shard_key):
     # one key, one draw: the returned mask is the one sharded_dropout applied
-    return (SHARDED_DROPOUT(x, p, True, site, shard_key),
-            KEEP_MASK(x, p, site, shard_key))
+    return (torch.ops.fxpar.sharded_dropout(x, p, True, site, shard_key),
+            torch.ops.fxpar.keep_mask(x, p, site, shard_key))
 
 
 KEYED_NATIVE_DROPOUT = _composite(
@@ -239,7 +238,7 @@ def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
                   else scores + attn_mask)
     probs = torch.ops.aten._safe_softmax(scores, -1)  # fully masked rows give 0, as sdpa's math
-    probs = SHARDED_DROPOUT(probs, dropout_p, True, site, shard_key)
+    probs = torch.ops.fxpar.sharded_dropout(probs, dropout_p, True, site, shard_key)
     return probs @ value
 
 

@@ -176,9 +176,21 @@ def refuse_random(node: fx.Node, lctx: LocalContext) -> None:
     draws nothing (:func:`draws`: then the plain op on local tensors is right)."""
     if not draws(node):
         return
-    from fxpar.strategies.rand import refusal
-
     raise PlanError(refusal(node))
+
+
+def refusal(node: fx.Node) -> str:
+    """The :class:`PlanError` message for a random op without a keyed form, naming the node."""
+    return (f"node {node.name} ({node.target}): fxpar has no shard-keyed form of this random op "
+            "(replicas would draw different values); the random ops it runs under any plan are "
+            "dropout, attention with dropout_p, the in-place fills (uniform_, normal_, exponential_, "
+            "bernoulli_, ...), rand/randn/randint(_like), randperm, normal, bernoulli, poisson, "
+            "multinomial, rrelu and the alpha/feature dropouts")
+
+
+#: the local rewrite of a random op without a record of its own: set by
+#: :mod:`fxpar.strategies.rand` when it loads (it builds on this module; the package imports it)
+RANDOM_RULE: list[LocalRule] = []
 
 
 def _storage_plain(v) -> bool:
@@ -251,7 +263,5 @@ def local_rule(target) -> LocalRule | None:
     if rec is not None and rec.local is not None:
         return rec.local
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags:
-        from fxpar.strategies.rand import keyed_local
-
-        return keyed_local
+        return RANDOM_RULE[0]
     return None

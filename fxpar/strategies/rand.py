@@ -39,7 +39,8 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.errors import PlanError
 from fxpar.strategies.base import bound
-from fxpar.strategies.local import LocalContext, draws, refuse_random, shard_key
+from fxpar.strategies.local import (RANDOM_RULE, LocalContext, draws, refusal, refuse_random,
+                                    shard_key)
 
 __all__ = ["LOWERINGS", "keyed_local", "check_random", "is_random", "random_key", "refusal"]
 
@@ -238,15 +239,6 @@ LOWERINGS: dict[object, Callable[[fx.Node, LocalContext], None]] = {
 _OWN_REWRITE = {aten.dropout.default, aten.scaled_dot_product_attention.default}
 
 
-def refusal(node: fx.Node) -> str:
-    """The :class:`PlanError` message for a random op without a keyed form, naming the node."""
-    return (f"node {node.name} ({node.target}): fxpar has no shard-keyed form of this random op "
-            "(replicas would draw different values); the random ops it runs under any plan are "
-            "dropout, attention with dropout_p, the in-place fills (uniform_, normal_, exponential_, "
-            "bernoulli_, ...), rand/randn/randint(_like), randperm, normal, bernoulli, poisson, "
-            "multinomial, rrelu and the alpha/feature dropouts")
-
-
 def keyed_local(node: fx.Node, lctx: LocalContext) -> None:
     """The local rewrite of a random op without one in its record: its :data:`LOWERINGS` entry
     when the call draws (:func:`draws`; a call drawing nothing stays the plain op), else
@@ -268,3 +260,6 @@ def check_random(node: fx.Node) -> None:
     if node.target in LOWERINGS or node.target in _OWN_REWRITE:
         return
     raise PlanError(refusal(node))
+
+
+RANDOM_RULE[:] = [keyed_local]   # strategies.local's rule for random ops without a record

@@ -12,7 +12,7 @@ from fxpar import ir
 from fxpar.errors import PlanError
 from fxpar.spec import Spec
 from fxpar.strategies import LocalContext, local_rule
-from fxpar.strategies.local import arange_bounds, refuse_random, shape_arg, unflatten_sizes
+from fxpar.strategies.local import arange_bounds, shape_arg, unflatten_sizes
 
 aten = torch.ops.aten
 CPU = torch.device("cpu")
@@ -149,24 +149,24 @@ def test_dropout_that_draws_nothing_is_left_alone(p, train):
 
 
 @pytest.mark.parametrize("target, args", [
-    (aten.randn.default, ([4],)),
-    (aten.rand_like.default, (torch.zeros(4),)),
-    (aten.native_dropout.default, (torch.zeros(4), 0.5, True)),
-    (aten.bernoulli.p, (torch.zeros(4), 0.5)),
-    (aten.scaled_dot_product_attention.default,
-     (torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4), None, 0.1)),
+    (aten._standard_gamma.default, (torch.ones(4),)),
+    (aten.binomial.default, (torch.ones(4), torch.full((4,), 0.5))),
 ])
-def test_random_ops_are_refused_naming_the_node(target, args):
-    n, shapes = _call(target, args, (4,))
+def test_random_ops_without_a_keyed_form_are_refused_naming_the_node(target, args):
+    n, shapes = _call(target, args, (4,), in_specs=["R"] * sum(isinstance(a, torch.Tensor) for a in args))
     rule = local_rule(target)
     assert rule is not None
-    with pytest.raises(PlanError, match=rf"node {n.name} .*random ops"):
+    with pytest.raises(PlanError, match=rf"node {n.name} .*random op"):
         rule(n, LocalContext((2,), (0,), CPU, shapes))
 
 
-def test_refusal_comes_from_the_tag_not_a_list():
-    assert all(torch.Tag.nondeterministic_seeded in t.tags for t in (aten.randperm.default, aten.poisson.default))
-    assert local_rule(aten.randperm.default) is refuse_random and local_rule(aten.poisson.default) is refuse_random
+def test_random_rule_comes_from_the_tag_not_a_list():
+    """Every op torch tags nondeterministic_seeded goes to the keyed rewrite (which refuses
+    the few without a keyed form), whether or not it is listed anywhere."""
+    from fxpar.strategies.rand import keyed_local
+
+    for t in (aten.randperm.default, aten.poisson.default, aten._standard_gamma.default):
+        assert torch.Tag.nondeterministic_seeded in t.tags and local_rule(t) is keyed_local
 
 
 def test_attention_without_dropout_and_plain_ops_need_no_rewrite():
