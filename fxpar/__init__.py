@@ -11,6 +11,7 @@ from fxpar.errors import (
     ClusterError,
     CollectiveTimeoutError,
     FxparError,
+    GuardError,
     MaterializeError,
     MeshError,
     PassError,
@@ -39,7 +40,7 @@ from fxpar.verify import Divergence, VerifyReport
 __version__ = "0.1.0"
 
 __all__ = [
-    "CaptureError", "ClusterError", "CollectiveTimeoutError", "FxparError", "MaterializeError", "MeshError",
+    "CaptureError", "ClusterError", "CollectiveTimeoutError", "FxparError", "GuardError", "MaterializeError", "MeshError",
     "PassError", "PlanError", "ReshardError", "ScheduleError", "SpecError",
     "Partial", "Placement", "Replicate", "Shard", "Spec",
     "Cluster", "Mesh",
