@@ -26,6 +26,9 @@ order (the last in graph order), else a diverging parameter gradient: the earlie
 two programs part. Random nodes (dropout) differ by design: they are listed in
 ``report.random`` and verify is meaningful only up to them (set the model's dropouts to 0).
 
+Memory: every compared node's value and gradient is kept on both sides (about twice a step's
+activations, the reference's whole): verify a small batch.
+
 Pipeline programs are verified per stage chunk and microbatch: each chunk's nodes against the
 capture (of one microbatch) run on that microbatch, gradients scaled by ``1/m`` as the
 interpreter scales the last chunk's loss.
