@@ -568,6 +568,8 @@ class Saves(StrKind):
     OUTPUT = "output"       # its output (tanh, softmax, ...)
     INPUT0 = "input0"       # its first input
     STATS = "stats"         # its first input and two fp32 statistics per row (norms)
+    CHANNEL_STATS = "channel_stats"  # its first input and two fp32 statistics per channel (batch norm)
+    GROUP_STATS = "group_stats"      # ... per sample and channel group (group / instance norm)
     QKVO = "qkvo"           # q, k, v, the output and the fp32 logsumexp (attention)
     NOTHING = "nothing"
     INDICES = "indices"     # its integer inputs (embedding, gather)

@@ -46,6 +46,7 @@ import torch
 import torch.fx as fx
 
 from fxpar.cost.compute import Saves, _node_target, _val, is_view, is_view_if_contiguous, saves_of
+from fxpar.cost.norms import STAT_BYTES, norm_stat_rows
 from fxpar.ir import grad_flags, is_trainable_param
 from fxpar.cost.pipeline import in_flight_microbatches
 
@@ -156,6 +157,8 @@ def model_state_bytes(num_params: float, *, optimizer: str = "adam", precision: 
 #   "output":   its output (softmax, tanh, sigmoid, exp, relu, rsqrt, sqrt)
 #   "input0":   its first input (gelu, silu, reductions that need the input)
 #   "stats":    its first input plus 2 fp32 statistics per row (norms: mean and rstd)
+#   "channel_stats", "group_stats": the same per channel (batch norm), per sample and group
+#               (group norm; instance norm: a group per channel), fxpar.cost.norms
 #   "qkvo":     q, k, v and the output (fused attention), plus the logsumexp
 #   "nothing":  no tensor (add/sub/neg, sum/mean, copies, views)
 #   "indices":  its integer inputs (embedding, gather, index)
@@ -258,6 +261,21 @@ def _saves_stats(n, ins, flags):  # mean and rstd (or the batch statistics): 2 f
     return ins[:1], 2 * 4 * rows
 
 
+def _saves_channel_stats(n, ins, flags):  # batch norm: mean and invstd per channel
+    return ins[:1], 2 * STAT_BYTES * norm_stat_rows("batch", _val(ins[0]).shape)
+
+
+def _saves_group_stats(n, ins, flags):  # group norm: per (sample, group); instance norm: G = C
+    x = _val(ins[0])
+    schema = getattr(n.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    given = dict(zip(names, n.args)) | dict(n.kwargs)
+    groups = given.get("num_groups", given.get("group"))
+    if not isinstance(groups, int):
+        groups = int(x.shape[1]) if x.dim() > 1 else 1
+    return ins[:1], 2 * STAT_BYTES * norm_stat_rows("group", x.shape, groups=groups)
+
+
 def _saves_qkvo(n, ins, flags):
     q = _val(ins[0])
     return ins[:3] + [n], 4 * math.prod(int(s) for s in q.shape[:-1])  # logsumexp, fp32
@@ -269,6 +287,8 @@ _SAVED = {
     Saves.OUTPUT: lambda n, ins, flags: ([n], 0),
     Saves.INPUT0: lambda n, ins, flags: (ins[:1], 0),
     Saves.STATS: _saves_stats,
+    Saves.CHANNEL_STATS: _saves_channel_stats,
+    Saves.GROUP_STATS: _saves_group_stats,
     Saves.QKVO: _saves_qkvo,
     Saves.INDICES: lambda n, ins, flags: ([a for a in ins if not _val(a).dtype.is_floating_point], 0),
     Saves.NOTHING: _saves_nothing,

@@ -64,6 +64,9 @@ class AxisStrategy:
     #: the local computation is exact only when every sharded tensor is split evenly
     #: (merging views, mean over a sharded dim -> P(avg), grouped-query heads)
     even: bool = False
+    #: the dims this choice shards hold ``blocks`` indivisible units (GroupNorm's channel
+    #: groups): kept only where the devices splitting them divide ``blocks`` (0: any split)
+    blocks: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(_placement(p) for p in self.inputs))
@@ -180,6 +183,7 @@ def rule_for(target) -> Callable | None:
 
 # --- helpers for rules -------------------------------------------------------------------------
 import itertools  # noqa: E402
+import math  # noqa: E402
 from collections.abc import Iterable, Sequence  # noqa: E402
 
 import torch  # noqa: E402
@@ -281,7 +285,7 @@ def _occurrences(node: fx.Node) -> list[tuple[object, int | None, fx.Node]]:
 
 
 def choice(node: fx.Node, placements: dict, outputs: Sequence[Placement], name: str = "",
-           even: bool = False) -> AxisStrategy | None:
+           even: bool = False, blocks: int = 0) -> AxisStrategy | None:
     """Build the AxisStrategy of ``node`` from placements keyed by argument name.
 
     ``placements[arg]`` is a placement, or a list of them for a list argument (``cat``'s
@@ -300,7 +304,7 @@ def choice(node: fx.Node, placements: dict, outputs: Sequence[Placement], name: 
             return None
         per[n] = p
     ins = tuple(per.get(n) if tensor_shape(n) is not None else None for n in node.all_input_nodes)
-    return AxisStrategy(ins, tuple(outputs), name=name, even=even)
+    return AxisStrategy(ins, tuple(outputs), name=name, even=even, blocks=blocks)
 
 
 # --- expansion over an N-d mesh --------------------------------------------------------------------
@@ -341,7 +345,8 @@ def expand(node: fx.Node, choices: Iterable[AxisStrategy | None], mesh_shape: Se
     SAME one-axis choice on each, so every tensor nests those axes left to right alike (choices
     that differ would split matching dims in different orders), (4) ``even`` choices see even
     splits of every sharded tensor, (5) one tensor is not partial under reduce ops that do not
-commute (``P(sum)P(max)``). Axes of size 1 only replicate. The all-replicate strategy
+commute (``P(sum)P(max)``), (6) a choice with ``blocks`` is taken by axes whose sizes
+multiply to a divisor of ``blocks``. Axes of size 1 only replicate. The all-replicate strategy
     always comes first; duplicates are dropped; the order is deterministic.
     """
     in_shapes = input_shapes(node)
@@ -360,7 +365,7 @@ commute (``P(sum)P(max)``). Axes of size 1 only replicate. The all-replicate str
         pls = tuple(_norm(p, s) for p, s in zip(c.inputs + c.outputs, shapes))
         if any(isinstance(p, Shard) and not 0 <= p.dim < len(s) for p, s in zip(pls, shapes) if p is not None):
             continue
-        c = AxisStrategy(pls[:len(in_shapes)], pls[len(in_shapes):], name=c.name, even=c.even)
+        c = AxisStrategy(pls[:len(in_shapes)], pls[len(in_shapes):], name=c.name, even=c.even, blocks=c.blocks)
         key = (c.inputs, c.outputs)
         if key in seen or key == (rep.inputs, rep.outputs):
             continue
@@ -376,7 +381,9 @@ commute (``P(sum)P(max)``). Axes of size 1 only replicate. The all-replicate str
     per_axis = [[rep] if k == 1 else [c for c in clean if ok1(c, k)] for k in mesh_shape]
     out, keys = [], set()
     for combo in itertools.product(*per_axis):
-        good = True
+        # (6) a choice of indivisible blocks: the axes taking it split them evenly
+        good = all(c.blocks % math.prod(k for k, d in zip(mesh_shape, combo) if d == c) == 0
+                   for c in set(combo) if c.blocks)
         needs_even = any(c.even for c in combo)
         for t, s in enumerate(shapes):
             if s is None:

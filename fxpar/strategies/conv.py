@@ -6,8 +6,17 @@
 * ``cout``: weight's out-channel dim (and bias) sharded -> output channel dim sharded;
 * ``cin``: input channels and weight's in-channel dim sharded -> ``P(sum)`` (bias ``P(sum)``).
 
-Spatial dims are never sharded (a halo exchange would be needed). Backend convolutions, pooling,
-upsampling and ``im2col``/``col2im`` have no sharding rule (replicated) and are priced as copies.
+Spatial dims are never sharded (a halo exchange would be needed). Backend convolutions have no
+sharding rule (replicated).
+
+Pooling and resampling (``max_pool*``, ``avg_pool*``, ``adaptive_avg_pool*``, ``upsample_*``)
+work on each ``(sample, channel)`` plane alone: every dim before the ``k`` spatial ones may be
+sharded, output (and ``max_pool2d_with_indices``' plane-local indices) alike
+(:func:`pool_rule`); ``pixel_shuffle`` mixes channels (batch dims only), ``im2col``/``col2im``
+the channels and the kernel window (the batch only). All are priced as copies.
+``max_pool2d(x[8, 4, 6, 6], [2, 2])`` on one axis::
+
+    R: R -> R      dp: S(0) -> S(0)      S1: S(1) -> S(1)
 """
 
 from __future__ import annotations
@@ -17,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from fxpar.cost.compute import conv_transpose_cost, convnd_cost, convolution_cost, copy_cost
-from fxpar.strategies.base import P, S, bound, choice, declare, register, tensor_shape
+from fxpar.strategies.base import P, S, bound, choice, declare, out_shapes, register, tensor_shape
 
 aten = torch.ops.aten
 _TRANSPOSED = (aten.conv_transpose1d, aten.conv_transpose2d, aten.conv_transpose3d)
@@ -45,8 +54,29 @@ def conv_rule(node):
 
 
 declare(aten.convolution_overrideable, aten.cudnn_convolution, aten.mkldnn_convolution, cost=convolution_cost)
-# spatial data movement: pooling windows, resampling, patch extraction (bytes only)
-declare(aten.max_pool2d, aten.max_pool2d_with_indices, cost=copy_cost, saves="input0")
-declare(aten._adaptive_avg_pool2d, aten.adaptive_avg_pool2d, aten.avg_pool1d, aten.avg_pool2d, aten.avg_pool3d,
-        aten.max_pool1d, aten.max_pool3d, aten.upsample_nearest2d, aten.upsample_bilinear2d, aten.pixel_shuffle,
-        aten.im2col, aten.col2im, F.interpolate, cost=copy_cost)
+
+# spatial data movement: pooling windows, resampling, patch extraction (bytes only); the number
+# of trailing dims each op mixes (the dims before them index independent planes): im2col and
+# pixel_shuffle mix the channels too, col2im its [C·k, L] columns
+_SPATIAL = {aten.max_pool1d: 1, aten.avg_pool1d: 1, aten.adaptive_avg_pool1d: 1,
+            aten.max_pool2d: 2, aten.max_pool2d_with_indices: 2, aten.avg_pool2d: 2,
+            aten.adaptive_avg_pool2d: 2, aten._adaptive_avg_pool2d: 2, aten.upsample_nearest2d: 2,
+            aten.upsample_bilinear2d: 2, aten.max_pool3d: 3, aten.avg_pool3d: 3,
+            aten.adaptive_avg_pool3d: 3, aten._adaptive_avg_pool3d: 3,
+            aten.pixel_shuffle: 3, aten.im2col: 3, aten.col2im: 2}
+
+def pool_rule(node):
+    """Every dim before the ones the op mixes (:data:`_SPATIAL`) sharded, every output alike
+    (for ``im2col``/``col2im``/``pixel_shuffle`` the batch only)."""
+    x = tensor_shape(node.args[0])  # named input or self, by overload
+    if x is None:
+        return
+    outs = out_shapes(node)
+    for d in range(len(x) - _SPATIAL[node.target.overloadpacket]):
+        yield choice(node, {"input": S(d), "self": S(d)}, [S(d)] * len(outs), "dp" if d == 0 else f"S{d}")
+
+
+register(aten.max_pool2d, aten.max_pool2d_with_indices, cost=copy_cost, saves="input0")(pool_rule)
+register(*[op for op in _SPATIAL if op not in (aten.max_pool2d, aten.max_pool2d_with_indices)],
+         cost=copy_cost)(pool_rule)
+declare(F.interpolate, cost=copy_cost)
