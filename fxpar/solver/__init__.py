@@ -99,6 +99,23 @@ what is left (pins), reduced and solved again, has the same optimum. The 2-layer
 ``(data, z, y, x) = (2, 2, 2, 2)``: 18,380 class values → 33, solved by the reductions
 (was: CP-SAT 379 s, stopped at a 29% gap).
 
+The LP relaxation's dual before CP-SAT (wide graphs, no memory points)
+----------------------------------------------------------------------
+When neither decides a problem without memory points (the graph is wide *and* its domains
+large: a step loop unrolled over the sequence, whose inputs and state meet every step, as
+RWKV's and xLSTM's; RoPE tables and hyper-connection streams shared by every layer, as
+HunYuan v4's: tables of ``10¹¹-10¹⁴`` entries, and a forest bound 30-97% below the optimum),
+:mod:`fxpar.solver.dual` climbs the local-polytope LP's dual by sequential message passing
+(SRMP), which gives a lower bound and, per value, a bound on every assignment through it.
+Values whose bound exceeds the best assignment found are dropped (exact); the DP solves what
+is left when its tables fit, and its optimum is then the optimum (``"dual+dp"``). The best
+assignment comes from the same DP on the values of (near-)zero reduced cost. Tiny 2-layer
+models on ``(dp, tp) = (2, 2)``: RWKV 12.5k class values, proven optimal in ~2.5 s (was:
+CP-SAT, ~300k Booleans, stopped by the 60 s limit at an 80% gap with a plan 5x slower);
+xLSTM, HunYuan v4 likewise (1-3 s). When the dual cannot prove it (the LP is not tight)
+CP-SAT gets the filtered problem if its model is small (:data:`DUAL_CPSAT_MAX_BOOLEANS`),
+else the best assignment is the answer, ``FEASIBLE`` with its proven gap.
+
 Edge encoding and CP-SAT settings (``benchmarks/solver.py``; 2-core machine)
 ----------------------------------------------------------------------------
 After reparametrisation only edges with ``r ≠ 0`` remain. Encodings: ``marginal`` (Alpa's
@@ -141,11 +158,11 @@ OPTIMAL 1.25 s (nodes 1.25 + edges 0), gap 0.00%, peak 1.25 GiB, ... ms: mm=1, r
 
 from fxpar.solver.problem import Solution, StrategyProblem, brute_force, fmt_bytes
 from fxpar.solver.reduce import ALL_REDUCTIONS, Reduced, Removal, choose_scale, reduce_problem
-from fxpar.solver.ilp import EDGE_ENCODINGS, min_peak_memory, solve
+from fxpar.solver.ilp import DUAL_CPSAT_MAX_BOOLEANS, EDGE_ENCODINGS, min_peak_memory, solve
 from fxpar.solver.dp import eliminate
 
 __all__ = [
     "StrategyProblem", "Solution", "solve", "min_peak_memory", "brute_force",
     "reduce_problem", "Reduced", "Removal", "choose_scale", "ALL_REDUCTIONS", "EDGE_ENCODINGS",
-    "fmt_bytes", "eliminate",
+    "fmt_bytes", "eliminate", "DUAL_CPSAT_MAX_BOOLEANS",
 ]

@@ -32,6 +32,7 @@ a relaxation and feasible), so no integer program is solved at all; otherwise it
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import numpy as np
@@ -46,12 +47,20 @@ DEFAULT_MAX_TABLE = 4_000_000
 
 def _greedy_order(dom: list[int], adj: list[set[int]], key, max_table: int):
     """Eliminate the alive class with the smallest ``key`` (lowest class on ties); scores are
-    recomputed only around each elimination. ``(order, largest table, total entries)``."""
+    recomputed only around each elimination. ``(order, largest table, total entries)``.
+
+    A heap of ``(score, class)`` with stale entries skipped when popped picks the same class
+    as a scan of all alive ones (a scan per step is quadratic in the classes: 2.5x slower
+    on RWKV's 963)."""
     adj = [set(a) for a in adj]
     score = {c: key(c, adj) for c in range(len(dom))}
+    heap = [(s, c) for c, s in score.items()]
+    heapq.heapify(heap)
     order, big, total = [], 0, 0
     while score:
-        best = min(score, key=lambda c: (score[c], c))
+        s, best = heapq.heappop(heap)
+        if score.get(best) != s:  # eliminated, or rescored since this entry was pushed
+            continue
         nb = adj[best]
         size = dom[best] * math.prod(dom[d] for d in nb)
         if size > max_table:
@@ -66,7 +75,10 @@ def _greedy_order(dom: list[int], adj: list[set[int]], key, max_table: int):
         order.append(best)
         for d in set(nb).union(*(adj[d] for d in nb)):
             if d in score:
-                score[d] = key(d, adj)
+                new = key(d, adj)
+                if new != score[d]:
+                    score[d] = new
+                    heapq.heappush(heap, (new, d))
     return order, big, total
 
 

@@ -13,7 +13,8 @@ from ortools.sat.python import cp_model
 
 from fxpar.errors import MemoryBudgetError, PlanError
 from fxpar.solver.bounds import bound_and_filter, lagrangian_bound
-from fxpar.solver.dp import eliminate
+from fxpar.solver.dp import DEFAULT_MAX_TABLE, eliminate, elimination_order
+from fxpar.solver.dual import dual_bound
 from fxpar.solver.heuristic import feasible, greedy
 from fxpar.solver.problem import Solution, StrategyProblem
 from fxpar.units import fmt_bytes
@@ -125,7 +126,8 @@ def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
           reductions: Collection[str] = ALL_REDUCTIONS, edge_encoding: str | None = None,
           scale: float | None = None, log: bool = False, hint: bool = True,
           params: dict | None = None, dp: bool = True, bound_filter: bool = True,
-          filter_gap: float = 0.0, start: Sequence[int] | None = None) -> Solution:
+          filter_gap: float = 0.0, start: Sequence[int] | None = None,
+          dual: bool = True, max_table: int = DEFAULT_MAX_TABLE) -> Solution:
     """Optimal (or, under a time limit, best found) strategy per node of ``problem``.
 
     Deterministic: the model is built in a canonical order and CP-SAT runs with a fixed
@@ -148,6 +150,17 @@ def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
 
     ``start``: a strategy per node (a known assignment) used as CP-SAT's hint when it is
     feasible and better than the greedy one.
+
+    ``max_table``: the largest table bucket elimination may build (entries; tests make it
+    small to reach the paths after the DP on problems brute force can check).
+
+    ``dual``: when the reduced problem has no memory points and neither the DP nor the bound
+    filter decides it, the LP relaxation's dual bound (:mod:`fxpar.solver.dual`) comes next:
+    its reduced costs filter the values exactly, the problem left is solved by the DP when its
+    tables fit (``"dual+dp"``, proven optimal); else the best assignment found is returned
+    with its proven gap (``"dual"``, ``FEASIBLE``) when that gap is accepted or CP-SAT's model
+    would hold more than :data:`DUAL_CPSAT_MAX_BOOLEANS` edge Booleans, and CP-SAT solves the
+    filtered problem otherwise (``"dual+cp-sat"``).
 
     ``bound_filter``: when the DP does not decide it, first drop every value whose
     spanning-forest lower bound exceeds a feasible assignment's cost
@@ -176,7 +189,7 @@ def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
     exact = None
     if red.dom and dp:
         t1 = time.perf_counter()
-        exact = eliminate(red)
+        exact = eliminate(red, max_table=max_table)
         stats["dp_s"] = time.perf_counter() - t1
         if exact is not None and not feasible(red, exact[0]):
             exact = None  # memory binds: the relaxation's optimum is not a plan
@@ -184,7 +197,16 @@ def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
         got = _filtered_solve(problem, red, t0, stats, time_limit=time_limit,
                               det_time_limit=det_time_limit, workers=workers, seed=seed,
                               reductions=reductions, edge_encoding=edge_encoding, scale=scale,
-                              log=log, hint=hint, params=params, dp=dp, filter_gap=filter_gap)
+                              log=log, hint=hint, params=params, dp=dp, filter_gap=filter_gap,
+                              max_table=max_table)
+        if got is not None:
+            return got
+    if red.dom and exact is None and dual and dp and not red.points and not red.equal:
+        got = _dual_solve(problem, red, t0, stats, time_limit=time_limit,
+                          det_time_limit=det_time_limit, workers=workers, seed=seed,
+                          reductions=reductions, edge_encoding=edge_encoding, scale=scale,
+                          log=log, hint=hint, params=params, filter_gap=filter_gap,
+                          max_table=max_table)
         if got is not None:
             return got
     lag = None
@@ -325,7 +347,8 @@ def _filtered_solve(problem: StrategyProblem, red: Reduced, t0: float, stats: di
     gap = 0.0 if status == "OPTIMAL" else (obj - bound) / obj if obj > 0 else 0.0
     st = dict(stats)
     st.update({k: v for k, v in inner.stats.items() if k in ("method", "dp_s", "branches",
-                                                            "build_s", "objective_units")})
+                                                            "build_s", "objective_units",
+                                                            "dual")})
     st["filter"] = info
     st["filtered"] = {k: inner.stats.get(k) for k in ("classes", "values", "class_edges",
                                                       "class_points", "reduce_s", "solve_s",
@@ -334,6 +357,120 @@ def _filtered_solve(problem: StrategyProblem, red: Reduced, t0: float, stats: di
     st["solve_s"] = time.perf_counter() - t1
     return Solution(problem.names, choice, obj, nc, ec, peaks, status,
                     obj if status == "OPTIMAL" else bound, gap, time.perf_counter() - t0, st)
+
+
+#: CP-SAT after the dual filter only on a model of at most this many edge Booleans (the
+#: marginal encoding's ``Σ |D_a|·|D_b|``): above it, measured on the unrolled step loops of
+#: RWKV and xLSTM and HunYuan v4's shared streams (~300k), presolve alone took 10-35 s and the
+#: search found nothing past its hint in two minutes; the dual's own assignment and gap are
+#: the answer there
+DUAL_CPSAT_MAX_BOOLEANS = 50_000
+
+
+def _restricted_optimum(problem: StrategyProblem, red: Reduced, keep: list[np.ndarray], *,
+                        scale: float, reductions, max_table: int) -> tuple[int, ...] | None:
+    """The exact optimum of ``problem`` restricted to class values ``keep[c]`` of ``red`` (and
+    its fixed nodes at their values), reduced again and solved by bucket elimination; ``None``
+    when the tables do not fit (or ties stay constraints)."""
+    allowed = {i: ({int(f[0])} if c < 0 else set(f[keep[c]].tolist()))
+               for i, (c, f) in enumerate(red.node_map)}
+    rs = reduce_problem(problem.restricted(allowed), scale=scale, reductions=reductions)
+    if rs.points or rs.equal:
+        return None
+    if not rs.dom:
+        return rs.decode([])
+    order = elimination_order(rs.dom, rs.edges, max_table)
+    if order is None:
+        return None
+    got = eliminate(rs, max_table=max_table, order=order)
+    return None if got is None else rs.decode(got[0])
+
+
+def _dual_solve(problem: StrategyProblem, red: Reduced, t0: float, stats: dict, *,
+                time_limit, filter_gap, reductions, scale, max_table, **kw) -> Solution | None:
+    """The dual bound's route (:mod:`fxpar.solver.dual`; ``dual`` in :func:`solve`), on a
+    reduced problem without memory points; ``None`` when the bound does not apply."""
+    t1 = time.perf_counter()
+    b = dual_bound(red)
+    if b is None:
+        return None
+    best = red.decode(greedy(red, start=b.x))  # read off the dual, then conditional modes
+    obj = sum(problem.evaluate(best)[:2])
+
+    def slack(b) -> float:
+        """The exact filter's threshold (units): no assignment through a value whose reduced
+        cost exceeds it beats `best`; the margin absorbs the float round-off of the passes
+        and of the reductions."""
+        upper = (obj - red.offset) * red.scale
+        return upper - b.lower + 1e-7 * abs(upper) + 2.0
+
+    # The problem restricted to the values of reduced cost <= tau, solved exactly by the DP
+    # where its tables fit: with tau = slack() its optimum is the optimum (every optimal
+    # assignment survives the filter); a smaller tau that fits still gives an assignment
+    # (an LP-tight problem keeps its optima among the values of ~zero reduced cost), which
+    # lowers slack() and may prove it after all. A dual stopped early (rel_tol 1e-4: most
+    # problems are proven there) goes on to 1e-7 once before giving up.
+    status, rungs = "FEASIBLE", 0
+    for attempt in range(2):
+        if attempt:
+            b = b.more(1e-7, 200)
+        tau, too_wide = slack(b), np.inf
+        while rungs < 12 * (attempt + 1) and tau >= 0.5:
+            rungs += 1
+            got = _restricted_optimum(problem, red,
+                                      [np.flatnonzero(r <= tau) for r in b.reduced],
+                                      scale=scale, reductions=reductions,
+                                      max_table=max_table)
+            if got is None:
+                too_wide, tau = tau, tau / 16
+                continue
+            g = sum(problem.evaluate(got)[:2])
+            if g < obj:
+                best, obj = got, g
+            if tau >= slack(b):
+                status = "OPTIMAL"
+                break
+            if slack(b) >= too_wide:
+                break
+            tau = slack(b)
+        if status == "OPTIMAL":
+            break
+        upper = (obj - red.offset) * red.scale
+        if upper - b.lower <= 1e-9 * abs(upper) + 1.0:  # the bound meets it (round-off aside)
+            status = "OPTIMAL"
+            break
+    lower_s = red.offset + b.lower / red.scale
+    method = "dual+dp" if status == "OPTIMAL" else "dual"
+    keep = [np.flatnonzero(r <= slack(b)) for r in b.reduced]
+    info = {"s": 0.0, "iters": b.iters, "values": int(sum(red.dom)),
+            "kept": int(sum(k.size for k in keep)), "rungs": rungs, "lower_s": lower_s,
+            "upper_s": obj}
+    info["s"] = time.perf_counter() - t1
+    gap = 0.0 if status == "OPTIMAL" else max(0.0, (obj - lower_s) / obj) if obj > 0 else 0.0
+    accept = max(filter_gap, float((kw.get("params") or {}).get("relative_gap_limit", 0.0)))
+    if status != "OPTIMAL" and gap > accept:
+        booleans = sum(int(keep[c].size) * int(keep[d].size) for c, d, _ in red.edges)
+        info["cp_sat_booleans"] = booleans
+        if booleans <= DUAL_CPSAT_MAX_BOOLEANS:
+            allowed = {i: set(f[keep[c]].tolist()) for i, (c, f) in enumerate(red.node_map)
+                       if c >= 0}
+            left = None if time_limit is None else max(1.0, time_limit - (time.perf_counter() - t0))
+            inner = solve(problem.restricted(allowed), time_limit=left, bound_filter=False,
+                          dual=False, start=best, reductions=reductions, scale=scale,
+                          max_table=max_table, **kw)
+            if inner.objective <= obj:
+                best, obj = inner.choice, inner.objective
+            method, status = "dual+cp-sat", inner.status
+            lower_s = max(lower_s, inner.bound)
+            gap = 0.0 if status == "OPTIMAL" else max(0.0, (obj - lower_s) / obj) if obj > 0 else 0.0
+    nc, ec, peaks = problem.evaluate(best)
+    st = dict(stats)
+    st["dual"] = info
+    st["method"] = method
+    st["solve_s"] = time.perf_counter() - t1
+    return Solution(problem.names, tuple(best), nc + ec, nc, ec, peaks, status,
+                    nc + ec if status == "OPTIMAL" else min(lower_s, nc + ec), gap,
+                    time.perf_counter() - t0, st)
 
 
 def min_peak_memory(problem: StrategyProblem, *, time_limit: float | None = 30.0,
