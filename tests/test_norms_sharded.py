@@ -318,25 +318,48 @@ def _build(name: str):
     return tf.ResNetForImageClassification(cfg), torch.randn(8, 3, 32, 32), torch.randint(0, 4, (8,))
 
 
-@pytest.mark.parametrize("name", ["normnet", pytest.param("resnet", marks=pytest.mark.slow)])
-def test_auto_keeps_the_batch_sharded_through_every_norm(name):
+def test_auto_keeps_the_batch_sharded_through_every_norm():
     """``auto`` on 4 devices: every norm (and convolution, pooling) computes on its batch shard,
     no activation is gathered in front of one (they once had no rule: replicated, gathered)."""
-    model, x, y = _build(name)
-    if name == "normnet":
-        x = torch.randn(32, 3, 16, 16)
-    kw = {"labels": y} if name == "resnet" else {}
-    planned = fxpar.plan(model, Cluster.local(4), (x,), kw, plan="auto", mesh={"dp": 4}, time_limit=20)
-    plan = planned.plan if hasattr(planned, "plan") else planned
-    assert not _gathers_into_norms(plan)
-    spatial = [n for n in plan.nodes if any(k in n.op for k in ("norm", "conv", "pool"))]
+    model, _, _ = _build("normnet")
+    planned = fxpar.plan(model, Cluster.local(4), (torch.randn(32, 3, 16, 16),), plan="auto",
+                         mesh={"dp": 4}, time_limit=20)
+    assert not _gathers_into_norms(planned.plan)
+    spatial = [n for n in planned.plan.nodes if any(k in n.op for k in ("norm", "conv", "pool"))]
     assert spatial and all(n.strategy_name == "dp" for n in spatial), [(n.name, n.strategy_name) for n in spatial]
 
 
-def run_norm_parity(name: str, plan: str, steps: int = 3):
-    """Worker: compile ``name`` under ``plan`` on ``{"dp": world}``, train ``steps`` AdamW steps
-    beside the single-process model on the same global batch; loss, every gradient, every
-    parameter and every running statistic equal on every rank; ``prog.verify`` clean."""
+@pytest.mark.slow
+def test_auto_resnet18ish_never_gathers_for_a_norm():
+    """A ResNet-18-like model (64..512 channels, batch 256 at 112²) planned ``auto`` on a DGX A100
+    (8 GPUs; planning only): no norm is replicated and no activation is gathered for one; the
+    batch stays sharded through the norms of the wide early stages (where the solver goes
+    channel-parallel in the last stage, batch norm is per channel there, exact)."""
+    import transformers as tf
+
+    cfg = tf.ResNetConfig(embedding_size=64, hidden_sizes=[64, 128, 256, 512], depths=[1, 1, 1, 1],
+                          num_channels=3, num_labels=10)
+    torch.manual_seed(0)
+    x = torch.randn(256, 3, 112, 112)
+    planned = fxpar.plan(tf.ResNetForImageClassification(cfg), Cluster.preset("dgx-a100"), (x,),
+                         {"labels": torch.zeros(256, dtype=torch.long)}, plan="auto",
+                         mesh={"dp": 8}, time_limit=20)
+    ops = {n.name: n.op for n in planned.plan.nodes}
+    into_norms = [f"{e.producer}->{e.consumer}" for e in planned.plan.edges
+                  if e.direction == "fwd" and "norm" in ops.get(e.consumer, "")
+                  and any(s.kind == "all_gather" for s in e.steps)]
+    assert not into_norms
+    norms = [n for n in planned.plan.nodes if "norm" in n.op]
+    assert all(n.strategy_name in ("dp", "chan") for n in norms), [(n.name, n.strategy_name) for n in norms]
+    assert [n.strategy_name for n in norms[:4]] == ["dp"] * 4
+
+
+def run_norm_parity(name: str, plan: str, steps: int = 3, mesh: dict | None = None,
+                    pins: dict | None = None, norm_strategy: str = "dp"):
+    """Worker: compile ``name`` under ``plan`` on ``mesh`` (default ``{"dp": world}``), train
+    ``steps`` AdamW steps beside the single-process model on the same global batch; every norm
+    runs ``norm_strategy``; loss, every gradient, every parameter and every running statistic
+    equal on every rank; ``prog.verify`` clean."""
     from fxpar.runtime.redistribute import distribute
 
     model, x, y = _build(name)
@@ -345,13 +368,16 @@ def run_norm_parity(name: str, plan: str, steps: int = 3):
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-5)  # noqa: E731
     world = dist.get_world_size()
     kw = {"labels": y} if hf else {}
-    prog = fxpar.compile(model, Cluster.local(world), (x,), kw, plan=plan, mesh={"dp": world},
-                         loss_fn=None if hf else nn.functional.cross_entropy,
+    prog = fxpar.compile(model, Cluster.local(world), (x,), kw, plan=plan, mesh=mesh or {"dp": world},
+                         loss_fn=None if hf else nn.functional.cross_entropy, pins=pins,
                          example_targets=() if hf else (y,), optimizer=opt, time_limit=20)
-    gathers = _gathers_into_norms(prog.plan)
-    assert not gathers, f"activations gathered: {gathers}"
+    if norm_strategy == "dp":
+        gathers = _gathers_into_norms(prog.plan)
+        assert not gathers, f"activations gathered: {gathers}"
     norms = [n for n in prog.plan.nodes if "norm" in n.op]
-    assert norms and all(n.strategy_name == "dp" for n in norms), [(n.name, n.strategy_name) for n in norms]
+    # group norm's channel choice is named for the groups it keeps whole
+    want = {norm_strategy, norm_strategy.replace("chan", "groups")}
+    assert norms and all(n.strategy_name in want for n in norms), [(n.name, n.strategy_name) for n in norms]
     report = prog.verify(x, **kw) if hf else prog.verify(x, y)
     assert report.ok, str(report)
 
@@ -390,6 +416,19 @@ def _check(results):
 @pytest.mark.timeout(400)
 def test_norm_net_dp4_parity(pools):
     _check(pools(4).run(run_norm_parity, "normnet", "dp"))
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_norm_net_batch_and_channels_2x2_parity(pools):
+    """On ``{"dp": 2, "tp": 2}`` with every norm pinned to the batch on dp and the channels on tp
+    (group norm: whole groups): batch norm syncs over dp only, its running statistics live
+    ``S(0)`` on tp and are written in place there."""
+    pins = {n: "S(0)S(1)" for n in ("group_norm", "batch_norm", "instance_norm")}
+    res = pools(4).run(run_norm_parity, "normnet", "auto", 3, {"dp": 2, "tp": 2}, pins, "dp:dp tp:chan")
+    assert len({loss for loss, _ in res}) == 1, res
+    assert res[0] == res[2] and res[1] == res[3], f"dp replicas of one channel shard differ: {res}"
 
 
 @pytest.mark.dist

@@ -63,6 +63,8 @@ from torch.distributed.tensor import Shard
 
 from fxpar import ir
 from fxpar.cost.compute import norm_cost
+from fxpar.cost.norms import sync_batch_norm_comm
+from fxpar.cost.reshard import max_local_shape
 from fxpar.errors import PlanError
 from fxpar.runtime import norms as rt_norms
 from fxpar.strategies.base import R, S, bound, choice, declare, out_shapes, register, tensor_shape
@@ -71,7 +73,7 @@ from fxpar.strategies.local import LocalContext
 aten = torch.ops.aten
 
 __all__ = ["norm_rule", "group_norm_rule", "instance_norm_rule", "batch_norm_rule", "group_norm_local",
-           "batch_norm_local", "sync_axes"]
+           "batch_norm_local", "batch_norm_comm", "sync_axes"]
 
 
 @register(aten.layer_norm, aten.native_layer_norm, aten.rms_norm, aten._fused_rms_norm, cost=norm_cost,
@@ -198,6 +200,38 @@ def sync_axes(node: fx.Node, x: fx.Node) -> list[int]:
     spec = node.meta[ir.IN_SPECS][node.all_input_nodes.index(x)]
     nd = len(tensor_shape(x) or ())
     return [a for a, p in enumerate(spec) if isinstance(p, Shard) and p.dim % max(nd, 1) != 1]
+
+
+def batch_norm_comm(node: fx.Node, strategy, mesh) -> tuple[float, float]:
+    """``(t_fwd, t_bwd)`` of the collectives a training batch norm runs inside its local program
+    under ``strategy``: :func:`fxpar.cost.norms.sync_batch_norm_comm` over the axes sharding a
+    non-channel dim of its input, for this rank's channels (``(0, 0)`` in eval, or with only
+    the channels sharded). The backward's all-reduce is counted whenever the node's output
+    needs a gradient (its input, an activation, nearly always does).
+
+    >>> from fxpar import Cluster, Mesh
+    >>> from fxpar.spec import Spec
+    >>> from types import SimpleNamespace
+    >>> g = fx.Graph(); x = g.placeholder("x")
+    >>> x.meta["val"] = torch.empty(8, 64, 4, 4)
+    >>> n = g.call_function(aten.batch_norm.default, (x, None, None, None, None, True, 0.1, 1e-5, False))
+    >>> mesh = Mesh(Cluster.preset("dgx-a100"), dp=4, tp=2)
+    >>> dp = SimpleNamespace(inputs=(Spec.parse("S(0)S(1)"),))      # batch on dp, channels on tp
+    >>> batch_norm_comm(n, dp, mesh) == sync_batch_norm_comm(32, mesh, [0])
+    True
+    >>> batch_norm_comm(n, SimpleNamespace(inputs=(Spec.parse("RS(1)"),)), mesh)
+    (0.0, 0.0)
+    """
+    b = bound(node)
+    if not _training(node, b):
+        return 0.0, 0.0
+    x = b["input"]
+    spec = strategy.inputs[node.all_input_nodes.index(x)]
+    axes = [a for a, p in enumerate(spec) if isinstance(p, Shard) and p.dim % len(tensor_shape(x)) != 1]
+    if not axes:
+        return 0.0, 0.0
+    channels = max_local_shape(spec, tensor_shape(x), mesh.shape)[1]
+    return sync_batch_norm_comm(channels, mesh, axes)
 
 
 def batch_norm_local(node: fx.Node, lctx: LocalContext) -> None:
