@@ -70,10 +70,12 @@ from fxpar.solver.reduce import Reduced
 
 __all__ = ["DualBound", "dual_bound", "MAX_ENTRIES"]
 
-#: edge-matrix entries :func:`dual_bound` takes on (float64: 256 MiB, and each pass reads and
-#: writes them twice); above it (4-D meshes: domains of 600-1700 values) it returns None and
-#: the spanning-forest filter is the bound
-MAX_ENTRIES = 1 << 25
+#: edge-matrix entries :func:`dual_bound` takes on, each edge seen from both ends and padded
+#: to its depth's largest domains (float64, held twice: 128 MiB; a pass reads them about
+#: four times, so ~0.1 s at the cap); above it (4-D meshes: domains of 600-1700 values) it
+#: returns None and the spanning-forest filter is the bound. The tiny 2-layer models that
+#: need it hold 0.8-2.6M
+MAX_ENTRIES = 1 << 23
 
 #: stands for "not a value" in the padded arrays (far above any objective in units, 2^40)
 _BIG = 1e30
@@ -116,7 +118,8 @@ def dual_bound(red: Reduced, max_iters: int = 200, rel_tol: float = 1e-4,
     """SRMP on ``red``'s edges and class costs (memory points ignored; module docstring),
     until ``lower`` gains less than ``rel_tol`` of itself over 5 iterations or after
     ``max_iters`` (``.more(rel_tol, max_iters)`` goes on from there). ``None`` when ``red``
-    keeps equality constraints or its edges hold more than ``max_entries`` entries.
+    keeps equality constraints or its padded edge copies would hold more than
+    ``max_entries`` entries.
     Deterministic.
 
     Stored as messages: ``φ_(e,u)`` per edge end, ``θ'_u = θ_u + Σ_(e∋u) φ_(e,u)`` and
@@ -128,7 +131,7 @@ def dual_bound(red: Reduced, max_iters: int = 200, rel_tol: float = 1e-4,
     if n == 0 or red.equal:
         return None
     E = len(red.edges)
-    if sum(a.size for _, _, a in red.edges) > max_entries:
+    if 2 * sum(a.size for _, _, a in red.edges) > max_entries:   # the padded count is larger
         return None
     D = max(red.dom)
     dom = np.asarray(red.dom)
@@ -150,13 +153,18 @@ def dual_bound(red: Reduced, max_iters: int = 200, rel_tol: float = 1e-4,
     inc_v = np.concatenate([second, first])
     P = np.zeros((2 * E, D))
     slot = np.zeros(n, dtype=np.int64)   # position of a class inside its depth
+    depth_u = lev[inc_u]
+    padded = sum(int(m.sum()) * int(dom[inc_u[m]].max()) * int(dom[inc_v[m]].max())
+                 for k in range(int(lev.max()) + 1) for m in [depth_u == k] if m.any())
+    if padded > max_entries:
+        return None
     batches = []
     for k in range(int(lev.max()) + 1):
         nodes = np.flatnonzero(lev == k)
         slot[nodes] = np.arange(nodes.size)
         b = dict(nodes=nodes, valid=valid[nodes], w=w[nodes][:, None],
                  nfwd={+1: later[nodes][:, None], -1: earlier[nodes][:, None]})
-        sel = np.flatnonzero(lev[inc_u] == k)
+        sel = np.flatnonzero(depth_u == k)
         if sel.size:
             sel = sel[np.argsort(inc_u[sel], kind="stable")]  # grouped by class: reduceat
             u, v = inc_u[sel], inc_v[sel]
