@@ -205,6 +205,10 @@ def r(*shape):
      (r(4, 6, 3, 3), r(6), r(6), r(6), r(6).abs() + 0.5, True, 0.1, 1e-5, False)),
     ("legit_functional", torch.ops.aten._native_batch_norm_legit_functional.default,
      (r(4, 6, 5), r(6), r(6), r(6), r(6).abs() + 0.5, True, 0.1, 1e-5)),
+    ("with_update", torch.ops.aten._batch_norm_with_update.default,
+     (r(4, 6, 5), r(6), r(6), r(6), r(6).abs() + 0.5, 0.1, 1e-5)),
+    ("no_update", torch.ops.aten._batch_norm_no_update.default,
+     (r(4, 6, 5), r(6), r(6), r(6), r(6).abs() + 0.5, 0.1, 1e-5)),
     ("max_pool2d_with_indices", torch.ops.aten.max_pool2d_with_indices.default, (r(4, 4, 6, 6), [2, 2])),
     ("adaptive_avg_pool2d", torch.ops.aten.adaptive_avg_pool2d.default, (r(4, 4, 6, 6), [1, 1])),
     ("avg_pool1d", torch.ops.aten.avg_pool1d.default, (r(4, 4, 6), [2])),
@@ -217,7 +221,7 @@ def test_local_strategies_compute_the_global_result(name, op, args, mesh_shape):
     assert checked
     # a training batch norm with a non-channel dim sharded needs the global statistics: exactly
     # those strategies sync (checked on gloo ranks); every other strategy is local
-    training = name in ("batch_norm_train", "legit_functional")
+    training = name in ("batch_norm_train", "legit_functional", "with_update")
     strats = strategies_for(_graph_node(op, args)[0], Mesh(Cluster.local(math.prod(mesh_shape)),
                                                             {f"a{i}": k for i, k in enumerate(mesh_shape)}))
     need = [s for s in strats if training and any(isinstance(p, Shard) and p.dim != 1 for p in s.inputs[0])]
@@ -272,7 +276,38 @@ def run_sync_bn(mesh_axes: dict, batch: int, axes: list[int], dtype=torch.float6
         torch.testing.assert_close(total / replicas, want, **tol)
     torch.testing.assert_close(mine.running_mean, ref.running_mean, **tol)
     torch.testing.assert_close(mine.running_var, ref.running_var, **tol)
+    _check_forms(x, xl, spec, mesh, coord, axes, tol)
     return mine.running_var.tolist()
+
+
+def _check_forms(x, xl, spec, mesh, coord, axes, tol):
+    """The synced form of each ATen batch norm returns what the op returns on the whole batch
+    (output sliced; mean, invstd, reserve, new running statistics whole) and writes the same
+    running statistics."""
+    from fxpar.runtime import norms as rt
+    from fxpar.runtime.bindings import Bindings, bind
+    from fxpar.runtime.redistribute import distribute
+
+    aten = torch.ops.aten
+    w, b = torch.rand(5, dtype=x.dtype) + 0.5, torch.randn(5, dtype=x.dtype)
+    forms = [(aten.native_batch_norm.default, rt.sync_native_batch_norm, True),
+             (aten._native_batch_norm_legit.default, rt.sync_native_batch_norm, True),
+             (aten._native_batch_norm_legit_functional.default, rt.sync_batch_norm_functional, True),
+             (aten._batch_norm_with_update.default, rt.sync_batch_norm_with_update, False),
+             (aten._batch_norm_with_update_functional.default, rt.sync_batch_norm_with_update_functional, False)]
+    for op, fn, flag in forms:
+        stats = [torch.rand(5, dtype=x.dtype), torch.rand(5, dtype=x.dtype) + 1]
+        mine_stats = [t.clone() for t in stats]
+        with torch.no_grad():
+            want = op(x, w, b, *stats, *([True] if flag else []), 0.3, 1e-5)
+            with bind(Bindings(edges={}, mesh=mesh, coord=coord)):
+                got = fn(xl.detach(), w, b, *mine_stats, 0.3, 1e-5, axes)
+        assert len(got) == len(want), op
+        torch.testing.assert_close(got[0], distribute(want[0], spec, mesh.shape, coord), **tol)
+        for g, t in zip(got[1:], want[1:]):
+            torch.testing.assert_close(g, t, **tol, msg=lambda m: f"{op}: {m}")
+        for g, t in zip(mine_stats, stats):
+            torch.testing.assert_close(g, t, **tol, msg=lambda m: f"{op} running statistics: {m}")
 
 
 @pytest.mark.dist

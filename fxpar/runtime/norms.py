@@ -53,7 +53,8 @@ import torch
 from fxpar.errors import FxparError
 
 __all__ = ["moments", "merge_moments", "sync_batch_norm", "sync_native_batch_norm",
-           "sync_batch_norm_functional", "SYNC_BATCH_NORM", "SYNC_BATCH_NORM_BACKWARD"]
+           "sync_batch_norm_functional", "sync_batch_norm_with_update",
+           "sync_batch_norm_with_update_functional", "SYNC_BATCH_NORM", "SYNC_BATCH_NORM_BACKWARD"]
 
 
 def _stat_dtype(x: torch.Tensor) -> torch.dtype:
@@ -266,3 +267,23 @@ def sync_batch_norm_functional(input: torch.Tensor, weight: torch.Tensor | None,
     new_mean = running_mean * (1 - momentum) + mean.to(running_mean.dtype) * momentum
     new_var = running_var * (1 - momentum) + var.to(running_var.dtype) * momentum
     return y, mean, invstd, new_mean, new_var
+
+
+def sync_batch_norm_with_update(input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                                running_mean: torch.Tensor, running_var: torch.Tensor,
+                                momentum: float, eps: float, axes: list[int]):
+    """``aten._batch_norm_with_update``: ``(y, mean, invstd, reserve)`` (``reserve`` an empty
+    ``uint8`` tensor, as on CPU), running statistics updated in place."""
+    y, mean, invstd = sync_native_batch_norm(input, weight, bias, running_mean, running_var, momentum, eps, axes)
+    return y, mean, invstd, input.new_empty((0,), dtype=torch.uint8)
+
+
+def sync_batch_norm_with_update_functional(input: torch.Tensor, weight: torch.Tensor | None,
+                                           bias: torch.Tensor | None, running_mean: torch.Tensor,
+                                           running_var: torch.Tensor, momentum: float, eps: float,
+                                           axes: list[int]):
+    """``aten._batch_norm_with_update_functional``: ``(y, mean, invstd, reserve,
+    new_running_mean, new_running_var)``."""
+    y, mean, invstd, new_mean, new_var = sync_batch_norm_functional(
+        input, weight, bias, running_mean, running_var, momentum, eps, axes)
+    return y, mean, invstd, input.new_empty((0,), dtype=torch.uint8), new_mean, new_var

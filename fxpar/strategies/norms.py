@@ -26,7 +26,8 @@ bias and running statistics). With ``use_input_stats`` and running statistics (t
 offered then.
 
 **Batch norm** (``batch_norm``, ``native_batch_norm``, ``_native_batch_norm_legit[_functional|
-_no_training]``; ``x[N, C, *sp]``): statistics per channel over every other dim.
+_no_training]``, ``_batch_norm_with_update[_functional]``, ``_batch_norm_no_update``;
+``x[N, C, *sp]``): statistics per channel over every other dim.
 
 * ``chan``: channels sharded with weight, bias, running statistics and per-channel outputs
   (``S(1)``; ``S(0)``...): purely local in training and eval;
@@ -143,6 +144,8 @@ def _state_writes(node: fx.Node, b: dict) -> list[fx.Node]:
         on = bool(b.get("use_input_stats"))
     elif packet in (aten.batch_norm, aten.native_batch_norm, aten._native_batch_norm_legit):
         on = bool(b.get("training"))
+    elif packet is aten._batch_norm_with_update:
+        on = True
     else:
         return []
     return [b[k] for k in ("running_mean", "running_var") if on and isinstance(b.get(k), fx.Node)]
@@ -179,10 +182,12 @@ def instance_norm_rule(node):
 # --- batch norm -----------------------------------------------------------------------------------
 _TRAINING_NORMS = (aten.batch_norm, aten.native_batch_norm, aten._native_batch_norm_legit,
                    aten._native_batch_norm_legit_functional)
+_ALWAYS_TRAINING = (aten._batch_norm_with_update, aten._batch_norm_with_update_functional)
 
 
 def _training(node: fx.Node, b: dict) -> bool:
-    return getattr(node.target, "overloadpacket", None) in _TRAINING_NORMS and bool(b.get("training"))
+    packet = getattr(node.target, "overloadpacket", None)
+    return packet in _ALWAYS_TRAINING or (packet in _TRAINING_NORMS and bool(b.get("training")))
 
 
 def sync_axes(node: fx.Node, x: fx.Node) -> list[int]:
@@ -234,13 +239,21 @@ def batch_norm_comm(node: fx.Node, strategy, mesh) -> tuple[float, float]:
     return sync_batch_norm_comm(channels, mesh, axes)
 
 
+#: the synced form of each training batch norm (the same arguments and outputs, plus the axes)
+_SYNCED = {aten.batch_norm: rt_norms.sync_batch_norm,
+           aten.native_batch_norm: rt_norms.sync_native_batch_norm,
+           aten._native_batch_norm_legit: rt_norms.sync_native_batch_norm,
+           aten._native_batch_norm_legit_functional: rt_norms.sync_batch_norm_functional,
+           aten._batch_norm_with_update: rt_norms.sync_batch_norm_with_update,
+           aten._batch_norm_with_update_functional: rt_norms.sync_batch_norm_with_update_functional}
+
+
 def batch_norm_local(node: fx.Node, lctx: LocalContext) -> None:
-    """A training batch norm whose batch (or a spatial dim) is sharded becomes
-    :func:`fxpar.runtime.norms.sync_batch_norm` (``aten.batch_norm``),
-    ``sync_native_batch_norm`` (``native_batch_norm``, ``_native_batch_norm_legit``) or
-    ``sync_batch_norm_functional`` (``_native_batch_norm_legit_functional``) over those mesh
-    axes; otherwise (eval, channels only, replicated) the plain op is right. Either way a
-    running-statistics write must reach the stored buffer (module docstring)."""
+    """A training batch norm whose batch (or a spatial dim) is sharded becomes its synced form
+    over those mesh axes (:data:`_SYNCED`: :func:`fxpar.runtime.norms.sync_batch_norm` for
+    ``aten.batch_norm``, ...); otherwise (eval, channels only, replicated) the plain op is
+    right. Either way a running-statistics write must reach the stored buffer (module
+    docstring)."""
     b = bound(node)
     _check_state_writes(node, b)
     if not _training(node, b):
@@ -248,11 +261,7 @@ def batch_norm_local(node: fx.Node, lctx: LocalContext) -> None:
     axes = sync_axes(node, b["input"])
     if not axes:
         return
-    packet = node.target.overloadpacket
-    fn = (rt_norms.sync_batch_norm if packet is aten.batch_norm else
-          rt_norms.sync_batch_norm_functional if packet is aten._native_batch_norm_legit_functional else
-          rt_norms.sync_native_batch_norm)
-    node.target = fn
+    node.target = _SYNCED[node.target.overloadpacket]
     node.args = (b["input"], b.get("weight"), b.get("bias"), b.get("running_mean"), b.get("running_var"),
                  float(b["momentum"]), float(b["eps"]), axes)
     node.kwargs = {}
@@ -260,6 +269,7 @@ def batch_norm_local(node: fx.Node, lctx: LocalContext) -> None:
 
 @register(aten.batch_norm, aten.native_batch_norm, aten._native_batch_norm_legit,
           aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit_no_training,
+          aten._batch_norm_with_update, aten._batch_norm_with_update_functional, aten._batch_norm_no_update,
           cost=norm_cost, saves="channel_stats", local=batch_norm_local)
 def batch_norm_rule(node):
     b = bound(node)
@@ -279,6 +289,5 @@ def batch_norm_rule(node):
 
 declare(aten.cudnn_batch_norm, aten.miopen_batch_norm, cost=norm_cost, saves="channel_stats")
 # what batch_norm_local makes of a synced batch norm: rank graphs price and count it the same
-declare(rt_norms.sync_batch_norm, rt_norms.sync_native_batch_norm, rt_norms.sync_batch_norm_functional,
-        cost=norm_cost, saves="channel_stats")
+declare(*dict.fromkeys(_SYNCED.values()), cost=norm_cost, saves="channel_stats")
 declare(F.local_response_norm, F.normalize, cost=norm_cost)
