@@ -7,7 +7,11 @@ inputs); :mod:`fxpar.planner.intra_op` calls them for every node and edge.
   :func:`fxpar.cost.compute.op_cost` on the LOCAL shapes (``max_local_shape(spec, global,
   mesh.shape)`` of each tensor input under strategy ``k`` and of each output), priced by
   :func:`fxpar.cost.compute.op_time` (roofline on ``mesh.cluster``); ``t_bwd = 0`` when the
-  node's output needs no gradient (:func:`fxpar.cost.compute.grad_flags`).
+  node's output needs no gradient (:func:`fxpar.cost.compute.grad_flags`). An op that
+  communicates inside its local program under ``k`` (its record's ``comm``: a
+  vocabulary-parallel cross-entropy's all-reduces) adds those seconds to ``t_fwd``/``t_bwd``
+  (synchronous collectives, priced as the node's own time; the backward's only when the node
+  needs a gradient).
 * **edge cost** (:class:`EdgePricer`) for producer ``i`` (output ``o``: the ``getitem`` index,
   else 0) feeding input ``p`` of consumer ``j``::
 
@@ -66,7 +70,7 @@ from fxpar.defaults import BUCKET_BYTES
 from fxpar.mesh import Mesh
 from fxpar.resharding.intra import reshard_cost_table
 from fxpar.spec import Spec, grad_in_spec, grad_out_spec
-from fxpar.strategies.base import Strategy
+from fxpar.strategies.base import Strategy, record_for
 
 __all__ = ["compute_times", "node_memory", "node_key", "output_meta", "finalize_spec",
            "EdgePricer"]
@@ -111,7 +115,12 @@ def compute_times(node, strat: Strategy, mesh, flags, opts) -> tuple[float, floa
     c = op_cost(node.target, args, kwargs, out)
     if not flags.get(node, False):
         c = type(c)(c.fwd_flops, 0.0, c.fwd_bytes, 0.0, c.kind, c.known)
-    return op_time(c, mesh.cluster, opts.efficiency, opts.memory_efficiency)
+    f, b = op_time(c, mesh.cluster, opts.efficiency, opts.memory_efficiency)
+    rec = record_for(node.target)
+    if rec is not None and rec.comm is not None:
+        cf, cb = rec.comm(node, strat, mesh)
+        f, b = f + cf, b + (cb if flags.get(node, False) else 0.0)
+    return f, b
 
 
 def node_memory(node, strat: Strategy, mesh, flags, opts) -> int:

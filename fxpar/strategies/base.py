@@ -110,7 +110,12 @@ class OpRecord:
       (:mod:`fxpar.strategies.local`); ``None``: the plain op on local tensors is right;
     * ``view``: ``True`` for an alias of an input (free, shares storage), ``"if_contiguous"`` when
       it aliases only a contiguous input; ``differentiable=False``: its outputs carry no
-      gradient; ``saves``: what its backward keeps (:data:`fxpar.cost.compute.SAVES_KINDS`).
+      gradient; ``saves``: what its backward keeps (:data:`fxpar.cost.compute.SAVES_KINDS`);
+    * ``comm(node, strategy, mesh) -> (t_fwd, t_bwd)``: seconds of the collectives the op runs
+      INSIDE its local program under ``strategy`` (a vocabulary-parallel cross-entropy's
+      all-reduces, a synced batch norm's statistics; pure formulas of :mod:`fxpar.cost`), added
+      to its compute time by the planner (:func:`fxpar.planner.pricing.compute_times`);
+      ``None``: none (every other collective is an edge's).
     """
 
     op: object
@@ -120,6 +125,7 @@ class OpRecord:
     view: bool | str = False
     differentiable: bool = True
     saves: str | None = None
+    comm: Callable | None = None
 
 
 #: op object (ATen overload packet or overload, or another callable) -> its record.
@@ -129,7 +135,8 @@ RULES: dict[object, Callable] = {}
 
 
 def register(*ops, cost: Callable | None = None, local: Callable | None = None, view: bool | str = False,
-             differentiable: bool = True, saves: str | None = None) -> Callable:
+             differentiable: bool = True, saves: str | None = None,
+             comm: Callable | None = None) -> Callable:
     """Decorator recording ops with their sharding rule, cost rule, local rewrite and flags.
 
     ``@register(aten.mm, cost=mm_cost, saves="partners")`` then
@@ -149,7 +156,7 @@ def register(*ops, cost: Callable | None = None, local: Callable | None = None, 
             if op in RECORDS:
                 raise ValueError(f"register: {op} already has a record ({RECORDS[op]})")
             set_op_cost(op, cost, view=view, saves=saves)  # validates the flags first
-            RECORDS[op] = OpRecord(op, fn, cost, local, view, differentiable, saves)
+            RECORDS[op] = OpRecord(op, fn, cost, local, view, differentiable, saves, comm)
             if fn is not None:
                 RULES[op] = fn
             if not differentiable:
