@@ -122,6 +122,35 @@ def test_sync_batch_norm_comm_prices_each_axis():
     assert sync_batch_norm_comm(256, m, ["dp"], input_grad=False)[1] == 0.0
 
 
+def test_planner_adds_the_synced_statistics_to_the_node():
+    """``compute_times`` of a training batch norm under ``dp`` is its compute plus
+    :func:`~fxpar.strategies.norms.batch_norm_comm` (an all-gather forward, an all-reduce
+    backward); ``chan`` (per channel) and eval add nothing."""
+    import dataclasses
+    from unittest import mock
+
+    from fxpar.planner.intra_op import PlannerOptions
+    from fxpar.planner.pricing import compute_times
+    from fxpar.strategies.base import RECORDS
+    from fxpar.strategies.norms import batch_norm_comm
+
+    mesh = Mesh(Cluster.preset("dgx-a100"), dp=8)
+    packet = torch.ops.aten.batch_norm
+    plain = {packet: dataclasses.replace(RECORDS[packet], comm=None)}
+    for training in (True, False):
+        gm = capture(NormNet().train(training), (torch.randn(16, 3, 8, 8),))
+        bn = _node(gm, packet)
+        flags = {n: True for n in gm.graph.nodes}
+        for s in strategies_for(bn, mesh):
+            with_comm = compute_times(bn, s, mesh, flags, PlannerOptions())
+            with mock.patch.dict(RECORDS, plain):
+                without = compute_times(bn, s, mesh, flags, PlannerOptions())
+            comm = batch_norm_comm(bn, s, mesh)
+            assert with_comm == pytest.approx((without[0] + comm[0], without[1] + comm[1]))
+            synced = training and s.name in ("dp", "S2", "S3")
+            assert (comm[0] > 0 and comm[1] > 0) if synced else comm == (0.0, 0.0), (training, s.name)
+
+
 # --- every strategy of a local op computes its piece of the global result (no processes) --------
 def _graph_node(op, args, run: bool = True):
     """A one-op graph whose placeholders carry ``args``' tensors as ``meta['val']`` (and the

@@ -38,7 +38,8 @@ _no_training]``, ``_batch_norm_with_update[_functional]``, ``_batch_norm_no_upda
   which merges every rank's moments over the mesh axes sharding those dims, updates the
   running statistics with the global mean and unbiased variance identically on every rank,
   and all-reduces its backward's two gradient sums (:func:`batch_norm_local`);
-  its collectives are priced by :func:`fxpar.cost.norms.sync_batch_norm_comm`.
+  the planner adds its collectives to the node's time (the record's ``comm``,
+  :func:`batch_norm_comm`: :func:`fxpar.cost.norms.sync_batch_norm_comm`).
 
 ``batch_norm(x[8, 4, 5, 5], w, b, rm, rv, True, ...)`` on one axis::
 
@@ -270,7 +271,7 @@ def batch_norm_local(node: fx.Node, lctx: LocalContext) -> None:
 @register(aten.batch_norm, aten.native_batch_norm, aten._native_batch_norm_legit,
           aten._native_batch_norm_legit_functional, aten._native_batch_norm_legit_no_training,
           aten._batch_norm_with_update, aten._batch_norm_with_update_functional, aten._batch_norm_no_update,
-          cost=norm_cost, saves="channel_stats", local=batch_norm_local)
+          cost=norm_cost, saves="channel_stats", local=batch_norm_local, comm=batch_norm_comm)
 def batch_norm_rule(node):
     b = bound(node)
     x = tensor_shape(b["input"])
