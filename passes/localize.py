@@ -13,7 +13,10 @@ Contract (per rank, ``ctx.coord`` set; runs after insert_collectives):
   by its record's ``local=`` entry (:func:`fxpar.strategies.local.local_rule`, a table, not a
   chain here): size arguments of ``view``/``reshape``/``expand``/factories/``unflatten`` become
   local, a sharded ``arange`` gets its local bounds, a vocabulary-parallel ``embedding`` calls
-  :func:`fxpar.runtime.ops.vocab_parallel_embedding` with this rank's first row, a training
+  :func:`fxpar.runtime.ops.vocab_parallel_embedding` with this rank's first row, a
+  ``cross_entropy_loss`` / nll loss / ``log_softmax`` with its class dim split calls its
+  vocabulary-parallel form (:mod:`fxpar.runtime.vocab`, all-reduces over the axes splitting
+  it, bound at run time), a training
   ``aten.dropout`` is ``torch.ops.fxpar.sharded_dropout`` keyed by the node's name (the site:
   its crc32, unique across a pipeline's chunk graphs, which keep the model graph's names) and
   this rank's shard coordinates; every other random op that draws (training attention with

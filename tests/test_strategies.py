@@ -18,7 +18,7 @@ from torch.distributed.tensor import Partial
 from fxpar import Cluster, Mesh
 from fxpar.strategies import is_unsharded, strategies_for
 from fxpar.strategies.embedding import is_vocab_parallel
-from fxpar.strategies.losses import sharded_mean_call
+from fxpar.strategies.losses import sharded_mean_call, vocab_call
 
 aten = torch.ops.aten
 torch.manual_seed(0)
@@ -59,6 +59,46 @@ def _reduce(ts, op):
     return {"sum": st.sum(0), "avg": st.mean(0), "max": st.amax(0), "min": st.amin(0)}[op]
 
 
+def _vocab_outputs(node, strat, mesh_shape, coords, local_in):
+    """``{coord: output}`` of a vocabulary-parallel loss (its local program all-reduces over the
+    axes splitting the classes: :mod:`fxpar.runtime.vocab`), one thread per device and the
+    all-reduces emulated in memory (a barrier per round), or ``None`` for another strategy."""
+    import threading
+    from unittest import mock
+
+    import fxpar.runtime.vocab as V
+
+    shape_of = lambda n: n.meta["val"].shape  # noqa: E731
+    calls = {c: vocab_call(node, strat.inputs, shape_of, mesh_shape, c) for c in coords}
+    if calls[coords[0]] is None:
+        return None
+    barrier, slots, coord_of, out = threading.Barrier(len(coords)), {}, {}, {}
+
+    def all_reduce(t, op, axes):
+        c = coord_of[threading.get_ident()]
+        for a in axes:
+            group = c[:a] + c[a + 1:]
+            slots[a, group, c[a]] = t
+            barrier.wait()
+            t = _reduce([slots[a, group, i] for i in range(mesh_shape[a])], op)
+            barrier.wait()   # every member has read this round before the next one writes
+        return t
+
+    def run(c):
+        coord_of[threading.get_ident()] = c
+        fn, margs = calls[c]
+        out[c] = fn(*fx.node.map_arg(margs, lambda n: local_in[(n, c)]))
+
+    with mock.patch.object(V, "_all_reduce", all_reduce):
+        threads = [threading.Thread(target=run, args=(c,)) for c in coords]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    assert len(out) == len(coords), "a device of the emulated vocabulary-parallel loss failed"
+    return out
+
+
 def simulate(node, strat, mesh_shape, gen):
     """Run ``strat`` device by device; return max abs error against the global result."""
     ins = node.all_input_nodes
@@ -86,6 +126,7 @@ def simulate(node, strat, mesh_shape, gen):
     glist = [v for v in (outs_global if isinstance(outs_global, (tuple, list)) else [outs_global])
              if isinstance(v, torch.Tensor)]
     local_out = {}
+    vocab = _vocab_outputs(node, strat, mesh_shape, coords, local_in)
     for c in coords:
         env = {n: local_in[(n, c)] for n in ins}
         args = fx.node.map_arg(node.args, lambda n: env[n])
@@ -93,7 +134,9 @@ def simulate(node, strat, mesh_shape, gen):
         if node.target in _LOCALIZE_SIZE:  # the localize-shapes pass: size args -> local out shape
             args = (args[0], list(strat.outputs[0].local_shape(glist[0].shape, mesh_shape, c))) + tuple(args[2:])
         mean_loss = sharded_mean_call(node, strat.inputs, lambda n: n.meta["val"].shape, mesh_shape, c)
-        if mean_loss is not None:  # the local program of a mean loss with its input sharded
+        if vocab is not None:  # vocabulary-parallel: run above, all devices at once
+            out = vocab[c]
+        elif mean_loss is not None:  # the local program of a mean loss with its input sharded
             fn, margs = mean_loss
             out = fn(*fx.node.map_arg(margs, lambda n: env[n]))
         elif node.target is aten.embedding.default and is_vocab_parallel(strat.inputs[0], strat.inputs[1]):
@@ -247,6 +290,13 @@ CASES = {
                        (r(5, 4, 3), ri(4, 5, 3), r(4).abs() + 0.1, 1, 2, 0.1), {}, ((2,), (2, 2))),
     "nll_fwd_mean": (aten.nll_loss_forward.default, (r(5, 4), ri(4, 5), r(4).abs() + 0.1, 1, 1), {},
                      ((2,), (2, 2))),
+    # vocabulary-parallel (class/softmax dim split; collectives emulated by _vocab_outputs)
+    "ce_smooth_none": (aten.cross_entropy_loss.default, (r(5, 6), ri(6, 5), None, 0, 2, 0.2), {},
+                       ((2,), (2, 2))),
+    "log_softmax_dim1": (aten._log_softmax.default, (r(4, 6, 3), 1, False), {}, ((2,), (2, 2))),
+    "log_softmax_0d": (aten.log_softmax.int, (r(1)[0], 0), {}, ((2,),)),   # nothing to split
+    "nll_nd_ignore": (aten.nll_loss_nd.default, (r(5, 4, 2), ri(4, 5, 2), None, 1, 1), {},
+                      ((2,), (2, 2))),
     "conv2d": (aten.conv2d.default, (r(2, 4, 5, 5), r(6, 4, 3, 3), r(6)), {}, ((2,), (2, 2))),
     "convolution_T": (aten.convolution.default, (r(2, 4, 5, 5), r(4, 6, 3, 3), None, [1, 1], [0, 0], [1, 1],
                                                  True, [0, 0], 1), {}, ((2,),)),

@@ -12,7 +12,10 @@
 * ``torch.ops.fxpar.sharded_dropout(x, p, train, site, shard_key)``: ``x * mask / (1 - p)``
   with that mask; its backward draws the mask again (nothing saved).
 * every other random op, keyed the same way: ``torch.ops.fxpar.keyed_*``
-  (:mod:`fxpar.runtime.keyed`; defined when this module is imported).
+  (:mod:`fxpar.runtime.keyed`; defined when this module is imported);
+* the vocabulary-parallel cross-entropy, log-softmax and nll loss (the class dim split):
+  ``torch.ops.fxpar.vocab_parallel_cross_entropy`` and friends (:mod:`fxpar.runtime.vocab`;
+  defined when this module is imported).
 
 >>> import torch
 >>> w = torch.arange(6.).reshape(3, 2)            # rows 3..5 of a 6-row table
@@ -86,3 +89,4 @@ SHARDED_DROPOUT = define(
 
 # the keyed random ops build on keep_mask / sharded_dropout: defined with them
 import fxpar.runtime.keyed  # noqa: E402,F401
+import fxpar.runtime.vocab  # noqa: E402,F401  (the vocabulary-parallel cross-entropy)

@@ -6,8 +6,9 @@ result: ``sum`` -> ``P(sum)``, ``mean`` -> ``P(avg)`` (exact only for even shard
 ``even``), ``amax`` -> ``P(max)``, ``amin`` -> ``P(min)``; ``histc`` counts add up -> ``P(sum)`` (only
 with a fixed range: ``min == max`` bins the data's own range, so it stays whole).
 ``sum`` and ``mean`` are linear: a ``P(sum)`` input gives ``P(sum)``. ``argmax``, ``softmax``,
-``sort``, ``topk``, ``cumsum`` need their dim whole. Other reductions (``max``, ``var``, ``norm``,
-``median``, ...) have no sharding rule (replicated). ``sum(x[4,6], [1])``::
+``sort``, ``topk``, ``cumsum`` need their dim whole; ``log_softmax`` may split it (``vocab``:
+``S(d) -> S(d)``, all-reduces inside its local program, :mod:`.losses`). Other reductions
+(``max``, ``var``, ``norm``, ``median``, ...) have no sharding rule (replicated). ``sum(x[4,6], [1])``::
 
     R: R -> R      S0: S(0) -> S(0)      red1: S(1) -> P(sum)      P: P(sum) -> P(sum)
 """
@@ -18,6 +19,7 @@ import torch
 
 from fxpar.cost.compute import reduction_cost, softmax_cost
 from fxpar.strategies.base import P, S, bound, choice, declare, out_shapes, register, tensor_shape
+from fxpar.strategies.losses import LOG_SOFTMAX, vocab_comm, vocab_local
 
 aten = torch.ops.aten
 
@@ -101,11 +103,16 @@ def diff_rule(node):
 @register(aten.sort, aten.topk, cost=reduction_cost)
 @register(aten.cumprod, cost=reduction_cost, saves="input0")
 @register(aten.cumsum, cost=reduction_cost, saves="nothing")
-@register(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax, cost=softmax_cost, saves="output")
+@register(aten.softmax, aten._softmax, cost=softmax_cost, saves="output")
+@register(*LOG_SOFTMAX, cost=softmax_cost, saves="output", local=vocab_local, comm=vocab_comm)
 def softmax_rule(node):
     yield from along_dim_rule(node, "self" if "self" in bound(node) else "input")
     if node.target.overloadpacket is aten.cumsum:
         yield choice(node, {"self": P()}, [P()], "P")
+    a = tensor_shape(bound(node).get("self"))
+    if node.target.overloadpacket in LOG_SOFTMAX and a:  # its dim split: all-reduces inside (.losses)
+        d = bound(node)["dim"] % len(a)
+        yield choice(node, {"self": S(d)}, [S(d)], "vocab")
 
 
 @register(aten.argmax, aten.argmin, cost=reduction_cost, differentiable=False)
