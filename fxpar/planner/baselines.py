@@ -17,7 +17,10 @@
   ``dp``; the weights of linear layers are column (``S(0)`` on ``tp``) or row (``S(1)`` on
   ``tp``), alternating along the data path (row iff its input depends on a column output,
   :func:`_col_flags`; copies of a repeated block pinned like the first), replicated on
-  ``dp``; linear outputs ``S(-1)`` (column) or ``P(sum)`` (row) on ``tp``;
+  ``dp``; linear outputs ``S(-1)`` (column) or ``P(sum)`` (row) on ``tp``; a cross-entropy
+  of the LM head's logits takes them split along the vocabulary over ``tp``
+  (:class:`~fxpar.planner.pins.InputPin`: Megatron's vocabulary-parallel cross-entropy, no
+  all-gather of the logits);
 * ``"axonn"``: mesh ``(data, z, y, x)``: the grids of :func:`fxpar.cost.axonn.rank_configs`
   whose batch split and model states fit (:func:`_axonn_fits`; AxoNN's own ranking counts
   communication only), tried in rank order (up to 4, :func:`axonn_meshes`) until one plans
@@ -54,6 +57,7 @@ from fxpar.errors import PlanError
 from fxpar.layers import layer_of, template_fqn
 from fxpar.mesh import Mesh
 from fxpar.plan_data import BASELINES, PLAN_KINDS
+from fxpar.planner.pins import InputPin
 from fxpar.spec import Spec
 from fxpar.strategies.base import no_empty_shard
 
@@ -248,6 +252,31 @@ def _linear_weights(gm: fx.GraphModule) -> list[fx.Node]:
     return seen
 
 
+#: ops between an LM head and its loss that keep the vocabulary dim: views and dtype casts
+_PASS_THROUGH = ("view", "reshape", "_unsafe_view", "to", "_to_copy", "contiguous", "alias",
+                 "clone", "flatten")
+
+
+def _lm_head_losses(gm: fx.GraphModule, lin, col: dict[fx.Node, bool], unsplit) -> list[fx.Node]:
+    """``cross_entropy_loss`` nodes without class weights whose input is, through views and
+    casts only (HF: ``logits.float().view(-1, V)``), the output of a column-parallel linear
+    (the LM head) whose last dim is the class dim: the losses megatron computes
+    vocabulary-parallel (:mod:`fxpar.strategies.losses`)."""
+    heads = {n for n, w in lin if col.get(w) and w not in unsplit}
+    out = []
+    for ce in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.cross_entropy_loss.default):
+        x = ce.args[0]
+        if (len(ce.args) > 2 and ce.args[2] is not None) or ce.kwargs.get("weight") is not None:
+            continue
+        while (isinstance(x, fx.Node) and x not in heads and x.op == "call_function"
+               and len(x.all_input_nodes) == 1
+               and getattr(getattr(x.target, "overloadpacket", None), "__name__", "") in _PASS_THROUGH):
+            x = x.all_input_nodes[0]
+        if x in heads and x.meta[ir.VAL].shape[-1] == ce.args[0].meta[ir.VAL].shape[1]:
+            out.append(ce)
+    return out
+
+
 def zero3_spec(shape, mesh_shape) -> Spec | None:
     """ZeRO-3 storage of a parameter: ``S(d)`` on every mesh axis for the first dim ``d`` that
     splits over all of them (left to right) with no empty shard; ``None`` if no dim does.
@@ -324,6 +353,13 @@ def baseline_pins(kind: str, gm: fx.GraphModule, mesh: Mesh) -> dict[str, Spec]:
             out_dim = node.meta[ir.VAL].ndim - 1
             pins[node.name] = spec(**{a: S0 for a in names[:-1]},
                                    **{tp: f"S({out_dim})" if col[w] else "P(sum)"})
+        # Megatron's vocabulary-parallel cross-entropy: the loss takes the LM head's logits as
+        # the column-parallel head left them, split along the vocabulary over tp (and its rows
+        # over dp: each data-parallel rank computes the loss of its own samples)
+        for loss in _lm_head_losses(gm, lin, col, unsplit):
+            rows = int(loss.args[0].meta[ir.VAL].shape[0])
+            dp = {a: S0 for a in names[:-1]} if no_empty_shard(rows, mesh.shape[:-1]) else {}
+            pins[loss.name] = InputPin("self", {**dp, tp: S1})
         # PTD-P computes LayerNorms and bias adds replicated on tp (no sequence parallelism)
         linear, (batch, other) = {n for n, _ in lin}, _lookups(gm)
         for node in _batch_param_ops(gm):

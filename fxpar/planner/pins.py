@@ -7,6 +7,12 @@ as ``R``: one device holds the whole tensor); no such strategy → :class:`PlanE
 the pin, the node and the candidates. ``"output"`` is not a node pin: it is the layout the
 graph's outputs are returned in (:func:`fxpar.planner.pricing.finalize_spec`).
 
+An :class:`InputPin` value pins what a node's strategy requires of one of its INPUTS on named
+mesh axes instead (``{"cross_entropy_loss": InputPin("self", {"tp": "S(1)"})}``: the loss
+consumes the logits split along the vocabulary over ``tp``), for a choice the output spec
+does not tell apart (the loss is replicated whether the logits were gathered before it or
+it is vocabulary-parallel).
+
 **size-1 axes**: :func:`squeeze` builds the problem on the mesh without them (same devices,
 same order) and :func:`unsqueeze` puts ``R`` back on them in the plan.
 
@@ -23,17 +29,75 @@ S(0)R
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from fxpar import ir
 from fxpar.errors import PinError, PlanError
 from fxpar.mesh import Mesh
-from fxpar.spec import Replicate, Spec, as_spec
+from fxpar.spec import Replicate, Shard, Spec, as_spec
+from fxpar.strategies.base import bound
 
-__all__ = ["pin_form", "match_pins", "squeeze", "unsqueeze"]
+__all__ = ["pin_form", "match_pins", "squeeze", "unsqueeze", "InputPin"]
 
 _R = Replicate()
+
+
+@dataclass(frozen=True)
+class InputPin:
+    """A pin on the spec a node's strategy requires of its input ``arg`` (a schema argument
+    name, ``"self"``), on the mesh axes named in ``placements`` only (``{"tp": "S(1)"}``; the
+    other axes are free). A named axis the mesh lacks or has of size 1 holds the whole tensor:
+    it constrains nothing there.
+
+    >>> pin = InputPin("self", {"tp": "S(-1)"})
+    >>> pin
+    InputPin(self: tp=S(-1))
+    >>> pin.wants(Spec.parse("S(0)S(1)"), ("dp", "tp"), (2, 2), 2), pin.wants(Spec.parse("RR"), ("dp", "tp"), (2, 2), 2)
+    (True, False)
+    """
+
+    arg: str
+    placements: tuple
+
+    def __post_init__(self) -> None:
+        items = self.placements.items() if isinstance(self.placements, dict) else self.placements
+        object.__setattr__(self, "placements", tuple(sorted(
+            (str(a), Spec.parse(p).placements[0] if isinstance(p, str) else p) for a, p in items)))
+
+    def __repr__(self) -> str:
+        on = ", ".join(f"{a}={Spec((p,))}" for a, p in self.placements)
+        return f"InputPin({self.arg}: {on})"
+
+    def wants(self, spec: Spec | None, axis_names, mesh_shape, ndim: int) -> bool:
+        """Whether an input of spec ``spec`` (``ndim`` dims) on a mesh of ``axis_names`` and
+        ``mesh_shape`` has the pinned placements."""
+        for a, p in self.placements:
+            if a not in axis_names or mesh_shape[list(axis_names).index(a)] == 1:
+                continue
+            got = _R if spec is None else spec.placements[list(axis_names).index(a)]
+            if isinstance(p, Shard) and isinstance(got, Shard):
+                if p.dim % max(ndim, 1) != got.dim % max(ndim, 1):
+                    return False
+            elif p != got:
+                return False
+        return True
+
+    def allowed(self, node, strats, mesh) -> list[int]:
+        """Indices of ``strats`` (of ``node``) whose input ``arg`` has the pinned placements."""
+        x = bound(node).get(self.arg)
+        ins = node.all_input_nodes
+        if x not in ins:
+            raise PlanError(f"pin {node.name!r}: {self!r} names argument {self.arg!r}, which is "
+                            f"not a tensor input of {node.name} ({node.target})")
+        q = ins.index(x)
+        tm = ir.tensor_metas(x)
+        nd = len(tm[0].shape) if tm and tm[0] is not None else 0
+        return [k for k, s in enumerate(strats)
+                if self.wants(s.inputs[q] if q < len(s.inputs) else None, tuple(mesh.axis_names),
+                              tuple(mesh.shape), nd)]
 
 
 def pin_form(spec: Spec, nd: int, mesh) -> Spec:
@@ -64,6 +128,19 @@ def match_pins(gm, nodes, strats, pins, mesh, bad: list[str] | None = None
     # the copies of a repeated block share one strategy list: its pin forms are made once
     forms: dict[tuple[int, int], list] = {}
     for key in sorted(pins or {}):
+        if isinstance(pins[key], InputPin):
+            if key not in index:
+                raise PlanError(f"pin {key!r}: {pins[key]!r} names no node of that name")
+            i = index[key]
+            ok = pins[key].allowed(nodes[i], strats[i], mesh)
+            if not ok and bad is not None:
+                bad.append(key)
+            elif not ok:
+                raise PinError(f"pin {key!r} -> node {key!r}: no strategy takes {pins[key]!r} "
+                               f"(candidates: {', '.join(str(s) for s in strats[i][:8])})", pin=key)
+            else:
+                allowed[i] = sorted(set(ok) & set(allowed.get(i, ok)))
+            continue
         spec = as_spec(pins[key])
         if len(spec) != mesh.ndim:
             raise PlanError(f"pin {key!r}: spec {spec} has {len(spec)} placements, mesh {mesh!r} "
@@ -123,6 +200,9 @@ def squeeze(mesh, pins):
     if pins is not None:
         out = {}
         for k, v in pins.items():
+            if isinstance(v, InputPin):  # names its axes: the same on the squeezed mesh
+                out[k] = v
+                continue
             spec = as_spec(v)
             out[k] = Spec(tuple(spec.placements[a] for a in keep)) if len(spec) == mesh.ndim else spec
     return sq, out
