@@ -592,9 +592,9 @@ def _time_collective(coll: str, nbytes: int, sub, gsize: int, device, iters: int
     try:
         fn()  # warm-up (also detects an unsupported collective on this backend)
     except (RuntimeError, NotImplementedError):
-        ok = torch.zeros(1)
+        ok = torch.zeros(1, device=device)
     else:
-        ok = torch.ones(1)
+        ok = torch.ones(1, device=device)
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=world_group)
     if ok.item() == 0:
         return None
@@ -605,7 +605,7 @@ def _time_collective(coll: str, nbytes: int, sub, gsize: int, device, iters: int
         fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=world_group)
         times.append(dt.item())
     return statistics.median(times)
@@ -620,7 +620,8 @@ def _concurrent_times(fn, iters: int, group, min_time: float, sync) -> list[floa
 
     from fxpar.cost.calibration import median_of_max
 
-    warm = torch.tensor([max(fn(1))], dtype=torch.float64)
+    dev = _group_device(group)  # NCCL reduces only device tensors
+    warm = torch.tensor([max(fn(1))], dtype=torch.float64, device=dev)
     sync()
     dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=group)
     reps = int(min(100_000, max(1, math.ceil(min_time / max(warm.item(), 1e-9)))))
@@ -628,7 +629,7 @@ def _concurrent_times(fn, iters: int, group, min_time: float, sync) -> list[floa
     runs = []
     for _ in range(max(1, iters)):
         dist.barrier(group=group)
-        mine = torch.tensor(fn(reps), dtype=torch.float64)
+        mine = torch.tensor(fn(reps), dtype=torch.float64, device=dev)
         every = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(every, mine, group=group)
         runs.append(torch.stack(every).tolist())  # [rank][component]

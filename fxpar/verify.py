@@ -197,15 +197,19 @@ def _is_random(n: fx.Node) -> bool:
 
 
 def _reference(gm: fx.GraphModule, full: dict[str, torch.Tensor], flat_inputs: list,
-               names: set[str], scale: float = 1.0) -> tuple[_Recorder, dict[str, torch.Tensor]]:
+               names: set[str], scale: float = 1.0,
+               device=None) -> tuple[_Recorder, dict[str, torch.Tensor]]:
     """The capture run on one process with the gathered weights ``full``: recorded node
-    values and gradients, and every trainable parameter's gradient (of ``loss · scale``)."""
+    values and gradients, and every trainable parameter's gradient (of ``loss · scale``).
+    Runs on ``device`` (the runner's: the same kernels as the program; inputs moved there)."""
     leaves = {}
     args = []
+    flat_inputs = [x.to(device) if isinstance(x, torch.Tensor) and device is not None else x
+                   for x in flat_inputs]
     for n in gm.graph.find_nodes(op="placeholder"):
         if ir.PARAM in n.meta:
             info = n.meta[ir.PARAM]
-            t = full[info.fqn].detach().clone()
+            t = full[info.fqn].detach().to(device).clone()
             if info.kind == "param" and info.requires_grad and t.is_floating_point():
                 t.requires_grad_(True)
                 leaves[info.fqn] = t
@@ -333,7 +337,7 @@ def _run_spmd(program, runner, full, args, kwargs):
     nodes = _compared(program.distributed_graph)
     names = {n.name for n in nodes}
     flat = flatten_inputs(tuple(args), dict(kwargs), program.graph.meta[ir.INPUT_TREE])
-    ref, ref_pgrads = _reference(program.graph, full, flat, names)
+    ref, ref_pgrads = _reference(program.graph, full, flat, names, device=runner.device)
     gm = runner.gm
     rec = _Recorder(gm, names)
     runner.gm = lambda *a: rec.run(*a)
@@ -401,7 +405,10 @@ def _param_checks(runner, fqns, ref_pgrads, coord, checks, errs) -> None:
 def _report(plan, checks, errs, atol, rtol, random) -> VerifyReport:
     t = torch.tensor(errs, dtype=torch.float64).reshape(-1, 2)
     t = torch.nan_to_num(t, nan=math.inf, posinf=math.inf)
+    if "nccl" in str(dist.get_backend()):  # NCCL reduces only device tensors
+        t = t.to(torch.device("cuda", torch.cuda.current_device()))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = t.cpu()
     by_name = {n.name: n for n in plan.nodes}
     for st in plan.stages:
         by_name.update({n.name: n for n in st.plan.nodes if n.name not in by_name})
@@ -432,7 +439,7 @@ def _run_pipeline(program, runner, full, args, kwargs):
     for i in range(m):  # the capture is of one microbatch; the last chunk's loss is scaled 1/m
         mb = [x[i * info.shape[0]:(i + 1) * info.shape[0]] if info.is_tensor else x
               for info, x in zip(ir.user_inputs(program.graph), flat)]
-        refs.append(_reference(program.graph, full, mb, names, scale=1.0 / m))
+        refs.append(_reference(program.graph, full, mb, names, scale=1.0 / m, device=runner.device))
     recs: dict[int, list[_Recorder]] = {k: [] for k in runner.chunks}
     saved = {k: c.run for k, c in runner.chunks.items()}
     for k, c in runner.chunks.items():

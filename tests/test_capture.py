@@ -692,3 +692,13 @@ def test_stack_traces_read_lazily_are_the_same():
     assert sum(t is not None for t in traces) > 20
     assert traces == [n.meta.get("stack_trace") for n in eager.graph.nodes]
     assert _graph_fingerprint(lazy) == _graph_fingerprint(eager)
+
+
+def test_capture_on_a_torch_without_the_stack_trace_switch(monkeypatch):
+    """torch 2.11 (the GPU machines' image) has no ``fx.config.do_not_emit_stack_traces``:
+    capture then leaves stack recording to torch instead of failing every frontend."""
+    monkeypatch.delattr(torch.fx.config, "do_not_emit_stack_traces")
+    model = tiny_gpt()
+    idx, tgt = tokens(), tokens(2)
+    gm = capture(model, (idx,), {"targets": tgt})
+    torch.testing.assert_close(run_captured(gm, model, idx, targets=tgt), model(idx, tgt))

@@ -97,6 +97,9 @@ def _stack_traces(on: bool) -> Iterator[None]:
     a Llama capture; tests/test_capture.py compares)."""
     import torch.utils._traceback as tb
 
+    if not (hasattr(fx.config, "do_not_emit_stack_traces") and hasattr(tb, "_extract_symbolized_tb")):
+        yield  # an older torch (2.11 on the GPU images): it records stacks its own way
+        return
     prev, listed = fx.config.do_not_emit_stack_traces, tb._extract_symbolized_tb
     fx.config.do_not_emit_stack_traces = prev or not on
     tb._extract_symbolized_tb = _frames_unread
