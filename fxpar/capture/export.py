@@ -47,6 +47,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.node import map_arg
 
 from fxpar import ir
+from fxpar.capture.causal_mask import fold_causal_masks
 from fxpar.capture.functionalize import functionalize_mutations
 from fxpar.capture.cleanup import (constants_to_attrs, decompose as decompose_graph,
                                    drop_metadata_asserts, fill_missing_vals,
@@ -201,6 +202,7 @@ def _from_exported(ep: torch.export.ExportedProgram, model: torch.nn.Module,
     drop_metadata_asserts(gm)
     functionalize_mutations(gm)
     fill_missing_vals(gm)
+    fold_causal_masks(gm)
     out_node = graph.find_nodes(op="output")[0]
     out_node.meta[ir.VAL] = map_arg(out_node.args[0], lambda n: n.meta[ir.VAL])
 
