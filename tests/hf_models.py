@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import signal
 import time
 import traceback
@@ -70,8 +71,16 @@ PARAM_TOL = 1e-3
 
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers",
                "num_decoder_layers", "num_blocks")
-#: the suite's deterministic sample (tests/test_hf_sweep.py; ``--sample`` of the sweep)
-SAMPLE = ("deepseek_v3", "gemma", "gpt2", "llama", "minicpm3", "mixtral", "qwen2")
+#: the suite's deterministic sample (tests/test_hf_sweep.py; ``--sample`` of the sweep), sorted:
+#: Llama, GPT-2, Mixtral, Qwen2, Gemma; the MLA family (DeepSeek-V2/V3, MiniCPM3); and, among
+#: the architectures at parity in the first full sweep, fast ones of every kind: encoder-style
+#: decoder (bert-generation), ALiBi (bloom), multi-query (gpt_bigcode), parallel residual
+#: (gpt_neox, gptj), soft-capping (gemma2), MoE (granitemoe, olmoe, qwen2_moe with a shared
+#: expert), state space (mamba2), and some whose auto plan shards parameters at this size
+#: (cohere, gemma, gemma2, mamba2, nemotron)
+SAMPLE = ("bert-generation", "bloom", "cohere", "deepseek_v2", "deepseek_v3", "gemma", "gemma2",
+          "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "granitemoe", "llama", "mamba2", "minicpm3",
+          "mixtral", "nemotron", "olmoe", "qwen2", "qwen2_moe")
 
 _SET = {  # attribute -> value, wherever the config has it
     **dict.fromkeys(_LAYER_KEYS, LAYERS),
@@ -101,7 +110,7 @@ _SET = {  # attribute -> value, wherever the config has it
     # multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, ...)
     "kv_lora_rank": 32, "q_lora_rank": 48, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
     "v_head_dim": 16,
-    "use_cache": False, "dtype": "float32",
+    "use_cache": False,
 }
 #: set even where the default is None (derived or unset, not "off")
 _SET_IF_NONE = {"head_dim", "num_key_value_heads", "n_inner", "num_local_experts",
@@ -139,11 +148,11 @@ FIXUPS: dict[str, dict[str, Any]] = {
     "qwen4_exp_text": {"indexer_n_heads": HEADS, "indexer_kv_heads": 1,
                        "indexer_head_dim": HEAD_DIM, "indexer_budget": 8,
                        "indexer_compress_ratio": 4},
-    # the shared transformer block is tied across the hybrid layers: it needs two of them
     # LSH and local attention in chunks of 8, axial position embeddings over 4 x 4 positions
     "reformer": {"is_decoder": True, "axial_pos_shape": [4, 4], "axial_pos_embds_dim": [32, 32],
                  "local_attn_chunk_length": 8, "lsh_attn_chunk_length": 8, "num_buckets": 2,
                  "max_position_embeddings": 16},
+    # the shared transformer block is tied across the hybrid layers: it needs two of them
     "zamba": {"num_hidden_layers": 3,
               "layers_block_type": ["linear_attention", "hybrid", "hybrid"]},
 }
@@ -506,6 +515,18 @@ def _merge(arch: str, plan: str, recs: list[dict]) -> Result:
     return res
 
 
+def _pool_error(text: str) -> str:
+    """One line for a failed pool call: its first line, and what ended it (a rank's death,
+    or the last exception line of a rank's traceback)."""
+    msg = [l.strip() for l in text.strip().splitlines() if l.strip()]
+    first = msg[0] if msg else ""
+    died = next((l for l in msg if re.match(r"rank \d+'s process", l)), "")
+    if died:
+        return f"{first} {died.split(';')[0]}"
+    exc = next((l for l in reversed(msg) if re.match(r"[\w.]+(Error|Exception|Interrupt)\b", l)), "")
+    return first if exc in ("", first) else f"{first} ... {exc}"
+
+
 def run_arch(pool, arch: str, plan: str, *, steps: int = 2, time_limit: float = 20.0,
              timeout: float = 300.0, mesh: dict | None = None,
              cluster_kind: str = "local") -> Result:
@@ -521,10 +542,9 @@ def run_arch(pool, arch: str, plan: str, *, steps: int = 2, time_limit: float = 
                         timeout=timeout + 90)
     except FxparError as e:  # WorkerError, CollectiveTimeoutError: the pool was torn down
         pool.close(force=True)
-        msg = [l.strip() for l in str(e).strip().splitlines() if l.strip()]
-        last = next((l for l in reversed(msg) if not l.startswith(("File", "^", "~"))), "")
-        res = Result(arch, plan, "error", f"{type(e).__name__}: {msg[0] if msg else ''} "
-                     f"{last}"[:400], "unknown")
+        res = Result(arch, plan, "error", f"{type(e).__name__}: {_pool_error(str(e))}"[:400],
+                     "unknown")
+        res.__dict__["trace"] = str(e)[-3000:]
         res.wall_s = round(time.monotonic() - t0, 1)
         return res
     if any(o["stopped"] for o in outs):
