@@ -209,7 +209,13 @@ def _reference(gm: fx.GraphModule, full: dict[str, torch.Tensor], flat_inputs: l
     for n in gm.graph.find_nodes(op="placeholder"):
         if ir.PARAM in n.meta:
             info = n.meta[ir.PARAM]
-            t = full[info.fqn].detach().to(device).clone()
+            if info.fqn in full:
+                t = full[info.fqn].detach().to(device).clone()
+            elif not n.users:   # read by no node, so held by no pipeline stage (HF's original_inv_freq)
+                v = n.meta[ir.VAL]
+                t = torch.zeros(v.shape, dtype=v.dtype, device=device)
+            else:
+                raise FxparError(f"prog.verify: no rank holds {info.fqn!r}, which node {n.name} reads")
             if info.kind == "param" and info.requires_grad and t.is_floating_point():
                 t.requires_grad_(True)
                 leaves[info.fqn] = t
