@@ -702,3 +702,52 @@ def test_capture_on_a_torch_without_the_stack_trace_switch(monkeypatch):
     idx, tgt = tokens(), tokens(2)
     gm = capture(model, (idx,), {"targets": tgt})
     torch.testing.assert_close(run_captured(gm, model, idx, targets=tgt), model(idx, tgt))
+
+
+class _Cats(torch.nn.Module):
+    def forward(self, x):
+        a = torch.cat([x.new_empty(0), x], -2)                   # legacy empty: skipped by cat
+        b = torch.cat([x, x.new_zeros(x.shape[0], 0), x * 2], 1)  # size 0 along the dim
+        c = torch.cat([torch.empty(0, dtype=torch.float64), x])   # promotes: kept
+        return a.sum() + b.sum() + c.sum()
+
+
+def test_fold_empty_cats():
+    x = torch.randn(3, 4, requires_grad=True)
+    gm = capture(_Cats(), (x,))
+    cats = [n for n in gm.graph.nodes if n.target == torch.ops.aten.cat.default]
+    assert [len(n.args[0]) for n in cats] == [2, 2]   # a is x itself; b without its empty piece
+    assert cats[1].meta["val"].dtype == torch.float64   # c kept whole
+    ops = [str(n.target) for n in gm.graph.nodes]
+    assert "aten.new_zeros.default" not in ops and ops.count("aten.new_empty.default") == 0
+    torch.testing.assert_close(run_captured(gm, _Cats(), x), _Cats()(x))
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2", "mixtral"])
+def test_use_cache_plans_like_no_cache(name):
+    """transformers' default use_cache=True (a cat onto an empty key/value cache per layer)
+    captures the same ops as use_cache=False, and megatron on tp2 prices it the same."""
+    import warnings
+
+    import fxpar
+
+    tf = pytest.importorskip("transformers")
+    small = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    cfg = {"llama": lambda: tf.LlamaConfig(**small), "qwen2": lambda: tf.Qwen2Config(**small),
+           "mixtral": lambda: tf.MixtralConfig(num_local_experts=4, **small),
+           "gpt2": lambda: tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4,
+                                         n_positions=32, bos_token_id=0, eos_token_id=0)}[name]()
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(cfg)
+    ids = torch.randint(0, 128, (2, 16))
+    got = {}
+    for uc in (True, False):
+        model.config.use_cache = uc
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            gm = capture(model, (ids,), {"labels": ids})
+            p = fxpar.plan(model, fxpar.Cluster.local(2), (ids,), {"labels": ids}, plan="megatron",
+                           mesh={"tp": 2}, graph=gm).plan
+        got[uc] = ([str(n.target) for n in gm.graph.nodes], p.time, p.comm, p.memory)
+    assert got[True] == got[False]

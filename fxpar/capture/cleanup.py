@@ -17,7 +17,12 @@ meta as they are, and is run by :mod:`fxpar.capture.export` in this order:
 5. :func:`drop_metadata_asserts`: ``aten._assert_tensor_metadata`` checks are removed (the fake
    values carry dtype and device already);
 6. :func:`fill_missing_vals`: every node gets ``meta["val"]`` (recomputed under the graph's
-   fake mode where export left none).
+   fake mode where export left none);
+7. :func:`fold_empty_cats` (after :mod:`fxpar.capture.functionalize`): a ``cat`` drops the
+   inputs that add nothing (a legacy 1-d empty tensor, or size 0 along its dim) and one left
+   alone stands for the ``cat``; what only fed a dropped input goes. transformers' key/value
+   cache under ``use_cache=True`` is such a ``cat`` onto an empty cache per layer, so a
+   training graph plans as it does with ``use_cache=False``.
 
 Example (a ``view`` becomes a ``reshape``, a grad-disabled region is inlined)::
 
@@ -53,7 +58,7 @@ from fxpar import ir
 from fxpar.errors import CaptureError
 
 __all__ = ["inline_set_grad_regions", "views_to_reshapes", "decompose", "merge_tied_placeholders",
-           "constants_to_attrs", "drop_metadata_asserts", "fill_missing_vals"]
+           "constants_to_attrs", "drop_metadata_asserts", "fill_missing_vals", "fold_empty_cats"]
 
 
 def inline_set_grad_regions(gm: fx.GraphModule) -> None:
@@ -207,6 +212,66 @@ def fill_missing_vals(gm: fx.GraphModule) -> None:
                 n.meta[ir.VAL] = n.target(*args, **kwargs)
             continue
         raise CaptureError(f"node {n.name} ({n.op} {n.target}) has no fake value")
+
+
+def fold_empty_cats(gm: fx.GraphModule) -> int:
+    """Fold ``cat`` inputs that add nothing (module docstring, step 7); returns how many were
+    dropped. A ``cat`` whose dtype the dropped input promoted, or that is written in place
+    later, is left alone."""
+    graph = gm.graph
+    dropped = 0
+    for n in list(graph.find_nodes(op="call_function", target=torch.ops.aten.cat.default)):
+        parts = list(n.args[0])
+        dim = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)
+        out = n.meta[ir.VAL]
+        keep = [p for p in parts if not _adds_nothing(p, dim, out.ndim)]
+        if len(keep) == len(parts) or not keep or any(_writes_in_place(u, n) for u in n.users):
+            continue
+        gone = [p for p in parts if p not in keep]
+        if len(keep) == 1:
+            k = keep[0]
+            if tuple(k.meta[ir.VAL].shape) != tuple(out.shape) or k.meta[ir.VAL].dtype != out.dtype:
+                continue
+            n.replace_all_uses_with(k)
+            graph.erase_node(n)
+        else:
+            n.args = (keep, *n.args[1:])
+        dropped += len(gone)
+        for p in gone:
+            _erase_if_dead(p)
+    if dropped:
+        gm.recompile()
+    return dropped
+
+
+def _adds_nothing(p, dim: int, ndim: int) -> bool:
+    v = p.meta.get(ir.VAL) if isinstance(p, fx.Node) else None
+    if not isinstance(v, torch.Tensor):
+        return False
+    if v.ndim == 1 and v.shape[0] == 0:   # torch.cat skips legacy empty tensors
+        return True
+    return v.ndim == ndim and v.shape[dim % ndim] == 0
+
+
+def _writes_in_place(user: fx.Node, arg: fx.Node) -> bool:
+    schema = getattr(user.target, "_schema", None)
+    return bool(schema and schema.arguments and user.args and user.args[0] is arg
+                and schema.arguments[0].alias_info is not None and schema.arguments[0].alias_info.is_write)
+
+
+def _erase_if_dead(n) -> None:
+    """Erase ``n`` and then its inputs while nothing reads them: pure calls and constants, and
+    an in-place op (``detach_``) whose target nothing else reads."""
+    if not isinstance(n, fx.Node) or n.users or n.op not in ("call_function", "get_attr"):
+        return
+    if n.op == "call_function" and n.is_impure():
+        target = n.args[0] if n.args else None
+        if not (_writes_in_place(n, target) and set(target.users) == {n}):
+            return
+    inputs = n.all_input_nodes
+    n.graph.erase_node(n)
+    for i in inputs:
+        _erase_if_dead(i)
 
 
 def _fake_mode_of(gm: fx.GraphModule) -> Any:
