@@ -138,6 +138,40 @@ def test_megatron_baseline_on_moe_pins_every_block_alike():
     assert p.plan.kind == "megatron"
 
 
+class _XW(torch.nn.Module):
+    """Two layers holding their weights (in, out) as HF's Conv1D does: addmm(b, x, W), x @ W."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.b1 = torch.nn.Parameter(torch.randn(8, 16)), torch.nn.Parameter(torch.zeros(16))
+        self.w2 = torch.nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, x):
+        return (torch.addmm(self.b1, x, self.w1).relu() @ self.w2).sum()
+
+
+def test_megatron_orients_weights_by_their_use():
+    """(#31 item 2) A weight used as (in, out) is column-split on its dim 1 and row-split on
+    dim 0, so no weight is resharded (before: pinned as if (out, in), every weight
+    all-to-all'd each step); HF GPT-2's Conv1D layers likewise, with no all-to-all on tp."""
+    import transformers as tf
+
+    p = plan(_XW(), fxpar.Cluster.local(2), (torch.randn(4, 8),), mesh={"dp": 1, "tp": 2},
+             plan="megatron").plan
+    assert p.node("p_w1").outputs == ("RS(1)",) and p.node("p_w2").outputs == ("RS(0)",)
+    assert not [e for e, st in p.steps(axis="tp") if e.producer in ("p_w1", "p_w2")]
+    cfg = tf.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=32,
+                        use_cache=False, bos_token_id=0, eos_token_id=0)
+    ids = torch.randint(0, 256, (4, 32))
+    p = plan(tf.GPT2LMHeadModel(cfg), fxpar.Cluster.preset("dgx-a100", nodes=1), (ids,),
+             {"labels": ids}, plan="megatron", mesh={"tp": 4}).plan
+    for name, spec in (("c_attn", "S(1)"), ("c_proj", "S(0)"), ("c_fc", "S(1)")):
+        assert p.node(f"p_transformer_h_0_attn_{name}_weight" if name != "c_fc" else
+                      "p_transformer_h_0_mlp_c_fc_weight").outputs == (spec,), name
+    assert p.node("p_transformer_h_1_mlp_c_proj_weight").outputs == ("S(0)",)
+    assert not [e for e, st in p.steps(axis="tp") if st.kind == "all_to_all"]
+
+
 def test_zero3_shards_what_it_can_and_notes_what_it_cannot():
     """A ``[1, 1, 16]`` token is stored ``S(2)`` (dim 0 cannot split over 2 devices); a
     1-element scale stays replicated and ``explain()`` says so; the note survives JSON."""

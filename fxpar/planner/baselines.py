@@ -14,19 +14,21 @@
   planner then prices the all-gather before use, its repeat in backward and the gradient
   reduce-scatter;
 * ``"megatron"``: mesh ``(dp, tp)``, ``tp`` = devices per node (innermost); inputs ``S(0)`` on
-  ``dp``; the weights of linear layers are column (``S(0)`` on ``tp``) or row (``S(1)`` on
-  ``tp``), alternating along the data path (row iff its input depends on a column output,
-  :func:`_col_flags`; copies of a repeated block pinned like the first), replicated on
-  ``dp``; linear outputs ``S(-1)`` (column) or ``P(sum)`` (row) on ``tp``; a cross-entropy
+  ``dp``; the weights of linear layers are column (split along their output dim on ``tp``)
+  or row (along their input dim), alternating along the data path (row iff its input
+  depends on a column output, :func:`_col_flags`; copies of a repeated block pinned like the
+  first), replicated on ``dp``. Which dim is which comes from how the op uses the weight
+  (:func:`_weight_dims`): ``linear(x, W)`` holds ``W`` as ``(out, in)`` (column ``S(0)``),
+  ``mm``/``addmm``/``matmul(x, W)`` as ``(in, out)`` (column ``S(1)``: HF GPT-2's ``Conv1D``); linear outputs ``S(-1)`` (column) or ``P(sum)`` (row) on ``tp``; a cross-entropy
   of the LM head's logits takes them split along the vocabulary over ``tp``
   (:class:`~fxpar.planner.pins.InputPin`: Megatron's vocabulary-parallel cross-entropy, no
   all-gather of the logits);
 * ``"axonn"``: mesh ``(data, z, y, x)``: the grids of :func:`fxpar.cost.axonn.rank_configs`
   whose batch split and model states fit (:func:`_axonn_fits`; AxoNN's own ranking counts
   communication only), tried in rank order (up to 4, :func:`axonn_meshes`) until one plans
-  within memory; inputs ``S(0)`` on ``data`` and ``z``; linear weights ``(out, in)`` are
-  ``y: S(1), x: S(0)`` (column positions) or transposed ``y: S(0), x: S(1)`` (row
-  positions), ``R`` on ``data`` and ``z``. Deviation: AxoNN keeps the weight sharded over
+  within memory; inputs ``S(0)`` on ``data`` and ``z``; linear weights are ``y`` on their
+  input dim and ``x`` on their output dim (column positions; ``(out, in)``: ``y: S(1), x:
+  S(0)``) or transposed (row positions), ``R`` on ``data`` and ``z``. Deviation: AxoNN keeps the weight sharded over
   ``z`` and all-gathers it (``t_AG,z + t_RS,z``); under fxpar's left-to-right split order that
   layout needs extra steps, so ``z`` holds it replicated and pays the gradient all-reduce
   (ring: ``t_AR = t_AG + t_RS``, the same time; more memory).
@@ -211,6 +213,17 @@ def _batch_param_ops(gm: fx.GraphModule) -> list[fx.Node]:
     return out
 
 
+def _weight_dims(gm: fx.GraphModule) -> dict[fx.Node, tuple[int, int]]:
+    """``{weight: (output dim, input dim)}`` by how its first linear op uses it: ``linear(x,
+    W)`` computes ``x Wᵀ`` (``W`` is ``(out, in)``: ``(0, 1)``); ``mm``/``addmm``/``matmul(x,
+    W)`` compute ``x W`` (``(in, out)``: ``(1, 0)``, HF's ``Conv1D``)."""
+    out: dict[fx.Node, tuple[int, int]] = {}
+    for n, w in _linear_nodes(gm):
+        name = getattr(getattr(n.target, "overloadpacket", None), "__name__", "")
+        out.setdefault(w, (0, 1) if name == "linear" else (1, 0))
+    return out
+
+
 def _col_flags(gm: fx.GraphModule) -> dict[fx.Node, bool]:
     """``{weight: True for column, False for row}``: a linear is row-parallel iff one of its
     inputs depends on a column-parallel output through non-linear ops (q/k/v, gate/up are
@@ -291,11 +304,12 @@ def zero3_spec(shape, mesh_shape) -> Spec | None:
 
 
 def _megatron_unsplit(gm: fx.GraphModule, mesh: Mesh, col: dict[fx.Node, bool]) -> list[fx.Node]:
-    """Linear weights whose column (dim 0) or row (dim 1) split over ``tp`` would leave a shard
-    empty: megatron does not pin them (the solver picks their layout)."""
+    """Linear weights whose column (output dim) or row (input dim) split over ``tp`` would
+    leave a shard empty: megatron does not pin them (the solver picks their layout)."""
     tp = mesh.shape[-1]
+    dims = _weight_dims(gm)
     return [w for w, c in col.items()
-            if not no_empty_shard(int(w.meta[ir.VAL].shape[0 if c else 1]), (tp,))]
+            if not no_empty_shard(int(w.meta[ir.VAL].shape[dims[w][0 if c else 1]]), (tp,))]
 
 
 def baseline_notes(kind: str, gm: fx.GraphModule, mesh: Mesh) -> tuple[str, ...]:
@@ -342,11 +356,11 @@ def baseline_pins(kind: str, gm: fx.GraphModule, mesh: Mesh) -> dict[str, Spec]:
     if kind == "megatron":
         tp = names[-1]
         pins = {"input": spec(**{a: S0 for a in names[:-1]})}
-        col = _col_flags(gm)
+        col, dims = _col_flags(gm), _weight_dims(gm)
         unsplit = set(_megatron_unsplit(gm, mesh, col))
         for w, c in col.items():
             if w not in unsplit:
-                pins[w.meta[ir.PARAM].fqn] = spec(**{tp: S0 if c else S1})
+                pins[w.meta[ir.PARAM].fqn] = spec(**{tp: f"S({dims[w][0 if c else 1]})"})
         for node, w in lin:
             if w in unsplit:  # left to the solver (noted in explain)
                 continue
@@ -371,7 +385,9 @@ def baseline_pins(kind: str, gm: fx.GraphModule, mesh: Mesh) -> dict[str, Spec]:
             raise PlanError(f"axonn needs a mesh with (z, y, x) axes, got {mesh!r}")
         y, x = names[-2], names[-1]
         pins = {"input": spec(**{a: S0 for a in names[:-2]})}
+        dims = _weight_dims(gm)
         for w, c in _col_flags(gm).items():
-            pins[w.meta[ir.PARAM].fqn] = spec(**({y: S1, x: S0} if c else {y: S0, x: S1}))
+            o, i = (f"S({d})" for d in dims[w])
+            pins[w.meta[ir.PARAM].fqn] = spec(**({y: i, x: o} if c else {y: o, x: i}))
         return pins
     raise PlanError(f"unknown baseline {kind!r}; one of {BASELINES}")
