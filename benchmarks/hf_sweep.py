@@ -3,7 +3,8 @@
 (:mod:`tests.hf_models`: 2 layers, hidden 64, 4 heads, 8 experts where it has them, dropouts
 0, float32), trained 2 AdamW steps on 4 gloo ranks under ``auto`` (``{"dp": 2, "tp": 2}``),
 ``dp`` (``{"dp": 4}``) and ``megatron`` (``{"dp": 2, "tp": 2}``) and compared with the same
-model trained in one process (each step's loss, then every parameter).
+model trained in one process (each step's loss, then every parameter). ``--plans`` also takes
+``zero3`` (``{"dp": 4}``) and ``auto-tp4`` (``auto`` on ``{"tp": 4}``).
 
 The cluster is ``Cluster.local(4)``, as the parity tests (``--cluster free``: nearly free
 communication, where the planner shards even these tiny models wherever it saves compute).
@@ -105,7 +106,7 @@ def main(argv=None) -> int:
     ap.add_argument("--sample", action="store_true",
                     help="the suite's 20 architectures (tests.hf_models.SAMPLE)")
     ap.add_argument("--plans", default=",".join(H.PLANS), help="comma-separated, of "
-                    + ", ".join(H.PLANS))
+                    + ", ".join(H.MESHES))
     ap.add_argument("--limit", type=int, default=0, help="the first N architectures (sorted)")
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--time-limit", type=float, default=20.0, help="the solver's, per plan")
@@ -162,7 +163,7 @@ def main(argv=None) -> int:
             if "trace" in rec:
                 r.__dict__["trace"] = rec["trace"]
             old.append(r)
-        return sorted(old + results, key=lambda r: (r.arch, H.PLANS.index(r.plan)))
+        return sorted(old + results, key=lambda r: (r.arch, list(H.MESHES).index(r.plan)))
 
     def dump(final: bool) -> dict:
         this_run["wall_s"] = round(time.monotonic() - t0, 1)
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
         data = {
             "benchmark": "hf_sweep",
             "config": {"cluster_kind": a.cluster, "world": H.WORLD,
-                       "meshes": {p: H.MESHES[p] for p in H.PLANS},
+                       "meshes": dict(H.MESHES),
                        "model": {"layers": H.LAYERS, "hidden": H.HIDDEN, "heads": H.HEADS,
                                  "kv_heads": H.KV_HEADS, "head_dim": H.HEAD_DIM,
                                  "intermediate": H.INTER, "vocab": H.VOCAB,
