@@ -211,7 +211,7 @@ class Program:
     def runner(self, weights: Any = None, *, s_g: int | None = None, s_os: int | None = None, seed: int = 0,
                local_batch: bool = False, device: str | None = None,
                bucket_bytes: int = BUCKET_BYTES, regather: bool = True,
-               recompute=None) -> Runner:
+               recompute=None, compile: bool | str = False) -> Runner:
         """This rank's :class:`Runner` (collective: every rank of the mesh calls it).
 
         ``weights``: ``None`` (the model's own real tensors), a state dict of full tensors, a
@@ -221,7 +221,11 @@ class Program:
         a gathered parameter after its forward use and gather it again in backward (what the
         planner prices, ZeRO-3); ``False`` keeps it for backward (more memory, less traffic).
         ``s_g``/``s_os``/``recompute`` left out: what the plan chose (``plan.config``'s state
-        factors and recomputed layers), else 1, 1 and none.
+        factors and recomputed layers), else 1, 1 and none. ``compile``: the rank graph (a
+        pipeline: each stage chunk's) through ``torch.compile``, ``True`` for inductor or a
+        backend's name (:func:`fxpar.runtime.runner.compiled`; not with recomputed layers).
+        Compiled, the gathered copies of ``regather`` live in the compiled graph's saved
+        values (``regather`` frees nothing).
         """
         cfg = self.plan.config
         # the plan's factors are over dp; the runner's are inside each parameter's replica
@@ -236,10 +240,10 @@ class Program:
                 raise FxparError("a pipeline runner takes the global batch (local_batch=False)")
             return PipelineRunner(self, weights, s_g=s_g, s_os=s_os, seed=seed, device=device,
                                   bucket_bytes=bucket_bytes, regather=regather,
-                                  recompute=recompute)
+                                  recompute=recompute, compile=compile)
         return Runner(self, weights, s_g=s_g, s_os=s_os, seed=seed, local_batch=local_batch,
                       device=device, bucket_bytes=bucket_bytes, regather=regather,
-                      recompute=recompute)
+                      recompute=recompute, compile=compile)
 
     # -- save / load -----------------------------------------------------------------------
     def save(self, path) -> None:

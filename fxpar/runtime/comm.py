@@ -316,7 +316,9 @@ def _sink_grad(g: torch.Tensor, edge: str) -> None:
     e = b.edge(edge)
     if b.sink is None:
         raise RuntimeError(f"fxpar.sink_grad({edge!r}): the bindings have no gradient sink")
-    b.sink(e, (g * e.scale if e.scale != 1.0 else g).contiguous())
+    # a fresh tensor: the sink may hold it until its bucket launches, and a compiled backward
+    # (inductor) reuses the memory of a buffer once its graph has no further use for it
+    b.sink(e, (g * e.scale).contiguous() if e.scale != 1.0 else g.clone(memory_format=torch.contiguous_format))
 
 
 def _sink_then_none(x: torch.Tensor, edge: str, g: torch.Tensor) -> None:

@@ -79,7 +79,7 @@ from fxpar.runtime.bindings import Bindings, bind
 from fxpar.runtime.comm import gathers_params
 from fxpar.runtime.rank import RankRunner, clip_grad_norm
 from fxpar.runtime.recompute import Recompute, known_layers
-from fxpar.runtime.runner import recompute_layers
+from fxpar.runtime.runner import compiled, recompute_layers
 from fxpar.schedule.actions import COMPUTE_KINDS
 from fxpar.schedule.actions import ActionKind as K
 from fxpar.split import is_boundary
@@ -117,7 +117,7 @@ class PipelineRunner(RankRunner):
     """This rank's part of a pipeline program (module docstring)."""
 
     def __init__(self, program, weights=None, *, s_g=1, s_os=1, seed=0, device=None,
-                 bucket_bytes=BUCKET_BYTES, regather=True, recompute=None) -> None:
+                 bucket_bytes=BUCKET_BYTES, regather=True, recompute=None, compile=False) -> None:
         super().__init__(program, device=device, seed=seed)
         self.regather = regather
         self.schedule = program.schedule
@@ -161,7 +161,8 @@ class PipelineRunner(RankRunner):
         self.recompute = recompute_layers(program, recompute, known)
         for c in self.chunks.values():
             mine = self.recompute & known_layers(c.gm)
-            c.run = Recompute(c.gm, mine) if mine else c.gm
+            c.run = (compiled(c.gm, compile, mine) if compile
+                     else Recompute(c.gm, mine) if mine else c.gm)
             c.gathers = gathers_params(c.gm.meta.get(ir.EDGES, {}))
         #: boundary values whose layouts differ across a link: their cross-mesh plans
         self._xm = self._cross_mesh_plans()

@@ -73,6 +73,9 @@ def define(schema: str, impl: Callable, *, fake: Callable, backward: Callable | 
     torch.library.register_fake(qualname, fake, lib=lib)
     op = getattr(getattr(torch.ops, ns), name).default
     if sig.replace(" ", "").endswith("->()"):
+        # it exists for its effect (a gradient handed to the sink, a guard's check): under
+        # torch.compile, AOTAutograd and inductor would drop a call whose result nobody reads
+        torch.fx.node.has_side_effect(op)
         return op
 
     class Fn(torch.autograd.Function):
@@ -81,8 +84,8 @@ def define(schema: str, impl: Callable, *, fake: Callable, backward: Callable | 
             ctx.args = tuple(_meta(a) for a in args)
             with torch._C._AutoDispatchBelowAutograd():
                 out = op(*args)
-            if not differentiable:
-                ctx.mark_non_differentiable(out)
+            if not differentiable:   # every output of a multi-output op
+                ctx.mark_non_differentiable(*(out if isinstance(out, tuple) else (out,)))
             return out
 
         @staticmethod

@@ -42,7 +42,7 @@ from fxpar.runtime.rank import (RankRunner, check_world, clip_grad_norm, loss_pr
 from fxpar.runtime.recompute import Recompute, known_layers, resolve
 
 __all__ = ["Runner", "TrainingSteps", "replica_group", "check_world", "clip_grad_norm",
-           "recompute_layers"]
+           "recompute_layers", "compiled"]
 
 #: the shared base of both runners, under its former name
 TrainingSteps = RankRunner
@@ -63,6 +63,22 @@ def replica_group(mesh: Mesh, axes: Sequence[str], rank: int):
     return ReplicaGroup("+".join(axes), mine, all_)
 
 
+def compiled(gm: fx.GraphModule, compile, recompute: frozenset[str]):
+    """``gm`` through ``torch.compile`` (``compile=True``: inductor; a string: that backend;
+    static shapes, as the plan fixes them), or ``gm`` itself for ``compile=False``.
+    Communication ops stay opaque calls (``torch.ops.fxpar.*``) the compiler schedules around.
+    Recomputed layers run their pieces under autograd's checkpoint, which the compiled graph
+    cannot: that combination is refused (``recompute=False``, or compile without it)."""
+    if not compile:
+        return gm
+    if recompute:
+        from fxpar.runtime.recompute import RecomputeError
+
+        raise RecomputeError(f"compile={compile!r} with recomputed layers {sorted(recompute)[:4]}: "
+                             "not supported; pass recompute=False (or compile=False)")
+    return torch.compile(gm, backend="inductor" if compile is True else compile, dynamic=False)
+
+
 def recompute_layers(program, recompute, known) -> frozenset[str]:
     """The layers a runner recomputes: ``recompute`` as given (``"all"``, layer names, or
     ``()``/``False`` for none), or with ``None`` the plan's choice
@@ -81,7 +97,7 @@ class Runner(RankRunner):
 
     def __init__(self, program, weights=None, *, s_g=1, s_os=1, seed=0,
                  local_batch=False, device=None, bucket_bytes=BUCKET_BYTES,
-                 regather=True, recompute=None) -> None:
+                 regather=True, recompute=None, compile=False) -> None:
         super().__init__(program, device=device, seed=seed)
         mesh, rank = self.mesh, self.rank
         self.coord = mesh.coord(rank)
@@ -111,6 +127,7 @@ class Runner(RankRunner):
         #: the layers whose forward is recomputed in backward (:mod:`fxpar.runtime.recompute`)
         self.recompute = recompute_layers(program, recompute, known_layers(gm))
         self._rc = None
+        self.gm = compiled(gm, compile, self.recompute)
         edges = gm.meta.get(ir.EDGES, {})
         #: whether a training step enters Regather's saved-tensor hooks (only if it gathers
         #: a parameter: the hooks cost a Python call per saved tensor)
