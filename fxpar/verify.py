@@ -143,6 +143,12 @@ class _Recorder(fx.Interpreter):
 
     def run_node(self, n: fx.Node):
         out = super().run_node(n)
+        if (isinstance(out, torch.Tensor) and out.requires_grad
+                and any(out is a for a in self._inputs(n))):
+            # an op that returned its input itself (contiguous, alias of a contiguous tensor):
+            # a hook on that tensor would see the gradient of all its uses, not this node's;
+            # a view of it (the same values) carries this node's own
+            out = out.view_as(out)
         if _is_empty(n) and isinstance(out, torch.Tensor):
             # uninitialized memory: NaN (integers: 0) on both sides, so a read of it before
             # it is written shows where it happens (and equal NaNs compare equal)
@@ -153,6 +159,9 @@ class _Recorder(fx.Interpreter):
             if out.requires_grad:
                 out.register_hook(lambda g, k=n.name: self._grad(k, g))
         return out
+
+    def _inputs(self, n: fx.Node) -> list:
+        return [self.env[a] for a in n.all_input_nodes if a in self.env]
 
     def _grad(self, name: str, g: torch.Tensor | None) -> None:
         if g is not None:

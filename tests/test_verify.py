@@ -139,3 +139,24 @@ def test_random_nodes_are_the_drawing_ones():
            if "dropout" in str(n.target) or "attention" in str(n.target)]
     assert got == [("dropout", True), ("dropout", False), ("scaled_dot_product_attention", True),
                    ("scaled_dot_product_attention", False)]
+
+
+def test_recorded_gradient_of_an_op_returning_its_input_is_its_own():
+    """``contiguous`` of a contiguous tensor returns that tensor itself: the gradient recorded
+    for the node is what flows through its own uses (2), not the sum over every use of the
+    tensor (5) — which made UNet2DModel's skip concatenation diverge under megatron."""
+    from fxpar.verify import _Recorder
+
+    class M(torch.nn.Module):
+        def forward(self, x):
+            a = x * 1.0
+            return (a.contiguous() * 2).sum() + (a * 3).sum()
+
+    gm = torch.fx.symbolic_trace(M())
+    names = {n.name for n in gm.graph.nodes if n.op == "call_method" or n.op == "call_function"}
+    rec = _Recorder(gm, names)
+    x = torch.randn(3, requires_grad=True)
+    rec.run(x).backward()
+    node = next(n.name for n in gm.graph.nodes if n.target == "contiguous")
+    torch.testing.assert_close(rec.grads[node], torch.full((3,), 2.0))
+    torch.testing.assert_close(x.grad, torch.full((3,), 5.0))
