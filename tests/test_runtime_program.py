@@ -590,3 +590,20 @@ def test_zero3_embeddings_are_gathered_not_vocab_parallel():
     wpe = edges["p_pos_emb_weight->embedding_1"]
     assert [s.kind for s in wpe.fwd.steps] == ["all_gather"]
     assert [s.kind for s in wpe.bwd.steps] == ["reduce_scatter"] and str(wpe.bwd.src) == "P(sum)"
+
+
+def test_default_device_follows_the_backend(monkeypatch):
+    """A runner on an NCCL group computes on the rank's GPU (cuda:LOCAL_RANK) unless given a
+    device; on gloo (or without a group) on the CPU."""
+    import torch.distributed as dist
+
+    from fxpar.runtime.rank import default_device
+
+    assert default_device() == "cpu"
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "gloo")
+    assert default_device() == "cpu"
+    monkeypatch.setattr(dist, "get_backend", lambda *a: "nccl")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert default_device() == "cuda:3"

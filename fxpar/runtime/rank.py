@@ -58,7 +58,7 @@ from fxpar.defaults import BUCKET_BYTES, LOSS_PREFIX
 from fxpar.errors import FxparError, PlanError
 from fxpar.runtime.comm import REDISTRIBUTE, START, WAIT
 
-__all__ = ["RankRunner", "check_world", "clip_grad_norm", "loss_prefix", "param_layouts",
+__all__ = ["RankRunner", "default_device", "check_world", "clip_grad_norm", "loss_prefix", "param_layouts",
            "param_uses"]
 
 
@@ -144,6 +144,24 @@ def clip_grad_norm(states, specs, mesh, replica, max_norm: float, norm_type: flo
     return total
 
 
+def default_device() -> str:
+    """Where a runner computes when not told: under an NCCL process group the rank's GPU
+    (``cuda:LOCAL_RANK`` as torchrun sets it, else the current CUDA device), else ``"cpu"``
+    (gloo). NCCL moves only device tensors, so a CPU runner on it could not communicate.
+
+    >>> default_device()   # no process group here
+    'cpu'
+    """
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_initialized() and "nccl" in str(dist.get_backend()) and torch.cuda.is_available():
+        local = os.environ.get("LOCAL_RANK")
+        return f"cuda:{int(local) if local is not None else torch.cuda.current_device()}"
+    return "cpu"
+
+
 class RankRunner:
     """What every runner sets up and does the same way (module docstring): the rank's
     checks, state and model states, where gradients go, steps and checkpoints. A subclass
@@ -154,7 +172,7 @@ class RankRunner:
 
         self.rank = check_world(program.plan, program.mesh)
         self.program, self.mesh = program, program.mesh
-        self.device = device or "cpu"
+        self.device = device or default_device()
         #: the prefix the graphs' FQNs carry over the user's model's (:func:`loss_prefix`)
         self.fqn_prefix = loss_prefix(program.model)
         self.tracker = RNGTracker(seed)
