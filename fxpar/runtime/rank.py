@@ -173,6 +173,10 @@ class RankRunner:
         self.rank = check_world(program.plan, program.mesh)
         self.program, self.mesh = program, program.mesh
         self.device = device or default_device()
+        if device is None and self.device.startswith("cuda"):
+            # object collectives and NCCL's own buffers use the current device: make it this
+            # rank's (torchrun leaves every rank on cuda:0 until someone sets it)
+            torch.cuda.set_device(self.device)
         #: the prefix the graphs' FQNs carry over the user's model's (:func:`loss_prefix`)
         self.fqn_prefix = loss_prefix(program.model)
         self.tracker = RNGTracker(seed)
