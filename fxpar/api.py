@@ -42,7 +42,7 @@ from fxpar.mesh import Mesh
 from fxpar.plan_data import BASELINES, PLAN_KINDS, SEARCHED, Plan
 from fxpar.planner import (PlannerOptions, axonn_meshes, baseline_mesh,
                            baseline_notes, baseline_pins, candidate_meshes, plan_and_keep)
-from fxpar.plan_broadcast import on_rank0
+from fxpar.plan_broadcast import graph_signature, on_rank0
 from fxpar.planner.realize import Planned, microbatch as _microbatch, plan_joint, planned_from
 
 __all__ = ["plan", "compile", "Planned"]
@@ -180,7 +180,7 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
     return on_rank0(solve, lambda gm, p, tried: Planned(p, gm, tuple(map(tuple, tried))),
                     plan_of=_plan_of, extra_of=_tried_of, enabled=broadcast,
                     prepare=lambda: graph if graph is not None else
-                    capture(model, example_inputs, example_kwargs))
+                    capture(model, example_inputs, example_kwargs), signature=graph_signature)
 
 
 @_gc_paused
@@ -310,7 +310,8 @@ def _compile_pipeline(model, wrapped, cluster, args, example_kwargs, *, optimize
 
     # rank 0 plans; the others split their capture where rank 0's chunks start
     planned = on_rank0(solve, lambda gm, p, _: planned_from(p, wrapped, (), None, graph=gm),
-                       plan_of=_plan_of, prepare=captured, enabled=broadcast)
+                       plan_of=_plan_of, prepare=captured, enabled=broadcast,
+                       signature=graph_signature)
     if not emit:
         return planned
     return Program(planned.plan, planned.graph, wrapped, optimizer=optimizer, training=training,

@@ -43,7 +43,7 @@ from typing import Any, TypeVar
 from fxpar.errors import FxparError, PlanError
 from fxpar.plan_data import Plan
 
-__all__ = ["on_rank0", "shared_world"]
+__all__ = ["on_rank0", "shared_world", "graph_signature"]
 
 T = TypeVar("T")
 
@@ -103,11 +103,27 @@ def _rebuilt_error(payload: tuple) -> BaseException:
     return err
 
 
+def graph_signature(gm) -> list[str]:
+    """One line per node of a captured graph (name, op, inputs): what must be the same on
+    every rank for rank 0's plan, which names nodes, to mean the same on all of them."""
+    return [f"{n.name} {n.op} {n.target} {[a.name for a in n.all_input_nodes]}" for n in gm.graph.nodes]
+
+
+def _first_difference(mine: list[str], theirs: list[str]) -> str:
+    for a, b in zip(mine, theirs):
+        if a != b:
+            return f"this rank has `{a}` where rank 0 has `{b}`"
+    return f"{len(mine)} nodes here, {len(theirs)} on rank 0"
+
+
 def on_rank0(solve: Callable[[Any], T], rebuild: Callable[[Any, Plan, Any], T], *,
              plan_of: Callable[[T], Plan], extra_of: Callable[[T], Any] = lambda r: None,
-             prepare: Callable[[], Any] = lambda: None, enabled: bool = True) -> T:
+             prepare: Callable[[], Any] = lambda: None, enabled: bool = True,
+             signature: Callable[[Any], Any] | None = None) -> T:
     """``solve(prepare())`` on global rank 0, ``rebuild(prepare(), plan, extra)`` on the
-    other ranks with rank 0's plan and ``extra_of`` of its result (module docstring)."""
+    other ranks with rank 0's plan and ``extra_of`` of its result (module docstring).
+    ``signature(state)``: what must agree across ranks (a graph's :func:`graph_signature`);
+    a rank whose differs from rank 0's does not rebuild, and every rank raises."""
     if not enabled or not shared_world():
         return solve(prepare())
     import torch.distributed as dist
@@ -124,7 +140,8 @@ def on_rank0(solve: Callable[[Any], T], rebuild: Callable[[Any, Plan, Any], T], 
         if mine is None:
             try:
                 result = solve(state)
-                msg = ("plan", plan_of(result).to_dict(), extra_of(result))
+                msg = ("plan", plan_of(result).to_dict(), extra_of(result),
+                       signature(state) if signature else None)
             except BaseException as e:
                 mine = e
         if mine is not None:
@@ -139,6 +156,14 @@ def on_rank0(solve: Callable[[Any], T], rebuild: Callable[[Any, Plan, Any], T], 
         msg = box[0]
         if msg[0] == "error":  # everyone stops here, with rank 0's error
             raise _rebuilt_error(msg[1]) from mine
+        if mine is None and signature is not None and signature(state) != msg[3]:
+            from fxpar.errors import CaptureError
+
+            mine = CaptureError(
+                "the ranks captured different graphs (" + _first_difference(signature(state), msg[3])
+                + "): the model's forward ran differently here. A common cause is Python's "
+                "per-process string hashing (a model iterating a set of names); launch every "
+                "rank with the same PYTHONHASHSEED, e.g. PYTHONHASHSEED=0 torchrun ...")
         if mine is None:
             try:
                 result = rebuild(state, Plan.from_dict(msg[1]), msg[2])

@@ -111,6 +111,9 @@ class WorkerPool:
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
+        # every rank hashes strings alike (a model iterating a set of names traces the same
+        # graph on each): spawned children take the parent's environment
+        os.environ.setdefault("PYTHONHASHSEED", "0")
         self._tmp = tempfile.TemporaryDirectory(prefix="fxpar-pool-")
         self._store = store = os.path.join(self._tmp.name, "store")
         self._results = ctx.Queue()

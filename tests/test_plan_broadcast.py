@@ -145,6 +145,29 @@ def capture_fails_worker():
     return None, None
 
 
+class _SetOrder(torch.nn.Module):
+    """A forward whose op order depends on the rank, as a model iterating a set of strings
+    depends on each process's hash seed (HF dots3's per-layer-type masks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        order = (self.a, self.b) if dist.get_rank() == 0 else (self.b, self.a)
+        outs = {id(m): m(x).relu() for m in order}
+        return (outs[id(self.a)] * 2 + outs[id(self.b)]).sum()
+
+
+def different_capture_worker():
+    try:
+        fxpar.plan(_SetOrder(), fxpar.Cluster.local(dist.get_world_size()),
+                   (torch.randn(4, 8),), mesh={"dp": dist.get_world_size()})
+    except fxpar.FxparError as e:
+        return type(e).__name__, str(e)
+    return None, None
+
+
 pytestmark = pytest.mark.dist
 
 
@@ -222,3 +245,12 @@ def test_without_a_process_group_nothing_is_broadcast():
                    plan_of=lambda r: pytest.fail("no plan is sent without a group"),
                    prepare=lambda: "graph")
     assert out == "planned" and calls == [("solve", "graph")]
+
+
+@pytest.mark.timeout(300)
+def test_ranks_that_capture_different_graphs_are_refused(pools):
+    """Rank 0's plan names nodes; a rank whose capture ran its ops in another order (the same
+    names, other meanings) must not take it: every rank raises, saying why and what to do."""
+    (t0, m0), (t1, m1) = pools(2).run(different_capture_worker)
+    assert t0 == t1 == "PlanError" and m0 == m1
+    assert "captured different graphs" in m0 and "PYTHONHASHSEED" in m0 and "ranks 1" in m0
