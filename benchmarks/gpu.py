@@ -21,8 +21,8 @@ Every section is isolated: a failure is recorded with its traceback and the next
   the plan's ``time`` under the nominal preset and under the calibrated cluster.
 * ``profile``: ``torch.profiler`` over three steps of each ``speed`` side: the top ops by
   self device time, device milliseconds and kernels per step, and the rank graph's op counts.
-* ``compiled``: the ``speed`` model again, each side through ``torch.compile`` (fxpar: the
-  runner's rank graph, ``runner.gm = torch.compile(runner.gm)``; eager: the model), interleaved
+* ``compiled``: the ``speed`` model again, each side through ``torch.compile`` (fxpar:
+  ``prog.runner(compile=True)``; eager: the model), interleaved
   as above, compile time recorded (issue #26's question: what compiling the emitted program buys).
 * ``gloo2``: two processes on the one GPU over gloo with CUDA tensors (NCCL refuses two ranks
   on one device): ``dp=2`` and ``megatron`` ``tp=2`` on a small float32 Llama, 3 steps against
@@ -330,8 +330,7 @@ def sec_compiled(args) -> dict:
     sides["fxpar"] = lambda: runner.step(idd, labels=idd)
     ref_opt = opt_fn(ref.parameters())
     sides["eager"] = lambda: _eager_step(ref, ref_opt, idd)
-    crunner = prog.runner(device=str(dev))
-    crunner.gm = torch.compile(crunner.gm)
+    crunner = prog.runner(device=str(dev), compile=True)
     cref = torch.compile(ref)
     cref_opt = ref_opt
     for k, fn in (("fxpar+compile", lambda: crunner.step(idd, labels=idd)),
