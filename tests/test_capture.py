@@ -751,3 +751,33 @@ def test_use_cache_plans_like_no_cache(name):
                            mesh={"tp": 2}, graph=gm).plan
         got[uc] = ([str(n.target) for n in gm.graph.nodes], p.time, p.comm, p.memory)
     assert got[True] == got[False]
+
+
+class _NoGradAlias(torch.nn.Module):
+    """Under no_grad, ``h.to(h.dtype)`` returns ``h`` itself; using it after the region keeps
+    ``h``'s gradient in eager (HF dots3's indexer and gate read the same hidden states)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        with torch.no_grad():
+            h2 = h.to(h.dtype)
+            s = (h2 * 2).sum()
+        return self.b(h2).sum() + s
+
+
+def test_no_grad_region_returning_its_input_keeps_the_gradient():
+    torch.manual_seed(0)
+    m, x = _NoGradAlias(), torch.randn(3, 4)
+    ref = twin(m, _NoGradAlias)
+    gm = capture(m, (x,))
+    loss = run_captured(gm, m, x)
+    want = ref(x)
+    torch.testing.assert_close(loss, want)
+    loss.backward()
+    want.backward()
+    assert ref.a.weight.grad is not None and ref.a.weight.grad.abs().sum() > 0
+    assert_grads_match(m, ref)

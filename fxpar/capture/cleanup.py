@@ -90,7 +90,10 @@ def inline_set_grad_regions(gm: fx.GraphModule) -> None:
         needs_detach = any(isinstance(o, fx.Node) and o in grad for o in operands)
         for u in users:
             r = results[u.args[1]]
-            if needs_detach and isinstance(r, fx.Node) and isinstance(r.meta.get(ir.VAL), torch.Tensor):
+            src = _returned_input(r, operands)
+            if src is not None:   # the region handed back its input itself: grad flows as eager
+                r = src
+            elif needs_detach and isinstance(r, fx.Node) and isinstance(r.meta.get(ir.VAL), torch.Tensor):
                 with graph.inserting_before(u):
                     d = graph.call_function(torch.ops.aten.detach.default, (r,))
                 d.meta.update(u.meta)
@@ -101,6 +104,28 @@ def inline_set_grad_regions(gm: fx.GraphModule) -> None:
         if not sub_node.users:
             graph.erase_node(sub_node)
     gm.delete_all_unused_submodules()
+
+
+#: ops that return their input tensor itself when they have nothing to do
+_MAY_RETURN_SELF = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.to.device,
+                    torch.ops.aten.to.other, torch.ops.aten.contiguous.default, torch.ops.aten.type_as.default}
+
+
+def _returned_input(r, operands: list) -> fx.Node | None:
+    """The region operand that ``r`` *is* (not a copy): eager ``x.to(x.dtype)`` under
+    ``no_grad`` returns ``x`` itself, so a use outside the region keeps ``x``'s gradient
+    (dots3's indexer hands back ``hidden_states.to(weight.dtype)``, the same tensor the
+    attention's gate reads); ``None`` when ``r`` is a new tensor."""
+    def same(a, b) -> bool:
+        va, vb = a.meta.get(ir.VAL), b.meta.get(ir.VAL)
+        return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dtype == vb.dtype
+                and va.device == vb.device and tuple(va.shape) == tuple(vb.shape)
+                and va.stride() == vb.stride())
+
+    while (isinstance(r, fx.Node) and r not in operands and r.op == "call_function"
+           and r.target in _MAY_RETURN_SELF and isinstance(r.args[0], fx.Node) and same(r, r.args[0])):
+        r = r.args[0]
+    return r if isinstance(r, fx.Node) and r in operands else None
 
 
 def _copy_region(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule, operands: list) -> Any:
