@@ -171,38 +171,42 @@ def _eager_step(model, opt, ids):
     return loss.detach()
 
 
-def sec_parity(args) -> dict:
+def _parity_run(cluster, plan: str, mesh: dict, seq: int, steps: int, seed: int) -> dict:
+    """A small float32 HF Llama compiled by fxpar and the same model trained eagerly on this
+    device, ``steps`` AdamW steps each: both loss lists, their largest gap, then
+    ``prog.verify`` of the first batch (its error recorded, the losses kept)."""
     import fxpar
 
-    _init_nccl()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
     dev = _dev()
-    vocab, seq, bsz = 512, 64, 4
+    vocab, bsz = 512, 4
     model = _llama(128, 2, 4, vocab, seq)
     ref = copy.deepcopy(model).to(dev)
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, vocab, (bsz, seq), generator=g) for _ in range(5)]
-    out = {}
+    g = torch.Generator().manual_seed(seed)
+    batches = [torch.randint(0, vocab, (bsz, seq), generator=g).to(dev) for _ in range(steps)]
     t0 = time.perf_counter()
-    prog = fxpar.compile(model, _preset(), (batches[0],), {"labels": batches[0]}, plan="dp",
-                         mesh={"dp": 1}, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-    out["compile_s"] = time.perf_counter() - t0
+    prog = fxpar.compile(model, cluster, (batches[0].cpu(),), {"labels": batches[0].cpu()}, plan=plan,
+                         mesh=mesh, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    out = {"compile_s": time.perf_counter() - t0}
     runner = prog.runner(device=str(dev))
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-    fx_l, ref_l = [], []
-    for ids in batches:
-        fx_l.append(float(runner.step(ids.to(dev), labels=ids.to(dev))))
-        ref_l.append(float(_eager_step(ref, opt, ids.to(dev))))
+    fx_l = [float(runner.step(ids, labels=ids)) for ids in batches]
+    ref_l = [float(_eager_step(ref, opt, ids)) for ids in batches]
     out.update(fxpar_losses=fx_l, eager_losses=ref_l, max_dloss=max(abs(a - b) for a, b in zip(fx_l, ref_l)))
     t0 = time.perf_counter()
     try:
-        rep = prog.verify(batches[0].to(dev), labels=batches[0].to(dev))
+        rep = prog.verify(batches[0], labels=batches[0])
         out.update(verify_ok=rep.ok, verify_s=time.perf_counter() - t0, verify_checked=rep.checked,
                    verify_first=str(rep.first) if not rep.ok else None)
     except Exception as e:  # noqa: BLE001 - the losses above are still a result
         out.update(verify_error=f"{type(e).__name__}: {e}", verify_traceback=traceback.format_exc()[-3000:])
     return out
+
+
+def sec_parity(args) -> dict:
+    _init_nccl()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return _parity_run(_preset(), "dp", {"dp": 1}, seq=64, steps=5, seed=1)
 
 
 def sec_speed(args) -> dict:
@@ -242,7 +246,6 @@ def sec_speed(args) -> dict:
     del model
     idd = ids.to(dev)
     sides = {"fxpar": lambda: runner.step(idd, labels=idd), "eager": lambda: _eager_step(ref, ref_opt, idd)}
-    samples = {k: [] for k in sides}
     losses = {k: [] for k in sides}
     peak = {}
     for k, fn in sides.items():  # warm-up and per-side peak memory
@@ -253,14 +256,7 @@ def sec_speed(args) -> dict:
         _sync()
         if torch.cuda.is_available():
             peak[k] = torch.cuda.max_memory_allocated() / 2**30
-    for i in range(steps):
-        order = list(sides) if i % 2 == 0 else list(reversed(sides))
-        for k in order:
-            _sync()
-            t0 = time.perf_counter()
-            loss = sides[k]()
-            losses[k].append(float(loss))  # .item() synchronizes
-            samples[k].append(time.perf_counter() - t0)
+    samples = _interleave(sides, steps, losses)
     args.speed_state, args.speed_runner = (prog, ref, opt_fn, idd), runner
     med = {k: statistics.median(v) for k, v in samples.items()}
     tokens = bsz * seq
@@ -276,48 +272,19 @@ def sec_speed(args) -> dict:
     return out
 
 
-def _interleave(sides: dict, steps: int) -> dict:
+def _interleave(sides: dict, steps: int, losses: dict | None = None) -> dict:
+    """``{side: [seconds per step]}`` of ``steps`` rounds, the sides' order alternating each
+    round (A B, B A, ...); each step's loss appended to ``losses[side]`` when given."""
     samples = {k: [] for k in sides}
     for i in range(steps):
         for k in (list(sides) if i % 2 == 0 else list(reversed(sides))):
             _sync()
             t0 = time.perf_counter()
-            float(sides[k]())
+            loss = float(sides[k]())   # .item() synchronizes
             samples[k].append(time.perf_counter() - t0)
+            if losses is not None:
+                losses[k].append(loss)
     return samples
-
-
-def sec_profile(args) -> dict:
-    """Where a step's time goes: ``torch.profiler`` over 3 steps of each side of ``speed``
-    (top ops by self device time, else self CPU time) and the rank graph's op counts."""
-    from collections import Counter
-
-    from torch.profiler import ProfilerActivity, profile
-
-    if getattr(args, "speed_state", None) is None:
-        raise RuntimeError("run the speed section first (it builds the model)")
-    prog, ref, opt_fn, idd = args.speed_state
-    runner = args.speed_runner
-    ref_opt = opt_fn(ref.parameters())
-    sides = {"fxpar": lambda: runner.step(idd, labels=idd), "eager": lambda: _eager_step(ref, ref_opt, idd)}
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    out = {}
-    for k, fn in sides.items():
-        fn()
-        _sync()
-        with profile(activities=acts) as prof:
-            for _ in range(3):
-                fn()
-            _sync()
-        ka = prof.key_averages()
-        out[f"{k}_table"] = ka.table(sort_by=key, row_limit=25, max_name_column_width=60)
-        out[f"{k}_device_ms_per_step"] = sum(getattr(e, key, 0) for e in ka) / 3e3
-        out[f"{k}_kernels_per_step"] = sum(e.count for e in ka if getattr(e, key, 0) > 0) / 3
-        print(f"-- {k}\n" + out[f"{k}_table"], flush=True)
-    ops = Counter(str(n.target) for n in runner.gm.graph.nodes if n.op == "call_function")
-    out["rank_graph_ops"] = dict(ops.most_common(40))
-    return out
 
 
 def sec_compiled(args) -> dict:
@@ -360,30 +327,10 @@ def _gloo2_worker(rank, world, init, plan, mesh, res_path):
     torch.cuda.set_device(0) if torch.cuda.is_available() else None
     torch.backends.cuda.matmul.allow_tf32 = False
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-    res = {}
     try:
         import fxpar
 
-        dev = _dev()
-        vocab, seq, bsz = 512, 32, 4
-        model = _llama(128, 2, 4, vocab, seq)
-        ref = copy.deepcopy(model).to(dev)
-        g = torch.Generator().manual_seed(3)
-        batches = [torch.randint(0, vocab, (bsz, seq), generator=g) for _ in range(3)]
-        prog = fxpar.compile(model, fxpar.Cluster.local(world), (batches[0],), {"labels": batches[0]},
-                             plan=plan, mesh=mesh, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-        print(f"gloo2 rank {rank}: compiled", flush=True)
-        runner = prog.runner(device=str(dev))
-        print(f"gloo2 rank {rank}: runner", flush=True)
-        opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
-        fx_l, ref_l = [], []
-        for ids in batches:
-            fx_l.append(float(runner.step(ids.to(dev), labels=ids.to(dev))))
-            ref_l.append(float(_eager_step(ref, opt, ids.to(dev))))
-        rep = prog.verify(batches[0].to(dev), labels=batches[0].to(dev))
-        res = {"fxpar_losses": fx_l, "eager_losses": ref_l,
-               "max_dloss": max(abs(a - b) for a, b in zip(fx_l, ref_l)),
-               "verify_ok": rep.ok, "verify_first": None if rep.ok else str(rep.first)}
+        res = _parity_run(fxpar.Cluster.local(world), plan, mesh, seq=32, steps=3, seed=3)
     except Exception as e:  # noqa: BLE001 - reported to the parent
         res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     if rank == 0:
