@@ -152,10 +152,13 @@ def sec_calibrate(args) -> dict:
     gem = (256, 1024, 4096) if args.quick or not torch.cuda.is_available() else (256, 1024, 4096, 8192)
     mem = (2**16, 2**20, 2**24) if args.quick else (2**16, 2**20, 2**24, 2**28)
     t0 = time.perf_counter()
+    # in the dtype the speed section trains in (bf16 on a GPU), as a user calibrating for it would
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
     cal = fxpar.Cluster.calibrate(None, base=base, collectives=(), gemm_sizes=gem, memory_sizes=mem,
-                                  iters=3, min_time=0.02)
+                                  iters=3, min_time=0.02, dtype=dtype)
     cp = cal.compute
-    return {"seconds": time.perf_counter() - t0, "peak_tflops_f32": cal.peak_flops / 1e12,
+    return {"seconds": time.perf_counter() - t0, "dtype": cp.dtype, "asynchronous": cp.asynchronous,
+            "peak_tflops": cal.peak_flops / 1e12,
             "memory_tbps": cal.memory_bandwidth / 1e12,
             "gemm": [(f, r / 1e12) for f, r in cp.gemm], "vector": [(f, r / 1e12) for f, r in cp.vector],
             "attention": [(f, r / 1e12) for f, r in cp.attention], "optimizer": list(cp.optimizer),
@@ -169,6 +172,30 @@ def _eager_step(model, opt, ids):
     opt.step()
     opt.zero_grad(set_to_none=True)
     return loss.detach()
+
+
+class _MasterStep:
+    """The hand-written bf16 step with fp32 master weights (Megatron's ``Float16OptimizerWithFloat16Params``,
+    what fxpar's runtime does for bf16 parameters): the optimizer steps fp32 copies on
+    fp32 gradients and the bf16 parameters are copied back. Plain ``AdamW`` over bf16
+    parameters (``_eager_step``) rounds every update to bf16 and keeps bf16 states: cheaper,
+    and a different trajectory."""
+
+    def __init__(self, model, opt_fn):
+        self.model, self.params = model, [p for p in model.parameters() if p.requires_grad]
+        self.masters = [p.detach().float().requires_grad_() for p in self.params]
+        self.opt = opt_fn(self.masters)
+
+    def __call__(self, ids):
+        loss = self.model(ids, labels=ids).loss
+        loss.backward()
+        for p, m in zip(self.params, self.masters):
+            m.grad, p.grad = p.grad.float(), None
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.masters)
+        return loss.detach()
 
 
 def _parity_run(cluster, plan: str, mesh: dict, seq: int, steps: int, seed: int) -> dict:
@@ -243,9 +270,12 @@ def sec_speed(args) -> dict:
     runner = prog.runner(device=str(dev))
     ref = copy.deepcopy(model).to(dev)
     ref_opt = opt_fn(ref.parameters())
+    sides = {"fxpar": lambda: runner.step(idd, labels=idd), "eager": lambda: _eager_step(ref, ref_opt, idd)}
+    if dtype != torch.float32:  # fxpar keeps fp32 masters of low-precision parameters: so does this side
+        master = _MasterStep(copy.deepcopy(model).to(dev), opt_fn)
+        sides["eager_fp32_master"] = lambda: master(idd)
     del model
     idd = ids.to(dev)
-    sides = {"fxpar": lambda: runner.step(idd, labels=idd), "eager": lambda: _eager_step(ref, ref_opt, idd)}
     losses = {k: [] for k in sides}
     peak = {}
     for k, fn in sides.items():  # warm-up and per-side peak memory
@@ -264,6 +294,9 @@ def sec_speed(args) -> dict:
                median_ms={k: v * 1e3 for k, v in med.items()},
                tokens_per_s={k: tokens / v for k, v in med.items()},
                ratio_fxpar_over_eager=med["fxpar"] / med["eager"],
+               ratio_fxpar_over_master=med["fxpar"] / med.get("eager_fp32_master", med["eager"]),
+               max_dloss_vs_master=(max(abs(a - b) for a, b in zip(losses["fxpar"], losses["eager_fp32_master"]))
+                                    if "eager_fp32_master" in losses else None),
                pred_over_measured_nominal=prog.plan.time / med["fxpar"])
     if "pred_time_calibrated_ms" in out:
         out["pred_over_measured_calibrated"] = out["pred_time_calibrated_ms"] / 1e3 / med["fxpar"]
@@ -285,6 +318,39 @@ def _interleave(sides: dict, steps: int, losses: dict | None = None) -> dict:
             if losses is not None:
                 losses[k].append(loss)
     return samples
+
+
+def sec_profile(args) -> dict:
+    """Where a step's time goes: ``torch.profiler`` over 3 steps of each side of ``speed``
+    (top ops by self device time, else self CPU time) and the rank graph's op counts."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    if getattr(args, "speed_state", None) is None:
+        raise RuntimeError("run the speed section first (it builds the model)")
+    prog, ref, opt_fn, idd = args.speed_state
+    runner = args.speed_runner
+    ref_opt = opt_fn(ref.parameters())
+    sides = {"fxpar": lambda: runner.step(idd, labels=idd), "eager": lambda: _eager_step(ref, ref_opt, idd)}
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    out = {}
+    for k, fn in sides.items():
+        fn()
+        _sync()
+        with profile(activities=acts) as prof:
+            for _ in range(3):
+                fn()
+            _sync()
+        ka = prof.key_averages()
+        out[f"{k}_table"] = ka.table(sort_by=key, row_limit=25, max_name_column_width=60)
+        out[f"{k}_device_ms_per_step"] = sum(getattr(e, key, 0) for e in ka) / 3e3
+        out[f"{k}_kernels_per_step"] = sum(e.count for e in ka if getattr(e, key, 0) > 0) / 3
+        print(f"-- {k}\n" + out[f"{k}_table"], flush=True)
+    ops = Counter(str(n.target) for n in runner.gm.graph.nodes if n.op == "call_function")
+    out["rank_graph_ops"] = dict(ops.most_common(40))
+    return out
 
 
 def sec_compiled(args) -> dict:

@@ -911,6 +911,7 @@ def op_time(cost: OpCost, cluster, efficiency: float = 0.5, memory_efficiency: f
 
         t_fwd = calibrated_time(fwd_flops, fwd_bytes, size = fwd_flops) + op_overhead
         t_bwd = calibrated_time(bwd_flops, bwd_bytes, size = fwd_flops) + bwd_op_overhead
+                (no overheads on an asynchronous device)
                 (t_bwd = 0 when the op has no backward work)
 
     A backward GEMM is looked up at the forward GEMM's size: each gradient GEMM of a matmul
@@ -928,6 +929,17 @@ def op_time(cost: OpCost, cluster, efficiency: float = 0.5, memory_efficiency: f
     (15.0, 40.0)
     >>> [round(t * 1e6, 6) for t in op_time(ZERO, c)]            # a view: dispatch only
     [5.0, 0.0]
+
+    On an asynchronous device (``prof.asynchronous``, CUDA) the host's per-op work overlaps
+    the kernels queued before it: an op costs its kernel alone and a view nothing (a model
+    small enough for the host to be the bottleneck is then priced too fast).
+
+    >>> import dataclasses
+    >>> g = Cluster.local(2, compute=dataclasses.replace(prof, asynchronous=True))
+    >>> [round(t * 1e6, 6) for t in op_time(OpCost(1e5, 2e5, 0, 0, "matmul"), g)]
+    [10.0, 20.0]
+    >>> op_time(ZERO, g)
+    (0.0, 0.0)
     """
     prof = getattr(cluster, "compute", None)
     if prof is None:
@@ -936,9 +948,10 @@ def op_time(cost: OpCost, cluster, efficiency: float = 0.5, memory_efficiency: f
     gemm = cost.kind in GEMM_KINDS
     size = cost.fwd_flops if cost.fwd_flops > 0 else None
     rates = prof.attention if cost.kind == "attention" else None
+    hidden = getattr(prof, "asynchronous", False)  # the host's work overlaps queued kernels
     f = calibrated_time(cost.fwd_flops, cost.fwd_bytes, prof, gemm=gemm, gemm_size=size,
-                        rates=rates) + prof.op_overhead
+                        rates=rates) + (0.0 if hidden else prof.op_overhead)
     if cost.bwd_flops <= 0 and cost.bwd_bytes <= 0:
         return f, 0.0
     b = calibrated_time(cost.bwd_flops, cost.bwd_bytes, prof, gemm=gemm, gemm_size=size, rates=rates)
-    return f, b + prof.bwd_op_overhead
+    return f, b + (0.0 if hidden else prof.bwd_op_overhead)

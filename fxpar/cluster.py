@@ -115,10 +115,18 @@ class ComputeProfile:
       a 1-element op on a tensor that requires grad); ``bwd_op_overhead``: seconds per
       backward node (autograd engine + the gradient kernel's dispatch);
     * ``dispatch``: seconds of a 1-element op without autograd (removed from the curves);
-    * ``ranks``: how many ranks measured concurrently.
+    * ``ranks``: how many ranks measured concurrently;
+    * ``dtype``: the element type the GEMM, memory, vector and attention curves were measured
+      in (``"float32"``; ``"bfloat16"`` for a model trained in bf16 on a GPU, where bf16 GEMMs
+      run ~15× faster than float32 ones);
+    * ``asynchronous``: the device runs kernels behind the host (CUDA): the host's per-op work
+      (``op_overhead``, ``bwd_op_overhead``) overlaps the kernels queued before it, so an op
+      costs its kernel time alone; on a CPU (``False``) host and kernel are one thread and
+      the overheads add.
 
     :func:`fxpar.cost.compute.calibrated_time` reads it:
-    ``t = max(flops / gemm_rate(flops), bytes / memory_rate(bytes)) + overhead``.
+    ``t = max(flops / gemm_rate(flops), bytes / memory_rate(bytes)) (+ overhead unless
+    asynchronous)``.
 
     >>> p = ComputeProfile(gemm=((2e3, 1e9), (2e6, 8e9)), memory=((1e4, 2e10), (1e8, 5e9)),
     ...                    op_overhead=5e-6, bwd_op_overhead=1e-5)
@@ -135,8 +143,12 @@ class ComputeProfile:
     vector: tuple[tuple[float, float], ...] = ()
     optimizer: tuple[float, ...] = ()
     attention: tuple[tuple[float, float], ...] = ()
+    dtype: str = "float32"
+    asynchronous: bool = False
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
+        object.__setattr__(self, "asynchronous", bool(self.asynchronous))
         opt = tuple(float(x) for x in self.optimizer)
         if opt and (len(opt) != 2 or not all(x >= 0 and math.isfinite(x) for x in opt)):
             raise ClusterError(f"ComputeProfile.optimizer needs (per_tensor, per_element) seconds "
@@ -170,7 +182,8 @@ class ComputeProfile:
         return dict(gemm=[list(p) for p in self.gemm], memory=[list(p) for p in self.memory],
                     op_overhead=self.op_overhead, bwd_op_overhead=self.bwd_op_overhead,
                     dispatch=self.dispatch, ranks=self.ranks, vector=[list(p) for p in self.vector],
-                    optimizer=list(self.optimizer), attention=[list(p) for p in self.attention])
+                    optimizer=list(self.optimizer), attention=[list(p) for p in self.attention],
+                    dtype=self.dtype, asynchronous=self.asynchronous)
 
     @classmethod
     def from_dict(cls, d: dict) -> ComputeProfile:
@@ -181,7 +194,8 @@ class ComputeProfile:
                        dispatch=d.get("dispatch", 0.0), ranks=int(d.get("ranks", 1)),
                        vector=tuple(tuple(p) for p in d.get("vector", ())),
                        optimizer=tuple(d.get("optimizer", ())),
-                       attention=tuple(tuple(p) for p in d.get("attention", ())))
+                       attention=tuple(tuple(p) for p in d.get("attention", ())),
+                       dtype=d.get("dtype", "float32"), asynchronous=d.get("asynchronous", False))
         except (KeyError, TypeError, ValueError) as e:
             raise ClusterError(f"bad compute profile in cluster JSON: {type(e).__name__}: {e}") from e
 
@@ -403,7 +417,8 @@ class Cluster:
                   group_sizes: Sequence[int] | None = None, base: Cluster | None = None,
                   compute: bool = True, gemm_sizes: Sequence[int] = (16, 32, 64, 128, 256, 512),
                   memory_sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**24),
-                  min_time: float = 0.05) -> Cluster:
+                  min_time: float = 0.05, dtype=None,
+                  attention_shapes: Sequence[tuple[int, int, int]] | None = None) -> Cluster:
         """Measure collectives and compute on a live process group; return a cluster built from them.
 
         ``Cluster.calibrate()`` starts from ``Cluster.local(world)``; ``cluster.calibrate()``
@@ -422,12 +437,16 @@ class Cluster:
 
         **Compute** (``compute=True``), on every rank at the same time (ranks of one host
         share its cores and memory bandwidth, so this is what each gets during training):
-        a float32 GEMM ``n×n @ n×n`` per ``n`` in ``gemm_sizes`` (``2n³`` FLOPs), an
+        a GEMM ``n×n @ n×n`` in ``dtype`` (default float32; pass the dtype the model trains
+        in, e.g. ``torch.bfloat16`` on a GPU) per ``n`` in ``gemm_sizes`` (``2n³`` FLOPs), an
         elementwise add of two tensors of each of ``memory_sizes`` bytes (three times that
         moved), a 1-element op without autograd (the dispatch) and a chain of 1-element ops
         that require grad, forward then backward (per-op overheads), a row log-softmax forward
         and backward of each of ``memory_sizes`` bytes (non-GEMM arithmetic, ``vector``), causal SDPA forward
-        and backward at two shapes (``attention``) and an AdamW step
+        and backward at each ``(batch·heads, length, head dim)`` of ``attention_shapes``
+        (default: two small ones on a CPU, up to 32×2048×128 on a GPU, where small
+        attention is latency-bound: the curve's last rate prices every larger call)
+        (``attention``) and a float32 AdamW step
         over one tensor of 2¹⁸ elements and over 32 of 64 (``optimizer``). Each is repeated until
         one run lasts ``min_time`` (the same count on every rank; longer than a scheduler
         time slice, so ranks that share a core are measured sharing it rather than taking
@@ -504,7 +523,8 @@ class Cluster:
         elif intra:  # a single node: nothing crosses nodes, keep inter equal to intra
             updates.update(inter_node_bandwidth=intra.bandwidth, inter_node_latency=intra.latency)
         if compute:
-            prof = _measure_compute(group, device, gemm_sizes, memory_sizes, iters, min_time)
+            prof = _measure_compute(group, device, gemm_sizes, memory_sizes, iters, min_time,
+                                    dtype, attention_shapes)
             updates.update(compute=prof, peak_flops=prof.peak_flops,
                            memory_bandwidth=prof.memory_bandwidth)
         return dataclasses.replace(base, **updates)
@@ -637,10 +657,18 @@ def _concurrent_times(fn, iters: int, group, min_time: float, sync) -> list[floa
 
 
 def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
-                     min_time: float) -> ComputeProfile:
+                     min_time: float, dtype=None, attention_shapes=None) -> ComputeProfile:
     """The :class:`ComputeProfile` of this group's ranks (see :meth:`Cluster.calibrate`)."""
     import torch
     import torch.distributed as dist
+
+    dtype = dtype or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."))
+    esize = torch.empty((), dtype=dtype).element_size()
+    if attention_shapes is None:
+        attention_shapes = ((8, 64, 32), (8, 256, 64)) + (
+            ((16, 1024, 128), (32, 2048, 128)) if device.type == "cuda" else ())
 
     from fxpar.cost.calibration import rate_points
 
@@ -676,21 +704,21 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
     fwd_over, bwd_over = _concurrent_times(chain, iters, group, min_time, sync)
     gemm_t = []
     for n in gemm_sizes:
-        a = torch.randn(n, n, device=device)
-        b = torch.randn(n, n, device=device)
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
         gemm_t.append(_concurrent_times(loop(lambda: torch.mm(a, b)), iters, group, min_time, sync)[0])
     mem_t = []
     for nbytes in memory_sizes:
-        a = torch.randn(max(1, nbytes // 4), device=device)
+        a = torch.randn(max(1, nbytes // esize), device=device, dtype=dtype)
         b = torch.randn_like(a)
         mem_t.append(_concurrent_times(loop(lambda: torch.add(a, b)), iters, group, min_time, sync)[0])
     # non-GEMM arithmetic: a log-softmax over rows of 512 (a loss over a vocabulary shard, an
     # attention row), forward and backward, counted as its cost rule counts them (5 + 4 FLOPs
     # per element: the backward is as slow as the forward, though it counts fewer)
-    vec_n = [max(512, nbytes // 4 // 512 * 512) for nbytes in memory_sizes]
+    vec_n = [max(512, nbytes // esize // 512 * 512) for nbytes in memory_sizes]
     vec_t = []
     for n in vec_n:
-        a = torch.randn(n // 512, 512, device=device)
+        a = torch.randn(n // 512, 512, device=device, dtype=dtype)
         y = torch.log_softmax(a, -1)
 
         def fwd_bwd(a=a, y=y):  # the two kernels autograd runs, without the engine
@@ -698,10 +726,10 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
             torch.ops.aten._log_softmax_backward_data(y, y, -1, a.dtype)
         vec_t.append(_concurrent_times(loop(fwd_bwd), iters, group, min_time, sync)[0])
     # fused causal attention, forward and backward (heads x length x head dim)
-    att_shapes, att_t = ((8, 64, 32), (8, 256, 64)), []
+    att_shapes, att_t = tuple(attention_shapes), []
     for bh, L, E in att_shapes:
-        q, k, v = (torch.randn(bh, L, E, device=device, requires_grad=True) for _ in range(3))
-        go = torch.ones(bh, L, E, device=device)
+        q, k, v = (torch.randn(bh, L, E, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        go = torch.ones(bh, L, E, device=device, dtype=dtype)
 
         def att(q=q, k=k, v=v, go=go):
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(go)
@@ -723,11 +751,14 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
     per_element = max(t_big - t_small, 0.0) / (big - small)
     per_tensor = max(t_small - per_element * small, 0.0)
     fwd = [4.0 * bh * L * L * E for bh, L, E in att_shapes]   # sdpa_cost: QKᵀ and PV
+    # a loop of one op takes dispatch + kernel on a CPU, but max(dispatch, kernel) where the
+    # kernels queue behind the host (CUDA): there the dispatch is not part of the kernel
+    host = 0.0 if device.type == "cuda" else dispatch
     return ComputeProfile(
-        gemm=rate_points([2.0 * n ** 3 for n in gemm_sizes], gemm_t, dispatch),
-        memory=rate_points([3.0 * max(1, nb // 4) * 4 for nb in memory_sizes], mem_t, dispatch),
+        gemm=rate_points([2.0 * n ** 3 for n in gemm_sizes], gemm_t, host),
+        memory=rate_points([3.0 * max(1, nb // esize) * esize for nb in memory_sizes], mem_t, host),
         op_overhead=max(fwd_over, 0.0), bwd_op_overhead=max(bwd_over, 0.0), dispatch=dispatch,
         ranks=dist.get_world_size(group),
-        vector=rate_points([9.0 * n for n in vec_n], vec_t, 2 * dispatch),
+        vector=rate_points([9.0 * n for n in vec_n], vec_t, 2 * host),
         attention=tuple((f, 3.0 * f / t) for f, t in zip(fwd, att_t)),  # backward 2x forward
-        optimizer=(per_tensor, per_element))
+        optimizer=(per_tensor, per_element), dtype=str(dtype), asynchronous=device.type == "cuda")

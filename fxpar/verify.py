@@ -135,11 +135,17 @@ class _Recorder(fx.Interpreter):
     """Runs a graph recording each named node's tensor output (a detached copy, taken before
     any later in-place op changes it) and, via a hook, the gradient that reaches it."""
 
-    def __init__(self, gm: fx.GraphModule, names: set[str]) -> None:
+    def __init__(self, gm: fx.GraphModule, names: set[str], device=None) -> None:
         super().__init__(gm)
         self.names = names
+        self.device = torch.device(device) if device is not None else None
         self.values: dict[str, torch.Tensor] = {}
         self.grads: dict[str, torch.Tensor] = {}
+
+    def call_function(self, target, args, kwargs):
+        if self.device is not None:  # factories and .to(device) of the capture name its device
+            args, kwargs = pytree.tree_map_only(torch.device, lambda d: self.device, (args, kwargs))
+        return super().call_function(target, args, kwargs)
 
     def run_node(self, n: fx.Node):
         out = super().run_node(n)
@@ -229,7 +235,7 @@ def _reference(gm: fx.GraphModule, full: dict[str, torch.Tensor], flat_inputs: l
                 t.requires_grad_(True)
                 leaves[info.fqn] = t
             args.append(t)
-    rec = _Recorder(gm, names)
+    rec = _Recorder(gm, names, device)
     out = rec.run(*args, *flat_inputs)
     loss = pytree.tree_leaves(out)[0]
     if isinstance(loss, torch.Tensor) and loss.requires_grad:

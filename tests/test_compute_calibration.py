@@ -147,6 +147,12 @@ def _calibrate_tiny():
                           min_time=5e-4)
 
 
+def _calibrate_bf16():
+    return Cluster.local(2).calibrate(collectives=(), iters=2, gemm_sizes=(8, 64),
+                                      memory_sizes=(2**10, 2**14), min_time=5e-4,
+                                      dtype=torch.bfloat16, attention_shapes=((4, 32, 16),))
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(180)
 def test_calibrate_measures_compute_on_two_ranks(pools):
@@ -190,3 +196,19 @@ def test_calibrate_measures_compute_on_two_ranks(pools):
     flops = 2.0 * 16 * 64 * 256                   # local batch 16 of 32 on dp=2
     nbytes = 4.0 * (16 * 64 + 256 * 64 + 256 + 16 * 256)
     assert fc1.fwd_time == pytest.approx(calibrated_time(flops, nbytes, p) + p.op_overhead)
+    assert p.dtype == "float32" and not p.asynchronous   # a CPU: host and kernels add up
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_calibrate_in_the_training_dtype(pools):
+    """``dtype=`` measures the curves in the dtype the model trains in (a bf16 GEMM on a GPU
+    is ~15× a float32 one): sizes stay bytes, elements follow the element size; the
+    attention curve is keyed by the shapes asked for."""
+    c = pools(2).run(_calibrate_bf16, timeout=100)[0]
+    p = c.compute
+    assert p.dtype == "bfloat16" and not p.asynchronous
+    assert [w for w, _ in p.memory] == [3.0 * 2**10, 3.0 * 2**14]
+    assert [w for w, _ in p.vector] == [9.0 * 512, 9.0 * 2**13]        # 2-byte elements
+    assert [w for w, _ in p.attention] == [4.0 * 4 * 32 * 32 * 16]
+    assert Cluster.from_json(c.to_json()) == c

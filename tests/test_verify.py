@@ -160,3 +160,21 @@ def test_recorded_gradient_of_an_op_returning_its_input_is_its_own():
     node = next(n.name for n in gm.graph.nodes if n.target == "contiguous")
     torch.testing.assert_close(rec.grads[node], torch.full((3,), 2.0))
     torch.testing.assert_close(x.grad, torch.full((3,), 5.0))
+
+
+def test_reference_runs_capture_factories_on_the_runner_device():
+    """The capture names the device it ran on (``arange(device=cpu)``, HF's rotary positions);
+    the reference runs on the runner's device, so its factories must too (on a GPU the
+    reference failed with "found at least two devices"). ``meta`` stands for the other device."""
+    from fxpar.verify import _Recorder
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    pos = g.call_function(torch.ops.aten.arange.default, (4,),
+                          {"dtype": torch.float32, "device": torch.device("cpu")})
+    g.output(g.call_function(torch.ops.aten.mul.Tensor, (x, pos)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    x = torch.ones(4, device="meta")
+    with pytest.raises(RuntimeError, match="device"):
+        _Recorder(gm, set()).run(x)
+    assert _Recorder(gm, set(), device="meta").run(x).device.type == "meta"

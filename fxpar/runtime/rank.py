@@ -162,6 +162,28 @@ def default_device() -> str:
     return "cpu"
 
 
+def check_backend_device(backend: str, device: str, world: int) -> None:
+    """Refuse a device the process group cannot move tensors of (every rank alike):
+    NCCL moves CUDA tensors only; gloo with CUDA tensors crashed fxpar's collectives
+    (two gloo ranks on one H200, torch 2.11: a segfault in the functional collectives),
+    so with more than one rank it is refused rather than left to crash.
+
+    >>> check_backend_device("gloo", "cuda:0", 1)        # nothing to move
+    >>> check_backend_device("gloo", "cuda:0", 2)
+    Traceback (most recent call last):
+    ...
+    fxpar.errors.FxparError: runner(device='cuda:0') under the gloo backend with 2 ranks: gloo collectives on CUDA tensors are not supported; use backend='nccl' (one GPU per rank) or device='cpu'
+    """
+    kind = torch.device(device).type
+    if world > 1 and "gloo" in backend and "nccl" not in backend and kind == "cuda":
+        raise FxparError(f"runner(device={device!r}) under the gloo backend with {world} ranks: gloo "
+                         "collectives on CUDA tensors are not supported; use backend='nccl' (one "
+                         "GPU per rank) or device='cpu'")
+    if "nccl" in backend and "gloo" not in backend and kind != "cuda":
+        raise FxparError(f"runner(device={device!r}) under the nccl backend: NCCL moves CUDA tensors "
+                         "only; use device='cuda' (the default) or backend='gloo'")
+
+
 class RankRunner:
     """What every runner sets up and does the same way (module docstring): the rank's
     checks, state and model states, where gradients go, steps and checkpoints. A subclass
@@ -172,7 +194,11 @@ class RankRunner:
 
         self.rank = check_world(program.plan, program.mesh)
         self.program, self.mesh = program, program.mesh
+        import torch.distributed as dist
+
         self.device = device or default_device()
+        if dist.is_initialized():
+            check_backend_device(str(dist.get_backend()), self.device, dist.get_world_size())
         if device is None and self.device.startswith("cuda"):
             # object collectives and NCCL's own buffers use the current device: make it this
             # rank's (torchrun leaves every rank on cuda:0 until someone sets it)
