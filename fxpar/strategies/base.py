@@ -38,7 +38,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from fxpar import ir
 from fxpar.cost.compute import set_op_cost
-from fxpar.spec import Spec, as_spec, placement_str
+from fxpar.spec import Spec, as_spec, placement_kind, placement_str
 
 __all__ = ["AxisStrategy", "Strategy", "OpRecord", "RECORDS", "register", "declare", "record_for", "rule_for",
            "RULES", "expand", "bound",
@@ -316,7 +316,7 @@ def choice(node: fx.Node, placements: dict, outputs: Sequence[Placement], name: 
 
 # --- expansion over an N-d mesh --------------------------------------------------------------------
 def _norm(p, shp):
-    if isinstance(p, Shard) and p.dim < 0 and shp is not None:
+    if placement_kind(p) == "S" and p.dim < 0 and shp is not None:
         return Shard(p.dim % len(shp))
     return p
 
@@ -370,7 +370,7 @@ multiply to a divisor of ``blocks``. Axes of size 1 only replicate. The all-repl
             raise ValueError(f"rule for {node.target} returned {c!r} for {len(in_shapes)} inputs, "
                              f"{len(o_shapes)} outputs")
         pls = tuple(_norm(p, s) for p, s in zip(c.inputs + c.outputs, shapes))
-        if any(isinstance(p, Shard) and not 0 <= p.dim < len(s) for p, s in zip(pls, shapes) if p is not None):
+        if any(placement_kind(p) == "S" and not 0 <= p.dim < len(s) for p, s in zip(pls, shapes) if p is not None):
             continue
         c = AxisStrategy(pls[:len(in_shapes)], pls[len(in_shapes):], name=c.name, even=c.even, blocks=c.blocks)
         key = (c.inputs, c.outputs)
@@ -381,7 +381,7 @@ multiply to a divisor of ``blocks``. Axes of size 1 only replicate. The all-repl
 
     def ok1(c: AxisStrategy, k: int) -> bool:
         for p, s in zip(c.inputs + c.outputs, shapes):
-            if isinstance(p, Shard) and not no_empty_shard(s[p.dim], (k,)):
+            if placement_kind(p) == "S" and not no_empty_shard(s[p.dim], (k,)):
                 return False
         return True
 
@@ -398,11 +398,11 @@ multiply to a divisor of ``blocks``. Axes of size 1 only replicate. The all-repl
             by_dim: dict[int, list[int]] = {}
             for a, c in enumerate(combo):
                 p = c.inputs[t] if t < len(in_shapes) else c.outputs[t - len(in_shapes)]
-                if isinstance(p, Shard):
+                if placement_kind(p) == "S":
                     by_dim.setdefault(p.dim, []).append(a)
             ops = {p.reduce_op for c in combo
                    for p in (c.inputs[t] if t < len(in_shapes) else c.outputs[t - len(in_shapes)],)
-                   if isinstance(p, Partial)}
+                   if placement_kind(p) == "P"}
             if len(ops) > 1 and not ops <= {"sum", "avg"}:
                 good = False  # partial sums and maxima on one tensor do not commute (see reshard)
                 break
