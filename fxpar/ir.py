@@ -38,6 +38,9 @@ Node keys (``node.meta[...]``)
                     not ``grad_out_spec(spec)``: ``P(sum)`` on the axes
                     ``passes/insert_collectives.py`` leaves partial (sunk into parameter
                     reductions); read by ``fxpar.verify``.
+``GRAD_ACC``        ``"fxpar_grad_acc"``: the layout a fan-out node's consumers' gradients are
+                    summed in before one reshard (``Strategy.grad_acc``; set by
+                    ``passes/annotate.py``, realized by ``passes/insert_collectives.py``).
 ``SPEC_TEXT``       ``"fxpar_spec"``: short text shown by an emitted graph's ``print_readable``
                     (the node's spec, or the edge's collective and gradient plan).
 ==================  ============================================================================
@@ -115,6 +118,7 @@ __all__ = [
     "REPLICA_AXES",
     "GLOBAL_VAL",
     "GRAD_SPEC",
+    "GRAD_ACC",
     "EDGES",
     "READS",
     "ParamInfo",
@@ -154,6 +158,7 @@ EDGE = "fxpar_edge"
 SPEC_TEXT = "fxpar_spec"
 GLOBAL_VAL = "fxpar_global_val"
 GRAD_SPEC = "fxpar_grad_spec"
+GRAD_ACC = "fxpar_grad_acc"
 
 # --- graph-module keys ---------------------------------------------------------------------------
 PARAMS = "fxpar_params"

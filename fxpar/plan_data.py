@@ -109,12 +109,14 @@ class NodePlan:
     memory: int
     #: a trainable parameter (its memory is its model states)
     param: bool = False
+    #: the layout its consumers' gradients are summed in (``Strategy.grad_acc``), or ``None``
+    grad_acc: str | None = None
 
     def to_strategy(self):
         """The chosen :class:`fxpar.strategies.base.Strategy` rebuilt from its specs."""
         from fxpar.strategies.base import Strategy
 
-        return Strategy(self.inputs, self.outputs, self.strategy_name, self.unsharded)
+        return Strategy(self.inputs, self.outputs, self.strategy_name, self.unsharded, self.grad_acc)
 
 
 def _search_lines(search: Mapping | None) -> list[str]:

@@ -48,6 +48,10 @@ def annotate_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         n.meta[ir.SPECS] = tuple(Spec.parse(s) for s in np_.outputs)
         n.meta[ir.IN_SPECS] = ins
         n.meta[ir.STRATEGY] = np_.strategy
+        if np_.grad_acc is not None:
+            n.meta[ir.GRAD_ACC] = Spec.parse(np_.grad_acc)
+        else:
+            n.meta.pop(ir.GRAD_ACC, None)
     pinned = {e.producer: Spec.parse(e.dst_spec) for e in ctx.plan.edges
               if e.consumer == "output" and e.direction == "fwd"}
     out = next(iter(gm.graph.find_nodes(op="output")))

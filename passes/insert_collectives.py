@@ -161,7 +161,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         g = grad_in_spec(_strategy(n), p)
         return Spec(tuple(_SUM if i in sunk.get(n, ()) else pl for i, pl in enumerate(g)))
 
-    def edge_for(a, o, consumer_name, src, dst, gsrc) -> Edge | None:
+    def edge_for(a, o, consumer_name, src, dst, gsrc, gtarget=None) -> Edge | None:
         v = _val(a, o)
         shape, dtype = tuple(v.shape), v.dtype
         fwd = reshard_plan(src, dst, mesh, shape, dtype)
@@ -169,7 +169,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         param = a.meta[ir.PARAM].fqn if (ir.PARAM in a.meta and needs_grad) else None
         bwd, scale = None, 1.0
         if needs_grad:
-            target = grad_out_spec(src)
+            target = gtarget or grad_out_spec(src)
             if a in sunk:
                 target = Spec(tuple(_SUM if i in sunk[a] else pl for i, pl in enumerate(target)))
             if param is not None:
@@ -208,11 +208,37 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         out.meta[ir.VAL] = v
         return out
 
+    # Gradient accumulation (meta[GRAD_ACC]): one node right after a fan-out producer, the
+    # identity forward, whose backward reshards the SUM of the consumers' gradients (autograd
+    # adds them at its output, each already in the accumulation layout) to the producer's
+    # gradient layout; the consumers read it, their edges' backward ending at that layout.
+    acc_of: dict[fx.Node, tuple[fx.Node, Spec]] = {}
+    for a in {u[0] for u in uses}:
+        G = a.meta.get(ir.GRAD_ACC)
+        if G is None or a in sunk:   # a sunk gradient is reduced with the parameters' instead
+            continue
+        src, v = a.meta[ir.SPECS][0], _val(a, 0)
+        edge = Edge(f"{a.name}->grad_acc", a.name, a.name, reshard_plan(src, src, mesh, v.shape, v.dtype),
+                    reshard_plan(G, grad_out_spec(src), mesh, tuple(v.shape), v.dtype))
+        edges[edge.name] = edge
+        kinds = "_".join(dict.fromkeys(f"{s.kind}_{s.axis_name}" for s in edge.bwd.steps)) or "sum"
+        acc = add(f"grad_acc_{kinds}", edge, REDISTRIBUTE, (a, edge.name, list(v.shape),
+                  str(edge.grad_mode)), a, after=True)
+        acc.meta[ir.SPECS] = (src,)
+        acc.meta[ir.VAL] = v
+        acc_of[a] = (acc, G)
+        modified = True
+
     # A getitem's edge goes after it, so its consumers read the edge's output (in the layout
     # the plan gave the getitem); their own edges (processed later: uses are in node order)
     # start from that node and that spec, not from the getitem itself.
     moved: dict[fx.Node, fx.Node] = {}
     for a, o, n, p, dst in uses:
+        if a in acc_of:
+            acc, G = acc_of[a]
+            edge = edge_for(a, o, n.name, a.meta[ir.SPECS][0], dst, grad_in(n, p), gtarget=G)
+            n.replace_input_with(a, acc if edge is None else insert(edge, n, acc, _val(a, o)))
+            continue
         if a in moved:
             value = moved[a]
             src = value.meta[ir.SPECS][0]

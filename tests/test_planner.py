@@ -189,7 +189,11 @@ def test_repeated_blocks_are_tied(a100):
     names = bp.problem.names
     groups = [[names[i] for i in g] for g in bp.problem.ties]
     assert groups, "no tie groups found"
-    assert all(len(g) == 3 for g in groups)
+    # every node of a block is tied with its copies, but the last block's output: read once
+    # (by the final norm), it has no gradient-accumulation choice, so only 2 copies tie there
+    short = [g for g in groups if len(g) != 3]
+    assert [[n.split("_")[0] for n in g] for g in short] == [["add", "add"]], short
+    assert all(len(g) == 3 for g in groups if g not in short)
     lays = {bp.layers[names.index(g[0])] for g in groups}
     assert lays == {"blocks.0"}
     p = plan_graph(gm, mesh, strategies=toy_strategies)

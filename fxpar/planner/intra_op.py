@@ -56,7 +56,7 @@ from fxpar.planner.pricing import (EdgePricer, bucket_share, bucketed_time, comp
                                    output_meta)
 from fxpar.resharding.intra import LOCAL_KINDS, reshard_costs, reshard_plan
 from fxpar.solver import Solution, StrategyProblem, solve
-from fxpar.spec import Spec, grad_in_spec, grad_out_spec
+from fxpar.spec import Partial, Spec, grad_in_spec, grad_out_spec, placement_kind
 from fxpar.strategies import strategies_for, unsharded_strategy
 from fxpar.strategies.base import Strategy
 
@@ -90,6 +90,9 @@ class PlannerOptions:
     #: backward passes per optimizer step (a pipeline's microbatches): the solver prices a
     #: parameter's gradient reduction once per step (the runtime buckets it after the last)
     grad_steps: int = 1
+    #: offer fan-out values a gradient-accumulation layout (``Strategy.grad_acc``): their
+    #: consumers' partial gradients summed, then reduced once, as Megatron does
+    grad_acc: bool = True
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("optimizer", "precision", "efficiency",
@@ -117,12 +120,14 @@ def _ties(gm: fx.GraphModule, nodes: list[fx.Node], strats: list[list[Strategy]]
         n = nodes[i]
         info = n.meta.get(ir.PARAM)
         tag = info.fqn[len(lay):] if info is not None else op_name(n.target) if n.op == "call_function" else n.op
-        shapes = tuple(None if t is None else (t.shape, str(t.dtype)) for t in ir.tensor_metas(n))
+        return (tag, tuple(None if t is None else (t.shape, str(t.dtype)) for t in ir.tensor_metas(n)))
+
+    def texts(i: int) -> tuple:
         lst = strats[i]
         key = id(lst)
         if key not in strs:
             strs[key] = (lst, tuple(map(str, lst)))
-        return (tag, shapes, strs[key][1])
+        return strs[key][1]
 
     groups = []
     for tmpl, copies in repeated_copies(nodes, layers).items():
@@ -132,8 +137,13 @@ def _ties(gm: fx.GraphModule, nodes: list[fx.Node], strats: list[list[Strategy]]
                          nodes[i].meta[ir.PARAM].fqn[len(lay):] if ir.PARAM in nodes[i].meta else "", i))
             by_sig[tuple(sig(i, lay) for i in idx)].append(idx)
         for members in by_sig.values():
-            if len(members) > 1:
-                groups.extend([list(col) for col in zip(*members)])
+            # per position, the copies with the same strategies (the last block's output,
+            # read once, has no gradient-accumulation choice: it is left free)
+            for col in zip(*members) if len(members) > 1 else ():
+                same: dict[tuple, list[int]] = defaultdict(list)
+                for i in col:
+                    same[texts(i)].append(i)
+                groups.extend(g for g in same.values() if len(g) > 1)
     return sorted(groups)
 
 
@@ -229,6 +239,60 @@ def _price_node(n: fx.Node, flags, mesh, opts: PlannerOptions, lst: list[Strateg
     return lst, f, b, m, c
 
 
+_SUM = Partial("sum")
+
+
+def fans_out(n: fx.Node, flags) -> bool:
+    """``n``'s output gradient is the sum of several consumers' contributions: a
+    differentiable floating-point value of one output read by two or more ops (none of them
+    the graph output or a ``getitem``)."""
+    v = n.meta.get(ir.VAL)
+    if n.op != "call_function" or not flags.get(n) or not isinstance(v, torch.Tensor) \
+            or not v.dtype.is_floating_point or len(n.users) < 2:
+        return False
+    return all(u.op == "call_function" and u.target is not operator.getitem for u in n.users)
+
+
+def grad_acc_spec(spec: Spec) -> Spec | None:
+    """The gradient-accumulation layout offered for an output of layout ``spec``: its
+    gradient layout with every ``R`` axis ``P(sum)`` (consumers' partial sums are added
+    locally and reduced once), ``None`` when there is no such axis.
+
+    >>> grad_acc_spec(Spec.parse("S(0)R")), grad_acc_spec(Spec.parse("S(0)S(1)"))
+    (S(0)P(sum), None)
+    """
+    g = grad_out_spec(spec)
+    if not any(placement_kind(p) == "R" for p in g):
+        return None
+    return Spec(tuple(_SUM if placement_kind(p) == "R" else p for p in g))
+
+
+def _with_grad_acc(n: fx.Node, got: tuple, mesh) -> tuple:
+    """``got`` (a fan-out node's priced strategies) with, after each strategy whose gradient
+    layout has an ``R`` axis, the same strategy summing its consumers' gradients in
+    :func:`grad_acc_spec` first: its cost adds the one reshard of the sum (``P(sum)→R``: an
+    all-reduce), its edges' backward reshards end at the sum's layout (``P(sum)→P(sum)``:
+    free) instead of each reducing on its own (Megatron's one ``f`` all-reduce per block
+    input against three for q, k and v)."""
+    lst, f, b, m, c = got
+    tm = ir.tensor_meta(n)
+    idx, out, extra = [], [], []
+    for k, s in enumerate(lst):
+        idx.append(k)
+        out.append(s)
+        extra.append(0.0)
+        g = grad_acc_spec(s.outputs[0]) if len(s.outputs) == 1 else None
+        if g is not None:
+            idx.append(k)
+            out.append(dataclasses.replace(s, grad_acc=g))
+            extra.append(reshard_costs(g, [grad_out_spec(s.outputs[0])], mesh, tm.shape, tm.dtype)[0])
+    ix = np.array(idx)
+    vecs = [f[ix], b[ix], m[ix], c[ix] + np.array(extra)]
+    for v in vecs:
+        v.setflags(write=False)
+    return (out, *vecs)
+
+
 def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None = None,
                   options: PlannerOptions | None = None,
                   strategies: Callable | None = None,
@@ -266,6 +330,14 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
                               _strategies_of(n, mesh, strategies), memo)
             if nkey is not None:
                 by_key[nkey] = got
+        if opts.grad_acc and fans_out(n, flags):
+            akey = ("grad_acc", nkey) if nkey is not None else None
+            acc = by_key.get(akey) if akey is not None else None
+            if acc is None:
+                acc = _with_grad_acc(n, got, mesh)
+                if akey is not None:
+                    by_key[akey] = acc
+            got = acc
         lst, f, b, m, c = got
         strats.append(lst)
         fwd.append(f)
@@ -411,7 +483,7 @@ def solution_to_plan(bp: BuiltProblem, choice: Sequence[int], *, kind: str = "au
         t = bucketed_time(bpn.time, rplan(g, go, tm, free).time, bucket_share(tm.shape, tm.dtype))
         return tuple(dataclasses.replace(s, time=s.time * t / bpn.time) for s in _steps(bpn))
 
-    nps = []
+    nps, acc_edges = [], []
     for i, n in enumerate(nodes):
         s = strats[i][choice[i]]
         op = op_name(n.target) if n.op == "call_function" else n.op
@@ -422,7 +494,15 @@ def solution_to_plan(bp: BuiltProblem, choice: Sequence[int], *, kind: str = "au
             index=int(choice[i]), num_strategies=len(strats[i]),
             fwd_time=float(bp.fwd[i][choice[i]]), bwd_time=float(bp.bwd[i][choice[i]]),
             memory=int(bp.problem.mem[i][choice[i]]),
-            param=n.op == "placeholder" and ir.is_trainable_param(n)))
+            param=n.op == "placeholder" and ir.is_trainable_param(n),
+            grad_acc=None if s.grad_acc is None else sstr(s.grad_acc)))
+        if s.grad_acc is not None:   # the one reshard of the summed gradients, at n's backward
+            tm = output_meta(n, 0)
+            go = grad_out_spec(s.outputs[0])
+            steps = _steps(rplan(s.grad_acc, go, tm))
+            if steps:
+                acc_edges.append(EdgePlan(n.name, n.name, "bwd", sstr(s.grad_acc), sstr(go), steps,
+                                          bp.layers[i]))
     eps = []
     for i, j, p, o, needs_grad in bp.edge_info:
         sk, sl = strats[i][choice[i]], strats[j][choice[j]]
@@ -436,6 +516,8 @@ def solution_to_plan(bp: BuiltProblem, choice: Sequence[int], *, kind: str = "au
             eps.append(EdgePlan(nodes[i].name, nodes[j].name, "fwd", sstr(src), sstr(dst), _steps(fp), lay))
         if needs_grad:
             g, go = grad_in_spec(sl, p), grad_out_spec(src)
+            if sk.grad_acc is not None and o == 0:
+                go = sk.grad_acc   # summed there with the other consumers' (acc_edges)
             if ir.PARAM in nodes[i].meta:
                 steps = bucketed(g, go, tm)
                 if fp.steps:
@@ -444,6 +526,7 @@ def solution_to_plan(bp: BuiltProblem, choice: Sequence[int], *, kind: str = "au
                 steps = _steps(rplan(g, go, tm))
             if steps:
                 eps.append(EdgePlan(nodes[i].name, nodes[j].name, "bwd", sstr(g), sstr(go), steps, lay))
+    eps += acc_edges
     for i, o, pin in bp.outputs:
         s = strats[i][choice[i]].outputs[o]
         tm = output_meta(nodes[i], o)

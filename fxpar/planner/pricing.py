@@ -264,13 +264,24 @@ class EdgePricer:
             g = self._gout[i] = self._id(grad_out_spec(self._specs[i]))
         return g
 
-    def _src_ids(self, strats: list[Strategy], o: int) -> np.ndarray:
+    def _src_ids(self, strats: list[Strategy], o: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per strategy: the id of output ``o``'s spec and of the layout its gradient is
+        resharded to on the edge (``grad_acc`` where the strategy sums its consumers'
+        gradients first, else ``grad_out_spec``); -1 without output ``o``."""
         key = (id(strats), o)
         got = self._src.get(key)
         if got is None:
             self._keep.append(strats)
-            got = self._src[key] = np.array(
-                [self._id(s.outputs[o]) if o < len(s.outputs) else -1 for s in strats], np.int64)
+            src, gt = [], []
+            for s in strats:
+                if o >= len(s.outputs):
+                    src.append(-1)
+                    gt.append(-1)
+                    continue
+                src.append(self._id(s.outputs[o]))
+                gt.append(self._id(s.grad_acc) if s.grad_acc is not None and o == 0
+                          else self._gout_id(src[-1]))
+            got = self._src[key] = (np.array(src, np.int64), np.array(gt, np.int64))
         return got
 
     def _dst_ids(self, strats: list[Strategy], p: int, needs_grad: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -295,9 +306,10 @@ class EdgePricer:
                needs_grad: bool, is_param: bool) -> np.ndarray | None:
         """``R`` of the edge (output ``o`` of a node with strategies ``si`` → input ``p`` of a
         node with strategies ``sj``), or ``None`` when it is all zeros."""
-        src = self._src_ids(si, o)
+        src, gt = self._src_ids(si, o)
         dst, gin = self._dst_ids(sj, p, needs_grad)
-        key = (src.tobytes(), dst.tobytes(), gin.tobytes(), shape, dtype, needs_grad, is_param)
+        key = (src.tobytes(), gt.tobytes(), dst.tobytes(), gin.tobytes(), shape, dtype, needs_grad,
+               is_param)
         if key in self._mats:
             return self._mats[key]
         rows, cols = src >= 0, dst >= 0
@@ -309,9 +321,8 @@ class EdgePricer:
             Rs = F
             if needs_grad:
                 ug, gj = np.unique(gin[cols], return_inverse=True)
-                go = np.array([self._gout_id(int(x)) for x in us], np.int64)
-                ugo, gk = np.unique(go, return_inverse=True)
-                B = self._table(ug, ugo, shape, dtype)          # [gin, grad_out]
+                ugo, gk = np.unique(gt[rows], return_inverse=True)   # per row: its target
+                B = self._table(ug, ugo, shape, dtype)          # [gin, grad target]
                 if is_param:  # reduced in buckets, once per step
                     if self._free is None:
                         self._free = latency_free(self.mesh)
@@ -319,7 +330,7 @@ class EdgePricer:
                     B = bucketed_time(B, B0, bucket_share(shape, dtype))
                     if self.grad_steps > 1:
                         B = B / self.grad_steps
-                Rs = F + B[np.ix_(gj, gk[si_])].T
+                Rs = F + B[np.ix_(gj, gk)].T
                 if is_param:
                     Rs = Rs + F
             R[np.ix_(rows, cols)] = Rs

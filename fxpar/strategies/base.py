@@ -88,14 +88,22 @@ class Strategy:
     outputs: tuple[Spec, ...]
     name: str = ""
     unsharded: bool = False
+    #: the layout the gradients of the output from its several consumers are summed in
+    #: before one reshard to the output's gradient layout (Megatron's ``f``: the ``P(sum)``
+    #: gradients of q, k and v projections of one normed input added, then all-reduced once);
+    #: ``None``: each consumer's gradient is resharded on its own edge
+    grad_acc: Spec | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(None if s is None else as_spec(s) for s in self.inputs))
         object.__setattr__(self, "outputs", tuple(as_spec(s) for s in self.outputs))
+        if self.grad_acc is not None:
+            object.__setattr__(self, "grad_acc", as_spec(self.grad_acc))
 
     def __str__(self) -> str:
         ins = ", ".join("-" if s is None else str(s) for s in self.inputs)
-        return f"{self.name + ': ' if self.name else ''}{ins} -> {', '.join(map(str, self.outputs))}"
+        acc = f" | grad {self.grad_acc}" if self.grad_acc is not None else ""
+        return f"{self.name + ': ' if self.name else ''}{ins} -> {', '.join(map(str, self.outputs))}{acc}"
 
 
 @dataclass(frozen=True)
