@@ -10,6 +10,7 @@ from fxpar import ir
 from fxpar.passes.infra import PassContext, run_passes
 from fxpar.passes.insert_collectives import insert_collectives_pass
 from fxpar.errors import PassError
+from fxpar.spec import Spec
 import torch.fx as fx
 
 from tests.passes.toy import annotate, call, mesh, module, placeholder
@@ -134,3 +135,44 @@ def test_requires_annotated_graph():
     with pytest.raises(PassError, match="insert_collectives_pass: requires check annotated failed: "
                                         "node x has no meta"):
         run_passes(module(g), PassContext(mesh=mesh(dp=2)), [insert_collectives_pass])
+
+
+def _qkv(grad_acc: str | None):
+    """h = x * 2 (R on tp=2, carries a gradient) read by two column-parallel linears (q, k);
+    their output gradients summed, so the graph returns q + k (row-like: P(sum) out)."""
+    g = fx.Graph()
+    x = annotate(placeholder(g, "x", (8, 16)), "R")
+    x.meta[ir.VAL].requires_grad_(True)
+    wq = annotate(placeholder(g, "wq", (32, 16), param="q.weight"), "S(0)")
+    wk = annotate(placeholder(g, "wk", (32, 16), param="k.weight"), "S(0)")
+    h = annotate(call(g, aten.mul.Tensor, (x, 2.0), (8, 16), "h"), "R", ("R",))
+    if grad_acc is not None:
+        h.meta[ir.GRAD_ACC] = Spec.parse(grad_acc)
+    q = annotate(call(g, aten.linear.default, (h, wq), (8, 32), "q"), "S(1)", ("R", "S(0)"))
+    k = annotate(call(g, aten.linear.default, (h, wk), (8, 32), "k"), "S(1)", ("R", "S(0)"))
+    s = annotate(call(g, aten.add.Tensor, (q, k), (8, 32), "s"), "S(1)", ("S(1)", "S(1)"))
+    out = g.output((s,))
+    out.meta[ir.IN_SPECS] = (None,)
+    return run_passes(module(g), PassContext(mesh=mesh(tp=2)), [insert_collectives_pass])
+
+
+def test_fan_out_gradients_summed_then_reduced_once():
+    """Without accumulation each column linear all-reduces its own partial input gradient
+    (two all-reduces, as fxpar did for q, k and v); with ``GRAD_ACC = P(sum)`` both partial
+    sums are added by autograd at one node after ``h``, whose backward all-reduces once."""
+    per_edge = _qkv(None)
+    kinds = {n: [s.kind for s in e.bwd.steps] for n, e in per_edge.meta[ir.EDGES].items() if e.bwd}
+    assert kinds == {"h->q": ["all_reduce"], "h->k": ["all_reduce"]}
+
+    gm = _qkv("P(sum)")
+    edges = gm.meta[ir.EDGES]
+    assert sorted(edges) == ["h->grad_acc"]     # the consumers' edges have nothing to do
+    acc = edges["h->grad_acc"]
+    assert not acc.fwd.steps and [s.kind for s in acc.bwd.steps] == ["all_reduce"]
+    assert str(acc.bwd.src) == "P(sum)" and str(acc.bwd.dst) == "R"
+    (FileCheck()
+     .check("h = torch.ops.aten.mul.Tensor(x, 2.0)")
+     .check("grad_acc_all_reduce_tp__h = torch.ops.fxpar.redistribute.default(h, 'h->grad_acc'")
+     .check("aten.linear.default(grad_acc_all_reduce_tp__h, wq)")
+     .check("aten.linear.default(grad_acc_all_reduce_tp__h, wk)")
+     .run(gm.code))
