@@ -89,7 +89,8 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
          strategies: Callable | None = None, graph: fx.GraphModule | None = None,
          progress: Callable[[str], None] | None = None, schedule="1f1b",
          microbatches: int = 1, chunks: int = 1, split_points: Sequence[str] | None = None,
-         boundary: str = "auto", broadcast: bool = True) -> Planned:
+         boundary: str = "auto", broadcast: bool = True,
+         sequence_parallel: bool = False) -> Planned:
     """Capture ``model`` and plan it on ``cluster`` (module docstring for ``plan=`` kinds).
 
     ``mesh``: a :class:`Mesh` or ``{"dp": 2, "tp": 4}``; ``None`` picks one; with a ``"pp"``
@@ -107,7 +108,16 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
     every rank, as the same error type with the same message. On the other ranks ``why()`` is
     unavailable (they hold no solver problem) and ``progress`` is not called.
     ``broadcast=False`` plans on this rank alone, as without a process group.
+
+    ``sequence_parallel=True`` (``plan="megatron"`` only): Megatron's sequence parallelism,
+    the norms between tensor-parallel regions split along the sequence on ``tp``, each
+    all-reduce of a layer a reduce-scatter plus an all-gather (``auto`` picks it where it pays).
     """
+    if sequence_parallel:
+        if plan != "megatron":
+            raise PlanError(f"sequence_parallel=True applies to plan='megatron', not {plan!r} "
+                            "(plan='auto' chooses sequence-sharded norms where they pay)")
+        options = dataclasses.replace(options or PlannerOptions(), sequence_parallel=True)
     if isinstance(plan, str) and plan in SEARCHED:
         if mesh is not None or graph is not None or model is None:
             raise PlanError(f"plan={plan!r} searches its own configurations ({SEARCHED[plan]}, "
@@ -148,7 +158,8 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
         for msh in meshes:
             if first_fit and best is not None:
                 break
-            all_pins = dict(baseline_pins(plan, gm, msh)) if plan != "auto" else {}
+            all_pins = dict(baseline_pins(plan, gm, msh, sequence_parallel=opts.sequence_parallel)
+                            ) if plan != "auto" else {}
             all_pins.update(pins or {})
             try:
                 p, bp, sol = plan_and_keep(gm, msh, pins=all_pins, options=opts,

@@ -41,6 +41,8 @@ Node keys (``node.meta[...]``)
 ``GRAD_ACC``        ``"fxpar_grad_acc"``: the layout a fan-out node's consumers' gradients are
                     summed in before one reshard (``Strategy.grad_acc``; set by
                     ``passes/annotate.py``, realized by ``passes/insert_collectives.py``).
+``SHARED``          ``"fxpar_shared"``: the layout a fan-out node's output is resharded to once
+                    for all its consumers (``Strategy.shared``; annotate / insert_collectives).
 ``SPEC_TEXT``       ``"fxpar_spec"``: short text shown by an emitted graph's ``print_readable``
                     (the node's spec, or the edge's collective and gradient plan).
 ==================  ============================================================================
@@ -119,6 +121,7 @@ __all__ = [
     "GLOBAL_VAL",
     "GRAD_SPEC",
     "GRAD_ACC",
+    "SHARED",
     "EDGES",
     "READS",
     "ParamInfo",
@@ -159,6 +162,7 @@ SPEC_TEXT = "fxpar_spec"
 GLOBAL_VAL = "fxpar_global_val"
 GRAD_SPEC = "fxpar_grad_spec"
 GRAD_ACC = "fxpar_grad_acc"
+SHARED = "fxpar_shared"
 
 # --- graph-module keys ---------------------------------------------------------------------------
 PARAMS = "fxpar_params"

@@ -111,12 +111,15 @@ class NodePlan:
     param: bool = False
     #: the layout its consumers' gradients are summed in (``Strategy.grad_acc``), or ``None``
     grad_acc: str | None = None
+    #: the layout its output is resharded to once for all its consumers (``Strategy.shared``)
+    shared: str | None = None
 
     def to_strategy(self):
         """The chosen :class:`fxpar.strategies.base.Strategy` rebuilt from its specs."""
         from fxpar.strategies.base import Strategy
 
-        return Strategy(self.inputs, self.outputs, self.strategy_name, self.unsharded, self.grad_acc)
+        return Strategy(self.inputs, self.outputs, self.strategy_name, self.unsharded, self.grad_acc,
+                        self.shared)
 
 
 def _search_lines(search: Mapping | None) -> list[str]:

@@ -48,10 +48,11 @@ def annotate_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         n.meta[ir.SPECS] = tuple(Spec.parse(s) for s in np_.outputs)
         n.meta[ir.IN_SPECS] = ins
         n.meta[ir.STRATEGY] = np_.strategy
-        if np_.grad_acc is not None:
-            n.meta[ir.GRAD_ACC] = Spec.parse(np_.grad_acc)
-        else:
-            n.meta.pop(ir.GRAD_ACC, None)
+        for key, text in ((ir.GRAD_ACC, np_.grad_acc), (ir.SHARED, np_.shared)):
+            if text is not None:
+                n.meta[key] = Spec.parse(text)
+            else:
+                n.meta.pop(key, None)
     pinned = {e.producer: Spec.parse(e.dst_spec) for e in ctx.plan.edges
               if e.consumer == "output" and e.direction == "fwd"}
     out = next(iter(gm.graph.find_nodes(op="output")))

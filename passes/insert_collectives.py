@@ -184,7 +184,8 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         edges[name] = edge
         return edge
 
-    def insert(edge: Edge, consumer: fx.Node, value: fx.Node, v: torch.Tensor) -> fx.Node:
+    def insert(edge: Edge, consumer: fx.Node, value: fx.Node, v: torch.Tensor,
+               tag: str | None = None) -> fx.Node:
         """Nodes for ``edge`` reading ``value`` (global value ``v``); returns the node the
         consumer reads. An activation's collective starts right after its producer; a
         placeholder's right before the consumer (prefetch_pass moves parameter gathers).
@@ -192,6 +193,7 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         shape = list(v.shape)
         if edge.collective:
             kind = "_".join(dict.fromkeys(f"{s.kind}_{s.axis_name}" for s in edge.fwd.steps))
+            kind = kind if tag is None else f"{tag}_{kind}"
             early = value.op != "placeholder"
             start = add(kind, edge, START, ([value], [edge.name]),
                         value if early else consumer, after=early)
@@ -201,32 +203,35 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             kinds = [f"{s.kind}_{s.axis_name}" for s in edge.fwd.steps]
             if not kinds and edge.bwd is not None and edge.bwd.steps:
                 kinds = ["grad_" + "_".join(f"{s.kind}_{s.axis_name}" for s in edge.bwd.steps)]
-            out = add("_".join(dict.fromkeys(kinds)) or ("param" if edge.param else "grad_scale"),
+            name = "_".join(dict.fromkeys(kinds)) or ("param" if edge.param else "grad_scale")
+            out = add(name if tag is None else f"{tag}_{name}",
                       edge, REDISTRIBUTE, (value, edge.name, shape, str(edge.grad_mode)),  # a plain str in graphs
                       consumer, after=False)
         out.meta[ir.SPECS] = (edge.fwd.dst,)
         out.meta[ir.VAL] = v
         return out
 
-    # Gradient accumulation (meta[GRAD_ACC]): one node right after a fan-out producer, the
-    # identity forward, whose backward reshards the SUM of the consumers' gradients (autograd
-    # adds them at its output, each already in the accumulation layout) to the producer's
-    # gradient layout; the consumers read it, their edges' backward ending at that layout.
-    acc_of: dict[fx.Node, tuple[fx.Node, Spec]] = {}
-    for a in {u[0] for u in uses}:
-        G = a.meta.get(ir.GRAD_ACC)
-        if G is None or a in sunk:   # a sunk gradient is reduced with the parameters' instead
+    # Fan-out (meta[SHARED], meta[GRAD_ACC]): one edge from the producer to all its consumers,
+    # before the first: its forward reshards to the shared layout (or is the identity), its
+    # backward reshards the SUM of the consumers' gradients (autograd adds them at its output,
+    # each already in the accumulation layout) to the producer's gradient layout. The
+    # consumers read it; their own edges start from the shared layout and end at the sum's.
+    acc_of: dict[fx.Node, tuple[fx.Node, Spec, Spec]] = {}
+    first: dict[fx.Node, fx.Node] = {}
+    for a, o, n, p, dst in uses:
+        first.setdefault(a, n)
+    for a, n in first.items():
+        L, G = a.meta.get(ir.SHARED), a.meta.get(ir.GRAD_ACC)
+        if (L is None and G is None) or a in sunk:   # sunk: reduced with the parameters' instead
             continue
         src, v = a.meta[ir.SPECS][0], _val(a, 0)
-        edge = Edge(f"{a.name}->grad_acc", a.name, a.name, reshard_plan(src, src, mesh, v.shape, v.dtype),
-                    reshard_plan(G, grad_out_spec(src), mesh, tuple(v.shape), v.dtype))
+        L = L or src
+        G = G or grad_out_spec(L)
+        shape = tuple(v.shape)
+        edge = Edge(f"{a.name}->consumers", a.name, n.name, reshard_plan(src, L, mesh, shape, v.dtype),
+                    reshard_plan(G, grad_out_spec(src), mesh, shape, v.dtype))
         edges[edge.name] = edge
-        kinds = "_".join(dict.fromkeys(f"{s.kind}_{s.axis_name}" for s in edge.bwd.steps)) or "sum"
-        acc = add(f"grad_acc_{kinds}", edge, REDISTRIBUTE, (a, edge.name, list(v.shape),
-                  str(edge.grad_mode)), a, after=True)
-        acc.meta[ir.SPECS] = (src,)
-        acc.meta[ir.VAL] = v
-        acc_of[a] = (acc, G)
+        acc_of[a] = (insert(edge, n, a, v, "fan_out"), L, G)
         modified = True
 
     # A getitem's edge goes after it, so its consumers read the edge's output (in the layout
@@ -235,8 +240,8 @@ def insert_collectives_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     moved: dict[fx.Node, fx.Node] = {}
     for a, o, n, p, dst in uses:
         if a in acc_of:
-            acc, G = acc_of[a]
-            edge = edge_for(a, o, n.name, a.meta[ir.SPECS][0], dst, grad_in(n, p), gtarget=G)
+            acc, L, G = acc_of[a]
+            edge = edge_for(a, o, n.name, L, dst, grad_in(n, p), gtarget=G)
             n.replace_input_with(a, acc if edge is None else insert(edge, n, acc, _val(a, o)))
             continue
         if a in moved:

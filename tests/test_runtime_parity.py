@@ -118,8 +118,9 @@ def _reference_loss(model, inputs, targets, loss_fn, kwargs):
 
 
 def run_parity(name: str, plan: str, mesh: dict, s_g: int = 1, s_os: int = 1, steps: int = 3,
-               local: bool = False):
-    """Worker: compile and train; assert parity on every rank; return per-step losses."""
+               local: bool = False, sp: bool = False):
+    """Worker: compile and train; assert parity on every rank; return per-step losses.
+    ``sp``: megatron with sequence parallelism (its reduce-scatters must be there)."""
     import fxpar
     from fxpar import ir
     from fxpar.runtime.redistribute import distribute
@@ -135,8 +136,15 @@ def run_parity(name: str, plan: str, mesh: dict, s_g: int = 1, s_os: int = 1, st
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-5)  # noqa: E731
     prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), inputs, kwargs,
                          loss_fn=loss_fn, example_targets=targets, plan=plan, mesh=mesh,
-                         optimizer=opt, time_limit=20)
+                         optimizer=opt, time_limit=20, **({"sequence_parallel": True} if sp else {}))
     runner = prog.runner(s_g=s_g, s_os=s_os, local_batch=local)
+    if sp:   # sequence-sharded norms: g's all-reduces became reduce-scatters (and f's all-gathers)
+        kinds = {s.kind for e in runner.gm.meta[ir.EDGES].values() for s in e.fwd.steps}
+        assert {"reduce_scatter", "all_gather"} <= kinds, kinds
+        if name == "llama":  # one all-gather of each norm's output for q, k, v (gate, up)
+            shared = [n for n, e in runner.gm.meta[ir.EDGES].items()
+                      if n.endswith("->consumers") and [s.kind for s in e.fwd.steps] == ["all_gather"]]
+            assert len(shared) == 4, shared
     # local=True: a data loader's per-rank batch (this rank's rows; plain data parallelism)
     batch = [x.chunk(dist.get_world_size())[dist.get_rank()] for x in inputs + targets] \
         if local else list(inputs + targets)
@@ -189,6 +197,18 @@ def _check(results):
 ])
 def test_parity_2_ranks(pools, name, plan, mesh, s_g, s_os):
     _check(pools(2).run(run_parity, name, plan, mesh, s_g, s_os))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,mesh", [("llama", {"tp": 2}), ("gpt2", {"tp": 2}),
+                                       ("llama", {"dp": 2, "tp": 2})])
+def test_megatron_sequence_parallel_parity(pools, name, mesh):
+    """Megatron with sequence parallelism (issue #31 item 4): norms split along the sequence,
+    one all-gather into q, k, v (shared) and a reduce-scatter out of each row linear."""
+    n = 1
+    for v in mesh.values():
+        n *= v
+    _check(pools(n).run(run_parity, name, "megatron", mesh, 1, 1, 3, False, True))
 
 
 @pytest.mark.timeout(300)

@@ -62,3 +62,28 @@ def test_megatron_layer_moves_what_megatron_moves(name, tp):
     # the summed gradients: one accumulation per block input (attention's and the MLP's)
     acc = [n for n in plan.nodes if n.grad_acc and n.layer == "model.layers.0"]
     assert len(acc) == 2 and all(n.grad_acc == "P(sum)" for n in acc), acc
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_megatron_sequence_parallel_moves_the_same_and_holds_less(tp):
+    """Sequence parallelism (Korthikanti et al.): each all-reduce becomes a reduce-scatter
+    (``b·s·h`` in) and an all-gather (``b·s·h/tp`` per device in), the norms' weights'
+    gradients are all-reduced, and the activations between the regions are 1/tp."""
+    ids = torch.zeros(B, S, dtype=torch.long, device="meta")
+    kw = dict(plan="megatron", mesh={"tp": tp})
+    model = _model("llama", tp)
+    base = fxpar.plan(model, fxpar.Cluster.preset("dgx-a100"), (ids,), {"labels": ids}, **kw).plan
+    sp = fxpar.plan(model, fxpar.Cluster.preset("dgx-a100"), (ids,), {"labels": ids},
+                    sequence_parallel=True, **kw).plan
+    act, norm_w = B * S * H * 4, H * 4
+    per = _per_layer(sp)
+    for layer in ("model.layers.0", "model.layers.1"):
+        assert per[layer] == {("fwd", "reduce_scatter"): 2 * act, ("fwd", "all_gather"): 2 * act // tp,
+                              ("bwd", "reduce_scatter"): 2 * act, ("bwd", "all_gather"): 2 * act // tp,
+                              ("bwd", "all_reduce"): 2 * norm_w}, (layer, per[layer])
+    shared = [n for n in sp.nodes if n.shared and n.layer == "model.layers.0"]
+    assert [(n.outputs, n.shared, n.grad_acc) for n in shared] == [(("S(1)",), "R", "P(sum)")] * 2
+    assert sp.memory < base.memory
+    with pytest.raises(fxpar.PlanError, match="sequence_parallel=True applies to plan='megatron'"):
+        fxpar.plan(model, fxpar.Cluster.preset("dgx-a100"), (ids,), {"labels": ids}, plan="dp",
+                   mesh={"dp": 2}, sequence_parallel=True)

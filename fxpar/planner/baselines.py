@@ -326,8 +326,13 @@ def baseline_notes(kind: str, gm: fx.GraphModule, mesh: Mesh) -> tuple[str, ...]
     return ()
 
 
-def baseline_pins(kind: str, gm: fx.GraphModule, mesh: Mesh) -> dict[str, Spec]:
-    """Pins that force baseline ``kind`` on ``mesh`` (module docstring)."""
+def baseline_pins(kind: str, gm: fx.GraphModule, mesh: Mesh, *,
+                  sequence_parallel: bool = False) -> dict[str, Spec]:
+    """Pins that force baseline ``kind`` on ``mesh`` (module docstring). ``megatron`` with
+    ``sequence_parallel``: Megatron's third paper, the norms (and bias adds) between the
+    tensor-parallel regions split along the sequence (dim 1) on ``tp``; the solver then
+    turns each ``g`` all-reduce into a reduce-scatter into them and each ``f`` into an
+    all-gather out of them (shared by the q, k, v or gate, up linears that read one norm)."""
     nd = mesh.ndim
     names = list(mesh.axis_names)
     params = ir.params(gm, "param")
@@ -374,11 +379,14 @@ def baseline_pins(kind: str, gm: fx.GraphModule, mesh: Mesh) -> dict[str, Spec]:
             rows = int(loss.args[0].meta[ir.VAL].shape[0])
             dp = {a: S0 for a in names[:-1]} if no_empty_shard(rows, mesh.shape[:-1]) else {}
             pins[loss.name] = InputPin("self", {**dp, tp: S1})
-        # PTD-P computes LayerNorms and bias adds replicated on tp (no sequence parallelism)
+        # PTD-P computes LayerNorms and bias adds replicated on tp; with sequence parallelism
+        # split along the sequence where it splits evenly
         linear, (batch, other) = {n for n, _ in lin}, _lookups(gm)
         for node in _batch_param_ops(gm):
             if node not in linear and node not in batch and node not in other:
-                pins[node.name] = spec(**{a: S0 for a in names[:-1]})
+                shape = node.meta[ir.VAL].shape
+                seq = sequence_parallel and len(shape) >= 3 and shape[1] % mesh.shape[-1] == 0
+                pins[node.name] = spec(**{a: S0 for a in names[:-1]}, **({tp: S1} if seq else {}))
         return pins
     if kind == "axonn":
         if nd < 3:

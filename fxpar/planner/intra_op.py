@@ -51,12 +51,12 @@ from fxpar.ir import grad_flags
 from fxpar.layers import layer_of, repeated_copies
 from fxpar.plan_data import EdgePlan, NodePlan, Plan, StepCost
 from fxpar.planner.pins import match_pins, squeeze, unsqueeze
-from fxpar.planner.pricing import (EdgePricer, bucket_share, bucketed_time, compute_times,
+from fxpar.planner.pricing import (EdgePricer, bucket_share, bucketed_time, compute_times, fan_out_grad,
                                    finalize_spec, latency_free, node_key, node_memory,
                                    output_meta)
 from fxpar.resharding.intra import LOCAL_KINDS, reshard_costs, reshard_plan
 from fxpar.solver import Solution, StrategyProblem, solve
-from fxpar.spec import Partial, Spec, grad_in_spec, grad_out_spec, placement_kind
+from fxpar.spec import Partial, Replicate, Spec, grad_in_spec, grad_out_spec, placement_kind
 from fxpar.strategies import strategies_for, unsharded_strategy
 from fxpar.strategies.base import Strategy
 
@@ -90,9 +90,12 @@ class PlannerOptions:
     #: backward passes per optimizer step (a pipeline's microbatches): the solver prices a
     #: parameter's gradient reduction once per step (the runtime buckets it after the last)
     grad_steps: int = 1
-    #: offer fan-out values a gradient-accumulation layout (``Strategy.grad_acc``): their
-    #: consumers' partial gradients summed, then reduced once, as Megatron does
-    grad_acc: bool = True
+    #: offer fan-out values a reshard shared by their consumers and a gradient-accumulation
+    #: layout (``Strategy.shared``/``grad_acc``): consumers' partial gradients summed, then
+    #: reduced once, as Megatron does
+    fan_out: bool = True
+    #: ``plan="megatron"``: sequence parallelism (:func:`fxpar.planner.baselines.baseline_pins`)
+    sequence_parallel: bool = False
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in ("optimizer", "precision", "efficiency",
@@ -267,25 +270,53 @@ def grad_acc_spec(spec: Spec) -> Spec | None:
     return Spec(tuple(_SUM if placement_kind(p) == "R" else p for p in g))
 
 
-def _with_grad_acc(n: fx.Node, got: tuple, mesh) -> tuple:
-    """``got`` (a fan-out node's priced strategies) with, after each strategy whose gradient
-    layout has an ``R`` axis, the same strategy summing its consumers' gradients in
-    :func:`grad_acc_spec` first: its cost adds the one reshard of the sum (``P(sum)→R``: an
-    all-reduce), its edges' backward reshards end at the sum's layout (``P(sum)→P(sum)``:
-    free) instead of each reducing on its own (Megatron's one ``f`` all-reduce per block
-    input against three for q, k and v)."""
+def fan_out_variants(s: Strategy) -> list[Strategy]:
+    """The ways a fan-out node's output ``s.outputs[0]`` reaches its consumers (``s`` first):
+    read as it is or resharded once (``shared``) to the layout with one sharded axis
+    replicated (sequence parallelism's all-gather on ``tp``); gradients resharded per
+    consumer edge or summed first (``grad_acc``, :func:`grad_acc_spec` of the layout read).
+
+    >>> [str(v) for v in fan_out_variants(Strategy((), ("S(1)",)))]
+    [' -> S(1)', ' -> S(1) | shared R', ' -> S(1) | shared R | grad P(sum)']
+    """
+    out = [s]
+    if len(s.outputs) != 1:
+        return out
+    spec = s.outputs[0]
+    for shared in [None] + [spec.with_axis(a, Replicate()) for a, p in enumerate(spec)
+                            if placement_kind(p) == "S"]:
+        if shared is not None:
+            out.append(dataclasses.replace(s, shared=shared))
+        g = grad_acc_spec(shared or spec)
+        if g is not None:
+            out.append(dataclasses.replace(s, shared=shared, grad_acc=g))
+    return out
+
+
+def fan_out_time(s: Strategy, mesh, tm) -> float:
+    """Seconds of what a fan-out strategy does once for all consumers: the forward reshard to
+    ``shared`` and the backward reshard of the summed gradients to the output's gradient
+    layout (:func:`~fxpar.planner.pricing.fan_out_grad`); 0 for a plain strategy."""
+    if s.shared is None and s.grad_acc is None:
+        return 0.0
+    out = s.outputs[0]
+    t = reshard_costs(out, [s.shared], mesh, tm.shape, tm.dtype)[0] if s.shared is not None else 0.0
+    return t + reshard_costs(fan_out_grad(s), [grad_out_spec(out)], mesh, tm.shape, tm.dtype)[0]
+
+
+def _with_fan_out(n: fx.Node, got: tuple, mesh) -> tuple:
+    """``got`` (a fan-out node's priced strategies) with each strategy's
+    :func:`fan_out_variants` after it, their cost adding :func:`fan_out_time` (an
+    all-reduce of the summed gradients for Megatron's one ``f`` per block input against one
+    per consumer edge; an all-gather and a reduce-scatter for sequence parallelism)."""
     lst, f, b, m, c = got
     tm = ir.tensor_meta(n)
     idx, out, extra = [], [], []
     for k, s in enumerate(lst):
-        idx.append(k)
-        out.append(s)
-        extra.append(0.0)
-        g = grad_acc_spec(s.outputs[0]) if len(s.outputs) == 1 else None
-        if g is not None:
+        for v in fan_out_variants(s):
             idx.append(k)
-            out.append(dataclasses.replace(s, grad_acc=g))
-            extra.append(reshard_costs(g, [grad_out_spec(s.outputs[0])], mesh, tm.shape, tm.dtype)[0])
+            out.append(v)
+            extra.append(fan_out_time(v, mesh, tm))
     ix = np.array(idx)
     vecs = [f[ix], b[ix], m[ix], c[ix] + np.array(extra)]
     for v in vecs:
@@ -330,11 +361,11 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
                               _strategies_of(n, mesh, strategies), memo)
             if nkey is not None:
                 by_key[nkey] = got
-        if opts.grad_acc and fans_out(n, flags):
-            akey = ("grad_acc", nkey) if nkey is not None else None
+        if opts.fan_out and fans_out(n, flags):
+            akey = ("fan_out", nkey) if nkey is not None else None
             acc = by_key.get(akey) if akey is not None else None
             if acc is None:
-                acc = _with_grad_acc(n, got, mesh)
+                acc = _with_fan_out(n, got, mesh)
                 if akey is not None:
                     by_key[akey] = acc
             got = acc
@@ -495,29 +526,29 @@ def solution_to_plan(bp: BuiltProblem, choice: Sequence[int], *, kind: str = "au
             fwd_time=float(bp.fwd[i][choice[i]]), bwd_time=float(bp.bwd[i][choice[i]]),
             memory=int(bp.problem.mem[i][choice[i]]),
             param=n.op == "placeholder" and ir.is_trainable_param(n),
-            grad_acc=None if s.grad_acc is None else sstr(s.grad_acc)))
-        if s.grad_acc is not None:   # the one reshard of the summed gradients, at n's backward
+            grad_acc=None if s.grad_acc is None else sstr(s.grad_acc),
+            shared=None if s.shared is None else sstr(s.shared)))
+        if s.shared is not None or s.grad_acc is not None:   # once for all consumers, at n
             tm = output_meta(n, 0)
-            go = grad_out_spec(s.outputs[0])
-            steps = _steps(rplan(s.grad_acc, go, tm))
-            if steps:
-                acc_edges.append(EdgePlan(n.name, n.name, "bwd", sstr(s.grad_acc), sstr(go), steps,
-                                          bp.layers[i]))
+            out, g, go = s.outputs[0], fan_out_grad(s), grad_out_spec(s.outputs[0])
+            for d, (a, b) in (("fwd", (out, s.shared or out)), ("bwd", (g, go))):
+                steps = _steps(rplan(a, b, tm))
+                if steps:
+                    acc_edges.append(EdgePlan(n.name, n.name, d, sstr(a), sstr(b), steps, bp.layers[i]))
     eps = []
     for i, j, p, o, needs_grad in bp.edge_info:
         sk, sl = strats[i][choice[i]], strats[j][choice[j]]
         if p >= len(sl.inputs) or sl.inputs[p] is None or o >= len(sk.outputs):
             continue
         tm = output_meta(nodes[i], o)
-        src, dst = sk.outputs[o], sl.inputs[p]
+        fan = o == 0 and (sk.shared is not None or sk.grad_acc is not None)
+        src, dst = (sk.shared or sk.outputs[o]) if fan else sk.outputs[o], sl.inputs[p]
         lay = bp.layers[j]
         fp = rplan(src, dst, tm)
         if fp.steps:
             eps.append(EdgePlan(nodes[i].name, nodes[j].name, "fwd", sstr(src), sstr(dst), _steps(fp), lay))
         if needs_grad:
-            g, go = grad_in_spec(sl, p), grad_out_spec(src)
-            if sk.grad_acc is not None and o == 0:
-                go = sk.grad_acc   # summed there with the other consumers' (acc_edges)
+            g, go = grad_in_spec(sl, p), fan_out_grad(sk) if fan else grad_out_spec(src)
             if ir.PARAM in nodes[i].meta:
                 steps = bucketed(g, go, tm)
                 if fp.steps:

@@ -221,6 +221,18 @@ def finalize_spec(spec: Spec, pinned: Spec | None) -> Spec:
     return pinned if pinned is not None else grad_out_spec(spec)
 
 
+def fan_out_grad(s: Strategy) -> Spec:
+    """The layout a fan-out strategy's consumers' gradients are summed in: ``grad_acc``, else
+    the gradient layout of the layout they read (``shared``, else the output's).
+
+    >>> fan_out_grad(Strategy((), ("S(1)",), shared="R"))
+    R
+    """
+    if s.grad_acc is not None:
+        return s.grad_acc
+    return grad_out_spec(s.shared if s.shared is not None else s.outputs[0])
+
+
 class EdgePricer:
     """Edge matrices ``R[k, l]`` (module docstring) priced per DISTINCT pair of specs.
 
@@ -265,9 +277,10 @@ class EdgePricer:
         return g
 
     def _src_ids(self, strats: list[Strategy], o: int) -> tuple[np.ndarray, np.ndarray]:
-        """Per strategy: the id of output ``o``'s spec and of the layout its gradient is
-        resharded to on the edge (``grad_acc`` where the strategy sums its consumers'
-        gradients first, else ``grad_out_spec``); -1 without output ``o``."""
+        """Per strategy: the id of the layout the edge reshards output ``o`` from (``shared``
+        where the strategy reshards it once for all consumers, else the output's spec) and of
+        the layout its gradient is resharded to on the edge (where the consumers' gradients
+        are summed: :func:`fan_out_grad`, else ``grad_out_spec``); -1 without output ``o``."""
         key = (id(strats), o)
         got = self._src.get(key)
         if got is None:
@@ -278,9 +291,9 @@ class EdgePricer:
                     src.append(-1)
                     gt.append(-1)
                     continue
-                src.append(self._id(s.outputs[o]))
-                gt.append(self._id(s.grad_acc) if s.grad_acc is not None and o == 0
-                          else self._gout_id(src[-1]))
+                fan = o == 0 and (s.shared is not None or s.grad_acc is not None)
+                src.append(self._id(s.shared if fan and s.shared is not None else s.outputs[o]))
+                gt.append(self._id(fan_out_grad(s)) if fan else self._gout_id(src[-1]))
             got = self._src[key] = (np.array(src, np.int64), np.array(gt, np.int64))
         return got
 

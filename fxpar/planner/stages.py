@@ -142,7 +142,8 @@ def plan_pipeline(gm: fx.GraphModule, mesh: Mesh, *, schedule="1f1b",
         sub = subs[sg.index % p]
         own = ir.params(sg.graph)
         names = {nd.name for nd in sg.graph.graph.nodes}
-        pk: dict[str, object] = dict(baseline_pins(kind, sg.graph, sub)) if kind != "auto" else {}
+        pk: dict[str, object] = dict(baseline_pins(
+            kind, sg.graph, sub, sequence_parallel=options.sequence_parallel)) if kind != "auto" else {}
         # a pin on a boundary value is the layout it is computed in: the receivers take it
         # as the sender's layout (or their own, under "crossmesh"/"auto")
         pk.update({k: v for k, v in user_pins.items()

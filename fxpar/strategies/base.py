@@ -93,17 +93,24 @@ class Strategy:
     #: gradients of q, k and v projections of one normed input added, then all-reduced once);
     #: ``None``: each consumer's gradient is resharded on its own edge
     grad_acc: Spec | None = None
+    #: the layout the output is resharded to ONCE for all its consumers (Megatron's sequence
+    #: parallelism: the norm's sequence-sharded output all-gathered once for q, k and v, the
+    #: backward's summed gradient reduce-scattered once); ``None``: each consumer's edge
+    #: reshards from the output's own layout
+    shared: Spec | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "inputs", tuple(None if s is None else as_spec(s) for s in self.inputs))
         object.__setattr__(self, "outputs", tuple(as_spec(s) for s in self.outputs))
-        if self.grad_acc is not None:
-            object.__setattr__(self, "grad_acc", as_spec(self.grad_acc))
+        for f in ("grad_acc", "shared"):
+            if getattr(self, f) is not None:
+                object.__setattr__(self, f, as_spec(getattr(self, f)))
 
     def __str__(self) -> str:
         ins = ", ".join("-" if s is None else str(s) for s in self.inputs)
-        acc = f" | grad {self.grad_acc}" if self.grad_acc is not None else ""
-        return f"{self.name + ': ' if self.name else ''}{ins} -> {', '.join(map(str, self.outputs))}{acc}"
+        fan = (f" | shared {self.shared}" if self.shared is not None else "") + \
+            (f" | grad {self.grad_acc}" if self.grad_acc is not None else "")
+        return f"{self.name + ': ' if self.name else ''}{ins} -> {', '.join(map(str, self.outputs))}{fan}"
 
 
 @dataclass(frozen=True)

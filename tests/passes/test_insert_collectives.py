@@ -166,13 +166,13 @@ def test_fan_out_gradients_summed_then_reduced_once():
 
     gm = _qkv("P(sum)")
     edges = gm.meta[ir.EDGES]
-    assert sorted(edges) == ["h->grad_acc"]     # the consumers' edges have nothing to do
-    acc = edges["h->grad_acc"]
+    assert sorted(edges) == ["h->consumers"]     # the consumers' edges have nothing to do
+    acc = edges["h->consumers"]
     assert not acc.fwd.steps and [s.kind for s in acc.bwd.steps] == ["all_reduce"]
     assert str(acc.bwd.src) == "P(sum)" and str(acc.bwd.dst) == "R"
     (FileCheck()
      .check("h = torch.ops.aten.mul.Tensor(x, 2.0)")
-     .check("grad_acc_all_reduce_tp__h = torch.ops.fxpar.redistribute.default(h, 'h->grad_acc'")
-     .check("aten.linear.default(grad_acc_all_reduce_tp__h, wq)")
-     .check("aten.linear.default(grad_acc_all_reduce_tp__h, wk)")
+     .check("fan_out_grad_all_reduce_tp__h = torch.ops.fxpar.redistribute.default(h, 'h->consumers'")
+     .check("aten.linear.default(fan_out_grad_all_reduce_tp__h, wq)")
+     .check("aten.linear.default(fan_out_grad_all_reduce_tp__h, wk)")
      .run(gm.code))
