@@ -58,6 +58,7 @@ __all__ = [
     "model_state_bytes",
     "ActivationMemory",
     "activation_memory",
+    "saved_storage",
     "RecomputeMemory",
     "recompute_memory",
     "schedule_activation_peak",
@@ -297,6 +298,55 @@ _SAVED = {
 }
 
 
+def _saving_nodes(gm: fx.GraphModule, nodes, flags, only=None):
+    """The nodes whose backward runs (they carry a gradient; views excluded)."""
+    for n in nodes:
+        if n.op in ("placeholder", "get_attr", "output") or not flags.get(n, False):
+            continue
+        if only is not None and not only(n):
+            continue
+        if is_view(_node_target(n, gm) if n.op != "call_module" else None):
+            continue
+        yield n
+
+
+def saved_storage(gm: fx.GraphModule, flags, *, only: Callable[[fx.Node], bool] | None = None,
+                  roots=None) -> tuple[dict[fx.Node, None], dict[fx.Node, int]]:
+    """``(saved, extra)``: the storages autograd keeps from the forward to the backward (the
+    nodes owning them, in graph order: a saved view keeps its base; model states excluded),
+    and per saving node the bytes it keeps besides tensors of the graph (a norm's fp32
+    statistics, a dropout's mask, attention's logsumexp). By each op's record's ``saves``
+    (:class:`~fxpar.cost.compute.Saves`); an op without a record keeps all its inputs.
+    ``flags``: :func:`~fxpar.ir.grad_flags`; ``only``: the saves of those nodes alone.
+
+    >>> import torch
+    >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    >>> gm = torch.export.export(mlp, (torch.randn(2, 4),)).graph_module
+    >>> saved, extra = saved_storage(gm, grad_flags(gm))
+    >>> [n.name for n in saved], extra     # x for dW1; relu's output for dW2 and relu'
+    (['input', 'relu'], {})
+    """
+    nodes = list(gm.graph.nodes)
+    root, is_param = roots if roots is not None else _storage_roots(gm, nodes)
+    saved: dict[fx.Node, None] = {}
+    extra: dict[fx.Node, int] = {}
+    for n in _saving_nodes(gm, nodes, flags, only):
+        target = _node_target(n, gm) if n.op != "call_module" else None
+        kind = saves_of(target)
+        ins = [a for a in n.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+        if kind is None:
+            kind = Saves.PARTNERS if n.op == "call_module" else Saves.ALL
+        chosen, more = _SAVED.get(kind, _saves_nothing)(n, ins, flags)
+        if more:
+            extra[n] = more
+        for a in chosen:
+            r = root.get(a, a)
+            if not is_param.get(r, False):
+                saved[r] = None
+    order = {n: i for i, n in enumerate(nodes)}
+    return dict.fromkeys(sorted(saved, key=order.__getitem__)), extra
+
+
 def activation_memory(gm: fx.GraphModule, *,
                       requires_grad: Iterable[fx.Node] | Callable[[fx.Node], bool] = (),
                       only: Callable[[fx.Node], bool] | None = None) -> ActivationMemory:
@@ -318,6 +368,8 @@ def activation_memory(gm: fx.GraphModule, *,
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     root, is_param = _storage_roots(gm, nodes)
+    saved, extras = saved_storage(gm, flags, only=only, roots=(root, is_param))
+    extra = sum(extras.values())
 
     # forward last use of every storage root (uses of aliases count)
     last_use: dict[fx.Node, int] = {}
@@ -326,29 +378,10 @@ def activation_memory(gm: fx.GraphModule, *,
             r = root.get(a, a)
             last_use[r] = max(last_use.get(r, -1), index[n])
     out_node = nodes[-1] if nodes and nodes[-1].op == "output" else None
-    # saved storage
-    saved: dict[fx.Node, None] = {}
-    extra: int = 0
     backward_transient = 0
-    for n in nodes:
-        if n.op in ("placeholder", "get_attr", "output") or not flags.get(n, False):
-            continue
-        if only is not None and not only(n):
-            continue
-        target = _node_target(n, gm) if n.op != "call_module" else None
-        if is_view(target):
-            continue
-        kind = saves_of(target)
-        ins = [a for a in n.all_input_nodes if isinstance(_val(a), torch.Tensor)]
-        if kind is None:
-            kind = Saves.PARTNERS if n.op == "call_module" else Saves.ALL
-        chosen, more = _SAVED.get(kind, _saves_nothing)(n, ins, flags)
-        extra += more
-        for a in chosen:
-            r = root.get(a, a)
-            if not is_param.get(r, False):
-                saved[r] = None
+    for n in _saving_nodes(gm, nodes, flags, only):
         # backward of this op: dY plus the gradients of its inputs live at once
+        ins = [a for a in n.all_input_nodes if isinstance(_val(a), torch.Tensor)]
         v = _val(n)
         dy = _nbytes_val(v) if isinstance(v, torch.Tensor) else sum(_nbytes_val(e) for e in v or ())
         dx = sum(_nbytes_val(_val(a)) for a in ins if flags.get(a, False) and not is_param.get(root.get(a, a), False))

@@ -51,9 +51,9 @@ from fxpar.ir import grad_flags
 from fxpar.layers import layer_of, repeated_copies
 from fxpar.plan_data import EdgePlan, NodePlan, Plan, StepCost
 from fxpar.planner.pins import match_pins, squeeze, unsqueeze
-from fxpar.planner.pricing import (EdgePricer, bucket_share, bucketed_time, compute_times, fan_out_grad,
-                                   finalize_spec, latency_free, node_key, node_memory,
-                                   output_meta)
+from fxpar.planner.pricing import (EdgePricer, backward_transient, bucket_share, bucketed_time,
+                                   compute_times, fan_out_grad, finalize_spec, latency_free,
+                                   node_key, node_memory, output_meta)
 from fxpar.resharding.intra import LOCAL_KINDS, reshard_costs, reshard_plan
 from fxpar.solver import Solution, StrategyProblem, solve
 from fxpar.spec import Partial, Replicate, Spec, grad_in_spec, grad_out_spec, placement_kind
@@ -218,10 +218,10 @@ def _strategies_of(n: fx.Node, mesh, strategies: Callable) -> list[Strategy]:
 
 
 def _price_node(n: fx.Node, flags, mesh, opts: PlannerOptions, lst: list[Strategy],
-                memo: dict) -> tuple:
+                memo: dict, kept: bool = True, extra: int = 0) -> tuple:
     """``(lst, fwd, bwd, memory, cost)`` of node ``n`` with strategies ``lst`` on ``mesh``
     (read-only vectors); ``memo`` shares the times of equal (op, arguments, metas, strategy)
-    within one build."""
+    within one build; ``kept``/``extra``: what autograd keeps of it (:func:`_kept`)."""
     f = np.zeros(len(lst))
     b = np.zeros(len(lst))
     m = np.zeros(len(lst), dtype=np.int64)
@@ -235,7 +235,7 @@ def _price_node(n: fx.Node, flags, mesh, opts: PlannerOptions, lst: list[Strateg
             f[k], b[k] = compute_times(n, s, mesh, flags, opts)
             if key is not None:
                 memo[key] = (f[k], b[k])
-        m[k] = node_memory(n, s, mesh, flags, opts)
+        m[k] = node_memory(n, s, mesh, flags, opts, kept=kept, extra=extra)
     c = f + b
     for v in (f, b, m, c):
         v.setflags(write=False)
@@ -324,6 +324,19 @@ def _with_fan_out(n: fx.Node, got: tuple, mesh) -> tuple:
     return (out, *vecs)
 
 
+def _kept(gm: fx.GraphModule, flags) -> tuple[set, dict]:
+    """``(kept nodes, extra bytes)``: the nodes whose outputs autograd keeps for the backward
+    (a multi-output node when one of its elements is kept) and what each saving node keeps
+    besides (:func:`fxpar.cost.memory.saved_storage`). Activation memory is these alone, not
+    every output (which priced HF Llama's activations about 2x what it saves)."""
+    from fxpar.cost.memory import saved_storage
+
+    saved, extra = saved_storage(gm, flags)
+    kept = set(saved)
+    kept.update(a for n in saved if n.target is operator.getitem for a in n.all_input_nodes[:1])
+    return kept, extra
+
+
 def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None = None,
                   options: PlannerOptions | None = None,
                   strategies: Callable | None = None,
@@ -352,13 +365,15 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
     strats: list[list[Strategy]] = []
     cost, mem, fwd, bwd = [], [], [], []
     memo: dict[tuple, tuple] = {}
+    kept, extra = _kept(gm, flags)
     for n in nodes:
-        nkey = node_key(n, flags) if share else None
+        skey = node_key(n, flags) if share else None      # the strategies' key
+        nkey = None if skey is None else skey + (n in kept, extra.get(n, 0))  # the prices'
         got = by_key.get(nkey) if nkey is not None else None
         if got is None:
-            lst = lists.get(nkey) if nkey is not None else None
+            lst = lists.get(skey) if skey is not None else None
             got = _price_node(n, flags, mesh, opts, lst if lst is not None else
-                              _strategies_of(n, mesh, strategies), memo)
+                              _strategies_of(n, mesh, strategies), memo, n in kept, extra.get(n, 0))
             if nkey is not None:
                 by_key[nkey] = got
         if opts.fan_out and fans_out(n, flags):
@@ -568,7 +583,12 @@ def solution_to_plan(bp: BuiltProblem, choice: Sequence[int], *, kind: str = "au
     cf = float(sum(n.fwd_time for n in nps))
     cb = float(sum(n.bwd_time for n in nps))
     comm = float(sum(e.time for e in eps))
+    # what is kept (model states, saved activations) plus one op's backward at its peak
     memory = int(bp.problem.evaluate(choice)[2][0]) if bp.problem.live else 0
+    transient = backward_transient(nodes, [strats[i][choice[i]] for i in range(len(nodes))], mesh,
+                                   grad_flags(bp.gm))
+    memory += transient
+    stats = dict(stats or {}, backward_transient=transient)
     c = mesh.cluster
     shown = full if full is not None else mesh
     mesh_d = dict(axis_names=tuple(shown.axis_names), shape=tuple(shown.shape),
@@ -576,7 +596,7 @@ def solution_to_plan(bp: BuiltProblem, choice: Sequence[int], *, kind: str = "au
     return Plan(kind=kind, mesh=mesh_d, nodes=tuple(nps), edges=tuple(eps), time=cf + cb + comm,
                 compute_fwd=cf, compute_bwd=cb, comm=comm, memory=memory,
                 budget=bp.problem.budget, status=status, options=bp.options.to_dict(),
-                stats=dict(stats or {}))
+                stats=stats)
 
 
 def plan_graph(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None = None,

@@ -82,6 +82,38 @@ def _local(spec: Spec | None, shape, mesh) -> tuple[int, ...]:
     return max_local_shape(spec, shape, mesh.shape)
 
 
+def backward_transient(nodes, strategies, mesh, flags) -> int:
+    """Bytes per device live on top of the saved activations while one op's backward runs,
+    the largest over the ops: its output gradient plus its activation inputs' gradients
+    (``dY + ΣdX``, :func:`fxpar.cost.memory.activation_memory`'s ``peak_bytes``), each in
+    the layout the op's strategy holds it.
+
+    >>> import torch, fxpar
+    >>> from fxpar.ir import grad_flags
+    >>> gm = fxpar.capture(torch.nn.Linear(8, 4), (torch.randn(2, 8).requires_grad_(),))
+    >>> nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    >>> mesh = fxpar.Mesh(fxpar.Cluster.local(1), dp=1)
+    >>> backward_transient(nodes, [Strategy(("R", "R", "R"), ("R",))], mesh, grad_flags(gm))
+    96
+    """
+    peak = 0
+    for n, s in zip(nodes, strategies):
+        if n.op != "call_function" or not flags.get(n) or is_view(n.target) or not s.outputs:
+            continue
+        mets = ir.tensor_metas(n)
+        if not mets or mets[0] is None:
+            continue
+        t = mets[0]
+        dy = math.prod(_local(s.outputs[0], t.shape, mesh)) * t.dtype.itemsize
+        dx = 0
+        for a, spec in zip(n.all_input_nodes, s.inputs):
+            v = a.meta.get(ir.VAL)
+            if spec is not None and flags.get(a) and ir.PARAM not in a.meta and isinstance(v, torch.Tensor):
+                dx += math.prod(_local(spec, v.shape, mesh)) * v.dtype.itemsize
+        peak = max(peak, dy + dx)
+    return peak
+
+
 def output_meta(node: fx.Node, out_idx: int):
     """Tensor meta of output ``out_idx`` of ``node`` (``None`` past its last output)."""
     mets = ir.tensor_metas(node)
@@ -123,8 +155,13 @@ def compute_times(node, strat: Strategy, mesh, flags, opts) -> tuple[float, floa
     return f, b
 
 
-def node_memory(node, strat: Strategy, mesh, flags, opts) -> int:
-    """``m_ik``: bytes per device ``node`` keeps under ``strat`` (module docstring)."""
+def node_memory(node, strat: Strategy, mesh, flags, opts, *, kept: bool = True,
+                extra: int = 0) -> int:
+    """``m_ik``: bytes per device ``node`` keeps under ``strat`` (module docstring): a
+    parameter's model states, an input's bytes, and an activation's output only where
+    autograd keeps it for the backward (``kept``: :func:`fxpar.cost.memory.saved_storage`),
+    plus the ``extra`` bytes its own backward keeps (norm statistics, a mask), sharded as
+    its first output."""
     info = node.meta.get(ir.PARAM)
     mets = ir.tensor_metas(node)
     if not strat.outputs or not mets or mets[0] is None:
@@ -140,6 +177,12 @@ def node_memory(node, strat: Strategy, mesh, flags, opts) -> int:
     if node.target is operator.getitem:
         return 0
     total = 0
+    if extra:
+        t = mets[0]
+        n = math.prod(t.shape)
+        total += extra * math.prod(_local(strat.outputs[0], t.shape, mesh)) // n if n else extra
+    if not kept:
+        return total
     for o, t in enumerate(m for m in mets if m is not None):
         if o < len(strat.outputs) and t.dtype.is_floating_point:
             total += math.prod(_local(strat.outputs[o], t.shape, mesh)) * t.dtype.itemsize
