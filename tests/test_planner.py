@@ -189,11 +189,7 @@ def test_repeated_blocks_are_tied(a100):
     names = bp.problem.names
     groups = [[names[i] for i in g] for g in bp.problem.ties]
     assert groups, "no tie groups found"
-    # every node of a block is tied with its copies, but the last block's output: read once
-    # (by the final norm), it has no gradient-accumulation choice, so only 2 copies tie there
-    short = [g for g in groups if len(g) != 3]
-    assert [[n.split("_")[0] for n in g] for g in short] == [["add", "add"]], short
-    assert all(len(g) == 3 for g in groups if g not in short)
+    assert all(len(g) == 3 for g in groups)
     lays = {bp.layers[names.index(g[0])] for g in groups}
     assert lays == {"blocks.0"}
     p = plan_graph(gm, mesh, strategies=toy_strategies)
@@ -302,14 +298,17 @@ def _pairwise_reference(bp, max_pairs=None):
             if dst is None or o >= len(sk.outputs):
                 R[k, l] = 0.0
                 continue
-            src = sk.outputs[o]
+            # a fan-out strategy: its edges read the shared layout, their gradients end where
+            # the consumers' are summed
+            fan = o == 0 and (sk.shared is not None or sk.grad_acc is not None)
+            src = (sk.shared or sk.outputs[0]) if fan else sk.outputs[o]
+            target = (sk.grad_acc or grad_out_spec(src)) if fan else grad_out_spec(src)
             ft = reshard_plan(src, dst, mesh, tm.shape, tm.dtype).time
             t = ft
             if needs_grad:
-                bt = reshard_plan(grad_in_spec(sl, p), grad_out_spec(src), mesh, tm.shape,
-                                  tm.dtype).time
+                bt = reshard_plan(grad_in_spec(sl, p), target, mesh, tm.shape, tm.dtype).time
                 if is_param:  # bucketed: the bandwidth, and the latency times its bucket share
-                    b0 = reshard_plan(grad_in_spec(sl, p), grad_out_spec(src), free, tm.shape,
+                    b0 = reshard_plan(grad_in_spec(sl, p), target, free, tm.shape,
                                       tm.dtype).time
                     share = min(1.0, math.prod(tm.shape) * tm.dtype.itemsize / (25 * 2**20))
                     bt = b0 + (bt - b0) * share
@@ -319,6 +318,15 @@ def _pairwise_reference(bp, max_pairs=None):
             R[k, l] = t
         edges.append((i, j, R))
     cost = [f + b for f, b in zip(bp.fwd, bp.bwd)]
+    for i, lst in enumerate(strats):   # what a fan-out strategy does once for all consumers
+        tm = _tensor_val_of(nodes[i], 0)
+        for k, s in enumerate(lst):
+            if s.shared is not None or s.grad_acc is not None:
+                out = s.outputs[0]
+                once = reshard_plan(out, s.shared or out, mesh, tm.shape, tm.dtype).time
+                once += reshard_plan(s.grad_acc or grad_out_spec(s.shared or out), grad_out_spec(out),
+                                     mesh, tm.shape, tm.dtype).time
+                cost[i][k] += once
     for i, o, pin in bp.outputs:
         tm = _tensor_val_of(nodes[i], o)
         for k, s in enumerate(strats[i]):

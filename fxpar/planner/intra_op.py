@@ -45,7 +45,7 @@ import torch
 import torch.fx as fx
 
 from fxpar import ir
-from fxpar.cost.compute import op_name
+from fxpar.cost.compute import cost_rule, op_name
 from fxpar.errors import MemoryBudgetError, PlanError
 from fxpar.ir import grad_flags
 from fxpar.layers import layer_of, repeated_copies
@@ -245,15 +245,28 @@ def _price_node(n: fx.Node, flags, mesh, opts: PlannerOptions, lst: list[Strateg
 _SUM = Partial("sum")
 
 
+def _gemm_rules() -> tuple:
+    from fxpar.cost import compute as cc
+
+    return (cc.mm_cost, cc.addmm_cost, cc.bmm_cost, cc.baddbmm_cost, cc.matmul_cost, cc.linear_cost,
+            cc.einsum_cost, cc.sdpa_cost, cc.convolution_cost, cc.convnd_cost, cc.conv_transpose_cost)
+
+
 def fans_out(n: fx.Node, flags) -> bool:
-    """``n``'s output gradient is the sum of several consumers' contributions: a
-    differentiable floating-point value of one output read by two or more ops (none of them
-    the graph output or a ``getitem``)."""
+    """``n``'s output gradient is the sum of several consumers' contributions where sharing
+    pays: a differentiable floating-point value of one output read by ops none of which is
+    the graph output or a ``getitem``, two or more of them GEMMs or attention (the q, k, v or
+    gate, up projections of one normed input: their partial input gradients are what an
+    all-reduce sums; element-wise consumers take the layout they are given, and offering
+    every fan-out the variants made recurrences like RWKV's too large to prove)."""
     v = n.meta.get(ir.VAL)
     if n.op != "call_function" or not flags.get(n) or not isinstance(v, torch.Tensor) \
             or not v.dtype.is_floating_point or len(n.users) < 2:
         return False
-    return all(u.op == "call_function" and u.target is not operator.getitem for u in n.users)
+    if not all(u.op == "call_function" and u.target is not operator.getitem for u in n.users):
+        return False
+    gemms = _gemm_rules()
+    return sum(cost_rule(u.target) in gemms for u in n.users) >= 2
 
 
 def grad_acc_spec(spec: Spec) -> Spec | None:
