@@ -23,15 +23,20 @@ and each replica gradient ``g`` all-reduced over the data-parallel group (``ar``
 
 **Step** (:func:`step_time`): the schedule's action lists through :func:`fxpar.sim.simulate`
 with ``F_k``, ``B_k``, the boundary transfers ``x_k`` on the communication lanes and, per
-chunk, a ``REDUCE_GRAD`` on its rank's communication lane after its last backward: its
-gradient reductions on its own axes plus its share (by parameters) of the data-parallel terms
-of AMSP (:func:`dp_terms`: ``T_g + T_os0``); ZeRO-3's gathers ``T_p`` are paid per
-microbatch inside ``F``/``B`` (not overlapped); ``T_os1`` (gathering updated parameters) after
-the last rank finishes::
+chunk, a ``REDUCE_GRAD`` on its rank's communication lane after its last backward; ``T_os1``
+(gathering updated parameters) after the last rank finishes. Inside a chunk the units overlap
+communication as the runtime does (:func:`overlapped_chunk`, :func:`unit_overlap`: one FIFO
+communication lane beside the compute): ZeRO-3's gathers (``T_p/2m`` per pass, split over
+the units by parameters) prefetched one unit ahead, each unit's gradient reductions (its own
+axes' ``bwd_fixed`` plus its share of AMSP's ``T_g + T_os0``, :func:`dp_terms`) issued as its
+backward ends, so only what outlasts the last microbatch's backward is ``REDUCE_GRAD``; the
+cluster's ``comm_interference`` slows compute by that fraction of the communication it hides::
 
-    step = sim(F + T_p/2m, B + T_p/2m, x, REDUCE_GRAD = Σ bwd_fixed + T_g + T_os0) + T_os1
+    F_k, B_k, R_k = overlapped_chunk(chunk k, T_p/2m, T_g + T_os0)
+    step = sim(F, B, x, REDUCE_GRAD = R) + T_os1
 
-For one SPMD step (one chunk, one microbatch) this is ``F + B + reductions + T_p + T_os1``.
+For one SPMD step (one chunk, one microbatch) with nothing to hide behind (one unit) this is
+``F + B + reductions + T_p + T_os1``; ``summed`` adds every cost with no overlap.
 
 **Memory** (:func:`rank_memory`, Megatron-LM §2.2/§3.5, AMSP §IV-D), pipeline rank ``r``
 with ``f_r`` microbatches in flight::
@@ -121,6 +126,12 @@ class ChunkCost:
     out: float
     max_params: float = 0.0
     max_act: float = 0.0
+    #: per unit, in order: forward, backward (with its recomputed forward and synchronous
+    #: replica reductions), own-axis gradient reductions, local parameters (sum to the above)
+    unit_fwd: tuple[float, ...] = ()
+    unit_bwd: tuple[float, ...] = ()
+    unit_reduce: tuple[float, ...] = ()
+    unit_params: tuple[float, ...] = ()
 
 
 def chunk_costs(units: Sequence[UnitCost], starts: Sequence[int], scale: float = 1.0,
@@ -135,18 +146,83 @@ def chunk_costs(units: Sequence[UnitCost], starts: Sequence[int], scale: float =
     for k in range(len(starts)):
         idx = range(bounds[k], bounds[k + 1])
         us = [units[u] for u in idx]
-        fwd = sum(u.forward(scale) for u in us)
-        again = sum(units[u].forward(scale) for u in idx if u in rec)
+        ufwd = tuple(u.forward(scale) for u in us)
+        ubwd = tuple(units[u].backward(scale) + (units[u].forward(scale) if u in rec else 0.0)
+                     + (sum(replica_reduce(b) for b in units[u].replica_grads) if replica_reduce else 0.0)
+                     for u in idx)
         act = sum((units[u - 1].out if u else 0.0) if u in rec else units[u].act for u in idx)
         copies = {name: n for u in us for name, first, n in u.reused if first < bounds[k]}
-        sync = sum(replica_reduce(b) for u in us for b in u.replica_grads) if replica_reduce else 0.0
         out.append(ChunkCost(
-            fwd=fwd, bwd=sum(u.backward(scale) for u in us) + again + sync,
+            fwd=sum(ufwd), bwd=sum(ubwd),
             reduce=sum(u.bwd_fixed for u in us), params=sum(u.params for u in us) + sum(copies.values()),
             act=act * scale, rebuilt=max((units[u].act for u in idx if u in rec), default=0.0) * scale,
             out=us[-1].out * scale, max_params=max(u.params for u in us),
-            max_act=max(u.act for u in us) * scale))
+            max_act=max(u.act for u in us) * scale, unit_fwd=ufwd, unit_bwd=ubwd,
+            unit_reduce=tuple(u.bwd_fixed for u in us),
+            unit_params=tuple(float(u.params) for u in us)))
     return out
+
+
+def unit_overlap(compute: Sequence[float], gather: Sequence[float],
+                 reduce: Sequence[float] | None = None, interference: float = 0.0
+                 ) -> tuple[float, float]:
+    """One pass over a chunk's units (its forward, or its backward in reverse order) on a
+    compute lane and one communication lane, first in first out (one NCCL stream):
+    ``gather[u]`` (unit ``u``'s parameters, ZeRO-3) is issued when the unit before it starts
+    (prefetched one unit ahead; the first is exposed), ``reduce[u]`` (its gradients) when
+    unit ``u`` ends. Returns ``(duration, tail)``: when the last unit's compute ends, plus
+    ``interference`` × the communication seconds hidden behind compute (communication
+    slows concurrent kernels: memory bandwidth, SMs), and how long the lane runs on after.
+
+    >>> unit_overlap([1, 1, 1], [0.5, 0.5, 0.5])          # gathers hidden but the first
+    (3.5, 0.0)
+    >>> unit_overlap([1, 1, 1], [2, 2, 2])                # communication-bound
+    (7.0, 0.0)
+    >>> unit_overlap([1, 1, 1], [0, 0, 0], [2, 2, 2])     # reductions: 1..3, 3..5, 5..7
+    (3.0, 4.0)
+    >>> unit_overlap([1, 1], [0.5, 0.5], interference=0.2)  # 0.5 s hidden, 20% slower
+    (2.6, 0.0)
+    """
+    n = len(compute)
+    reduce = list(reduce) if reduce is not None else [0.0] * n
+    lane = ready = gather[0] if n else 0.0
+    t = 0.0
+    for u in range(n):
+        start = max(t, ready)
+        ready = 0.0
+        if u + 1 < n and gather[u + 1]:
+            lane = ready = max(lane, start) + gather[u + 1]
+        t = start + compute[u]
+        if reduce[u]:
+            lane = max(lane, t) + reduce[u]
+    tail = max(0.0, lane - t)
+    hidden = max(0.0, sum(gather) + sum(reduce) - (t - sum(compute)) - tail)
+    return t + interference * hidden, tail
+
+
+def overlapped_chunk(c: ChunkCost, gather: float, reduce: float, interference: float = 0.0
+                     ) -> tuple[float, float, float]:
+    """``(F, B, R)`` of chunk ``c`` with ``gather`` seconds of ZeRO-3 gathers per pass (forward
+    and again backward) and ``reduce`` seconds of data-parallel reductions, both split over
+    its units by parameters, as the runtime overlaps them (:func:`unit_overlap`): ``F`` and
+    ``B`` one microbatch's passes with the gathers prefetched, ``R`` what the last
+    microbatch's backward adds when its units' reductions (and ``c.reduce``, its own axes')
+    go out as each unit's backward ends: the exposed reduction time.
+
+    >>> c = chunk_costs([UnitCost("l", "x", 1.0, 2.0, 0.0, 0.5, 0.0, 1.0, 0.0)] * 2, (0,))[0]
+    >>> overlapped_chunk(c, gather=0.0, reduce=1.0)     # unit 1's 1 s behind unit 0's backward
+    (2.0, 4.0, 1.0)
+    """
+    if not c.unit_fwd:   # no per-unit split: nothing overlaps
+        return c.fwd + gather, c.bwd + gather, c.reduce + reduce
+    total = sum(c.unit_params)
+    share = [p / total for p in c.unit_params] if total > 0 else [1.0 / len(c.unit_params)] * len(c.unit_params)
+    g = [gather * x for x in share]
+    r = [own + reduce * x for own, x in zip(c.unit_reduce, share)]
+    f, _ = unit_overlap(c.unit_fwd, g, None, interference)
+    b, _ = unit_overlap(c.unit_bwd[::-1], g[::-1], None, interference)
+    b_last, tail = unit_overlap(c.unit_bwd[::-1], g[::-1], r[::-1], interference)
+    return f, b, b_last - b + tail
 
 
 @dataclass(frozen=True)
@@ -220,7 +296,7 @@ class StepTime:
 
 def step_time(schedule, chunks: Sequence[ChunkCost], xfer: Callable[[int], tuple[float, float]],
               dp: Sequence[DpTerms], *, act_bytes: Sequence[float] | None = None,
-              static_bytes: Sequence[float] | None = None) -> StepTime:
+              static_bytes: Sequence[float] | None = None, interference: float = 0.0) -> StepTime:
     """The step of ``schedule`` (a :class:`fxpar.schedule.Schedule`) over ``chunks`` (module
     docstring). ``xfer(k)``: seconds of chunk ``k``'s boundary transfer to ``k+1`` and of its
     gradient back; ``dp[r]``: pipeline rank ``r``'s :class:`DpTerms`."""
@@ -229,9 +305,9 @@ def step_time(schedule, chunks: Sequence[ChunkCost], xfer: Callable[[int], tuple
     p, m, n = schedule.stages, schedule.microbatches, len(chunks)
     share = [c.params / max(sum(x.params for x in chunks[k % p::p]), 1e-30) for k, c in enumerate(chunks)]
     gather = [dp[k % p].t_p / (2 * m) * share[k] for k in range(n)]
-    fwd = [c.fwd + g for c, g in zip(chunks, gather)]
-    bwd = [c.bwd + g for c, g in zip(chunks, gather)]
-    red = [c.reduce + (dp[k % p].t_g + dp[k % p].t_os0) * share[k] for k, c in enumerate(chunks)]
+    over = [overlapped_chunk(c, gather[k], (dp[k % p].t_g + dp[k % p].t_os0) * share[k], interference)
+            for k, c in enumerate(chunks)]
+    fwd, bwd, red = ([o[i] for o in over] for i in range(3))
     xs = [xfer(k) for k in range(n - 1)]
 
     def comm(action) -> float:
@@ -246,7 +322,9 @@ def step_time(schedule, chunks: Sequence[ChunkCost], xfer: Callable[[int], tuple
         kw.update(act_bytes=list(act_bytes), static_bytes=list(static_bytes or [0.0] * p))
     res = simulate(schedule, fwd=fwd, bwd=bwd, comm=comm, reduce=lambda a: red[a.stage], **kw)
     tail = max(d.t_os1 for d in dp)
-    summed = (m * sum(fwd) + m * sum(bwd) + sum(red) + m * sum(a + b for a, b in xs) + tail)
+    summed = (m * sum(c.fwd + g for c, g in zip(chunks, gather)) + m * sum(c.bwd + g for c, g in zip(chunks, gather))
+              + sum(c.reduce + (dp[k % p].t_g + dp[k % p].t_os0) * share[k] for k, c in enumerate(chunks))
+              + m * sum(a + b for a, b in xs) + tail)
     # the simulator's result with the step the model predicts (T_os1 after the last rank)
     return StepTime(float(res.step_time) + tail, float(res.step_time), max(d.total for d in dp),
                     float(res.bubble_fraction), float(summed),

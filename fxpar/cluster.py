@@ -267,6 +267,10 @@ class Cluster:
     profile: Profile = field(default_factory=Profile)
     #: measured compute (from :meth:`calibrate`); ``None``: the nominal roofline
     compute: ComputeProfile | None = None
+    #: the fraction by which communication hidden behind compute slows that compute
+    #: (collective kernels take SMs and memory bandwidth); 0: overlap is free. No preset sets
+    #: it (no published figure for these machines to source it from); a user may
+    comm_interference: float = 0.0
 
     def __post_init__(self) -> None:
         for f in ("nodes", "devices_per_node"):
@@ -277,8 +281,8 @@ class Cluster:
                   "memory_bandwidth", "device_memory"):
             if not getattr(self, f) > 0:
                 raise ClusterError(f"Cluster.{f} must be positive, got {getattr(self, f)!r}")
-        for f in ("intra_node_latency", "inter_node_latency"):
-            if getattr(self, f) < 0:
+        for f in ("intra_node_latency", "inter_node_latency", "comm_interference"):
+            if not getattr(self, f) >= 0:
                 raise ClusterError(f"Cluster.{f} must be >= 0, got {getattr(self, f)!r}")
         if self.nodes_per_switch is not None and self.nodes_per_switch < 1:
             raise ClusterError(f"Cluster.nodes_per_switch must be >= 1, got {self.nodes_per_switch}")

@@ -529,9 +529,17 @@ def test_alpa_baseline_chooses_placement_agnostic_and_is_priced_for_real(gpt):
                    tps=(1, 2, 4, 8)).ranked   # the real cluster's degrees (tp inside a node)
     assert a.schedule["search"]["ranked"][0]["name"] == min(every, key=_rank_key).name
     assert a.config.state == (1, 1, 1)
-    # realized auto within the search's own error of realized alpa: on a toy model the probe's
-    # one-sample costs scale with the microbatch to within ~2% (tests/test_step.py)
-    assert fxpar.plan(model, cl, (x,)).plan.time <= a.time * 1.02
+    # realized auto never slower than realized alpa, on a model wide enough for its GEMMs to
+    # be compute-bound at one sample: there the search's probe scales to the realized plans
+    # within 2% (tests/test_step.py); this toy's per-op costs do not scale with the batch
+    # (its search is 10-20% off its realized plans, so its ranking is not the realized one)
+    from examples.models import GPT
+
+    torch.manual_seed(0)
+    wide = GPT(vocab=512, d_model=1024, n_heads=8, n_layers=4, seq_len=512)
+    xw = torch.randint(0, 512, (32, 512))
+    aw = fxpar.plan(wide, cl, (xw,), plan="alpa").plan
+    assert fxpar.plan(wide, cl, (xw,)).plan.time <= aw.time * 1.02
 
 
 @pytest.mark.slow

@@ -136,3 +136,29 @@ def test_accepted_configuration_is_never_refused_afterwards(gpt):
     assert plain.memory > budget   # the intra-op model alone would refuse it
     p = fxpar.plan(gpt, cl, (x,), plan=tup, memory_budget=budget).plan
     assert p.memory == free.memory <= budget and p.config.recompute
+
+
+def test_spmd_step_overlaps_gathers_and_reductions_by_unit():
+    """Two units (forward 1 s, backward 2 s, one parameter each) with ZeRO-3 gathers of 0.5 s
+    per unit and pass and data-parallel reductions of 0.5 s per unit, as the runtime runs them
+    (issue #24 item 1): unit 1's gather hides behind unit 0's forward (and unit 0's behind
+    unit 1's backward); unit 1's reduction behind unit 0's backward; unit 0's gather at the
+    start of each pass and its reduction after the last backward stay exposed."""
+    us = [_unit(f"l{i}", 1.0, 2.0, 0.0, 1.0, 0.0) for i in range(2)]
+    chunks = chunk_costs(us, (0,))
+    dp = DpTerms(t_p=2.0, t_g=1.0)              # T_p/2m = 1 s per pass: 0.5 s per unit
+    st = step_time(Schedule.build("1f1b", stages=1, microbatches=1), chunks, lambda k: (0, 0), [dp])
+    assert st.step == pytest.approx((0.5 + 2) + (0.5 + 4) + 0.5)
+    assert st.summed == pytest.approx((2 + 1) + (4 + 1) + 1)
+    # communication hidden behind compute slows it by the cluster's interference: 1.5 s hidden
+    slow = step_time(Schedule.build("1f1b", stages=1, microbatches=1), chunks, lambda k: (0, 0),
+                     [dp], interference=0.2)
+    assert slow.step == pytest.approx(st.step + 0.2 * 1.5)
+
+
+def test_reductions_that_outlast_the_backward_are_exposed():
+    """Reductions longer than the backward they hide behind: the lane runs on after it."""
+    from fxpar.cost.step import unit_overlap
+
+    assert unit_overlap([2.0, 2.0], [0.0, 0.0], [3.0, 3.0]) == (4.0, 4.0)   # 2..5, 5..8
+    assert unit_overlap([2.0, 2.0], [0.0, 0.0], [1.0, 1.0]) == (4.0, 1.0)   # 2..3, 4..5

@@ -65,7 +65,7 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.config import ParallelConfig, is_layer
 from fxpar.cost.pipeline import in_flight_microbatches
-from fxpar.cost.step import BUCKET, UnitCost, chunk_costs, dp_terms, rank_memory
+from fxpar.cost.step import BUCKET, UnitCost, chunk_costs, dp_terms, overlapped_chunk, rank_memory
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.planner.intra_op import PlannerOptions, plan_and_keep
@@ -590,20 +590,27 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
     part = None  # partial recomputation tables, built when first needed
     for rc in s.recompute:
         ch = ccs[rc]
-        W = [sum(ch[k].fwd + ch[k].bwd for k in range(r, n, p)) for r in range(p)]
-        est = s.m * max(W) + (sum(W) - max(W)) / s.v + xfer
         phi = [sum(ch[k].params for k in range(r, n, p)) for r in range(p)]
         red = [sum(ch[k].reduce for k in range(r, n, p)) for r in range(p)]
         for s_p, s_g, s_os in s.states:
             mems = rank_memory(ch, p, fl, pricing.state_bytes, (s_p, s_g, s_os), tmp)
-            dpt = max(red[r] + dp_terms(round(phi[r]), layers_r, s.m, s.d0, s.d // s.d0, s_p,
-                                        s_g, s_os, pricing.cluster).total for r in range(p))
-            c = Candidate(p, s.d, s.t, s.b, s.m, s.schedule, s.v, rc, s_g, s_os, est + dpt,
-                          max(mems), est, dpt, s.starts, s_p=s_p)
+            dpr = [dp_terms(round(phi[r]), layers_r, s.m, s.d0, s.d // s.d0, s_p, s_g, s_os,
+                            pricing.cluster) for r in range(p)]
+            dpt = max(red[r] + dpr[r].total for r in range(p))
+            # the estimate overlaps as the step model does (cost.step.overlapped_chunk): the
+            # gathers per pass and microbatch, what the reductions leave exposed once
+            ov = [overlapped_chunk(ch[k], dpr[k % p].t_p / (2 * s.m) * ch[k].params / max(phi[k % p], 1e-30),
+                                   (dpr[k % p].t_g + dpr[k % p].t_os0) * ch[k].params / max(phi[k % p], 1e-30),
+                                   pricing.cluster.comm_interference) for k in range(n)]
+            Wo = [sum(ov[k][0] + ov[k][1] for k in range(r, n, p)) for r in range(p)]
+            est_o = s.m * max(Wo) + (sum(Wo) - max(Wo)) / s.v + xfer
+            tail = max(sum(ov[k][2] for k in range(r, n, p)) for r in range(p)) + max(d.t_os1 for d in dpr)
+            c = Candidate(p, s.d, s.t, s.b, s.m, s.schedule, s.v, rc, s_g, s_os, est_o + tail,
+                          max(mems), est_o, dpt, s.starts, s_p=s_p)
             some = None
             if pricing.partial and not rc and not c.memory <= pricing.budget:
                 part = part or _partial_tables(us, s.starts, p, s.scale, fl)
-                some = _recompute_some(c, part, mems, pricing.budget, W, s.v, xfer)
+                some = _recompute_some(c, part, mems, pricing.budget, Wo, s.v, xfer)
             yield c, some
 
 
@@ -764,7 +771,7 @@ def _recompute_some(c: Candidate, part: Sequence[_Partial], mems: Sequence[float
     est = c.microbatches * max(w) + (sum(w) - max(w)) / v + xfer
     units = tuple(sorted(u for g in got for u in g[2]))
     mem = max(mems[r] - g[1] for r, g in enumerate(got))
-    return dataclasses.replace(c, recompute=True, recomputed=units, step=est + c.dp_comm,
+    return dataclasses.replace(c, recompute=True, recomputed=units, step=est + c.step - c.pipeline,
                                memory=mem, pipeline=est)
 
 

@@ -222,7 +222,8 @@ def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequenc
         per = sum(k / s for k, s in zip(kb, config.state))
         kw = dict(act_bytes=[c.act for c in chunks],
                   static_bytes=[per * sum(c.params for c in chunks[r::p]) for r in range(p)])
-    st = step_time(sched, chunks, xfer or (lambda k: (0.0, 0.0)), dp, **kw)
+    st = step_time(sched, chunks, xfer or (lambda k: (0.0, 0.0)), dp,
+                   interference=cluster.comm_interference, **kw)
     return st, mem
 
 
