@@ -267,29 +267,47 @@ def sec_speed(args) -> dict:
             out["pred_time_calibrated_ms"] = p2.plan.time * 1e3
         except Exception as e:  # noqa: BLE001 - recorded, the measurement goes on
             out["pred_time_calibrated_error"] = f"{type(e).__name__}: {e}"
-    runner = prog.runner(device=str(dev))
-    ref = copy.deepcopy(model).to(dev)
-    ref_opt = opt_fn(ref.parameters())
-    sides = {"fxpar": lambda: runner.step(idd, labels=idd), "eager": lambda: _eager_step(ref, ref_opt, idd)}
-    if dtype != torch.float32:  # fxpar keeps fp32 masters of low-precision parameters: so does this side
-        master = _MasterStep(copy.deepcopy(model).to(dev), opt_fn)
-        sides["eager_fp32_master"] = lambda: master(idd)
-    del model
     idd = ids.to(dev)
-    losses = {k: [] for k in sides}
-    peak = {}
-    for k, fn in sides.items():  # warm-up and per-side peak memory
+    built = {}
+
+    def make_fxpar():
+        built["runner"] = runner = prog.runner(device=str(dev))
+        return lambda: runner.step(idd, labels=idd)
+
+    def make_eager():
+        built["ref"] = ref = copy.deepcopy(model).to(dev)
+        ref_opt = opt_fn(ref.parameters())
+        return lambda: _eager_step(ref, ref_opt, idd)
+
+    def make_master():  # fxpar keeps fp32 masters of low-precision parameters: so does this side
+        master = _MasterStep(copy.deepcopy(model).to(dev), opt_fn)
+        return lambda: master(idd)
+
+    makers = {"fxpar": make_fxpar, "eager": make_eager}
+    if dtype != torch.float32:
+        makers["eager_fp32_master"] = make_master
+    sides, losses, peak = {}, {k: [] for k in makers}, {}
+    for k, make in makers.items():
+        # each side's own peak: built and warmed up (2 steps) with the earlier sides resident,
+        # whose bytes (constant meanwhile) are subtracted
+        _sync()
+        before = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
+        sides[k] = fn = make()
         for _ in range(2):
             losses[k].append(float(fn()))
         _sync()
         if torch.cuda.is_available():
-            peak[k] = torch.cuda.max_memory_allocated() / 2**30
+            peak[k] = (torch.cuda.max_memory_allocated() - before) / 2**30
+    del model
+    runner, ref = built["runner"], built["ref"]
     samples = _interleave(sides, steps, losses)
     args.speed_state, args.speed_runner = (prog, ref, opt_fn, idd), runner
     med = {k: statistics.median(v) for k, v in samples.items()}
     tokens = bsz * seq
+    if "fxpar" in peak:
+        out["pred_memory_over_measured"] = out["pred_memory_gib"] / peak["fxpar"]
     out.update(samples=samples, losses=losses, peak_mem_gib=peak,
                median_ms={k: v * 1e3 for k, v in med.items()},
                tokens_per_s={k: tokens / v for k, v in med.items()},
