@@ -59,6 +59,10 @@ class Bindings:
     given: dict[str, Any] = field(default_factory=dict)
     deferred: list | None = None
     guard_failures: list | None = None
+    #: hand the sink a copy of each gradient: a compiled backward (inductor) reuses a
+    #: buffer's memory once its graph is done with it, while the sink may hold the gradient
+    #: until its bucket launches; eager autograd never writes a gradient it has handed over
+    fresh_grads: bool = False
     _device_mesh: Any = field(default=None, repr=False)
 
     @property

@@ -316,9 +316,11 @@ def _sink_grad(g: torch.Tensor, edge: str) -> None:
     e = b.edge(edge)
     if b.sink is None:
         raise RuntimeError(f"fxpar.sink_grad({edge!r}): the bindings have no gradient sink")
-    # a fresh tensor: the sink may hold it until its bucket launches, and a compiled backward
-    # (inductor) reuses the memory of a buffer once its graph has no further use for it
-    b.sink(e, (g * e.scale).contiguous() if e.scale != 1.0 else g.clone(memory_format=torch.contiguous_format))
+    if e.scale != 1.0:
+        g = g * e.scale   # a new tensor already
+    elif b.fresh_grads:   # compiled: its buffer may be reused (Bindings.fresh_grads)
+        g = g.clone(memory_format=torch.contiguous_format)
+    b.sink(e, g.contiguous())
 
 
 def _sink_then_none(x: torch.Tensor, edge: str, g: torch.Tensor) -> None:

@@ -146,7 +146,7 @@ class PipelineRunner(RankRunner):
                     raise PlanError(f"parameter {f!r} has layout {layouts[f][0]} in one stage "
                                     f"chunk and {lay[0]} in chunk {st.index} of the same rank")
             b = Bindings(gm.meta.get(ir.EDGES, {}), sub_mesh, tuple(sp.mesh.coord(self.rank)),
-                         sink=self._sink, tracker=self.tracker)
+                         sink=self._sink, tracker=self.tracker, fresh_grads=bool(compile))
             b._device_mesh = sub_dm
             self.chunks[st.index] = _Chunk(
                 st.index, gm, [n.meta[ir.PARAM].fqn for n in holders],

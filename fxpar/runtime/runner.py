@@ -137,7 +137,8 @@ class Runner(RankRunner):
         #: slices their destination layout itself instead (``Bindings.given``)
         self._input_edges = [(at[e.producer], e) for e in edges.values()
                              if e.producer in at and e.collective]
-        self.bindings = Bindings(edges, mesh, tuple(self.coord), sink=self._sink, tracker=self.tracker)
+        self.bindings = Bindings(edges, mesh, tuple(self.coord), sink=self._sink, tracker=self.tracker,
+                                 fresh_grads=bool(compile))
         if program.training:
             params = self._trainable()
             replica = gm.meta.get(ir.REPLICA_AXES, {})
