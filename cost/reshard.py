@@ -41,6 +41,7 @@ import torch
 
 from fxpar.cost.comm import axis_collective_time
 from fxpar.kinds import StrKind
+from fxpar.spec import placement_kind
 
 __all__ = ["StepKind", "STEP_KINDS", "COLLECTIVE_KINDS", "LOCAL_KINDS", "step_bytes", "step_time",
            "step_cost", "max_local_shape", "local_numel"]
@@ -72,19 +73,6 @@ def _itemsize(dtype) -> int:
     return dtype.itemsize if isinstance(dtype, torch.dtype) else int(dtype)
 
 
-_SHARD_DIM: dict[type, bool] = {}
-
-
-def _is_shard(p) -> bool:
-    t = type(p)
-    got = _SHARD_DIM.get(t)
-    if got is None:
-        from torch.distributed.tensor import Shard
-
-        got = _SHARD_DIM[t] = isinstance(p, Shard)
-    return got
-
-
 def max_local_shape(spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[int, ...]:
     """``spec.max_local_shape(shape, mesh_shape)`` (the first device's local shape), without
     building slices: each shard of a dim of size ``n`` over ``G`` devices keeps
@@ -96,7 +84,7 @@ def max_local_shape(spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> tu
         return spec.max_local_shape(shape, mesh_shape)
     out = list(shape)
     for axis, p in enumerate(pls):
-        if _is_shard(p):
+        if placement_kind(p) == "S":
             d = p.dim
             if not -ndim <= d < ndim:
                 return spec.max_local_shape(shape, mesh_shape)

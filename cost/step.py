@@ -64,7 +64,8 @@ from dataclasses import dataclass
 from fxpar.defaults import BUCKET_BYTES
 
 __all__ = ["UnitCost", "ChunkCost", "DpTerms", "StepTime", "chunk_costs", "dp_terms",
-           "rank_memory", "step_time", "BUCKET"]
+           "rank_memory", "step_time", "unit_overlap", "overlapped_chunk", "overlapped_chunks",
+           "BUCKET"]
 
 #: gradient bucket of the data-parallel reduction (AMSP's ``U``), bytes
 BUCKET = BUCKET_BYTES
@@ -200,6 +201,25 @@ def unit_overlap(compute: Sequence[float], gather: Sequence[float],
     return t + interference * hidden, tail
 
 
+def overlapped_chunks(chunks: Sequence[ChunkCost], p: int, m: int, dp: Sequence[DpTerms],
+                      interference: float = 0.0, overlap: bool = True
+                      ) -> tuple[list[float], list[float], list[float]]:
+    """Per chunk (chunk ``k`` on pipeline rank ``k % p``) ``(F, B, R)`` of
+    :func:`overlapped_chunk` with its share by parameters of its rank's data-parallel terms
+    ``dp``: ZeRO-3's gathers ``T_p/2m`` per pass and microbatch, reductions ``T_g + T_os0``
+    once; ``overlap=False``: every cost added (``c.fwd + gather``, ...)."""
+    phi = [sum(x.params for x in chunks[r::p]) for r in range(p)]
+    out: tuple[list[float], list[float], list[float]] = ([], [], [])
+    for k, c in enumerate(chunks):
+        d, share = dp[k % p], c.params / max(phi[k % p], 1e-30)
+        g, r = d.t_p / (2 * m) * share, (d.t_g + d.t_os0) * share
+        fbr = (overlapped_chunk(c, g, r, interference) if overlap
+               else (c.fwd + g, c.bwd + g, c.reduce + r))
+        for acc, v in zip(out, fbr):
+            acc.append(v)
+    return out
+
+
 def overlapped_chunk(c: ChunkCost, gather: float, reduce: float, interference: float = 0.0
                      ) -> tuple[float, float, float]:
     """``(F, B, R)`` of chunk ``c`` with ``gather`` seconds of ZeRO-3 gathers per pass (forward
@@ -303,11 +323,7 @@ def step_time(schedule, chunks: Sequence[ChunkCost], xfer: Callable[[int], tuple
     from fxpar.sim import simulate
 
     p, m, n = schedule.stages, schedule.microbatches, len(chunks)
-    share = [c.params / max(sum(x.params for x in chunks[k % p::p]), 1e-30) for k, c in enumerate(chunks)]
-    gather = [dp[k % p].t_p / (2 * m) * share[k] for k in range(n)]
-    over = [overlapped_chunk(c, gather[k], (dp[k % p].t_g + dp[k % p].t_os0) * share[k], interference)
-            for k, c in enumerate(chunks)]
-    fwd, bwd, red = ([o[i] for o in over] for i in range(3))
+    fwd, bwd, red = overlapped_chunks(chunks, p, m, dp, interference)
     xs = [xfer(k) for k in range(n - 1)]
 
     def comm(action) -> float:
@@ -322,9 +338,8 @@ def step_time(schedule, chunks: Sequence[ChunkCost], xfer: Callable[[int], tuple
         kw.update(act_bytes=list(act_bytes), static_bytes=list(static_bytes or [0.0] * p))
     res = simulate(schedule, fwd=fwd, bwd=bwd, comm=comm, reduce=lambda a: red[a.stage], **kw)
     tail = max(d.t_os1 for d in dp)
-    summed = (m * sum(c.fwd + g for c, g in zip(chunks, gather)) + m * sum(c.bwd + g for c, g in zip(chunks, gather))
-              + sum(c.reduce + (dp[k % p].t_g + dp[k % p].t_os0) * share[k] for k, c in enumerate(chunks))
-              + m * sum(a + b for a, b in xs) + tail)
+    f0, b0, r0 = overlapped_chunks(chunks, p, m, dp, overlap=False)
+    summed = m * sum(f0) + m * sum(b0) + sum(r0) + m * sum(a + b for a, b in xs) + tail
     # the simulator's result with the step the model predicts (T_os1 after the last rank)
     return StepTime(float(res.step_time) + tail, float(res.step_time), max(d.total for d in dp),
                     float(res.bubble_fraction), float(summed),

@@ -77,7 +77,7 @@ def test_amsp_llama7b_numbers():
     assert model_state_memory(LLAMA7B_PHI, Sharding(), "fp32") == 16 * LLAMA7B_PHI
 
 
-def _autograd_saved_bytes(model, *args):
+def _autograd_saved_bytes(model, *args, **kwargs):
     """Bytes of the distinct non-parameter storages autograd saves for backward."""
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     seen = {}
@@ -89,7 +89,7 @@ def _autograd_saved_bytes(model, *args):
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(*args)
+        out = model(*args, **kwargs)
     del out
     return sum(seen.values())
 

@@ -14,6 +14,7 @@ import torch
 
 import fxpar
 from fxpar.planner.joint import unit_costs
+from tests.test_cost_memory import _autograd_saved_bytes
 
 T = pytest.importorskip("transformers")
 
@@ -32,26 +33,11 @@ def _model(name: str) -> torch.nn.Module:
     return T.MixtralForCausalLM(T.MixtralConfig(num_key_value_heads=4, num_local_experts=4, **common))
 
 
-def _saved_bytes(model: torch.nn.Module, ids: torch.Tensor) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        if st.data_ptr() not in params:
-            seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(ids, labels=ids)
-    return sum(seen.values())
-
-
 @pytest.mark.parametrize("name", ["llama", "gpt2", "mixtral"])
 def test_search_activations_are_the_saved_tensors(name):
     model = _model(name).train()
     ids = torch.randint(0, 128, (2, 32))
-    measured = _saved_bytes(model, ids)
+    measured = _autograd_saved_bytes(model, ids, labels=ids)
     gm = fxpar.capture(model, (ids,), {"labels": ids})
     units, plan = unit_costs(gm, fxpar.Mesh(fxpar.Cluster.local(1), dp=1))
     predicted = sum(u.act for u in units)

@@ -65,7 +65,7 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.config import ParallelConfig, is_layer
 from fxpar.cost.pipeline import in_flight_microbatches
-from fxpar.cost.step import BUCKET, UnitCost, chunk_costs, dp_terms, overlapped_chunk, rank_memory
+from fxpar.cost.step import BUCKET, UnitCost, chunk_costs, dp_terms, overlapped_chunks, rank_memory
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.planner.intra_op import PlannerOptions, plan_and_keep
@@ -597,14 +597,12 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
             dpr = [dp_terms(round(phi[r]), layers_r, s.m, s.d0, s.d // s.d0, s_p, s_g, s_os,
                             pricing.cluster) for r in range(p)]
             dpt = max(red[r] + dpr[r].total for r in range(p))
-            # the estimate overlaps as the step model does (cost.step.overlapped_chunk): the
+            # the estimate overlaps as the step model does (cost.step.overlapped_chunks): the
             # gathers per pass and microbatch, what the reductions leave exposed once
-            ov = [overlapped_chunk(ch[k], dpr[k % p].t_p / (2 * s.m) * ch[k].params / max(phi[k % p], 1e-30),
-                                   (dpr[k % p].t_g + dpr[k % p].t_os0) * ch[k].params / max(phi[k % p], 1e-30),
-                                   pricing.cluster.comm_interference) for k in range(n)]
-            Wo = [sum(ov[k][0] + ov[k][1] for k in range(r, n, p)) for r in range(p)]
+            F, B, R = overlapped_chunks(ch, p, s.m, dpr, pricing.cluster.comm_interference)
+            Wo = [sum(F[k] + B[k] for k in range(r, n, p)) for r in range(p)]
             est_o = s.m * max(Wo) + (sum(Wo) - max(Wo)) / s.v + xfer
-            tail = max(sum(ov[k][2] for k in range(r, n, p)) for r in range(p)) + max(d.t_os1 for d in dpr)
+            tail = max(sum(R[r::p]) for r in range(p)) + max(d.t_os1 for d in dpr)
             c = Candidate(p, s.d, s.t, s.b, s.m, s.schedule, s.v, rc, s_g, s_os, est_o + tail,
                           max(mems), est_o, dpt, s.starts, s_p=s_p)
             some = None
