@@ -84,7 +84,7 @@ def max_local_shape(spec, shape: Sequence[int], mesh_shape: Sequence[int]) -> tu
         return spec.max_local_shape(shape, mesh_shape)
     out = list(shape)
     for axis, p in enumerate(pls):
-        if placement_kind(p) == "S":
+        if placement_kind(p) in ("S", "T"):   # a strided shard holds n / G too (even)
             d = p.dim
             if not -ndim <= d < ndim:
                 return spec.max_local_shape(shape, mesh_shape)

@@ -329,6 +329,7 @@ class Plan:
             ov = self.overlap()
             lines.append(f"overlap as the runtime orders it (prefetch 1): step {_fmt_ms(ov.step)} ms, "
                          f"communication exposed {_fmt_ms(ov.exposed)} ms, hidden {_fmt_ms(ov.hidden)} ms")
+        lines += self._megatron_lines()
         lines += self._config_lines()
         if self.config is not None and self.config.dp_shard > 1 and "dp_shard" in self.mesh["axis_names"]:
             lines.append(f"  (s_p: parameters sharded inside groups of dp_shard="
@@ -339,6 +340,29 @@ class Plan:
         un = self.unsharded
         lines.append(f"unsharded ops (replicate-only fallback): {', '.join(un) if un else 'none'}")
         return "\n".join(lines)
+
+    def _megatron_lines(self) -> list[str]:
+        """Each transformer layer's tensor-parallel communication (collectives on ``tp``)
+        beside Megatron-LM's two all-reduces of ``b·s·h`` forward and two backward
+        (``stats["megatron_tp"]``, :func:`fxpar.planner.explain.megatron_reference`); bytes
+        are message sizes, as an all-reduce's ``b·s·h`` in the formula."""
+        ref = self.stats.get("megatron_tp")
+        if not ref:
+            return []
+        mine: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+        for e, st in self.steps(axis="tp"):
+            if st.kind not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+                continue   # local steps move nothing
+            mine[e.layer][0] += st.nbytes
+            mine[e.layer][1] += st.time
+        rows = [("layer", "fxpar bytes", "Megatron bytes", "fxpar ms", "Megatron ms")]
+        for lay, r in ref.items():
+            rows.append((lay, fmt_bytes(int(mine[lay][0])), fmt_bytes(int(r["bytes"])),
+                         _fmt_ms(mine[lay][1]) if mine[lay][1] else "0", _fmt_ms(r["time"])))
+        widths = [max(len(r[c]) for r in rows) for c in range(5)]
+        return ["tensor-parallel communication per layer on tp, beside Megatron-LM's 2 + 2 "
+                "all-reduces of b·s·h:"] + ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip()
+                                            for r in rows]
 
     def _config_lines(self) -> list[str]:
         c = self.config

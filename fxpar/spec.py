@@ -15,6 +15,12 @@ Layout rules (identical to DTensor's, so ``DTensor.redistribute`` is a valid ora
   axes left. On a 2×2 mesh ``S(0)S(0)`` puts global block ``2*i + j`` of a dim on device
   ``(i, j)``.
 
+* ``S(d,f)`` (:data:`Strided`, DTensor's ``_StridedShard`` on one axis) cuts dim ``d`` into
+  ``f`` equal groups and splits each group over the axis: device ``i`` holds chunk ``i`` of
+  every group, concatenated. It is the layout of a fused projection (GPT-2's ``c_attn``, q, k
+  and v side by side) whose output is split into ``f`` parts: each part comes out ``S(d)``
+  with no communication. It must split evenly and no other axis may shard its dim.
+
 >>> from fxpar.spec import Spec, Shard, Replicate
 >>> s = Spec.parse("S(0)R")
 >>> s, s.placements
@@ -33,6 +39,7 @@ from dataclasses import dataclass
 
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import _StridedShard as Strided
 
 from fxpar.errors import SpecError
 
@@ -42,6 +49,7 @@ __all__ = [
     "Replicate",
     "Shard",
     "Spec",
+    "Strided",
     "as_spec",
     "partial_reducible",
     "chunk_bounds",
@@ -49,6 +57,7 @@ __all__ = [
     "grad_out_spec",
     "placement_kind",
     "placement_str",
+    "with_dim",
 ]
 
 _REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -58,18 +67,20 @@ _KIND: dict[type, str | None] = {}
 
 
 def placement_kind(p) -> str | None:
-    """``"S"``, ``"R"`` or ``"P"`` for a Shard, Replicate or Partial (subclasses included),
-    else ``None``; by type, cached: ``isinstance`` against DTensor's placement classes goes
-    through a metaclass hook (~8× a type lookup), and the planner asks millions of times.
+    """``"S"``, ``"R"``, ``"P"`` or ``"T"`` for a Shard, Replicate, Partial or
+    :data:`Strided` (subclasses included), else ``None``; by type, cached: ``isinstance``
+    against DTensor's placement classes goes through a metaclass hook (~8× a type lookup),
+    and the planner asks millions of times.
 
-    >>> placement_kind(Shard(1)), placement_kind(Replicate()), placement_kind("R")
-    ('S', 'R', None)
+    >>> placement_kind(Shard(1)), placement_kind(Strided(1, split_factor=3)), placement_kind("R")
+    ('S', 'T', None)
     """
     t = type(p)
     try:
         return _KIND[t]
     except KeyError:
-        k = _KIND[t] = ("S" if isinstance(p, Shard) else "R" if isinstance(p, Replicate)
+        k = _KIND[t] = ("T" if isinstance(p, Strided) else "S" if isinstance(p, Shard)
+                        else "R" if isinstance(p, Replicate)
                         else "P" if isinstance(p, Partial) else None)
         return k
 
@@ -79,6 +90,8 @@ def placement_str(p: Placement) -> str:
     k = placement_kind(p)
     if k == "S":
         return f"S({p.dim})"
+    if k == "T":
+        return f"S({p.dim},{p.split_factor})"
     if k == "R":
         return "R"
     if k == "P":
@@ -97,7 +110,7 @@ def chunk_bounds(size: int, parts: int, index: int) -> tuple[int, int]:
     return start, min(size, start + c)
 
 
-_TOKEN = re.compile(r"S\((-?\d+)\)|R|P\((\w+)\)")
+_TOKEN = re.compile(r"S\((-?\d+)(?:,(\d+))?\)|R|P\((\w+)\)")
 
 
 @dataclass(frozen=True)
@@ -117,6 +130,8 @@ class Spec:
             k = placement_kind(p)
             if k is None:
                 placement_str(p)  # raises: a foreign placement type
+            elif k == "T" and p.split_factor < 2:
+                raise SpecError(f"strided placement {placement_str(p)}: split factor < 2")
             elif k == "P" and p.reduce_op not in _REDUCE_OPS:
                 raise SpecError(f"Partial reduce op {p.reduce_op!r} not in {_REDUCE_OPS}")
         object.__setattr__(self, "placements", ps)
@@ -141,10 +156,12 @@ class Spec:
                 raise SpecError(f"cannot parse spec {text!r} at position {pos}")
             if m.group(0) == "R":
                 out.append(Replicate())
+            elif m.group(2) is not None:
+                out.append(Strided(int(m.group(1)), split_factor=int(m.group(2))))
             elif m.group(1) is not None:
                 out.append(Shard(int(m.group(1))))
             else:
-                out.append(Partial(m.group(2)))
+                out.append(Partial(m.group(3)))
             pos = m.end()
         return cls(tuple(out))
 
@@ -176,8 +193,13 @@ class Spec:
 
     def normalized(self, ndim: int) -> Spec:
         """Negative shard dims made positive for a tensor of rank ``ndim``."""
-        return Spec(tuple(Shard(p.dim % ndim) if isinstance(p, Shard) and p.dim < 0 else p
+        return Spec(tuple(with_dim(p, p.dim % ndim) if placement_kind(p) in "ST" and p.dim < 0 else p
                           for p in self.placements))
+
+    @property
+    def is_strided(self) -> bool:
+        """Some axis holds a :data:`Strided` placement (its pieces are not one box)."""
+        return any(placement_kind(p) == "T" for p in self.placements)
 
     @property
     def is_replicated(self) -> bool:
@@ -199,16 +221,34 @@ class Spec:
                 f"spec {self} has {len(self.placements)} placements but the mesh has "
                 f"{len(mesh_shape)} axes {tuple(mesh_shape)} (tensor shape {tuple(shape)})")
         for axis, p in enumerate(self.placements):
-            if isinstance(p, Shard) and not -ndim <= p.dim < ndim:
+            k = placement_kind(p)
+            if k in ("S", "T") and not -ndim <= p.dim < ndim:
                 raise SpecError(
                     f"spec {self}: mesh axis {axis} shards dim {p.dim}, out of range for "
                     f"tensor shape {tuple(shape)} (rank {ndim})")
+            if k == "T":
+                self._check_strided(axis, p, shape, mesh_shape)
+
+    def _check_strided(self, axis: int, p, shape, mesh_shape) -> None:
+        d, f = p.dim % len(shape), p.split_factor
+        others = [a for a, q in enumerate(self.placements)
+                  if a != axis and placement_kind(q) in ("S", "T") and q.dim % len(shape) == d]
+        n = shape[d]
+        m = mesh_shape[axis] if mesh_shape is not None else 1
+        if f < 2 or others or n % (f * m):
+            raise SpecError(
+                f"spec {self}: mesh axis {axis} holds strided {placement_str(p)} of dim {d} "
+                f"(size {n}): needs a split factor >= 2 that, times the axis size {m}, divides "
+                f"the dim, and no other axis sharding dim {d} (axes {others})")
 
     # -- layout math --------------------------------------------------------------------
     def global_slices(self, shape: Sequence[int], mesh_shape: Sequence[int],
                       coord: Sequence[int]) -> tuple[slice, ...]:
         """The global region held by the device at mesh ``coord``: one slice per tensor dim."""
         self.check(shape, mesh_shape)
+        if self.is_strided:
+            raise SpecError(f"spec {self} of shape {tuple(shape)}: a strided shard is not one "
+                            "box of the global tensor; use global_index")
         spec = self.normalized(len(shape))
         lo = [0] * len(shape)
         hi = list(shape)
@@ -218,10 +258,67 @@ class Spec:
                 lo[p.dim], hi[p.dim] = lo[p.dim] + a, lo[p.dim] + b
         return tuple(slice(a, b) for a, b in zip(lo, hi))
 
+    def global_index(self, shape: Sequence[int], mesh_shape: Sequence[int],
+                     coord: Sequence[int]) -> tuple[slice | list[int], ...]:
+        """:meth:`global_slices`, where a :data:`Strided` dim gives the list of global
+        indices the device holds, in its local order: ``Strided(d, split_factor=f)`` on an
+        axis of ``m`` devices cuts dim ``d`` (size ``n``) into ``f`` groups of ``n/f`` and
+        gives device ``i`` chunk ``i`` of every group (q, k and v's own columns of a fused
+        projection, DTensor's ``_StridedShard`` on one axis).
+
+        >>> Spec.parse("S(0,3)").global_index((12,), (2,), (1,))
+        ([2, 3, 6, 7, 10, 11],)
+        """
+        if not self.is_strided:
+            return self.global_slices(shape, mesh_shape, coord)
+        self.check(shape, mesh_shape)
+        spec = self.normalized(len(shape))
+        plain = Spec(tuple(Replicate() if placement_kind(p) == "T" else p for p in spec.placements))
+        out: list = list(plain.global_slices(shape, mesh_shape, coord))
+        for axis, p in enumerate(spec.placements):
+            if placement_kind(p) == "T":
+                g = shape[p.dim] // p.split_factor
+                a, b = chunk_bounds(g, mesh_shape[axis], coord[axis])
+                out[p.dim] = [j * g + x for j in range(p.split_factor) for x in range(a, b)]
+        return tuple(out)
+
+    def boxes(self, shape: Sequence[int], mesh_shape: Sequence[int],
+              coord: Sequence[int]) -> tuple[int | None, list[tuple[slice, ...]]]:
+        """``(dim, boxes)``: the device's piece is the concatenation along ``dim`` of these
+        global boxes (one box and ``dim=None`` without a strided placement; a strided dim
+        gives one box per group). For readers that take boxes (safetensors slices,
+        initializer replay).
+
+        >>> Spec.parse("RS(0,2)").boxes((8, 3), (2, 2), (0, 1))
+        (0, [(slice(2, 4, None), slice(0, 3, None)), (slice(6, 8, None), slice(0, 3, None))])
+        """
+        idx = self.global_index(shape, mesh_shape, coord)
+        lists = [d for d, i in enumerate(idx) if isinstance(i, list)]
+        if not lists:
+            return None, [idx]
+        if len(lists) > 1:
+            raise SpecError(f"spec {self}: more than one strided dim")
+        (d,) = lists
+        f = next(p.split_factor for p in self.normalized(len(shape)).placements
+                 if placement_kind(p) == "T" and p.dim == d)
+        c = len(idx[d]) // f
+        return d, [idx[:d] + (slice(idx[d][j * c], idx[d][j * c] + c),) + idx[d + 1:] for j in range(f)]
+
+    def local_of(self, full, mesh_shape: Sequence[int], coord: Sequence[int]):
+        """The device at ``coord``'s piece of the global tensor ``full`` (a view where it is
+        one box, else a copy); ``Partial`` axes are ignored (the caller splits the value)."""
+        idx = self.global_index(tuple(full.shape), mesh_shape, coord)
+        out = full[tuple(i if isinstance(i, slice) else slice(None) for i in idx)]
+        for d, i in enumerate(idx):
+            if not isinstance(i, slice):
+                out = out.index_select(d, full.new_tensor(i, dtype=_long()))
+        return out
+
     def local_shape(self, shape: Sequence[int], mesh_shape: Sequence[int],
                     coord: Sequence[int]) -> tuple[int, ...]:
         """Shape of the local tensor on the device at mesh ``coord``."""
-        return tuple(s.stop - s.start for s in self.global_slices(shape, mesh_shape, coord))
+        return tuple(len(s) if isinstance(s, list) else s.stop - s.start
+                     for s in self.global_index(shape, mesh_shape, coord))
 
     def max_local_shape(self, shape: Sequence[int], mesh_shape: Sequence[int]) -> tuple[int, ...]:
         """The largest local shape over all devices (the first device's, by chunk rules)."""
@@ -240,11 +337,24 @@ class Spec:
         spec = self.normalized(len(shape))
         sizes = list(shape)
         for axis, p in enumerate(spec.placements):
-            if isinstance(p, Shard):
+            if placement_kind(p) in ("S", "T"):   # (check has made a strided split even)
                 if sizes[p.dim] % mesh_shape[axis]:
                     return False
                 sizes[p.dim] //= mesh_shape[axis]
         return True
+
+
+def with_dim(p, dim: int):
+    """``p`` (a Shard or :data:`Strided`) on tensor dim ``dim``."""
+    if placement_kind(p) == "T":
+        return Strided(dim, split_factor=p.split_factor)
+    return Shard(dim)
+
+
+def _long():
+    import torch
+
+    return torch.long
 
 
 def as_spec(x: Spec | str | Iterable[Placement]) -> Spec:

@@ -165,7 +165,8 @@ def test_megatron_orients_weights_by_their_use():
     ids = torch.randint(0, 256, (4, 32))
     p = plan(tf.GPT2LMHeadModel(cfg), fxpar.Cluster.preset("dgx-a100", nodes=1), (ids,),
              {"labels": ids}, plan="megatron", mesh={"tp": 4}).plan
-    for name, spec in (("c_attn", "S(1)"), ("c_proj", "S(0)"), ("c_fc", "S(1)")):
+    # c_attn's output is split into q, k, v: its column split is strided (each rank's q, k, v)
+    for name, spec in (("c_attn", "S(1,3)"), ("c_proj", "S(0)"), ("c_fc", "S(1)")):
         assert p.node(f"p_transformer_h_0_attn_{name}_weight" if name != "c_fc" else
                       "p_transformer_h_0_mlp_c_fc_weight").outputs == (spec,), name
     assert p.node("p_transformer_h_1_mlp_c_proj_weight").outputs == ("S(0)",)

@@ -86,7 +86,9 @@ def test_megatron_at_scale(world):
     assert mesh.group_of(0, "tp") == tuple(range(8))
 
     params = _params(planned)
-    weights = {f"blocks.{b}.{w}": ("RS(0)" if w in COLUMN else "RS(1)")
+    # the fused qkv weight's column split is strided: each rank holds its q, k and v rows
+    weights = {f"blocks.{b}.{w}": ("RS(0,3)" if w.startswith("attn.qkv") else "RS(0)" if w in COLUMN
+                                   else "RS(1)")
                for b in range(LAYERS) for w in COLUMN + ROW} | {"head.weight": "RS(0)"}
     for fqn, spec in weights.items():
         name, shape = params[fqn]
@@ -101,7 +103,7 @@ def test_megatron_at_scale(world):
     # linear outputs: column S(0)S(2) (batch on dp, features on tp), row S(0)P(sum)
     lin = [nd for nd in plan.nodes if nd.op == "linear"]
     assert len(lin) == 4 * LAYERS + 1
-    assert sorted({nd.outputs[0] for nd in lin}) == ["S(0)P(sum)", "S(0)S(2)"]
+    assert sorted({nd.outputs[0] for nd in lin}) == ["S(0)P(sum)", "S(0)S(2)", "S(0)S(2,3)"]
     assert sum(nd.outputs[0] == "S(0)P(sum)" for nd in lin) == 2 * LAYERS
 
     # one liveness point: the plan's memory is the sum of its nodes' memory plus one op's

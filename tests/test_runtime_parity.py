@@ -145,6 +145,8 @@ def run_parity(name: str, plan: str, mesh: dict, s_g: int = 1, s_os: int = 1, st
             shared = [n for n, e in runner.gm.meta[ir.EDGES].items()
                       if n.endswith("->consumers") and [s.kind for s in e.fwd.steps] == ["all_gather"]]
             assert len(shared) == 4, shared
+    if name == "gpt2" and plan == "megatron":   # fused q/k/v: each rank holds its q, k and v
+        assert str(runner.specs["transformer.h.0.attn.c_attn.weight"]).endswith("S(1,3)"), runner.specs
     # local=True: a data loader's per-rank batch (this rank's rows; plain data parallelism)
     batch = [x.chunk(dist.get_world_size())[dist.get_rank()] for x in inputs + targets] \
         if local else list(inputs + targets)
@@ -232,6 +234,7 @@ def test_parity_local_batches(pools):
     ("gpt", "dp", {"dp": 4}, 2, 4),
     ("mlp", "dp", {"dp": 4}, 1, 2),
     ("llama", "megatron", {"dp": 2, "tp": 2}, 1, 1),
+    ("gpt2", "megatron", {"dp": 2, "tp": 2}, 1, 1),
 ])
 def test_parity_4_ranks(pools, name, plan, mesh, s_g, s_os):
     _check(pools(4).run(run_parity, name, plan, mesh, s_g, s_os))

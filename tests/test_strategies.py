@@ -99,6 +99,9 @@ def _vocab_outputs(node, strat, mesh_shape, coords, local_in):
     return out
 
 
+_SPLIT_SIZES = (aten.split.Tensor, aten.split_with_sizes.default)
+
+
 def simulate(node, strat, mesh_shape, gen):
     """Run ``strat`` device by device; return max abs error against the global result."""
     ins = node.all_input_nodes
@@ -120,8 +123,7 @@ def simulate(node, strat, mesh_shape, gen):
         else:
             add[()] = g
         for c in coords:
-            sl = spec.global_slices(g.shape, mesh_shape, c)
-            local_in[(n, c)] = add[tuple(c[a] for a in paxes)][sl]
+            local_in[(n, c)] = spec.local_of(add[tuple(c[a] for a in paxes)], mesh_shape, c)
     outs_global = node.meta["val"]
     glist = [v for v in (outs_global if isinstance(outs_global, (tuple, list)) else [outs_global])
              if isinstance(v, torch.Tensor)]
@@ -133,6 +135,10 @@ def simulate(node, strat, mesh_shape, gen):
         kwargs = fx.node.map_arg(node.kwargs, lambda n: env[n])
         if node.target in _LOCALIZE_SIZE:  # the localize-shapes pass: size args -> local out shape
             args = (args[0], list(strat.outputs[0].local_shape(glist[0].shape, mesh_shape, c))) + tuple(args[2:])
+        if node.target in _SPLIT_SIZES:  # a strided input's parts: split_sizes gives local sizes
+            dim = args[2] if len(args) > 2 else 0
+            sizes = [o.local_shape(v.shape, mesh_shape, c)[dim] for o, v in zip(strat.outputs, glist)]
+            args = (args[0], sizes[0] if isinstance(args[1], int) else sizes) + tuple(args[2:])
         mean_loss = sharded_mean_call(node, strat.inputs, lambda n: n.meta["val"].shape, mesh_shape, c)
         if vocab is not None:  # vocabulary-parallel: run above, all devices at once
             out = vocab[c]
@@ -167,7 +173,7 @@ def simulate(node, strat, mesh_shape, gen):
                     new[cc] = _reduce(vals, spec[a].reduce_op)
                 group = new
             val = group[c]
-            want = gv[spec.global_slices(gv.shape, mesh_shape, c)]
+            want = spec.local_of(gv, mesh_shape, c)
             assert val.shape == want.shape, (strat, j, c, val.shape, want.shape)
             if want.dtype.is_floating_point:
                 err = max(err, (val.double() - want.double()).abs().max().item() if want.numel() else 0.0)
@@ -376,3 +382,36 @@ def test_placeholder_specs():
     p.meta["val"] = r(4, 1)
     specs = [str(s.outputs[0]) for s in strategies_for(p, _mesh((2, 2)))]
     assert specs == ["RR", "RS(0)", "S(0)R", "S(0)S(0)"]
+
+
+def test_fused_projection_offers_the_strided_column_split():
+    """(#31, #26 item 3) A projection whose output is split into q, k, v offers ``col/3``: its
+    weight and output strided ``S(d,3)`` (each rank holds its q, k and v columns); the view on
+    the way keeps it; the split hands out ``S(d)`` parts with no communication; the weight's
+    placeholder offers the strided layout. A projection whose output is not split does not."""
+    from fxpar.capture import capture
+    from fxpar.strategies import placeholder_strategies
+
+    class QKV(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv, self.out = torch.nn.Linear(8, 24), torch.nn.Linear(8, 8)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).view(2, 3, 24).split(8, dim=-1)
+            return self.out(q * k + v).sum()
+
+    gm = capture(QKV(), (torch.randn(6, 8),))
+    mesh = _mesh((2,))
+    lin = [n for n in gm.graph.nodes if n.target == aten.linear.default]
+    names = {s.name: str(s) for s in strategies_for(lin[0], mesh)}
+    assert names["col/3"] == "col/3: R, S(0,3), S(0,3) -> S(1,3)", names
+    assert not any("/" in s.name for s in strategies_for(lin[1], mesh))
+    view = next(n for n in gm.graph.nodes if n.target == aten.view.default)
+    assert "S2/3: S(1,3) -> S(2,3)" in [str(s) for s in strategies_for(view, mesh)]
+    split = next(n for n in gm.graph.nodes if n.target == aten.split.Tensor)
+    assert "fused: S(2,3) -> S(2), S(2), S(2)" in [str(s) for s in strategies_for(split, mesh)]
+    w = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name.endswith("qkv_weight"))
+    assert [str(s.outputs[0]) for s in placeholder_strategies(w, mesh)] == ["R", "S(0)", "S(1)", "S(0,3)"]
+    # 24 columns cannot be cut into 3 groups over 16 devices: no strided choice there
+    assert "col/3" not in {s.name for s in strategies_for(lin[0], _mesh((16,)))}

@@ -30,6 +30,10 @@ def _model(name: str, tp: int):
                   num_attention_heads=HEADS)
     if name == "llama":
         cls, cfg = T.LlamaForCausalLM, T.LlamaConfig(num_key_value_heads=HEADS, **common)
+    elif name == "gpt2":   # Conv1D (in, out) weights, fused q/k/v, tied embeddings, biases
+        cls, cfg = T.GPT2LMHeadModel, T.GPT2Config(
+            vocab_size=256, n_embd=H, n_layer=2, n_head=HEADS, n_positions=S, bos_token_id=0,
+            eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     else:   # grouped-query attention: fewer key/value heads than query heads
         cls, cfg = T.Qwen2ForCausalLM, T.Qwen2Config(num_key_value_heads=max(tp, 2), **common)
     with torch.device("meta"):
@@ -46,22 +50,62 @@ def _per_layer(plan) -> dict[str, collections.Counter]:
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
 def test_megatron_layer_moves_what_megatron_moves(name, tp):
     ids = torch.zeros(B, S, dtype=torch.long, device="meta")
     plan = fxpar.plan(_model(name, tp), fxpar.Cluster.preset("dgx-a100"), (ids,), {"labels": ids},
                       plan="megatron", mesh={"tp": tp}).plan
     act = B * S * H * 4                      # float32 activations
     per = _per_layer(plan)
-    for layer in ("model.layers.0", "model.layers.1"):
+    layers = ("transformer.h.0", "transformer.h.1") if name == "gpt2" else ("model.layers.0", "model.layers.1")
+    for layer in layers:
         assert per[layer] == {("fwd", "all_reduce"): 2 * act, ("bwd", "all_reduce"): 2 * act}, \
             (layer, per[layer])
-    # outside the layers: the vocabulary-parallel head's input gradient (Megatron's too)
+    # outside the layers: the vocabulary-parallel head's input gradient (Megatron's too), and
+    # with GPT-2's tied embedding the vocabulary-parallel lookup's all-reduce (Megatron's too)
+    outside = {k: v for k, v in per.items() if not k.startswith(layers[0][:-1])}
+    want = {"lm_head": {("bwd", "all_reduce"): act}}
+    if name == "gpt2":
+        want["transformer"] = {("fwd", "all_reduce"): act}
+        # the fused q/k/v weight is split per rank as [q_i k_i v_i] (strided), no all-to-all
+        assert plan.node("p_transformer_h_0_attn_c_attn_weight").outputs == ("S(1,3)",)
+    assert outside == want, outside
+    # the summed gradients: one accumulation per block input (attention's and the MLP's);
+    # GPT-2's fused projections read each normed input once (nothing to sum)
+    acc = [n for n in plan.nodes if n.grad_acc and n.layer == layers[0]]
+    assert len(acc) == (0 if name == "gpt2" else 2) and all(n.grad_acc == "P(sum)" for n in acc), acc
+    # explain() shows each layer beside Megatron's formula (4 all-reduces of b·s·h)
+    ref = plan.stats["megatron_tp"]
+    assert set(ref) == set(layers) and all(r["bytes"] == 4 * act for r in ref.values()), ref
+    text = plan.explain().split("beside Megatron-LM's 2 + 2 all-reduces of b·s·h:")[1]
+    row = next(line.split() for line in text.splitlines() if line.strip().startswith(layers[0] + " "))
+    assert row[1:3] == row[3:5] and row[5] == row[6], row   # bytes and ms equal Megatron's
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_megatron_moe_layer_moves_no_more_than_megatron(tp):
+    """Mixtral: the router stays replicated as Megatron's (a column split would gather the
+    expert scores before the top-k and flag everything after the routing as column-split,
+    the LM head included), so per layer at most Megatron's 2 + 2 all-reduces and outside the
+    layers the vocabulary-parallel head's one."""
+    T = transformers
+    cfg = T.MixtralConfig(vocab_size=256, hidden_size=H, intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=HEADS, num_key_value_heads=HEADS, num_local_experts=4,
+                          num_experts_per_tok=2, use_cache=False)
+    with torch.device("meta"):
+        model = T.MixtralForCausalLM(cfg)
+    ids = torch.zeros(B, S, dtype=torch.long, device="meta")
+    plan = fxpar.plan(model, fxpar.Cluster.preset("dgx-a100"), (ids,), {"labels": ids},
+                      plan="megatron", mesh={"tp": tp}).plan
+    act = B * S * H * 4
+    per = _per_layer(plan)
+    for layer in ("model.layers.0", "model.layers.1"):
+        assert set(per[layer]) <= {("fwd", "all_reduce"), ("bwd", "all_reduce")}, per[layer]
+        assert per[layer][("fwd", "all_reduce")] <= 2 * act and per[layer][("bwd", "all_reduce")] <= 2 * act
     outside = {k: v for k, v in per.items() if not k.startswith("model.layers.")}
     assert outside == {"lm_head": {("bwd", "all_reduce"): act}}, outside
-    # the summed gradients: one accumulation per block input (attention's and the MLP's)
-    acc = [n for n in plan.nodes if n.grad_acc and n.layer == "model.layers.0"]
-    assert len(acc) == 2 and all(n.grad_acc == "P(sum)" for n in acc), acc
+    assert plan.node("p_model_layers_0_mlp_gate_weight").outputs == ("R",)
+    assert plan.node("p_lm_head_weight").outputs == ("S(0)",)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

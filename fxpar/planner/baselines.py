@@ -62,6 +62,7 @@ from fxpar.plan_data import BASELINES, PLAN_KINDS
 from fxpar.planner.pins import InputPin
 from fxpar.spec import Spec
 from fxpar.strategies.base import no_empty_shard
+from fxpar.strategies.views import split_factor
 
 __all__ = ["baseline_pins", "baseline_mesh", "axonn_meshes", "candidate_meshes"]
 
@@ -229,11 +230,14 @@ def _col_flags(gm: fx.GraphModule) -> dict[fx.Node, bool]:
     inputs depends on a column-parallel output through non-linear ops (q/k/v, gate/up are
     column; o_proj, down_proj are row), so col/row alternate along the data path."""
     lin = dict((n, w) for n, w in _linear_nodes(gm))
+    routers = set(_routers(gm))
     flag: dict[fx.Node, bool] = {}
     out: dict[fx.Node, bool] = {}
     for n in gm.graph.nodes:
         carried = any(flag.get(a, False) for a in n.all_input_nodes)
-        if n in lin:
+        if n in routers:    # neither column nor row: replicated, as Megatron's router
+            flag[n] = False
+        elif n in lin:
             col = not carried
             out.setdefault(lin[n], col)
             flag[n] = col
@@ -245,6 +249,31 @@ def _col_flags(gm: fx.GraphModule) -> dict[fx.Node, bool]:
     for w in out:
         key = template_fqn(w.meta[ir.PARAM].fqn)
         out[w] = first.setdefault(key, out[w])
+    return out
+
+
+#: ops between an MoE router's linear and its top-k (scores, casts, views)
+_ROUTER_PATH = ("softmax", "_softmax", "sigmoid", "to", "_to_copy", "view", "reshape", "_unsafe_view")
+
+
+def _routers(gm: fx.GraphModule) -> list[fx.Node]:
+    """Linear nodes whose output reaches a ``topk`` through scores, casts and views only: MoE
+    routers, which Megatron keeps replicated (a column split would gather the expert scores
+    before the top-k, and would pass a column flag on to whatever the routing weights touch)."""
+    out = []
+    for n, _ in _linear_nodes(gm):
+        todo, seen = [n], set()
+        while todo:
+            x = todo.pop()
+            for u in x.users:
+                name = getattr(getattr(u.target, "overloadpacket", None), "__name__", "")
+                if name == "topk":
+                    out.append(n)
+                    todo = []
+                    break
+                if name in _ROUTER_PATH and u not in seen:
+                    seen.add(u)
+                    todo.append(u)
     return out
 
 
@@ -363,15 +392,25 @@ def baseline_pins(kind: str, gm: fx.GraphModule, mesh: Mesh, *,
         pins = {"input": spec(**{a: S0 for a in names[:-1]})}
         col, dims = _col_flags(gm), _weight_dims(gm)
         unsplit = set(_megatron_unsplit(gm, mesh, col))
+        # a fused q/k/v (gate/up) weight whose output is split into f parts: Megatron's
+        # per-rank [q_i k_i v_i] layout, the strided column split S(d,f) (fxpar.spec)
+        fused = {w: split_factor(n, n.meta[ir.VAL].ndim - 1) for n, w in lin if col.get(w)}
+        fused = {w: f for w, f in fused.items()
+                 if f and int(w.meta[ir.VAL].shape[dims[w][0]]) % (f * mesh.shape[-1]) == 0}
+
+        def cut(w, d: int) -> str:
+            return f"S({d},{fused[w]})" if w in fused else f"S({d})"
         for w, c in col.items():
             if w not in unsplit:
-                pins[w.meta[ir.PARAM].fqn] = spec(**{tp: f"S({dims[w][0 if c else 1]})"})
+                pins[w.meta[ir.PARAM].fqn] = spec(**{tp: cut(w, dims[w][0]) if c else f"S({dims[w][1]})"})
+        for node in _routers(gm):
+            pins[dict(lin)[node].meta[ir.PARAM].fqn] = spec()
         for node, w in lin:
-            if w in unsplit:  # left to the solver (noted in explain)
+            if w in unsplit or w not in col:  # left to the solver (noted in explain); routers
                 continue
             out_dim = node.meta[ir.VAL].ndim - 1
             pins[node.name] = spec(**{a: S0 for a in names[:-1]},
-                                   **{tp: f"S({out_dim})" if col[w] else "P(sum)"})
+                                   **{tp: cut(w, out_dim) if col[w] else "P(sum)"})
         # Megatron's vocabulary-parallel cross-entropy: the loss takes the LM head's logits as
         # the column-parallel head left them, split along the vocabulary over tp (and its rows
         # over dp: each data-parallel rank computes the loss of its own samples)

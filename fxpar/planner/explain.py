@@ -36,12 +36,14 @@ why linear (linear, layer fc1) on Mesh(dp=2 ...): ... candidates; chosen #...
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
+from fxpar import ir
 from fxpar.cost.compute import op_name
 from fxpar.errors import PlanError
 from fxpar.planner.pins import unsqueeze
@@ -49,7 +51,7 @@ from fxpar.solver import Removal, reduce_problem
 from fxpar.strategies.base import Strategy
 from fxpar.units import fmt_bytes
 
-__all__ = ["Alternative", "Why", "why"]
+__all__ = ["Alternative", "Why", "why", "megatron_reference"]
 
 
 @dataclass(frozen=True)
@@ -206,3 +208,51 @@ def why(bp, choice: Sequence[int], node, *, top: int = 5) -> Why:
     return Why(name, op, bp.layers[i] if bp.layers else "", repr(mesh), len(strats),
                len(group), chosen, tuple(others[:top]),
                dict(Counter(r.reduction for r in removed.values())), prob.budget)
+
+
+_GEMMS = ("linear", "mm", "addmm", "matmul", "bmm")
+
+
+def megatron_reference(nodes: Sequence[fx.Node], layers: Sequence[str], mesh) -> dict[str, dict]:
+    """Megatron-LM's tensor-parallel communication for each transformer layer of a plan on a
+    mesh with a ``tp`` axis (Shoeybi et al. §3): two all-reduces of the layer's input
+    activations ``b·s·h`` forward (``g`` after attention's and the MLP's row-parallel
+    linears) and two backward (``f``), priced on ``tp`` by
+    :func:`fxpar.cost.megatron.tp_comm_time_per_layer`. ``b·s·h`` is the largest value that
+    enters the layer from outside it (the residual stream); a layer counts when it holds two
+    or more GEMMs with a parameter operand (an LM head or an embedding does not). Returns
+    ``{layer: {"bytes": 4·b·s·h·itemsize, "time": seconds}}`` (``{}`` without ``tp``).
+
+    >>> import torch, fxpar
+    >>> from examples.models import GPT
+    >>> p = fxpar.plan(GPT(vocab=64, d_model=32, n_heads=4, n_layers=1, seq_len=8),
+    ...                fxpar.Cluster.preset("dgx-a100"), (torch.zeros(2, 8, dtype=torch.long),
+    ...                torch.zeros(2, 8, dtype=torch.long)), plan="megatron", mesh={"tp": 2}).plan
+    >>> p.stats["megatron_tp"]["blocks.0"]["bytes"] == 4 * 2 * 8 * 32 * 4
+    True
+    """
+    from fxpar.cost.megatron import tp_comm_time_per_layer
+
+    if "tp" not in mesh.axis_names or mesh.shape[mesh.axis_names.index("tp")] == 1:
+        return {}
+    gemms: dict[str, int] = defaultdict(int)
+    entering: dict[str, tuple[int, int]] = {}
+    layer_of = dict(zip(nodes, layers))
+    for n, lay in zip(nodes, layers):
+        if n.op != "call_function":
+            continue
+        op = getattr(getattr(n.target, "overloadpacket", None), "__name__", "")
+        if op in _GEMMS and any(ir.PARAM in a.meta for a in n.all_input_nodes):
+            gemms[lay] += 1
+        for a in n.all_input_nodes:
+            v = a.meta.get(ir.VAL)
+            if layer_of.get(a, lay) != lay and ir.PARAM not in a.meta and isinstance(v, torch.Tensor):
+                nb = v.numel() * v.element_size()
+                if nb > entering.get(lay, (0, 0))[0]:
+                    entering[lay] = (nb, v.element_size())
+    out = {}
+    for lay, k in gemms.items():
+        if k >= 2 and lay in entering:
+            nb, size = entering[lay]
+            out[lay] = {"bytes": 4 * nb, "time": tp_comm_time_per_layer(1, 1, nb // size, mesh, "tp", size)}
+    return out

@@ -50,6 +50,7 @@ from fxpar.errors import MemoryBudgetError, PlanError
 from fxpar.ir import grad_flags
 from fxpar.layers import layer_of, repeated_copies
 from fxpar.plan_data import EdgePlan, NodePlan, Plan, StepCost
+from fxpar.planner.explain import megatron_reference
 from fxpar.planner.pins import match_pins, squeeze, unsqueeze
 from fxpar.planner.pricing import (EdgePricer, backward_transient, bucket_share, bucketed_time,
                                    compute_times, fan_out_grad, finalize_spec, latency_free,
@@ -602,6 +603,9 @@ def solution_to_plan(bp: BuiltProblem, choice: Sequence[int], *, kind: str = "au
                                    grad_flags(bp.gm))
     memory += transient
     stats = dict(stats or {}, backward_transient=transient)
+    ref = megatron_reference(nodes, bp.layers, mesh)
+    if ref:
+        stats["megatron_tp"] = ref
     c = mesh.cluster
     shown = full if full is not None else mesh
     mesh_d = dict(axis_names=tuple(shown.axis_names), shape=tuple(shown.shape),

@@ -11,6 +11,8 @@ placement on axis ``i``     kind                what every device does
 ``P(op) → R``               ``all_reduce``      reduces the ``G`` addends (sum, avg, max, min)
 ``P(sum|avg) → S(d)``       ``reduce_scatter``  reduces and keeps its chunk of dim ``d``
 ``R → S(d)``                ``chunk``           keeps its chunk of dim ``d`` (local copy)
+``S(d,f) → R``              ``all_gather``      gathers, then puts each group's pieces together
+``R → S(d,f)``              ``chunk``           keeps its chunk of each of the ``f`` groups
 ``R → P(sum)``              ``to_partial``      coordinate 0 keeps the value, the others zeros
 ``R → P(avg|max|min)``      ``to_partial``      keeps the value (avg/max/min of copies is it)
 ``P(sum) ↔ P(avg)``         ``rescale``         multiplies (sum → avg) or divides by ``G``
@@ -75,7 +77,7 @@ import torch
 
 from fxpar.cost.reshard import LOCAL_KINDS, StepKind, local_numel, step_cost, step_time
 from fxpar.errors import ReshardError, SpecError
-from fxpar.spec import Partial, Placement, Replicate, Shard, Spec, as_spec
+from fxpar.spec import Partial, Placement, Replicate, Shard, Spec, as_spec, placement_kind, placement_str
 from fxpar.units import dtype_name, fmt_time
 
 __all__ = ["ReshardPlan", "ReshardStep", "LOCAL_KINDS", "reshard_plan", "reshard_costs", "reshard_cost_table", "step_kind", "as_dtype"]
@@ -166,7 +168,13 @@ def as_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 # -- transitions --------------------------------------------------------------------------
 def _later_shards(spec: Spec, axis: int, dim: int) -> bool:
-    return any(isinstance(p, Shard) and p.dim == dim for p in spec.placements[axis + 1:])
+    return any(placement_kind(p) == "S" and p.dim == dim for p in spec.placements[axis + 1:]) \
+        or _strided_elsewhere(spec, axis, dim)
+
+
+def _strided_elsewhere(spec: Spec, axis: int, dim: int) -> bool:
+    # a strided dim is sharded by its one axis only (fxpar.spec): nothing else may split it
+    return any(placement_kind(p) == "T" and p.dim == dim for a, p in enumerate(spec.placements) if a != axis)
 
 
 def _ambiguous_partials(spec: Spec) -> bool:
@@ -181,6 +189,12 @@ def step_kind(spec: Spec, axis: int, new: Placement) -> StepKind | None:
     cur = spec[axis]
     if cur == new:
         return None
+    kc, kn = placement_kind(cur), placement_kind(new)
+    if kc == "T":   # a strided shard only gathers (its groups interleave: no other collective)
+        return StepKind.ALL_GATHER if kn == "R" else None
+    if kn == "T":   # ... and is only cut out of a replica
+        return StepKind.CHUNK if kc == "R" and not _strided_elsewhere(spec, axis, new.dim) \
+            and not any(placement_kind(p) == "S" and p.dim == new.dim for p in spec.placements) else None
     if isinstance(cur, Shard):
         if _later_shards(spec, axis, cur.dim):
             return None  # dim cur.dim is split further by a later axis: not contiguous here
@@ -206,7 +220,10 @@ def step_kind(spec: Spec, axis: int, new: Placement) -> StepKind | None:
 
 
 def _candidates(ndim: int, ops: Sequence[str]) -> tuple[Placement, ...]:
-    return tuple(Shard(d) for d in range(ndim)) + (Replicate(),) + tuple(Partial(o) for o in ops)
+    # ``ops``: the reduce ops of the partial states, and the strided placements (``S(d,f)``)
+    # of the endpoints, the only ones a path ever needs
+    return tuple(Shard(d) for d in range(ndim)) + (Replicate(),) + tuple(
+        Spec.parse(o).placements[0] if o.startswith("S(") else Partial(o) for o in ops)
 
 
 def _moves_slow(spec: Spec, ndim: int, ops: Sequence[str]) -> Iterable[tuple[str, int, Spec]]:
@@ -231,8 +248,9 @@ def _code(p) -> tuple:
     t = type(p)
     c = _CODES.get(t)
     if c is None:
-        c = _CODES[t] = ("S" if isinstance(p, Shard) else "R" if isinstance(p, Replicate)
-                         else "P" if isinstance(p, Partial) else "?")
+        c = _CODES[t] = placement_kind(p) or "?"
+    if c == "T":
+        return ("T", p.dim, p.split_factor)
     if c == "S":
         return ("S", p.dim)
     if c == "P":
@@ -259,7 +277,8 @@ def _moves(spec: Spec, ndim: int, ops: Sequence[str]) -> list[tuple[str, int, Sp
     n = len(pls)
 
     def later(axis: int, dim: int) -> bool:
-        return any(c[0] == "S" and c[1] == dim for c in codes[axis + 1:])
+        return any(c[0] == "S" and c[1] == dim for c in codes[axis + 1:]) or \
+            any(c[0] == "T" and c[1] == dim for a, c in enumerate(codes) if a != axis)
 
     out = []
     for axis in range(n):
@@ -268,7 +287,12 @@ def _moves(spec: Spec, ndim: int, ops: Sequence[str]) -> list[tuple[str, int, Sp
             if cur == new:
                 continue
             kind = None
-            if cur[0] == "S":
+            if cur[0] == "T" or new[0] == "T":   # strided: gathered, or cut out of a replica
+                if new[0] == "R":
+                    kind = StepKind.ALL_GATHER
+                elif cur[0] == "R" and not any(c[0] in "ST" and c[1] == new[1] for c in codes):
+                    kind = StepKind.CHUNK
+            elif cur[0] == "S":
                 if later(axis, cur[1]):
                     continue
                 if new[0] == "R":
@@ -332,7 +356,10 @@ def reshard_plan(src: Spec | str, dst: Spec | str, mesh, shape: Sequence[int],
 
 
 def _ops_of(*specs: Spec) -> tuple[str, ...]:
-    return tuple(sorted({p.reduce_op for s in specs for p in s.placements if isinstance(p, Partial)}))
+    """The reduce ops of the specs' partials and their strided placements (as ``S(d,f)``):
+    what a state graph between them is made of besides ``S(d)`` and ``R`` (:func:`_candidates`)."""
+    return tuple(sorted({p.reduce_op if placement_kind(p) == "P" else placement_str(p)
+                         for s in specs for p in s.placements if placement_kind(p) in ("P", "T")}))
 
 
 class _Tensor:

@@ -33,6 +33,9 @@ from torch.distributed.tensor import DTensor
 
 from fxpar import ir
 from fxpar.errors import FxparError
+from fxpar.resharding.intra import reshard_plan
+from fxpar.runtime.redistribute import execute
+from fxpar.spec import Shard, Spec, placement_kind
 
 __all__ = ["save", "load"]
 
@@ -43,8 +46,26 @@ def _names(runner) -> tuple[str, dict[str, ir.ParamInfo]]:
     return runner.fqn_prefix, ir.params(runner.program.graph)
 
 
-def _dtensor(runner, local: torch.Tensor, fqn: str, info) -> DTensor:
+def _plain(spec: Spec) -> Spec:
+    """The layout a tensor is checkpointed in: a strided shard (a fused projection's q, k, v
+    chunks per rank, :data:`fxpar.spec.Strided`) as the plain shard of its dim, one box per
+    rank as DCP stores, so a checkpoint does not depend on how the projection was fused."""
+    return Spec(tuple(Shard(p.dim) if placement_kind(p) == "T" else p for p in spec.placements))
+
+
+def _relayout(runner, fqn: str, info, local: torch.Tensor, to_plain: bool) -> torch.Tensor:
+    """``local`` moved between the runner's layout of ``fqn`` and :func:`_plain` of it
+    (collective over the mesh when the layout is strided; ``local`` itself otherwise)."""
     spec = runner.specs[fqn]
+    if not spec.is_strided:
+        return local
+    a, b = (spec, _plain(spec)) if to_plain else (_plain(spec), spec)
+    plan = reshard_plan(a, b, runner.bindings.mesh, tuple(info.shape), local.dtype)
+    return execute(plan, local, runner.bindings.device_mesh)
+
+
+def _dtensor(runner, local: torch.Tensor, fqn: str, info) -> DTensor:
+    spec = _plain(runner.specs[fqn])
     shape = torch.Size(info.shape)
     return DTensor.from_local(local, runner.bindings.device_mesh, list(spec.placements),
                               run_check=False, shape=shape, stride=torch.empty(shape, device="meta").stride())
@@ -59,7 +80,7 @@ def _state(runner, optim: bool, fill: bool) -> dict:
         info = infos[fqn]
         if info.kind == "buffer" and not info.persistent:
             continue
-        local = t.detach() if fill else torch.empty_like(t.detach())
+        local = _relayout(runner, fqn, info, t.detach(), True) if fill else _empty(runner, fqn, info, t)
         for name in (fqn, *info.aliases):
             model[name.removeprefix(pre)] = _dtensor(runner, local, fqn, info)
     out = {"model": model, "fxpar": {"rng": runner.tracker.state_dict()}}
@@ -68,12 +89,22 @@ def _state(runner, optim: bool, fill: bool) -> dict:
         state = {}
         for fqn, entries in st.items():
             state[fqn.removeprefix(pre)] = {
-                k: _dtensor(runner, v if fill else torch.empty_like(v), fqn, infos[fqn])
+                k: _dtensor(runner, _relayout(runner, fqn, infos[fqn], v, True) if fill
+                            else _empty(runner, fqn, infos[fqn], v), fqn, infos[fqn])
                 if torch.is_tensor(v) and v.ndim else v for k, v in entries.items()}
         out["optim"] = {"state": state,
                         "param_groups": [{**g, "params": [f.removeprefix(pre) for f in g["params"]]}
                                          for g in groups]}
     return out
+
+
+def _empty(runner, fqn: str, info, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    """An empty local tensor of ``fqn``'s checkpoint layout (:func:`_plain`) for DCP to fill."""
+    if not runner.specs[fqn].is_strided:
+        return torch.empty(like.shape, dtype=dtype or like.dtype, device=like.device)
+    b = runner.bindings
+    shape = _plain(runner.specs[fqn]).local_shape(tuple(info.shape), tuple(b.mesh.shape), tuple(b.coord))
+    return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
 
 
 def save(runner, path) -> None:
@@ -96,10 +127,9 @@ def load(runner, path) -> None:
             user = fqn.removeprefix(pre)
             head = f"optim.state.{user}."
             names = [k[len(head):] for k in meta if k.startswith(head) and "." not in k[len(head):]]
-            local = runner.state[fqn]
+            local = _empty(runner, fqn, infos[fqn], runner.state[fqn], torch.float32)
             optim_state[user] = {
-                n: _dtensor(runner, torch.empty(local.shape, dtype=torch.float32, device=local.device),
-                            fqn, infos[fqn])
+                n: _dtensor(runner, torch.empty_like(local), fqn, infos[fqn])
                 if len(getattr(meta[head + n], "size", ())) else torch.zeros((), dtype=torch.float32)
                 for n in names}
         groups: dict[int, dict] = {}  # DCP flattened the list of groups: rebuild its slots
@@ -113,10 +143,12 @@ def load(runner, path) -> None:
         for fqn, t in runner.state.items():
             key = fqn.removeprefix(pre)
             if key in sd["model"]:
-                t.copy_(sd["model"][key].to_local())
+                t.copy_(_relayout(runner, fqn, infos[fqn], sd["model"][key].to_local(), False))
     runner.tracker.load_state_dict(sd["fxpar"]["rng"])
     if optim_state:
         runner.states.load_optimizer_state(
-            {pre + f: {n: v.to_local() if isinstance(v, DTensor) else v for n, v in st.items()}
+            {pre + f: {n: _relayout(runner, pre + f, infos[pre + f], v.to_local(), False)
+                       if isinstance(v, DTensor) else v
+                       for n, v in st.items()}
              for f, st in optim_state.items()},
             [{**g, "params": [pre + f for f in g["params"]]} for g in sd["optim"]["param_groups"]])

@@ -64,7 +64,7 @@ import torch
 
 from fxpar.cost.reshard import StepKind
 from fxpar.errors import ReshardError
-from fxpar.spec import Partial, Replicate, Spec, as_spec, chunk_bounds, partial_reducible
+from fxpar.spec import Partial, Replicate, Spec, as_spec, chunk_bounds, partial_reducible, placement_kind
 
 __all__ = ["execute", "execute_many", "execute_step", "start", "finish", "Pending", "distribute", "assemble",
            "as_device_mesh"]
@@ -108,7 +108,7 @@ def distribute(full: torch.Tensor, spec: Spec | str, mesh, coord: Sequence[int])
     DeviceMesh or a mesh shape tuple."""
     spec = as_spec(spec)
     mesh_shape = _mesh_shape(mesh)
-    local = full[spec.global_slices(tuple(full.shape), mesh_shape, coord)].clone()
+    local = spec.local_of(full, mesh_shape, coord).clone()
     for axis, p in enumerate(spec):
         if isinstance(p, Partial) and p.reduce_op == "sum" and coord[axis] != 0:
             local.zero_()
@@ -141,15 +141,19 @@ def assemble(locals_: Mapping[tuple[int, ...], torch.Tensor], spec: Spec | str, 
     plain = Spec(tuple(Replicate() if isinstance(p, Partial) else p for p in spec))
     seen: dict[tuple, tuple] = {}
     for c, t in red.items():
-        sl = plain.global_slices(shape, mesh_shape, c)
-        key = tuple((s.start, s.stop) for s in sl)
+        sl = plain.global_index(shape, mesh_shape, c)
+        key = tuple(tuple(s) if isinstance(s, list) else (s.start, s.stop) for s in sl)
         if key in seen:
             if not torch.equal(seen[key][1], t):
                 raise ReshardError(f"assemble {spec} of shape {shape}: devices {seen[key][0]} and {c} "
                                    f"hold the same region {key} with different values")
             continue
         seen[key] = (c, t)
-        full[sl] = t
+        if any(isinstance(s, list) for s in sl):   # a strided dim: index every dim
+            idx = [torch.tensor(s) if isinstance(s, list) else torch.arange(s.start, s.stop) for s in sl]
+            full[torch.meshgrid(*idx, indexing="ij")] = t
+        else:
+            full[sl] = t
     return full
 
 
@@ -207,6 +211,11 @@ def _local_shape(spec: Spec, shape: tuple[int, ...], mesh_shape: tuple[int, ...]
 # local step) or the _Comm a collective needs
 def _step_chunk(local, i, G, src_p, dst_p, k, out_shape):
     d = dst_p.dim
+    if placement_kind(dst_p) == "T":   # chunk k of each of the f groups (even: checked by the spec)
+        f = dst_p.split_factor
+        grouped = local.unflatten(d, (f, local.shape[d] // f))
+        c = grouped.shape[d + 1] // G
+        return grouped.narrow(d + 1, k * c, c).flatten(d, d + 1).clone()
     a, b = chunk_bounds(local.shape[d], G, k)
     return local.narrow(d, a, b - a).clone()  # a copy: the full buffer can go
 
@@ -225,6 +234,8 @@ def _step_all_reduce(local, i, G, src_p, dst_p, k, out_shape):
 
 
 def _step_all_gather(local, i, G, src_p, dst_p, k, out_shape):
+    if placement_kind(src_p) == "T":
+        return _gather_strided(local, i, G, src_p)
     # Pad to the first (largest) chunk; the G padded blocks end to end hold the n real
     # entries as a prefix, because only trailing chunks are short.
     d, n = src_p.dim, out_shape()[src_p.dim]
@@ -232,6 +243,17 @@ def _step_all_gather(local, i, G, src_p, dst_p, k, out_shape):
 
     def finish_ag(r):
         return torch.cat(r.reshape(G, *x.shape).unbind(0), dim=d).narrow(d, 0, n)
+    return _Comm(StepKind.ALL_GATHER, i, None, x.view(-1), finish_ag)
+
+
+def _gather_strided(local, i, G, src_p):
+    # member g's block holds chunk g of each of the f groups: (G, .., f, c, ..) -> (.., f, G, c, ..)
+    d, f = src_p.dim, src_p.split_factor
+    x = local.contiguous()
+
+    def finish_ag(r):
+        blocks = r.reshape(G, *x.shape).unflatten(d + 1, (f, x.shape[d] // f))
+        return blocks.movedim(0, d + 1).flatten(d, d + 2)
     return _Comm(StepKind.ALL_GATHER, i, None, x.view(-1), finish_ag)
 
 

@@ -46,7 +46,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from fxpar import ir
 from fxpar.errors import FxparError, PlanError
+from fxpar.spec import Strided
 
 from fxpar.strategies import (attention, conv, embedding, guards, losses, matmul, moe,  # noqa: F401
                               norms, pointwise, reductions, views)
@@ -89,12 +91,34 @@ def unsharded_strategy(node: fx.Node, mesh_ndim: int) -> Strategy:
 
 
 def placeholder_strategies(node: fx.Node, mesh) -> list[Strategy]:
-    """Every ``{R, S(d)}``-per-axis spec that fits the value's shape (the planner pins)."""
+    """Every ``{R, S(d)}``-per-axis spec that fits the value's shape (the planner pins), and
+    the strided ``S(d,f)`` of a fused projection's weight or bias (:func:`_fused_dims`)."""
     shp = tensor_shape(node)
     if shp is None:
         return [Strategy((), (), name="const")]
     choices = [AxisStrategy((), (torch.distributed.tensor.Shard(d),), name=f"S{d}") for d in range(len(shp))]
+    choices += [AxisStrategy((), (Strided(d, split_factor=f),), name=f"S{d}/{f}") for d, f in _fused_dims(node)]
     return expand(node, choices, mesh.shape, mesh.axis_names)
+
+
+_PROJECTIONS = (torch.ops.aten.linear, torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.matmul)
+
+
+def _fused_dims(node: fx.Node) -> list[tuple[int, int]]:
+    """``(dim, f)`` for a parameter read by a projection whose output is split into ``f``
+    equal parts (:func:`fxpar.strategies.views.split_factor`), ``dim`` of the parameter's
+    dims that has the output's last size (the strided col split of the projection needs it)."""
+    if ir.PARAM not in node.meta:
+        return []
+    shp = tensor_shape(node)
+    out = set()
+    for u in node.users:
+        o = tensor_shape(u)
+        if o and getattr(u.target, "overloadpacket", None) in _PROJECTIONS:
+            f = views.split_factor(u, len(o) - 1)
+            if f:
+                out |= {(d, f) for d, n in enumerate(shp) if n == o[-1]}
+    return sorted(out)
 
 
 def strategies_for(node: fx.Node, mesh) -> list[Strategy]:

@@ -38,7 +38,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from fxpar import ir
 from fxpar.cost.compute import set_op_cost
-from fxpar.spec import Spec, as_spec, placement_kind, placement_str
+from fxpar.spec import Spec, as_spec, placement_kind, placement_str, with_dim
 
 __all__ = ["AxisStrategy", "Strategy", "OpRecord", "RECORDS", "register", "declare", "record_for", "rule_for",
            "RULES", "expand", "bound",
@@ -331,8 +331,8 @@ def choice(node: fx.Node, placements: dict, outputs: Sequence[Placement], name: 
 
 # --- expansion over an N-d mesh --------------------------------------------------------------------
 def _norm(p, shp):
-    if placement_kind(p) == "S" and p.dim < 0 and shp is not None:
-        return Shard(p.dim % len(shp))
+    if placement_kind(p) in ("S", "T") and p.dim < 0 and shp is not None:
+        return with_dim(p, p.dim % len(shp))
     return p
 
 
@@ -385,7 +385,8 @@ multiply to a divisor of ``blocks``. Axes of size 1 only replicate. The all-repl
             raise ValueError(f"rule for {node.target} returned {c!r} for {len(in_shapes)} inputs, "
                              f"{len(o_shapes)} outputs")
         pls = tuple(_norm(p, s) for p, s in zip(c.inputs + c.outputs, shapes))
-        if any(placement_kind(p) == "S" and not 0 <= p.dim < len(s) for p, s in zip(pls, shapes) if p is not None):
+        if any(placement_kind(p) in ("S", "T") and not 0 <= p.dim < len(s)
+               for p, s in zip(pls, shapes) if p is not None):
             continue
         c = AxisStrategy(pls[:len(in_shapes)], pls[len(in_shapes):], name=c.name, even=c.even, blocks=c.blocks)
         key = (c.inputs, c.outputs)
@@ -396,7 +397,10 @@ multiply to a divisor of ``blocks``. Axes of size 1 only replicate. The all-repl
 
     def ok1(c: AxisStrategy, k: int) -> bool:
         for p, s in zip(c.inputs + c.outputs, shapes):
-            if placement_kind(p) == "S" and not no_empty_shard(s[p.dim], (k,)):
+            kind = placement_kind(p)
+            if kind == "S" and not no_empty_shard(s[p.dim], (k,)):
+                return False
+            if kind == "T" and s[p.dim] % (p.split_factor * k):   # strided: even (fxpar.spec)
                 return False
         return True
 
@@ -413,8 +417,11 @@ multiply to a divisor of ``blocks``. Axes of size 1 only replicate. The all-repl
             by_dim: dict[int, list[int]] = {}
             for a, c in enumerate(combo):
                 p = c.inputs[t] if t < len(in_shapes) else c.outputs[t - len(in_shapes)]
-                if placement_kind(p) == "S":
+                kind = placement_kind(p)
+                if kind == "S":
                     by_dim.setdefault(p.dim, []).append(a)
+                elif kind == "T":   # a strided dim is split by its one axis only
+                    by_dim.setdefault(p.dim, []).extend((a, -1))
             ops = {p.reduce_op for c in combo
                    for p in (c.inputs[t] if t < len(in_shapes) else c.outputs[t - len(in_shapes)],)
                    if placement_kind(p) == "P"}
@@ -422,6 +429,10 @@ multiply to a divisor of ``blocks``. Axes of size 1 only replicate. The all-repl
                 good = False  # partial sums and maxima on one tensor do not commute (see reshard)
                 break
             for d, axes in by_dim.items():
+                if -1 in axes and len(axes) > 2:
+                    good = False
+                    break
+                axes = [a for a in axes if a >= 0]
                 ks = [mesh_shape[a] for a in axes]
                 if len(axes) > 1 and (any(combo[a] != combo[axes[0]] for a in axes) or not no_empty_shard(s[d], ks)):
                     good = False

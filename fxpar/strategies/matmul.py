@@ -8,6 +8,8 @@
     m1   (letter m)      S(1), R -> S(1)        sequence / rows
     row  (letter k)      S(2), S(1) -> P(sum)   Megatron row split, contraction -> partial
     col  (letter n)      R, S(0) -> S(2)        Megatron column split
+    col/3                R, S(0,3) -> S(2,3)    ... of a fused q/k/v weight whose output is split
+                                                into 3 (strided: each rank holds its q, k and v)
 
 mm/bmm/matmul/einsum (activation x activation, e.g. attention) also offer ``pin<i>``: operand i
 ``P(sum)``, the others R -> ``P(sum)``; linear/addmm do not (reduce before a layer).
@@ -23,7 +25,9 @@ import torch
 
 from fxpar.cost.compute import (addmm_cost, baddbmm_cost, bmm_cost, einsum_cost, linear_cost, matmul_cost,
                                 mm_cost)
+from fxpar.spec import Strided, placement_kind, with_dim
 from fxpar.strategies.base import P, R, S, bound, choice, declare, register, tensor_shape
+from fxpar.strategies.views import split_factor
 
 aten = torch.ops.aten
 
@@ -72,11 +76,25 @@ def _bias_pl(bias_shape, out_pl, out_shape):
         return None
     if isinstance(out_pl, type(P())):
         return out_pl
-    if isinstance(out_pl, type(S(0))):
+    if placement_kind(out_pl) in ("S", "T"):
         d = out_pl.dim - (len(out_shape) - len(bias_shape))
         if d >= 0 and bias_shape[d] == out_shape[out_pl.dim] and bias_shape[d] > 1:
-            return S(d)
+            return with_dim(out_pl, d)
     return R
+
+
+def _with_fused(node, choices):
+    """The einsum ``choices`` of a projection, plus a strided ``col`` when its output is split
+    into ``f`` equal parts (:func:`fxpar.strategies.views.split_factor`: q, k and v of one
+    fused weight): every operand and the output sharded along the output's last dim hold
+    chunk ``i`` of each part (``S(d,f)``), so the split hands each part out ``S(d)``."""
+    out = tensor_shape(node)
+    f = split_factor(node, len(out) - 1) if out else 0
+    for name, pls, po in choices:
+        yield name, pls, po
+        if f and placement_kind(po) == "S" and po.dim == len(out) - 1:
+            yield (f"{name}/{f}", [Strided(p.dim, split_factor=f) if placement_kind(p) == "S" else p
+                                   for p in pls], Strided(po.dim, split_factor=f))
 
 
 @register(aten.linear, cost=linear_cost, saves="partners")
@@ -93,7 +111,7 @@ def linear_rule(node):
     out = tensor_shape(node)
     # No partial-input choices: a partial weight is never useful, and a partial activation
     # into a layer multiplies the count by ~2 per mesh axis for little gain (reduce first).
-    for name, (pi, pw), po in einsum_choices(sub, [x, w], names, partial_inputs=False):
+    for name, (pi, pw), po in _with_fused(node, einsum_choices(sub, [x, w], names, partial_inputs=False)):
         yield choice(node, {"input": pi, "weight": pw, "bias": _bias_pl(bias, po, out)}, [po], name)
 
 
@@ -101,7 +119,7 @@ def _self_mat2(node, subscripts: str, names: dict[str, str]):
     """Choices of a two-operand ``self @ mat2`` op given its einsum subscripts."""
     b = bound(node)
     shapes = [tensor_shape(b["self"]), tensor_shape(b["mat2"])]
-    for name, (pa, pb), po in einsum_choices(subscripts, shapes, names):
+    for name, (pa, pb), po in _with_fused(node, einsum_choices(subscripts, shapes, names)):
         yield choice(node, {"self": pa, "mat2": pb}, [po], name)
 
 
@@ -124,7 +142,7 @@ def addmm_rule(node):
     sub = "mk,kn->mn" if len(a) == 2 else "bmk,bkn->bmn"
     out = tensor_shape(node)
     names = {"b": "dp", "m": "dp" if len(a) == 2 else "m", "k": "row", "n": "col"}
-    for name, (pa, pb), po in einsum_choices(sub, [a, m], names, partial_inputs=False):
+    for name, (pa, pb), po in _with_fused(node, einsum_choices(sub, [a, m], names, partial_inputs=False)):
         yield choice(node, {"self": _bias_pl(tensor_shape(b["self"]), po, out), k1: pa, k2: pb}, [po], name)
 
 
@@ -149,7 +167,7 @@ def matmul_rule(node):
     a, m = tensor_shape(b["self"]), tensor_shape(b["other"])
     sub = matmul_subscripts(a, m)
     names = {"k": "row", "n": "col", "a": "dp"}
-    for name, (pa, pb), po in einsum_choices(sub, [a, m], names):
+    for name, (pa, pb), po in _with_fused(node, einsum_choices(sub, [a, m], names)):
         yield choice(node, {"self": pa, "other": pb}, [po], name)
 
 

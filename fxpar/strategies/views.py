@@ -5,8 +5,10 @@ Each rule states a **dimension map**: which input dim becomes which output dim. 
 the same op on local tensors, so size arguments (``view``, ``reshape``, ``expand``,
 ``new_*``) are **localized**: the records' ``local=`` entries
 (:func:`fxpar.strategies.local.shape_arg`, :func:`~fxpar.strategies.local.unflatten_sizes`)
-replace them by the output's local shape (``Spec.local_shape`` of the node's output spec); split
-sizes, slice bounds and indices are only used along unsharded dims and stay as they are.
+replace them by the output's local shape (``Spec.local_shape`` of the node's output spec); slice
+bounds and indices are only used along unsharded dims and stay as they are, and so are split
+sizes, except where a fused projection's strided output ``S(d,f)`` is split into its ``f``
+parts (:func:`split_factor`, :func:`split_sizes`).
 Views are recorded ``view=True`` (free, aliasing their input); ``reshape``/``flatten``/
 ``contiguous`` alias only a contiguous input (``view="if_contiguous"``).
 
@@ -27,6 +29,7 @@ import torch
 import torch.fx as fx
 
 from fxpar.cost.compute import copy_cost, creation_cost, maybe_copy_cost, view_cost
+from fxpar.spec import Strided
 from fxpar.strategies.base import (P, R, S, AxisStrategy, bound, choice, declare, out_shapes, register,
                                    tensor_shape)
 from fxpar.strategies.local import reads_storage, shape_arg, unflatten_sizes
@@ -64,6 +67,47 @@ def reshape_groups(a, b):
     return out
 
 
+_RESHAPES = (aten.view, aten.reshape, aten._unsafe_view)
+_EQUAL_SPLITS = (aten.split, aten.split_with_sizes, aten.chunk, aten.unsafe_split)
+
+
+def split_factor(node: fx.Node, dim: int) -> int:
+    """``f`` when dim ``dim`` of ``node``'s output reaches, through reshapes that keep it
+    whole, a split into ``f >= 2`` equal parts (a fused q/k/v or gate/up projection's
+    ``split``/``chunk``); else 0. Such a value may be :data:`fxpar.spec.Strided` ``S(dim,f)``:
+    each part then comes out of the split ``S(dim)``, with no communication.
+
+    >>> import torch
+    >>> from fxpar.capture import capture
+    >>> class QKV(torch.nn.Module):
+    ...     def __init__(self): super().__init__(); self.w = torch.nn.Linear(4, 12)
+    ...     def forward(self, x): return [t.sum() for t in self.w(x).view(2, 3, 12).split(4, -1)]
+    >>> gm = capture(QKV(), (torch.randn(6, 4),))
+    >>> lin = next(n for n in gm.graph.nodes if n.target == aten.linear.default)
+    >>> split_factor(lin, 1), split_factor(lin, 0)
+    (3, 0)
+    """
+    shape = tensor_shape(node)
+    if shape is None:
+        return 0
+    for u in node.users:
+        pk = getattr(u.target, "overloadpacket", None)
+        if not u.args or u.args[0] is not node:
+            continue
+        if pk in _RESHAPES:
+            o = tensor_shape(u)
+            for gi, gj in reshape_groups(shape, o) or []:
+                if gi == [dim] and len(gj) == 1 and o[gj[0]] == shape[dim]:
+                    f = split_factor(u, gj[0])
+                    if f:
+                        return f
+        elif pk in _EQUAL_SPLITS and bound(u).get("dim", 0) % len(shape) == dim:
+            sizes = [o[dim] for o in out_shapes(u)]
+            if len(sizes) >= 2 and len(set(sizes)) == 1 and sum(sizes) == shape[dim]:
+                return len(sizes)
+    return 0
+
+
 def _first_non1(dims, shape):
     nz = [d for d in dims if shape[d] > 1]
     return nz
@@ -86,6 +130,10 @@ def reshape_rule(node: fx.Node):
         if not ni or not nj:
             continue
         yield choice(node, {key: S(ni[0])}, [S(nj[0])], f"S{nj[0]}", even=not (len(ni) == len(nj) == 1))
+        f = split_factor(node, nj[0]) if len(ni) == len(nj) == 1 else 0
+        if f:   # a fused projection's output on its way to the split
+            yield choice(node, {key: Strided(ni[0], split_factor=f)}, [Strided(nj[0], split_factor=f)],
+                         f"S{nj[0]}/{f}")
     yield choice(node, {key: P()}, [P()], "P")
 
 
@@ -122,8 +170,27 @@ def expand_rule(node: fx.Node):
     yield choice(node, {"self": P()}, [P()], "P")
 
 
-@register(aten.split, aten.split_with_sizes, aten.chunk, aten.unbind, aten.unsafe_split, aten.tensor_split,
-          cost=view_cost, view=True)
+def split_sizes(node: fx.Node, lctx) -> None:
+    """``split``/``split_with_sizes`` of a strided dim: the sizes become the outputs' local
+    sizes along it (each part is ``S(dim)``: ``h/G`` of ``h``). Along an unsharded dim the
+    local sizes are the global ones, so the call is left as it is."""
+    vals = node.meta["val"]
+    if len(node.args) < 2 or not vals:
+        return
+    b = bound(node)
+    dim = b.get("dim", 0) % vals[0].dim()
+    sizes = [int(v.shape[dim]) for v in vals]
+    args = list(node.args)
+    if isinstance(args[1], int):
+        if sizes[0] != args[1]:
+            args[1] = sizes[0]
+    elif list(args[1]) != sizes:
+        args[1] = sizes
+    node.args = tuple(args)
+
+
+@register(aten.split, aten.split_with_sizes, aten.unsafe_split, cost=view_cost, view=True, local=split_sizes)
+@register(aten.chunk, aten.unbind, aten.tensor_split, cost=view_cost, view=True)
 def split_rule(node: fx.Node):
     b = bound(node)
     a = tensor_shape(b["self"])
@@ -135,6 +202,11 @@ def split_rule(node: fx.Node):
             continue
         od = d - 1 if drop and d > dim else d
         yield choice(node, {"self": S(d)}, [S(od)] * len(outs), f"S{od}")
+    sizes = [o[dim] for o in outs]
+    if node.target.overloadpacket in _EQUAL_SPLITS and len(set(sizes)) == 1 and len(sizes) >= 2 \
+            and sum(sizes) == a[dim]:
+        # the parts of a fused projection: chunk i of each part, side by side (module doc)
+        yield choice(node, {"self": Strided(dim, split_factor=len(sizes))}, [S(dim)] * len(outs), "fused")
     yield choice(node, {"self": P()}, [P()] * len(outs), "P")
 
 

@@ -465,9 +465,8 @@ def _plan(tr: _Track) -> tuple[list[_Op] | None, str | None]:
     return tail, None
 
 
-def _replay(tr: _Track, ops: list[_Op], gslices, local_shape, device, gen) -> torch.Tensor:
-    meta = tr.entry.tensor
-    local = torch.empty(local_shape, dtype=meta.dtype, device=device)
+def _replay(tr: _Track, ops: list[_Op], gslices, local: torch.Tensor, device, gen) -> torch.Tensor:
+    """Run the replayable init ``ops`` on ``local``, the global box ``gslices`` (written in place)."""
     if local.numel() == 0:
         return local
     for op in ops:
@@ -547,8 +546,7 @@ def from_init(model: nn.Module, entries: Mapping[str, Entry],
             continue
         tr = tracks[canon]
         ops, why = _plan(tr)
-        gslices = spec.global_slices(shape, mesh_shape, coord)
-        local_shape = tuple(s.stop - s.start for s in gslices)
+        local_shape = spec.local_shape(shape, mesh_shape, coord)
         zero = any(isinstance(p, Partial) and p.reduce_op == "sum" and coord[a] != 0
                    for a, p in enumerate(spec))
         if ops is not None:
@@ -557,7 +555,11 @@ def from_init(model: nn.Module, entries: Mapping[str, Entry],
             else:
                 gen = torch.Generator(device=dev)
                 gen.manual_seed(seed_from("fxpar.materialize", seed, canon, shard_key(spec, coord)))
-                local = _replay(tr, ops, gslices, local_shape, dev, gen)
+                local = torch.empty(local_shape, dtype=e.tensor.dtype, device=dev)
+                d, boxes = spec.boxes(shape, mesh_shape, coord)
+                for j, box in enumerate(boxes):   # a strided piece: one box per group along d
+                    c = box[d].stop - box[d].start if d is not None else 0
+                    _replay(tr, ops, box, local if d is None else local.narrow(d, j * c, c), dev, gen)
             built[canon] = finish(local.to(dev))
             continue
         if why is None:      # nothing writes it: a value computed in __init__, lost on meta

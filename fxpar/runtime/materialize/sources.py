@@ -134,8 +134,10 @@ class SafetensorsSource:
         return tuple(self.f.get_slice(key).get_shape())
 
     def take(self, key, spec, mesh_shape, coord):
-        sl = spec.global_slices(self.shape(key), mesh_shape, coord)
-        return zero_partial(self.f.get_slice(key)[sl].clone(), spec, coord)
+        d, boxes = spec.boxes(self.shape(key), mesh_shape, coord)
+        sl = self.f.get_slice(key)
+        local = sl[boxes[0]].clone() if d is None else torch.cat([sl[b] for b in boxes], dim=d)
+        return zero_partial(local, spec, coord)
 
 
 class MappingSource:
