@@ -461,6 +461,8 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-zero3", action="store_true")
     ap.add_argument("--skip-amsp", action="store_true")
     ap.add_argument("--skip-axonn", action="store_true")
+    ap.add_argument("--out", default="", help="write the JSON here even for a partial run "
+                    "(default: benchmarks/results/reproductions.json, full runs only)")
     a = ap.parse_args(argv)
     names = {r for r in a.rows.split(",") if r} or None
     t0 = time.perf_counter()
@@ -492,10 +494,12 @@ def main(argv=None) -> int:
     out = {"benchmark": "reproductions", "table1": t1, "table2": t2, "amsp": t3, "axonn": t4,
            "summary": summary,
            "targets": {"auto_not_slower_than_any_baseline": True, "mean_ratio_to_best_baseline": 0.85}}
-    if names is None and not (a.skip_zero3 or a.skip_amsp or a.skip_axonn):  # only a full run is recorded
-        OUT.parent.mkdir(parents=True, exist_ok=True)
-        OUT.write_text(json.dumps(out, indent=1) + "\n")
-        print(f"wrote {OUT}")
+    full = names is None and not (a.skip_zero3 or a.skip_amsp or a.skip_axonn)
+    if full or a.out:  # only a full run is recorded by default
+        dest = Path(a.out) if a.out else OUT
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_text(json.dumps(out, indent=1) + "\n")
+        print(f"wrote {dest}")
     return 0
 
 

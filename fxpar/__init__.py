@@ -36,6 +36,7 @@ from fxpar.program import Program, Runner, load
 from fxpar.schedule import Action, Schedule
 from fxpar.sim import SimResult, simulate
 from fxpar.verify import Divergence, VerifyReport
+from fxpar.runtime.profile import Profile
 
 __version__ = "0.1.0"
 
@@ -48,5 +49,5 @@ __all__ = [
     "reshard_plan", "ReshardPlan", "ReshardStep", "cross_mesh_plan", "CrossMeshPlan",
     "ParallelConfig", "ScheduleKind", "Plan", "NodePlan", "EdgePlan", "StepCost", "PlannerOptions", "plan_graph",
     "plan", "compile", "Planned", "Program", "Runner", "load",
-    "Action", "Schedule", "SimResult", "simulate", "VerifyReport", "Divergence",
+    "Action", "Schedule", "SimResult", "simulate", "VerifyReport", "Divergence", "Profile",
 ]

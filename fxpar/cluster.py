@@ -342,6 +342,52 @@ class Cluster:
             raise ClusterError(f"device {device} not in cluster {self.name} "
                                f"(devices 0..{self.num_devices - 1})")
 
+    def refine(self, profile) -> Cluster:
+        """This cluster with its rates re-fit to a measured :class:`fxpar.Profile` (from
+        ``runner.profile()``): with ``s = measured / predicted`` over the profiled nodes
+        (:meth:`fxpar.Profile.scales`), compute runs at ``1/s_compute`` of the rates it
+        was priced at (the measured GEMM, memory, vector and attention curves, or the
+        nominal ``peak_flops``/``memory_bandwidth``; per-op overheads times ``s_compute``)
+        and collectives at ``1/s_comm`` of the bandwidths with ``s_comm`` times the
+        latencies (links and measured α/β entries alike). A kind the profile did not
+        measure is left as it is. The profile must come from a plan priced on this cluster.
+
+        >>> from fxpar.runtime.profile import NodeTime, Profile
+        >>> p = Profile((NodeTime("mm", "fc", "compute", None, 2e-3, 4e-3, 1e-3, 2e-3),), 0.01, 3)
+        >>> c = Cluster.local(2)
+        >>> c.refine(p).peak_flops == c.peak_flops / 2
+        True
+        """
+        s = profile.scales()
+        out = self
+        sc, sm = s.get("compute"), s.get("comm")
+        if sc:
+            if self.compute is not None:
+                cp = self.compute
+
+                def curve(pts):
+                    return tuple((x, r / sc) for x, r in pts)
+                cp = dataclasses.replace(cp, gemm=curve(cp.gemm), memory=curve(cp.memory),
+                                         vector=curve(cp.vector), attention=curve(cp.attention),
+                                         op_overhead=cp.op_overhead * sc,
+                                         bwd_op_overhead=cp.bwd_op_overhead * sc)
+                out = dataclasses.replace(out, compute=cp)
+            else:
+                out = dataclasses.replace(out, peak_flops=self.peak_flops / sc,
+                                          memory_bandwidth=self.memory_bandwidth / sc)
+        if sm:
+            out = dataclasses.replace(
+                out, intra_node_bandwidth=self.intra_node_bandwidth / sm,
+                inter_node_bandwidth=self.inter_node_bandwidth / sm,
+                intra_node_latency=self.intra_node_latency * sm,
+                inter_node_latency=self.inter_node_latency * sm,
+                inter_switch_bandwidth=(self.inter_switch_bandwidth / sm
+                                        if self.inter_switch_bandwidth else self.inter_switch_bandwidth),
+                profile=Profile(tuple(dataclasses.replace(e, bandwidth=e.bandwidth / sm,
+                                                          latency=e.latency * sm)
+                                      for e in self.profile.entries)))
+        return dataclasses.replace(out, name=f"{self.name} (refined)") if out is not self else out
+
     def placement_agnostic(self) -> Cluster:
         """The cluster as a placement-agnostic cost model sees it (AxoNN §V-C; Alpa prices its
         stages and intra-op plans this way): one node of every device whose every link has the

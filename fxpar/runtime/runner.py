@@ -224,6 +224,20 @@ class Runner(RankRunner):
         self.tracker.next_step()
         return loss.detach()
 
+    def profile(self, *args, steps: int = 3, **kwargs):
+        """Measure ``steps`` training steps (forward, backward, optimizer; one warm-up step
+        first) on the batch ``args``/``kwargs`` (none: zeros and normals of the compiled
+        shapes) and return a :class:`fxpar.Profile`: per node, layer and collective the
+        measured forward and backward seconds beside the plan's predicted ones
+        (:mod:`fxpar.runtime.profile`). The steps train: the weights change as in
+        :meth:`step`. Collective: every rank calls it with the same ``steps``.
+
+        ``runner.profile(x, y).compare()`` prints predicted against measured;
+        ``cluster.refine(profile)`` re-fits the cluster's rates to the measurement."""
+        from fxpar.runtime.profile import profile_runner
+
+        return profile_runner(self, args, kwargs, steps)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the reduced gradients as ``torch.nn.utils.clip_grad_norm_`` does on one process:
         the ``norm_type``-norm of ALL gradients together (every distinct element once: over

@@ -1,0 +1,382 @@
+"""Measured steps of a rank program, beside the plan's prediction (issue #24 item 6).
+
+:meth:`Runner.profile <fxpar.runtime.runner.Runner.profile>` runs a copy of the rank graph in
+which every ``call_function`` node is followed by a **stamp**: a node with no users that
+records the time its value was ready (forward: ``t_k - t_(k-1)`` is node ``k``'s time, its
+collectives included) and hooks the value's autograd node (backward: the time between the
+hook before and the hook after that node ran). A node whose backward autograd made of several
+autograd nodes gets only its last one's time (the captured graph is core ATen: one op, one
+autograd node, as a rule). The measured steps are real training steps (forward, backward,
+optimizer) on the given batch; one warm-up step runs first.
+
+:class:`Profile` keeps, per node, the median over the steps of the measured forward and
+backward seconds beside the plan's predicted ones (``NodePlan.fwd_time``/``bwd_time``, and
+an edge's ``EdgePlan.time`` for the collective node that runs it). From it:
+
+* :meth:`Profile.compare` prints predicted against measured per layer and per collective and
+  writes a Chrome trace (``chrome://tracing``, Perfetto) with a measured and a predicted lane;
+* :meth:`Profile.scales` gives ``measured / predicted`` of compute and of communication (ratios
+  of sums), which :meth:`fxpar.Cluster.refine` applies to the cluster's rates.
+
+>>> from fxpar.runtime.profile import NodeTime, Profile
+>>> p = Profile((NodeTime("mm", "fc", "compute", None, 2e-3, 4e-3, 1e-3, 2e-3),
+...              NodeTime("ar", "fc", "comm", "mm->add", 3e-3, 0.0, 1e-3, 0.0)), step=0.01, steps=3)
+>>> p.scales()
+{'compute': 2.0, 'comm': 3.0}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.layers import layer_of
+from fxpar.units import fmt_time
+
+__all__ = ["NodeTime", "Profile", "profile_runner"]
+
+
+@dataclass(frozen=True)
+class NodeTime:
+    """One node of the rank graph: its layer, ``kind`` (``"compute"``, or ``"comm"`` for a
+    node that runs a planned edge's collectives, ``edge`` naming it), measured forward and
+    backward seconds (medians over the steps) and the plan's predicted ones."""
+
+    name: str
+    layer: str
+    kind: str
+    edge: str | None
+    fwd: float
+    bwd: float
+    pred_fwd: float
+    pred_bwd: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Measured per-node times of a rank program (module docstring); ``step`` is the median
+    wall time of a training step (forward, backward, optimizer), ``optimizer`` of its optimizer
+    part, ``predicted_step`` the plan's step (``Plan.time``)."""
+
+    nodes: tuple[NodeTime, ...]
+    step: float
+    steps: int
+    optimizer: float = 0.0
+    predicted_step: float = 0.0
+
+    def layers(self) -> dict[str, dict[str, float]]:
+        """``{layer: {fwd, bwd, comm, pred_fwd, pred_bwd, pred_comm}}`` seconds, compute and
+        communication apart, in first-appearance order."""
+        out: dict[str, dict[str, float]] = {}
+        for n in self.nodes:
+            r = out.setdefault(n.layer, dict.fromkeys(("fwd", "bwd", "comm", "pred_fwd", "pred_bwd",
+                                                       "pred_comm"), 0.0))
+            if n.kind == "comm":
+                r["comm"] += n.fwd + n.bwd
+                r["pred_comm"] += n.pred_fwd + n.pred_bwd
+            else:
+                for k in ("fwd", "bwd", "pred_fwd", "pred_bwd"):
+                    r[k] += getattr(n, k)
+        return out
+
+    def collectives(self) -> dict[str, dict[str, float]]:
+        """``{edge: {measured, predicted}}`` seconds (forward and backward together)."""
+        out: dict[str, dict[str, float]] = defaultdict(lambda: dict(measured=0.0, predicted=0.0))
+        for n in self.nodes:
+            if n.kind == "comm":
+                out[n.edge]["measured"] += n.fwd + n.bwd
+                out[n.edge]["predicted"] += n.pred_fwd + n.pred_bwd
+        return dict(out)
+
+    def scales(self) -> dict[str, float]:
+        """``{"compute": Σ measured / Σ predicted, "comm": ...}`` over the nodes the plan
+        priced (a kind with nothing predicted is left out): what :meth:`fxpar.Cluster.refine`
+        divides the rates by."""
+        out = {}
+        for kind in ("compute", "comm"):
+            pred = sum(n.pred_fwd + n.pred_bwd for n in self.nodes if n.kind == kind)
+            meas = sum(n.fwd + n.bwd for n in self.nodes
+                       if n.kind == kind and n.pred_fwd + n.pred_bwd > 0)
+            if pred > 0 and meas > 0:
+                out[kind] = meas / pred
+        return out
+
+    def compare(self, plan=None, trace: str | os.PathLike | None = "fxpar_profile_trace.json") -> str:
+        """Predicted against measured, per layer and per collective, as a table (printed and
+        returned); writes a Chrome trace to ``trace`` (``name.rankR.json`` under a process
+        group of several ranks, each its own; ``None``: no file) with the measured
+        step on one lane and the predicted on another, node by node. ``plan`` is the plan
+        whose predictions to show (default: the one profiled, already in the profile); a
+        different plan of the same program is matched by node and edge names."""
+        nodes = self.nodes if plan is None else self._with_plan(plan)
+        prof = Profile(nodes, self.step, self.steps, self.optimizer,
+                       plan.time if plan is not None else self.predicted_step)
+        rows = [("layer", "fwd pred", "fwd meas", "bwd pred", "bwd meas", "comm pred", "comm meas")]
+        for lay, r in prof.layers().items():
+            rows.append((lay,) + tuple(fmt_time(r[k]) for k in ("pred_fwd", "fwd", "pred_bwd", "bwd",
+                                                                  "pred_comm", "comm")))
+        lines = [f"profile of {self.steps} steps: step measured {fmt_time(self.step)} (optimizer "
+                 f"{fmt_time(self.optimizer)}), predicted {fmt_time(prof.predicted_step)}; "
+                 f"measured / predicted: " + ", ".join(f"{k} {v:.3g}" for k, v in prof.scales().items())]
+        lines += _table(rows)
+        coll = prof.collectives()
+        if coll:
+            lines.append("collectives (forward + backward):")
+            lines += _table([("edge", "predicted", "measured")] + [
+                (e, fmt_time(v["predicted"]), fmt_time(v["measured"])) for e, v in coll.items()])
+        if trace is not None:
+            trace = _per_rank(os.fspath(trace))
+            with open(trace, "w") as f:
+                json.dump(prof.chrome_trace(), f)
+            lines.append(f"chrome trace: {trace}")
+        text = "\n".join(lines)
+        print(text)
+        return text
+
+    def _with_plan(self, plan) -> tuple[NodeTime, ...]:
+        return _predicted(self.nodes, plan)
+
+    def chrome_trace(self) -> dict:
+        """The step as Chrome trace events: process 0 the measured, process 1 the predicted
+        times; each lays the nodes' forwards in graph order, then their backwards in reverse."""
+        events = []
+        for pid, (f, b) in enumerate((("fwd", "bwd"), ("pred_fwd", "pred_bwd"))):
+            events.append(dict(name="process_name", ph="M", pid=pid,
+                               args=dict(name="measured" if pid == 0 else "predicted")))
+            t = 0.0
+            order = [(n, f, "fwd") for n in self.nodes] + [(n, b, "bwd") for n in reversed(self.nodes)]
+            for n, key, phase in order:
+                d = getattr(n, key)
+                if d > 0:
+                    events.append(dict(name=f"{n.name} {phase}", cat=n.kind, ph="X", pid=pid,
+                                       tid=0 if n.kind == "compute" else 1, ts=t * 1e6, dur=d * 1e6,
+                                       args=dict(layer=n.layer, edge=n.edge)))
+                    t += d
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def to_dict(self) -> dict:
+        return dict(nodes=[asdict(n) for n in self.nodes], step=self.step, steps=self.steps,
+                    optimizer=self.optimizer, predicted_step=self.predicted_step)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Profile:
+        return cls(tuple(NodeTime(**n) for n in d["nodes"]), d["step"], d["steps"],
+                   d.get("optimizer", 0.0), d.get("predicted_step", 0.0))
+
+
+def _per_rank(path: str) -> str:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        root, ext = os.path.splitext(path)
+        return f"{root}.rank{dist.get_rank()}{ext}"
+    return path
+
+
+def _table(rows) -> list[str]:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+
+
+# -- measurement -------------------------------------------------------------------------------
+class _Recorder:
+    """Times of one step: forward stamps in order, backward (start, end) per node index."""
+
+    def __init__(self) -> None:
+        self.fwd: list[tuple[int, float]] = []
+        self.bwd: dict[int, list[list[float]]] = {}
+        self.hooked: set[int] = set()
+        self.keep: list = []
+        self.forward = True
+        self.sync = 0.0   # the backward's gradient reduction left after the graph's backward
+
+
+_ACTIVE: _Recorder | None = None
+
+
+def _stamp(value, index: int) -> None:
+    """The profiling node after node ``index``: its forward end, and hooks on its autograd node."""
+    rec = _ACTIVE
+    if rec is None:
+        return
+    now = time.perf_counter()
+    if rec.forward:
+        rec.fwd.append((index, now))
+    vals = value if isinstance(value, (tuple, list)) else (value,)
+    # every autograd node this op created: reachable from its outputs' and not an earlier
+    # op's (stamps run in graph order, so those are hooked already): a composite op (linear
+    # = view, addmm, view) is timed whole
+    todo = [v.grad_fn for v in vals if isinstance(v, torch.Tensor) and v.grad_fn is not None]
+    while todo:
+        fn = todo.pop()
+        if fn is None or id(fn) in rec.hooked:
+            continue
+        rec.hooked.add(id(fn))
+        rec.keep.append(fn)   # ids stay unique while the step runs
+        spans = rec.bwd.setdefault(index, [])
+        span = [0.0, 0.0]
+        spans.append(span)
+
+        def pre(grad_outputs, span=span):
+            span[0] = time.perf_counter()
+
+        def post(grad_inputs, grad_outputs, span=span):
+            span[1] = time.perf_counter()
+        fn.register_prehook(pre)
+        fn.register_hook(post)
+        todo += [f for f, _ in fn.next_functions]
+
+
+def _instrumented(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[fx.Node]]:
+    """A copy of ``gm`` with a stamp after every ``call_function`` node; the stamped nodes."""
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    stamped = []
+    for n in gm.graph.nodes:
+        new = g.node_copy(n, lambda a: env[a])
+        env[n] = new
+        if n.op == "call_function":
+            g.call_function(_stamp, (new, len(stamped)))
+            stamped.append(n)
+    out = fx.GraphModule(gm, g)
+    out.meta = gm.meta
+    return out, stamped
+
+
+def _comm_edge(n: fx.Node, edges) -> str | None:
+    """The planned edge a collective node of the rank graph runs (its edge-name argument)."""
+    if getattr(n.target, "namespace", None) != "fxpar":
+        return None
+    return next((a for a in n.args if isinstance(a, str) and a in edges), None)
+
+
+def _synthetic_batch(runner):
+    """A batch of the compiled shapes when none is given: zeros for integer inputs (valid
+    token ids and indices), standard normals for floating ones (seeded: the same on every
+    rank), the traced value for non-tensor inputs."""
+    from torch.utils._pytree import tree_unflatten
+
+    gen = torch.Generator().manual_seed(0)
+    flat = []
+    for n in runner.inputs:
+        info = n.meta[ir.INPUT]
+        if not info.is_tensor:
+            flat.append(info.value)
+        elif info.dtype.is_floating_point:
+            flat.append(torch.randn(info.shape, generator=gen).to(info.dtype))
+        else:
+            flat.append(torch.zeros(info.shape, dtype=info.dtype))
+    args, kwargs = tree_unflatten(flat, runner._input_tree)
+    return tuple(args), dict(kwargs)
+
+
+def profile_runner(runner, args, kwargs, steps: int = 3) -> Profile:
+    """Measure ``steps`` training steps of an SPMD ``runner`` (module docstring)."""
+    global _ACTIVE
+    from fxpar.errors import FxparError
+
+    if steps < 1:
+        raise FxparError(f"profile: steps must be >= 1, got {steps}")
+    if not args and not kwargs:
+        args, kwargs = _synthetic_batch(runner)
+    sync = torch.cuda.synchronize if torch.device(runner.device).type == "cuda" else (lambda: None)
+    gm = runner.gm
+    prof_gm, stamped = _instrumented(gm)
+    runs, walls, opts = [], [], []
+    runner.gm = prof_gm
+    try:
+        for k in range(steps + 1):   # one warm-up step first
+            rec = _Recorder()
+            _ACTIVE = rec
+            sync()
+            t0 = time.perf_counter()
+            rec.fwd.append((-1, t0))
+            states = runner.states
+            begin, finish = states.begin_backward, states.finish_backward
+
+            def begin_backward(rec=rec, begin=begin):
+                sync()
+                rec.forward = False
+                begin()
+
+            def finish_backward(rec=rec, finish=finish):
+                t = time.perf_counter()
+                finish()
+                sync()
+                rec.sync = time.perf_counter() - t
+            states.begin_backward, states.finish_backward = begin_backward, finish_backward
+            try:
+                runner.forward_backward(*args, **kwargs)
+            finally:
+                del states.begin_backward, states.finish_backward
+            sync()
+            t1 = time.perf_counter()
+            runner.optimizer_step()
+            sync()
+            t2 = time.perf_counter()
+            _ACTIVE = None
+            if k:
+                runs.append(rec)
+                walls.append(t2 - t0)
+                opts.append(t2 - t1)
+    finally:
+        _ACTIVE = None
+        runner.gm = gm
+    fwd: dict[int, list[float]] = defaultdict(list)
+    bwd: dict[int, list[float]] = defaultdict(list)
+    for rec in runs:
+        for (_, a), (i, b) in zip(rec.fwd, rec.fwd[1:]):
+            fwd[i].append(b - a)
+        for i, spans in rec.bwd.items():
+            bwd[i].append(sum(b - a for a, b in spans if b >= a > 0))
+    edges = gm.meta.get(ir.EDGES, {})
+    out = []
+    for i, n in enumerate(stamped):
+        edge = _comm_edge(n, edges)
+        out.append(NodeTime(n.name, layer_of(n), "comm" if edge else "compute", edge,
+                            _median(fwd.get(i, [])), _median(bwd.get(i, [])), 0.0, 0.0))
+    # the parameters' gradient reductions (data parallel, ZeRO) run in the runtime's buckets,
+    # not as graph nodes: their exposed wait after the backward
+    out.append(NodeTime(_SYNC, "(params)", "comm", _SYNC, 0.0, _median([r.sync for r in runs]), 0.0, 0.0))
+    plan = runner.program.plan
+    nodes = tuple(n for n in _predicted(out, plan) if n.edge != _SYNC or n.pred_bwd > 0)  # none planned
+    return Profile(nodes, statistics.median(walls), steps, statistics.median(opts), plan.time)
+
+
+_SYNC = "(gradient sync)"
+
+
+def _predicted(nodes, plan) -> tuple[NodeTime, ...]:
+    """``nodes`` with the plan's predictions: a compute node's ``NodePlan`` times, a
+    collective node's edge times, and for the gradient sync the planned backward edges out of
+    parameters that no graph node runs (the runtime's buckets do)."""
+    by_node = {n.name: n for n in plan.nodes}
+    by_edge: dict[tuple[str, str], float] = defaultdict(float)
+    for e in plan.edges:
+        by_edge[f"{e.producer}->{e.consumer}", e.direction] += e.time
+    ran = {n.edge for n in nodes if n.kind == "comm"}
+    params = {n.name for n in plan.nodes if n.param}
+    out = []
+    for n in nodes:
+        if n.edge == _SYNC:
+            pf, pb = 0.0, sum(t for (e, d), t in by_edge.items()
+                              if d == "bwd" and e not in ran and e.split("->")[0] in params)
+        elif n.kind == "comm":
+            pf, pb = by_edge.get((n.edge, "fwd"), 0.0), by_edge.get((n.edge, "bwd"), 0.0)
+        else:
+            p = by_node.get(n.name)
+            pf, pb = (p.fwd_time, p.bwd_time) if p is not None else (0.0, 0.0)
+        out.append(NodeTime(n.name, n.layer, n.kind, n.edge, n.fwd, n.bwd, pf, pb))
+    return tuple(out)
+
+
+def _median(xs) -> float:
+    return statistics.median(xs) if xs else 0.0

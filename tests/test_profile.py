@@ -1,0 +1,79 @@
+"""``runner.profile()``, ``Profile.compare`` and ``Cluster.refine`` (issue #24 item 6): the
+closed loop from measured steps back to the cluster's rates, on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.dist]
+
+
+def _gpt():
+    from examples.models import GPT
+
+    torch.manual_seed(0)
+    m = GPT(vocab=64, d_model=64, n_heads=4, n_layers=2, seq_len=32)
+    x = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(1))
+    return m, (x, x.roll(1, 1))
+
+
+def _opt(ps):
+    return torch.optim.AdamW(ps, lr=1e-3)
+
+
+def _measure(cluster, plan: str, mesh: dict, steps: int = 5):
+    import fxpar
+
+    m, batch = _gpt()
+    prog = fxpar.compile(m, cluster, batch, plan=plan, mesh=mesh, optimizer=_opt, time_limit=20)
+    runner = prog.runner()
+    return prog.plan, runner.profile(*batch, steps=steps)
+
+
+def refine_worker(trace: str):
+    """Profile dp, refine the cluster on it; then megatron (another plan) priced on the
+    nominal and on the refined cluster against its measured step."""
+    import torch.distributed as dist
+
+    import fxpar
+
+    nominal = fxpar.Cluster.local(dist.get_world_size())
+    plan_dp, prof_dp = _measure(nominal, "dp", {"dp": 2})
+    text = prof_dp.compare(plan_dp, trace=trace)
+    refined = nominal.refine(prof_dp)
+    plan_mt, prof_mt = _measure(nominal, "megatron", {"tp": 2})
+    plan_mt2, _ = _measure(refined, "megatron", {"tp": 2}, steps=1)
+    return dict(text=text, scales=prof_dp.scales(), layers=prof_dp.layers(),
+                coll=prof_mt.collectives(), measured=prof_mt.step, optimizer=prof_mt.optimizer,
+                nominal=plan_mt.time, refined=plan_mt2.time, compute=sum(
+                    n.fwd + n.bwd for n in prof_mt.nodes if n.kind == "compute"),
+                nodes=len(prof_mt.nodes), profile=prof_dp.to_dict())
+
+
+@pytest.mark.timeout(300)
+def test_profile_compare_and_refine(pools, tmp_path):
+    import fxpar
+
+    trace = str(tmp_path / "trace.json")
+    res = pools(2).run(refine_worker, trace)
+    r = res[0]
+    # the table names every layer with both sides, and the collectives
+    assert "blocks.0" in r["text"] and "fwd pred" in r["text"] and "fwd meas" in r["text"]
+    assert set(r["layers"]) >= {"blocks.0", "blocks.1", "head"}
+    assert all(v["fwd"] > 0 and v["bwd"] > 0 for k, v in r["layers"].items() if k.startswith("blocks."))
+    # megatron's collectives were measured, each mapped to a planned edge with a prediction
+    assert r["coll"] and all(v["measured"] > 0 and v["predicted"] > 0 for v in r["coll"].values()), r["coll"]
+    # the measured parts add up to at most the measured step (forward, backward, optimizer)
+    assert 0 < r["compute"] + sum(v["measured"] for v in r["coll"].values()) + r["optimizer"] <= r["measured"]
+    # a Chrome trace with a measured and a predicted lane
+    events = json.load(open(str(tmp_path / "trace.rank0.json")))["traceEvents"]
+    assert {e["pid"] for e in events if e.get("ph") == "X"} == {0, 1}
+    # the closed loop: refined on dp, the prediction of megatron's step gets closer
+    err = lambda t: abs(t - r["measured"]) / r["measured"]  # noqa: E731
+    assert err(r["refined"]) < err(r["nominal"]), (r["refined"], r["nominal"], r["measured"], r["scales"])
+    # a profile survives JSON
+    p = fxpar.Profile.from_dict(json.loads(json.dumps(r["profile"])))
+    assert p.scales() == r["scales"]
