@@ -89,3 +89,28 @@ def test_empty_search_space_says_so_instead_of_blaming_memory():
     with pytest.raises(PlanError, match="no configuration exists") as e:
         fxpar.plan(model, fxpar.Cluster.preset("dgx-a100", nodes=32), (torch.randint(0, 64, (1, 16)),))
     assert "memory" not in str(e.value) and "at least one sample" in str(e.value)
+    # ... and the nearest that works: the largest cluster a batch of 1 occupies
+    assert "at most 64 (plan=dict(pp=8, tp=8, dp=1))" in str(e.value), str(e.value)
+
+
+def test_infeasible_configurations_name_the_rule_and_what_works():
+    """(#25 item 5) A batch smaller than the data-parallel degree, under a baseline or a fixed
+    degree: the error names the rule and the nearest configurations that exist; each of them
+    then plans."""
+    from examples.models import GPT
+
+    model = GPT(vocab=64, d_model=32, n_heads=2, n_layers=2, seq_len=16)
+    x = torch.randint(0, 64, (2, 16))
+    cl = fxpar.Cluster.preset("dgx-a100")
+    for kind, mesh in (("dp", {"dp": 8}), ("zero3", {"dp": 8}), ("megatron", {"dp": 4, "tp": 2})):
+        with pytest.raises(PlanError, match=f"plan='{kind}' on mesh .* splits the batch of 2 samples") as e:
+            fxpar.plan(model, cl, (x, x), plan=kind, mesh=mesh)
+        assert "a data-parallel degree of at most 2" in str(e.value), str(e.value)
+        fixed = eval(str(e.value).split("(e.g. mesh=")[1].split("),")[0])   # the suggested mesh
+        assert fxpar.plan(model, cl, (x, x), plan=kind, mesh=fixed).plan.kind == kind
+    with pytest.raises(PlanError, match="no configuration exists") as e:
+        fxpar.plan(model, cl, (x, x), plan=dict(dp=8))
+    near = str(e.value).split("Nearest that exist: ")[1]
+    assert near.startswith("plan=dict(pp=1, tp=4, dp=2)") and "a batch that dp=8 divides (e.g. 8)" in near
+    got = fxpar.plan(model, cl, (x, x), plan=dict(pp=1, tp=4, dp=2)).plan.config
+    assert (got.pp, got.tp, got.dp) == (1, 4, 2)

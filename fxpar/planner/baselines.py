@@ -49,6 +49,8 @@ Mesh(dp=2, tp=8 on devices 0..15)
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 
 import torch
@@ -355,6 +357,25 @@ def baseline_notes(kind: str, gm: fx.GraphModule, mesh: Mesh) -> tuple[str, ...]
     return ()
 
 
+def _check_batch(kind: str, gm: fx.GraphModule, mesh: Mesh, dp_axes) -> None:
+    """A baseline splits the batch over its data-parallel axes: refuse, naming the rule and
+    what would work, when some device would get no sample (the pins could not hold)."""
+    d = math.prod(mesh.shape[list(mesh.axis_names).index(a)] for a in dp_axes)
+    metas = [ir.tensor_metas(n)[0] for n in gm.graph.find_nodes(op="placeholder") if ir.INPUT in n.meta]
+    sizes = {int(v.shape[0]) for v in metas if v is not None and len(v.shape)}
+    if d <= 1 or not sizes or all(no_empty_shard(b, (d,)) for b in sizes):
+        return
+    b = min(sizes)
+    fits = [k for k in range(d, 0, -1) if no_empty_shard(b, (k,)) and d % k == 0][0]
+    shape = dict(zip(mesh.axis_names, mesh.shape))
+    raise PlanError(
+        f"plan={kind!r} on mesh {shape} splits the batch of {b} samples over {d} data-parallel "
+        f"devices ({'×'.join(dp_axes)}): every device needs at least one sample. Use a batch of "
+        f"at least {d} (a multiple of {d} for equal shares), a data-parallel degree of at most "
+        f"{fits} (e.g. mesh={{{', '.join(repr(a) + ': ' + str(fits if a == dp_axes[0] else 1 if a in dp_axes else shape[a]) for a in mesh.axis_names)}}}), "
+        "or plan='auto' (it may shard the model instead of the batch)")
+
+
 def baseline_pins(kind: str, gm: fx.GraphModule, mesh: Mesh, *,
                   sequence_parallel: bool = False) -> dict[str, Spec]:
     """Pins that force baseline ``kind`` on ``mesh`` (module docstring). ``megatron`` with
@@ -365,6 +386,8 @@ def baseline_pins(kind: str, gm: fx.GraphModule, mesh: Mesh, *,
     nd = mesh.ndim
     names = list(mesh.axis_names)
     params = ir.params(gm, "param")
+    _check_batch(kind, gm, mesh, {"dp": names, "zero3": names, "megatron": names[:-1],
+                                  "axonn": names[:-2]}.get(kind, []))
     R, S0, S1 = "R", "S(0)", "S(1)"
 
     def spec(**by_axis) -> Spec:

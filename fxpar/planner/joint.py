@@ -660,10 +660,25 @@ def _empty_space(only: Mapping, n_dev: int, batch: int, tps, pps, n_units: int) 
         return (f"{head}: every device must hold at least one sample of a replica "
                 f"(pp·tp ≤ {max(pps)}·{max(tps)} leaves ≥ {n_dev // (max(tps) * max(pps))} replicas "
                 f"for {batch} samples); use a batch of at least "
-                f"{n_dev // (max(tps) * max(pps))}, or fewer devices")
+                f"{n_dev // (max(tps) * max(pps))}, or fewer devices: at most "
+                f"{max(pps) * max(tps) * batch} (plan=dict(pp={max(pps)}, tp={max(tps)}, dp={batch}))")
     return (f"{head}: pp ∈ {list(pps)} (at most the model's {n_units} units), tp ∈ {list(tps)}; "
             "the replicas dp = devices/(pp·tp) must divide the batch and the microbatch a "
-            "replica's share")
+            f"replica's share{_nearest(only, n_dev, batch, tps, pps)}")
+
+
+def _nearest(only: Mapping, n_dev: int, batch: int, tps, pps) -> str:
+    """The configurations nearest to the asked one that do exist (``dp`` dividing the batch),
+    and the smallest batch the asked ``dp`` would take; ``""`` when there is nothing to say."""
+    want = only.get("dp")
+    shapes = [(pp, tp, n_dev // (pp * tp)) for pp in pps for tp in tps
+              if n_dev % (pp * tp) == 0 and batch % (n_dev // (pp * tp)) == 0]
+    if not shapes:
+        return ""
+    key = (lambda c: (abs(c[2] - want), c[0] * c[1])) if want else (lambda c: (c[0] * c[1], c[0]))
+    near = ", ".join(f"plan=dict(pp={pp}, tp={tp}, dp={dp})" for pp, tp, dp in sorted(shapes, key=key)[:3])
+    more = f"; or a batch that dp={want} divides (e.g. {-(-batch // want) * want})" if want else ""
+    return f". Nearest that exist: {near}{more}"
 
 
 def _rank_key(c: Candidate) -> tuple:
