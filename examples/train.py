@@ -10,7 +10,10 @@ it would have seen. Rank 0 prints one line per step (loss, step time, tokens/s, 
 ``--ckpt-every`` steps the runner writes a DCP checkpoint to ``--ckpt-dir/step{N}``; started
 again, the script resumes from the newest complete one. ``--loss-log FILE`` appends ``{"step", "loss"}``
 JSON lines (what the kill-and-resume test reads); ``--crash-after N`` ends the process abruptly
-after step N (to test resuming).
+after step N (to test resuming). ``--init-from HF_DIR`` starts from a Hugging Face
+``save_pretrained`` directory (the model built on meta from its config, each rank reading its
+shards of the safetensors); ``--export-hf DIR`` writes the trained weights and config back as
+one that ``from_pretrained`` loads.
 """
 
 from __future__ import annotations
@@ -66,6 +69,11 @@ def main(argv=None) -> None:
     ap.add_argument("--ckpt-dir", default="ckpt")
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--loss-log", default=None, help="append JSON lines {step, loss} here (rank 0)")
+    ap.add_argument("--init-from", default=None, metavar="HF_DIR",
+                    help="start from a Hugging Face save_pretrained directory (its config and "
+                         "safetensors; each rank reads its shards)")
+    ap.add_argument("--export-hf", default=None, metavar="DIR",
+                    help="at the end, write the weights (and config) as a Hugging Face directory")
     ap.add_argument("--crash-after", type=int, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
 
@@ -75,14 +83,22 @@ def main(argv=None) -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
-    model = build_model(args)
+    if args.init_from:   # the HF config, built on meta: the weights come from the files
+        import transformers as tf
+
+        cfg = tf.AutoConfig.from_pretrained(args.init_from)
+        args.vocab = cfg.vocab_size
+        with torch.device("meta"):
+            model = tf.AutoModelForCausalLM.from_config(cfg)
+    else:
+        model = build_model(args)
     ids = batch(args, 0)
     t0 = time.perf_counter()
     prog = fxpar.compile(model, fxpar.Cluster.local(world), (ids,), {"labels": ids}, plan=args.plan,
                          mesh=_parse_mesh(args.mesh) if args.mesh else None,
                          schedule=args.schedule, microbatches=args.microbatches,
                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr))
-    runner = prog.runner(device=device)
+    runner = prog.runner(fxpar.HFCheckpoint(args.init_from) if args.init_from else None, device=device)
     if rank == 0:
         print(prog.explain().splitlines()[0], f"(compiled in {time.perf_counter() - t0:.1f} s)", flush=True)
     ckpt_dir = Path(args.ckpt_dir)
@@ -110,6 +126,11 @@ def main(argv=None) -> None:
             runner.save_checkpoint(ckpt_dir / f"step{step + 1}")
         if args.crash_after is not None and step + 1 == args.crash_after:
             os._exit(1)  # a crash: no clean shutdown
+    if args.export_hf:
+        runner.save_hf_checkpoint(args.export_hf)
+        if rank == 0:
+            model.config.save_pretrained(args.export_hf)
+            print(f"wrote a Hugging Face directory to {args.export_hf}", flush=True)
     # every rank done before any tears its connections down (a gloo peer still flushing its
     # last messages can abort on a closed pair: seen once in ~10 pipeline runs without it)
     dist.barrier()

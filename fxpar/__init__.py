@@ -37,6 +37,7 @@ from fxpar.schedule import Action, Schedule
 from fxpar.sim import SimResult, simulate
 from fxpar.verify import Divergence, VerifyReport
 from fxpar.runtime.profile import Profile
+from fxpar.runtime.hf_checkpoint import HFCheckpoint
 
 __version__ = "0.1.0"
 
@@ -49,5 +50,5 @@ __all__ = [
     "reshard_plan", "ReshardPlan", "ReshardStep", "cross_mesh_plan", "CrossMeshPlan",
     "ParallelConfig", "ScheduleKind", "Plan", "NodePlan", "EdgePlan", "StepCost", "PlannerOptions", "plan_graph",
     "plan", "compile", "Planned", "Program", "Runner", "load",
-    "Action", "Schedule", "SimResult", "simulate", "VerifyReport", "Divergence", "Profile",
+    "Action", "Schedule", "SimResult", "simulate", "VerifyReport", "Divergence", "Profile", "HFCheckpoint",
 ]

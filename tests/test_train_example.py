@@ -4,6 +4,7 @@ the same run as a 2-stage pipeline gives the same losses."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -54,3 +55,31 @@ def test_kill_and_resume(tmp_path):
     assert piped.returncode == 0, piped.stderr[-3000:]
     assert [s for s, _ in _log(pp)] == [1, 2, 3, 4, 5, 6]
     assert all(loss == pytest.approx(want[s], rel=1e-4) for s, loss in _log(pp)), (_log(pp), want)
+
+
+@pytest.mark.timeout(600)
+def test_export_hf_then_init_from(tmp_path):
+    """``--export-hf`` writes a directory ``from_pretrained`` loads; ``--init-from`` starts a
+    run from it (built on meta, each rank reading its shards): its first loss is the loaded
+    HF model's on the same batch, in one process."""
+    import torch
+    import transformers
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import train
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    out = tmp_path / "hf"
+    first = _run(a, "--export-hf", str(out), args=["--steps", "3", "--ckpt-every", "100", "--mesh", "dp=2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    second = _run(b, "--init-from", str(out), args=["--steps", "1", "--ckpt-every", "100", "--mesh", "tp=2",
+                                                    "--plan", "megatron"])
+    assert second.returncode == 0, second.stderr[-3000:]
+    ids = train.batch(argparse.Namespace(seed=0, vocab=256, batch=8, seq=32), 0)
+    with torch.no_grad():
+        want = model(ids, labels=ids).loss.item()
+    assert _log(b)[0][1] == pytest.approx(want, rel=1e-5), (_log(b), want)
+    assert _log(a)[0][1] != pytest.approx(want, rel=1e-3)   # it is the trained model, not the start

@@ -223,6 +223,8 @@ class RankRunner:
         model, pre = program.model, self.fqn_prefix
         if pre:   # a loss_fn wrapper holds the model as ``model.``: from the user's model
             model = model.model
+        #: what was materialized, and where (:meth:`load_hf_checkpoint` reads the same again)
+        self._layouts, self._infos, self._where = dict(layouts), dict(infos), (mesh_shape, coord)
         local = local_state(model, {f.removeprefix(pre): v for f, v in layouts.items()},
                             mesh_shape, coord, source=weights, seed=seed)
         state: dict[str, torch.Tensor] = {}
@@ -313,6 +315,30 @@ class RankRunner:
         from fxpar.runtime.checkpoint import load
 
         load(self, path)
+
+    def load_hf_checkpoint(self, path, prefix: str | None = None) -> None:
+        """Read a Hugging Face checkpoint directory (``save_pretrained``'s safetensors, one
+        file or an index of shards) into this rank's shards, each rank reading only its
+        slices (:mod:`fxpar.runtime.hf_checkpoint`); ``prefix``: the HF model's module path in
+        the compiled module (``None``: found by suffix). Optimizer states are left as they
+        are. Collective only in that every rank reads its part."""
+        from fxpar.runtime.hf_checkpoint import HFCheckpoint
+
+        mesh_shape, coord = self._where
+        new = self._materialize(self._layouts, self._infos, mesh_shape, coord,
+                                HFCheckpoint(path, prefix), 0)
+        with torch.no_grad():
+            for f, t in new.items():
+                self.state[f].copy_(t)   # in place: the graphs, buckets and masters see it
+
+    def save_hf_checkpoint(self, path) -> None:
+        """Write the parameters and persistent buffers as a Hugging Face checkpoint directory
+        (sharded safetensors and ``model.safetensors.index.json``) that ``from_pretrained``
+        loads once a ``config.json`` is beside it; every rank writes what it owns, once
+        (:mod:`fxpar.runtime.hf_checkpoint`). Collective."""
+        from fxpar.runtime.hf_checkpoint import save_hf
+
+        save_hf(self, path)
 
     def optimizer_step(self) -> None:
         """Optimizer step on the local shards, parameters restored, gradients zeroed."""

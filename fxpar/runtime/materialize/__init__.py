@@ -112,14 +112,19 @@ def local_state(model: nn.Module, layouts: Mapping[str, tuple[Spec | str, Sequen
         if isinstance(source, str) and source == "init":
             return from_init(model, entries, want, mesh_shape, coord, seed, device, finish)
 
-        if isinstance(source, (str, os.PathLike)):
+        from fxpar.runtime.hf_checkpoint import HFCheckpoint
+
+        if isinstance(source, HFCheckpoint):
+            src = source.source(alias)
+            what = f"Hugging Face checkpoint {os.fspath(source.path)!r}"
+        elif isinstance(source, (str, os.PathLike)):
             src = open_path(source)
             what = f"checkpoint {os.fspath(source)!r}"
         elif isinstance(source, Mapping):
             src = MappingSource(source, "state dict")
             what = "the state dict"
         else:
-            raise MaterializeError(f"source must be None, 'init', a state dict or a path, "
+            raise MaterializeError(f"source must be None, 'init', a state dict, a path or an HFCheckpoint, "
                                    f"not {type(source).__name__}")
         out, rebuild = from_source(src, what, model_name, entries, alias, want, mesh_shape, coord,
                                    finish)

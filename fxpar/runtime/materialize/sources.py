@@ -221,5 +221,8 @@ def from_source(src: MappingSource | SafetensorsSource, what: str, model_name: s
         if src.shape(found) != shape:
             raise MaterializeError(f"{what}: {found!r} has shape {src.shape(found)}, the model's "
                                    f"{key!r} has shape {shape}")
-        out[key] = finish(src.take(found, spec, mesh_shape, coord))
+        got = src.take(found, spec, mesh_shape, coord)
+        if got.is_floating_point() and e.tensor.is_floating_point() and got.dtype != e.tensor.dtype:
+            got = got.to(e.tensor.dtype)   # a checkpoint in another dtype (bf16 weights, fp32 model)
+        out[key] = finish(got)
     return out, rebuild
