@@ -1,6 +1,9 @@
 """Train a Hugging Face Llama with fxpar under torchrun: the script to copy.
 
     torchrun --nproc_per_node 4 examples/train.py --steps 100 --ckpt-dir ckpt --ckpt-every 20
+    # two nodes of 4 (on each node, its --node-rank): planned for 2 nodes, links measured
+    torchrun --nnodes 2 --node-rank 0 --nproc-per-node 4 --master-addr HOST0 --master-port 29500 \
+        examples/train.py --steps 100
 
 Every rank builds the same Llama from a small config (no download), ``fxpar.compile`` plans it
 for the launched world (``--plan``/``--mesh``, default: searched; a ``pp`` axis, e.g.
@@ -69,6 +72,10 @@ def main(argv=None) -> None:
     ap.add_argument("--ckpt-dir", default="ckpt")
     ap.add_argument("--ckpt-every", type=int, default=10)
     ap.add_argument("--loss-log", default=None, help="append JSON lines {step, loss} here (rank 0)")
+    ap.add_argument("--cluster", default="calibrate", metavar="PRESET|calibrate|local",
+                    help="what to plan for: the launch's own nodes (torchrun/SLURM) with links and "
+                         "compute measured on them (calibrate, the default), with a preset's "
+                         "figures (e.g. dgx-a100), or this machine's processes as one node (local)")
     ap.add_argument("--init-from", default=None, metavar="HF_DIR",
                     help="start from a Hugging Face save_pretrained directory (its config and "
                          "safetensors; each rank reads its shards)")
@@ -94,7 +101,13 @@ def main(argv=None) -> None:
         model = build_model(args)
     ids = batch(args, 0)
     t0 = time.perf_counter()
-    prog = fxpar.compile(model, fxpar.Cluster.local(world), (ids,), {"labels": ids}, plan=args.plan,
+    if args.cluster == "local":
+        cluster = fxpar.Cluster.local(world)
+    elif args.cluster == "calibrate":
+        cluster = fxpar.Cluster.from_env(calibrate=True)
+    else:
+        cluster = fxpar.Cluster.from_env(args.cluster)
+    prog = fxpar.compile(model, cluster, (ids,), {"labels": ids}, plan=args.plan,
                          mesh=_parse_mesh(args.mesh) if args.mesh else None,
                          schedule=args.schedule, microbatches=args.microbatches,
                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr))

@@ -44,6 +44,8 @@ def _parse_mesh(text: str) -> dict[str, int]:
 def _cluster(args):
     from fxpar import Cluster
 
+    if args.cluster == "env":   # the launch's own shape (torchrun / SLURM variables)
+        return Cluster.from_env()
     return Cluster.local(args.nodes) if args.cluster == "local" else Cluster.preset(args.cluster, nodes=args.nodes)
 
 
@@ -361,7 +363,8 @@ def main(argv: list[str] | None = None) -> None:
     r = sub.add_parser("reshard", help="plan a redistribution between two specs")
     r.add_argument("src")
     r.add_argument("dst")
-    r.add_argument("--cluster", default="dgx-a100", help="preset name or 'local'")
+    r.add_argument("--cluster", default="dgx-a100",
+                   help="preset name, 'local', or 'env' (the launch's nodes from torchrun/SLURM variables)")
     r.add_argument("--nodes", type=int, default=1, help="nodes (or processes for 'local')")
     r.add_argument("--mesh", required=True, help="axes, e.g. dp=2,tp=4")
     r.add_argument("--shape", required=True, help="tensor shape, e.g. 1024,1024")
@@ -371,7 +374,8 @@ def main(argv: list[str] | None = None) -> None:
         q = sub.add_parser(name, help=helptext, epilog=_EXAMPLES[name],
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         q.add_argument("target", help="FILE.py:FUNC")
-        q.add_argument("--cluster", default="dgx-a100", help="preset name or 'local'")
+        q.add_argument("--cluster", default="dgx-a100",
+                       help="preset name, 'local', or 'env' (the launch's nodes from torchrun/SLURM variables)")
         q.add_argument("--nodes", type=int, default=1, help="nodes (or processes for 'local')")
         q.add_argument("--mesh", help="axes, e.g. dp=4,tp=8 (default: searched)")
         q.add_argument("--plan", default="auto", help="auto, dp, zero3, megatron or axonn")

@@ -322,6 +322,51 @@ class Cluster:
         fields.update(overrides)
         return cls(**fields)
 
+    @classmethod
+    def from_env(cls, preset: str | None = None, calibrate: bool = False, **overrides) -> Cluster:
+        """The cluster this process was launched on: nodes and devices per node from the
+        launch environment (torchrun's ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_WORLD_SIZE``,
+        ``RANK``, ``LOCAL_RANK``, ``GROUP_RANK``; else SLURM's ``SLURM_NTASKS``,
+        ``SLURM_NNODES``, ``SLURM_PROCID``, ``SLURM_LOCALID``, ``SLURM_NODEID``); device ``i``
+        of the cluster is global rank ``i`` (node-major, as both launchers place ranks).
+        Links and compute from the named ``preset`` (its node size must be the launch's), or
+        :meth:`local`'s figures; ``calibrate=True`` then measures them on the live process
+        group, intra-node and inter-node collectives apart (groups inside one node, groups of
+        one rank per node: :meth:`calibrate` with the launch's node of each rank). A clear
+        :class:`ClusterError` when the environment is inconsistent (ranks per node that
+        differ, a rank placed off its node, a preset of another node size).
+
+        >>> import os
+        >>> env = dict(WORLD_SIZE="8", LOCAL_WORLD_SIZE="4", GROUP_WORLD_SIZE="2", RANK="5",
+        ...            LOCAL_RANK="1", GROUP_RANK="1")
+        >>> old = {k: os.environ.get(k) for k in env}
+        >>> os.environ.update(env)
+        >>> c = Cluster.from_env("perlmutter")
+        >>> c.nodes, c.devices_per_node, c.device_type
+        (2, 4, 'A100-40GB')
+        >>> for k, v in old.items():
+        ...     _ = os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        """
+        nodes, per_node = launch_shape()
+        if preset is not None:
+            base = cls.preset(preset, nodes=nodes, **overrides)
+            if base.devices_per_node != per_node:
+                raise ClusterError(
+                    f"Cluster.from_env: preset {preset!r} has {base.devices_per_node} devices per node "
+                    f"but the launch runs {per_node} processes per node ({nodes} nodes): use a preset "
+                    f"of that node size, or override devices_per_node={per_node}")
+        else:
+            base = cls.local(nodes * per_node, **{"nodes": nodes, "devices_per_node": per_node,
+                                                  "name": f"env ({nodes}x{per_node})", **overrides})
+        if not calibrate:
+            return base
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            raise ClusterError("Cluster.from_env(calibrate=True) measures on the live process group: "
+                               "call torch.distributed.init_process_group first")
+        return base.calibrate(hosts=[f"node{r // per_node}" for r in range(nodes * per_node)])
+
     # -- topology -----------------------------------------------------------------------
     @property
     def num_devices(self) -> int:
@@ -468,7 +513,8 @@ class Cluster:
                   compute: bool = True, gemm_sizes: Sequence[int] = (16, 32, 64, 128, 256, 512),
                   memory_sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**24),
                   min_time: float = 0.05, dtype=None,
-                  attention_shapes: Sequence[tuple[int, int, int]] | None = None) -> Cluster:
+                  attention_shapes: Sequence[tuple[int, int, int]] | None = None,
+                  hosts: Sequence[str] | None = None) -> Cluster:
         """Measure collectives and compute on a live process group; return a cluster built from them.
 
         ``Cluster.calibrate()`` starts from ``Cluster.local(world)``; ``cluster.calibrate()``
@@ -480,9 +526,12 @@ class Cluster:
         :func:`torch.distributed.new_subgroups` makes them) and message size it times
         ``iters`` runs after a warm-up, takes the slowest rank per run and the median over
         runs, and fits α and β with :func:`fxpar.cost.calibration.fit_alpha_beta`. Ranks are
-        grouped into nodes by host name. The returned cluster carries the fits in ``profile``
-        and its nominal intra/inter-node latency and bandwidth are the all-reduce fits of the
-        largest group at that level. Sizes are bytes of the per-device buffer in the
+        grouped into nodes by host name (``hosts``: one node name per rank of ``group``
+        instead, e.g. from the launch, :meth:`from_env`). With several nodes, the groups of
+        one rank per node are measured too: the inter-node level alone. The returned cluster
+        carries the fits in ``profile``; its nominal intra-node latency and bandwidth are the
+        all-reduce fit of the largest group inside a node, the inter-node ones that of the
+        one-rank-per-node groups (else of the largest group spanning nodes). Sizes are bytes of the per-device buffer in the
         convention of :func:`fxpar.cost.comm.collective_time` (for all-gather: the input shard).
 
         **Compute** (``compute=True``), on every rank at the same time (ranks of one host
@@ -517,8 +566,12 @@ class Cluster:
         rank = dist.get_rank(group)
         device = _group_device(group)
 
-        hosts: list[str | None] = [None] * world
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        if hosts is None:
+            hosts = [None] * world
+            dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        elif len(hosts) != world:
+            raise ClusterError(f"Cluster.calibrate: hosts names {len(hosts)} ranks, the group has {world}")
+        hosts = list(hosts)
         node_names = list(dict.fromkeys(hosts))
         per_node = [hosts.count(h) for h in node_names]
         if len(set(per_node)) != 1:
@@ -546,24 +599,44 @@ class Cluster:
                         measured.setdefault((coll, level, gsize), []).append((nbytes, t))
             for sg in subgroups:
                 dist.destroy_process_group(sg)
+        across = None   # one rank per node: the inter-node links alone
+        if len(node_names) > 1:
+            members = [[global_ranks[i] for i in range(world) if hosts[i] == h] for h in node_names]
+            strided = [[m[j] for m in members] for j in range(dpn)]
+            subgroups = [dist.new_group(g) for g in strided]
+            j = members[node_names.index(hosts[rank])].index(global_ranks[rank])
+            across = len(node_names)
+            for coll in collectives:
+                for nbytes in sizes:
+                    t = _time_collective(coll, nbytes, subgroups[j], across, device, iters, group)
+                    if t is not None:
+                        measured.setdefault((coll, "inter-only", across), []).append((nbytes, t))
+            for sg in subgroups:
+                dist.destroy_process_group(sg)
 
         entries = []
         for (coll, level, gsize), pts in sorted(measured.items()):
             # the group of consecutive ranks measured: its nodes and most ranks on one node
             # (the α per step of the hierarchical step count, fxpar.cost.comm.latency_steps)
-            span = Counter(hosts[:gsize])
+            span = Counter(hosts[:gsize]) if level != "inter-only" else Counter(range(gsize))
             alpha, beta, err = fit_alpha_beta(coll, gsize, [p[0] for p in pts], [p[1] for p in pts],
                                               nodes=len(span), per_node=max(span.values()))
             entries.append(ProfileEntry(coll, level, gsize, alpha, beta, err))
+        # the one-rank-per-node fits are inter-node entries of their group size (where a group
+        # of consecutive ranks of that size was measured too, the pure one is kept)
+        pure = {(e.collective, e.group_size) for e in entries if e.level == "inter-only"}
+        entries = [dataclasses.replace(e, level="inter") if e.level == "inter-only" else e
+                   for e in entries if not (e.level == "inter" and (e.collective, e.group_size) in pure)]
         profile = Profile(tuple(entries))
 
-        def best(level: str) -> ProfileEntry | None:
-            es = [e for e in entries if e.collective == "all_reduce" and e.level == level]
+        def best(level: str, size: int | None = None) -> ProfileEntry | None:
+            es = [e for e in entries if e.collective == "all_reduce" and e.level == level
+                  and (size is None or e.group_size == size)]
             return max(es, key=lambda e: e.group_size) if es else None
 
         if base is None:
             base = self if self is not None else cls.local(world)
-        intra, inter = best("intra"), best("inter")
+        intra, inter = best("intra"), (best("inter", across) if across else None) or best("inter")
         updates: dict = dict(nodes=len(node_names), devices_per_node=dpn, profile=profile,
                              name=f"calibrated-{base.name}")
         if intra:
@@ -578,6 +651,67 @@ class Cluster:
             updates.update(compute=prof, peak_flops=prof.peak_flops,
                            memory_bandwidth=prof.memory_bandwidth)
         return dataclasses.replace(base, **updates)
+
+
+def launch_shape(env=None) -> tuple[int, int]:
+    """``(nodes, processes per node)`` of this launch from torchrun's or SLURM's variables
+    (:meth:`Cluster.from_env`), checked for consistency; ``(1, world)`` without a launcher's
+    node variables, ``(1, 1)`` without any. Under an initialized process group every rank's
+    view is compared (all ranks must agree on the node size)."""
+    import os
+
+    env = os.environ if env is None else env
+
+    def get(*names):
+        for n in names:
+            if env.get(n) not in (None, ""):
+                return n, env[n]
+        return None, None
+
+    def num(name, value) -> int:
+        try:
+            return int(str(value).split("(")[0])   # SLURM_NTASKS_PER_NODE "4(x2)"
+        except ValueError:
+            raise ClusterError(f"Cluster.from_env: {name}={value!r} is not a number") from None
+
+    wn, world = get("WORLD_SIZE", "SLURM_NTASKS")
+    world = num(wn, world) if world is not None else 1
+    ln, local = get("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE")
+    nn, nnodes = get("GROUP_WORLD_SIZE", "SLURM_NNODES", "SLURM_JOB_NUM_NODES")
+    if local is not None:
+        local = num(ln, local)
+    elif nnodes is not None:
+        local = world // max(num(nn, nnodes), 1)
+    else:
+        local = world
+    if local < 1 or world % local:
+        raise ClusterError(f"Cluster.from_env: {world} processes ({wn}) do not split into nodes of "
+                           f"{local} ({ln or nn}): ranks per node differ")
+    nodes = world // local
+    if nnodes is not None and num(nn, nnodes) != nodes:
+        raise ClusterError(f"Cluster.from_env: {nn}={nnodes} nodes, but {world} processes in nodes of "
+                           f"{local} make {nodes}: ranks per node differ")
+    rn, rank = get("RANK", "SLURM_PROCID")
+    lrn, lrank = get("LOCAL_RANK", "SLURM_LOCALID")
+    gn, grank = get("GROUP_RANK", "SLURM_NODEID")
+    if rank is not None and lrank is not None and grank is not None:
+        r, lr, g = num(rn, rank), num(lrn, lrank), num(gn, grank)
+        if r != g * local + lr:
+            raise ClusterError(f"Cluster.from_env: rank {r} is local rank {lr} of node {g}, not "
+                               f"device {g * local + lr} of nodes of {local}: ranks are not placed "
+                               "node-major (fxpar's device i is global rank i)")
+    try:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            seen = [None] * dist.get_world_size()
+            dist.all_gather_object(seen, (nodes, local))
+            if len(set(seen)) != 1:
+                raise ClusterError(f"Cluster.from_env: the ranks see different launch shapes "
+                                   f"(nodes, per node): {sorted(set(seen))}")
+    except ImportError:
+        pass
+    return nodes, local
 
 
 def _total_memory() -> int:

@@ -19,8 +19,9 @@ ARGS = ["--steps", "6", "--ckpt-every", "3", "--mesh", "dp=2"]
 
 
 def _run(cwd: Path, *extra: str, args=ARGS) -> subprocess.CompletedProcess:
+    # planned for Cluster.local (the default, calibrating, may plan differently run to run)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "examples" / "train.py"), *args, "--loss-log", "log.jsonl", *extra]
+           str(ROOT / "examples" / "train.py"), *args, "--cluster", "local", "--loss-log", "log.jsonl", *extra]
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=240)
 
 
