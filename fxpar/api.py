@@ -41,7 +41,7 @@ from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.plan_data import BASELINES, PLAN_KINDS, SEARCHED, Plan
 from fxpar.planner import (PlannerOptions, axonn_meshes, baseline_mesh,
-                           baseline_notes, baseline_pins, candidate_meshes, plan_and_keep)
+                           baseline_notes, baseline_pins, candidate_meshes, cp_pins, plan_and_keep)
 from fxpar.plan_broadcast import graph_signature, on_rank0
 from fxpar.planner.realize import Planned, microbatch as _microbatch, plan_joint, planned_from
 
@@ -160,6 +160,7 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
                 break
             all_pins = dict(baseline_pins(plan, gm, msh, sequence_parallel=opts.sequence_parallel)
                             ) if plan != "auto" else {}
+            all_pins.update(cp_pins(gm, msh))   # a "cp" axis splits the sequence
             all_pins.update(pins or {})
             try:
                 p, bp, sol = plan_and_keep(gm, msh, pins=all_pins, options=opts,

@@ -20,11 +20,11 @@ True
 from fxpar.planner.intra_op import (BuildCache, BuiltProblem, PlannerOptions, build_problem,
                                     default_strategies, plan_and_keep, plan_graph,
                                     solution_to_plan, unkeepable_pins)
-from fxpar.planner.baselines import (axonn_meshes, baseline_mesh, baseline_notes, baseline_pins,
+from fxpar.planner.baselines import (axonn_meshes, baseline_mesh, baseline_notes, baseline_pins, cp_pins,
                                      candidate_meshes, zero3_spec)
 
 __all__ = [
     "PlannerOptions", "BuiltProblem", "BuildCache", "build_problem", "solution_to_plan", "plan_graph",
     "plan_and_keep", "default_strategies", "unkeepable_pins",
-    "baseline_pins", "baseline_notes", "zero3_spec", "baseline_mesh", "candidate_meshes", "axonn_meshes",
+    "baseline_pins", "baseline_notes", "zero3_spec", "baseline_mesh", "candidate_meshes", "axonn_meshes", "cp_pins",
 ]

@@ -357,6 +357,33 @@ def baseline_notes(kind: str, gm: fx.GraphModule, mesh: Mesh) -> tuple[str, ...]
     return ()
 
 
+def cp_pins(gm: fx.GraphModule, mesh: Mesh) -> dict[str, Spec]:
+    """A mesh axis named ``cp`` (context parallelism) splits the sequence as ``dp`` splits the
+    batch: every 2-d user input of the first input's ``(batch, sequence)`` shape (token ids,
+    labels, position ids) is pinned ``S(1)`` on ``cp``, ``S(0)`` on ``dp`` axes, replicated on
+    the others; the layouts inside (attention's sequence split with K/V gathered over ``cp``,
+    :mod:`fxpar.strategies.attention`) are the solver's. ``{}`` without a ``cp`` axis.
+
+    >>> import torch, fxpar
+    >>> from examples.models import GPT
+    >>> x = torch.zeros(2, 8, dtype=torch.long)
+    >>> gm = fxpar.capture(GPT(vocab=16, d_model=8, n_heads=2, n_layers=1, seq_len=8), (x, x))
+    >>> cp_pins(gm, Mesh(fxpar.Cluster.local(4), dp=2, cp=2))
+    {'idx': S(0)S(1), 'targets': S(0)S(1)}
+    """
+    names = list(mesh.axis_names)
+    if "cp" not in names or mesh.shape[names.index("cp")] == 1:
+        return {}
+    inputs = [n for n in gm.graph.find_nodes(op="placeholder") if ir.INPUT in n.meta]
+    metas = [ir.tensor_metas(n)[0] if ir.tensor_metas(n) else None for n in inputs]
+    shapes = [tuple(v.shape) for v in metas if v is not None and len(v.shape) == 2]
+    if not shapes:
+        return {}
+    spec = Spec.parse("".join("S(1)" if a == "cp" else "S(0)" if a.startswith("dp") else "R" for a in names))
+    return {n.meta[ir.INPUT].name: spec for n, v in zip(inputs, metas)
+            if v is not None and tuple(v.shape) == shapes[0]}
+
+
 def _check_batch(kind: str, gm: fx.GraphModule, mesh: Mesh, dp_axes) -> None:
     """A baseline splits the batch over its data-parallel axes: refuse, naming the rule and
     what would work, when some device would get no sample (the pins could not hold)."""

@@ -62,7 +62,7 @@ from fxpar.runtime.bindings import current
 from fxpar.runtime.library import define
 
 __all__ = ["KEYED_DRAW", "KEYED_SAMPLE", "KEYED_RANDOM", "KEYED_RANDOM_", "KEYED_NORMAL",
-           "KEYED_NATIVE_DROPOUT", "KEYED_SDPA", "DRAWS", "SAMPLES", "TRANSFORMS", "KeyedRandomError"]
+           "KEYED_NATIVE_DROPOUT", "KEYED_SDPA", "OFFSET_CAUSAL_SDPA", "DRAWS", "SAMPLES", "TRANSFORMS", "KeyedRandomError"]
 
 
 class KeyedRandomError(FxparError, RuntimeError):
@@ -245,3 +245,28 @@ def _sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
 KEYED_SDPA = _composite(
     "keyed_sdpa(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, bool is_causal, "
     "float? scale, bool enable_gqa, int site, int[] shard_key) -> Tensor", _sdpa)
+
+
+def _offset_causal(query, key, value, attn_mask, offset, dropout_p, scale, enable_gqa, site, shard_key):
+    # query rows are the global rows [offset, offset + L): row i keeps keys j <= offset + i
+    L, S = query.size(-2), key.size(-2)
+    keep = torch.arange(S, device=query.device) <= torch.arange(L, device=query.device).unsqueeze(-1) + offset
+    if attn_mask is None:
+        mask = keep
+    elif attn_mask.dtype == torch.bool:
+        mask = keep & attn_mask
+    else:
+        mask = attn_mask.masked_fill(~keep, float("-inf"))
+    if not dropout_p:
+        return torch.ops.aten.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale,
+                                                           enable_gqa=enable_gqa)
+    return _sdpa(query, key, value, mask, dropout_p, False, scale, enable_gqa, site, shard_key)
+
+
+#: ``offset_causal_sdpa(q, k, v, attn_mask, offset, dropout_p, scale, enable_gqa, site, shard_key)``:
+#: causal attention of a sequence shard of the queries, rows ``[offset, offset + L)`` of the
+#: global sequence against all keys (sdpa's ``is_causal`` aligns the mask to the local rows);
+#: with dropout, the keyed math attention above
+OFFSET_CAUSAL_SDPA = _composite(
+    "offset_causal_sdpa(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, int offset, float dropout_p, "
+    "float? scale, bool enable_gqa, int site, int[] shard_key) -> Tensor", _offset_causal)

@@ -5,8 +5,10 @@ broadcast to ``[B, H, L, S]`` follows (sharded where its dim is not a broadcast 
 
 * ``dp``: B sharded in all;  ``heads``: H and Hk sharded (even splits when Hk != H, so each
   device's query heads keep their own key/value group);
-* ``seq``: L of q (and mask) sharded, k/v replicated; only without ``is_causal`` (the local
-  causal mask would be aligned to the local rows, which is wrong);
+* ``seq``: L of q (and mask) sharded, k/v replicated (all-gathered over the axis: context
+  parallelism as Llama 3 runs it); with ``is_causal`` the local op becomes
+  ``fxpar::offset_causal_sdpa`` at the shard's first global row (``is_causal`` alone would
+  align the mask to the local rows); the fused variants with ``is_causal`` have no ``seq``;
 * never E (the head dim is contracted) or S (the softmax runs over it).
 
 Extra outputs of the variants (logsumexp ``[B, H, L]``) shard like the output on B, H, L; scalar
@@ -23,6 +25,7 @@ import torch
 
 import torch.fx as fx
 
+from fxpar import ir
 from fxpar.cost.compute import sdpa_cost
 from fxpar.strategies.base import R, S, bound, choice, declare, out_shapes, register, tensor_shape
 from fxpar.strategies.local import LocalContext, refuse_random
@@ -45,6 +48,19 @@ def _mask_pl(mask, dim):
     return S(i) if i >= 0 and mask[i] > 1 else R
 
 
+def _causal_rows(node: fx.Node, lctx: LocalContext) -> int | None:
+    """The global index of this rank's first query row when a causal attention's queries
+    are split along the sequence (``None`` when they are not)."""
+    b = bound(node)
+    if not b.get("is_causal"):
+        return None
+    q = b["query"]
+    spec = node.meta[ir.IN_SPECS][node.all_input_nodes.index(q)]
+    if not spec.shard_axes(2):
+        return None
+    return spec.global_slices(lctx.global_shape(q), lctx.mesh_shape, lctx.coord)[2].start
+
+
 def attention_local(node: fx.Node, lctx: LocalContext) -> None:
     """Attention is tagged ``nondeterministic_seeded`` for its dropout: without dropout
     (``dropout_p == 0``) the plain op is right. With it, ``aten.scaled_dot_product_attention``
@@ -55,7 +71,8 @@ def attention_local(node: fx.Node, lctx: LocalContext) -> None:
     again. The fused variants (``_scaled_dot_product_flash_attention``...) with dropout are
     refused (planning refused them already)."""
     b = bound(node)
-    if not (b.get("dropout_p") or 0.0):
+    offset = _causal_rows(node, lctx) if node.target is aten.scaled_dot_product_attention.default else None
+    if not (b.get("dropout_p") or 0.0) and offset is None:
         return
     if node.target is not aten.scaled_dot_product_attention.default:
         refuse_random(node, lctx)
@@ -63,6 +80,14 @@ def attention_local(node: fx.Node, lctx: LocalContext) -> None:
     from fxpar.strategies.rand import random_key
 
     import fxpar.runtime.ops  # noqa: F401  (registers torch.ops.fxpar: only when localizing)
+
+    if offset is not None:   # causal rows of a sequence shard: the mask at their global rows
+        node.target = torch.ops.fxpar.offset_causal_sdpa.default
+        node.args = (b["query"], b["key"], b["value"], b.get("attn_mask"), offset, float(b.get("dropout_p") or 0.0),
+                     b.get("scale"), bool(b.get("enable_gqa", False)), int(lctx.site),
+                     random_key(node, lctx, dims=(0, 1, 2)))
+        node.kwargs = {}
+        return
 
     node.target = torch.ops.fxpar.keyed_sdpa.default
     node.args = (b["query"], b["key"], b["value"], b.get("attn_mask"), float(b["dropout_p"]),
@@ -92,7 +117,8 @@ def sdpa_rule(node):
 
     yield choice(node, pls(S(0), S(0), 0), outs_for(0), "dp")
     yield choice(node, pls(S(1), S(1), 1), outs_for(1), "heads", even=q[1] != k[1])
-    if not b.get("is_causal", False):
+    if node.target.overloadpacket is aten.scaled_dot_product_attention or not b.get("is_causal", False):
+        # causal: the local rewrite masks at the shard's global rows (fused variants have none)
         yield choice(node, pls(S(2), R, 2), outs_for(2), "seq")
 
 
