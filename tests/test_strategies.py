@@ -145,6 +145,13 @@ def simulate(node, strat, mesh_shape, gen):
         elif mean_loss is not None:  # the local program of a mean loss with its input sharded
             fn, margs = mean_loss
             out = fn(*fx.node.map_arg(margs, lambda n: env[n]))
+        elif (node.target is aten.scaled_dot_product_attention.default and node.kwargs.get("is_causal")
+              and strat.inputs[0].shard_axes(2)):   # attention_local: the mask at the global rows
+            import fxpar.runtime.ops  # noqa: F401
+
+            off = strat.inputs[0].global_slices(ins[0].meta["val"].shape, mesh_shape, c)[2].start
+            out = torch.ops.fxpar.offset_causal_sdpa(args[0], args[1], args[2], None, off, 0.0, None,
+                                                     False, 0, [])
         elif node.target is aten.embedding.default and is_vocab_parallel(strat.inputs[0], strat.inputs[1]):
             w, ids = args[0], args[1]
             lo = strat.inputs[0].global_slices(ins[0].meta["val"].shape, mesh_shape, c)[0].start

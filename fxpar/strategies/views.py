@@ -202,9 +202,8 @@ def split_rule(node: fx.Node):
             continue
         od = d - 1 if drop and d > dim else d
         yield choice(node, {"self": S(d)}, [S(od)] * len(outs), f"S{od}")
-    sizes = [o[dim] for o in outs]
-    if node.target.overloadpacket in _EQUAL_SPLITS and len(set(sizes)) == 1 and len(sizes) >= 2 \
-            and sum(sizes) == a[dim]:
+    sizes = [o[dim] for o in outs] if node.target.overloadpacket in _EQUAL_SPLITS else []
+    if len(sizes) >= 2 and len(set(sizes)) == 1 and sum(sizes) == a[dim]:
         # the parts of a fused projection: chunk i of each part, side by side (module doc)
         yield choice(node, {"self": Strided(dim, split_factor=len(sizes))}, [S(dim)] * len(outs), "fused")
     yield choice(node, {"self": P()}, [P()] * len(outs), "P")
