@@ -77,3 +77,33 @@ def test_profile_compare_and_refine(pools, tmp_path):
     # a profile survives JSON
     p = fxpar.Profile.from_dict(json.loads(json.dumps(r["profile"])))
     assert p.scales() == r["scales"]
+
+
+def pipeline_worker():
+    import torch.distributed as dist
+
+    import fxpar
+
+    m, batch = _gpt()
+    prog = fxpar.compile(m, fxpar.Cluster.local(dist.get_world_size()), batch, mesh={"pp": 2},
+                         microbatches=2, optimizer=_opt, time_limit=20)
+    prof = prog.runner().profile(*batch, steps=2)
+    return prof.to_dict(), prof.compare(trace=None)
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_profile_per_action(pools):
+    """A pp=2 pipeline: every action of each rank timed per microbatch beside its chunk's
+    prediction; compute actions predicted and measured, the table printed."""
+    import fxpar
+
+    for rank, (d, text) in enumerate(pools(2).run(pipeline_worker)):
+        p = fxpar.Profile.from_dict(d)
+        kinds = {(a.kind, a.stage) for a in p.actions}
+        assert ("F", rank) in kinds and ({("B", rank), ("I", rank)} & kinds), kinds
+        assert (("SEND_F", 0) in kinds) if rank == 0 else (("RECV_F", 1) in kinds), kinds
+        compute = [a for a in p.actions if a.kind in ("F", "B", "I", "W")]
+        assert all(a.measured > 0 and a.predicted > 0 for a in compute if a.kind != "W"), compute
+        assert {a.microbatch for a in compute} == {0, 1}
+        assert "pipeline actions" in text and "compute" in p.scales()
+        assert sum(a.measured for a in p.actions) <= p.step

@@ -557,6 +557,15 @@ class PipelineRunner(RankRunner):
         loss = loss.to(torch.float32).contiguous()
         return loss, dist.broadcast(loss, src=self.program.loss_rank(), async_op=True)
 
+    def profile(self, *args, steps: int = 3, **kwargs):
+        """Measure ``steps`` training steps (one warm-up step first) on the batch, action by
+        action, beside each chunk plan's prediction: a :class:`fxpar.Profile` whose
+        ``actions`` are this rank's (:func:`fxpar.runtime.profile.profile_pipeline`). The
+        steps train. Collective: every rank calls it with the same ``steps``."""
+        from fxpar.runtime.profile import profile_pipeline
+
+        return profile_pipeline(self, args, kwargs, steps)
+
     def _raise_guard_failures(self) -> None:
         """Raise on every rank the first guard error of the lowest rank that had one this step
         (:mod:`fxpar.runtime.guards`), the step's gradients dropped; nothing when no guard

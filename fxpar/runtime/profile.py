@@ -41,7 +41,7 @@ from fxpar import ir
 from fxpar.layers import layer_of
 from fxpar.units import fmt_time
 
-__all__ = ["NodeTime", "Profile", "profile_runner"]
+__all__ = ["ActionTime", "NodeTime", "Profile", "profile_runner", "profile_pipeline"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,22 @@ class NodeTime:
 
 
 @dataclass(frozen=True)
+class ActionTime:
+    """One action of a pipeline rank's list (``kind`` of chunk ``stage``, a microbatch's median
+    over the steps): measured seconds and the chunk plan's prediction for it (``F``: the
+    chunk's forward compute and forward collectives; ``B``: backward; ``I``/``W``: half the
+    backward compute each, ``I`` with the backward collectives; ``SEND_F``/``SEND_B``: the
+    boundary transfer; a receive is waiting for a peer, predicted 0 and left out of
+    :meth:`Profile.scales`)."""
+
+    kind: str
+    stage: int
+    microbatch: int
+    measured: float
+    predicted: float
+
+
+@dataclass(frozen=True)
 class Profile:
     """Measured per-node times of a rank program (module docstring); ``step`` is the median
     wall time of a training step (forward, backward, optimizer), ``optimizer`` of its optimizer
@@ -71,6 +87,8 @@ class Profile:
     steps: int
     optimizer: float = 0.0
     predicted_step: float = 0.0
+    #: a pipeline rank's actions (``()`` for an SPMD runner)
+    actions: tuple[ActionTime, ...] = ()
 
     def layers(self) -> dict[str, dict[str, float]]:
         """``{layer: {fwd, bwd, comm, pred_fwd, pred_bwd, pred_comm}}`` seconds, compute and
@@ -105,6 +123,10 @@ class Profile:
             pred = sum(n.pred_fwd + n.pred_bwd for n in self.nodes if n.kind == kind)
             meas = sum(n.fwd + n.bwd for n in self.nodes
                        if n.kind == kind and n.pred_fwd + n.pred_bwd > 0)
+            acts = [a for a in self.actions if a.predicted > 0 and
+                    (a.kind.startswith("SEND") if kind == "comm" else a.kind in ("F", "B", "I", "W"))]
+            pred += sum(a.predicted for a in acts)
+            meas += sum(a.measured for a in acts)
             if pred > 0 and meas > 0:
                 out[kind] = meas / pred
         return out
@@ -118,7 +140,7 @@ class Profile:
         different plan of the same program is matched by node and edge names."""
         nodes = self.nodes if plan is None else self._with_plan(plan)
         prof = Profile(nodes, self.step, self.steps, self.optimizer,
-                       plan.time if plan is not None else self.predicted_step)
+                       plan.time if plan is not None else self.predicted_step, self.actions)
         rows = [("layer", "fwd pred", "fwd meas", "bwd pred", "bwd meas", "comm pred", "comm meas")]
         for lay, r in prof.layers().items():
             rows.append((lay,) + tuple(fmt_time(r[k]) for k in ("pred_fwd", "fwd", "pred_bwd", "bwd",
@@ -126,7 +148,16 @@ class Profile:
         lines = [f"profile of {self.steps} steps: step measured {fmt_time(self.step)} (optimizer "
                  f"{fmt_time(self.optimizer)}), predicted {fmt_time(prof.predicted_step)}; "
                  f"measured / predicted: " + ", ".join(f"{k} {v:.3g}" for k, v in prof.scales().items())]
-        lines += _table(rows)
+        if prof.nodes:
+            lines += _table(rows)
+        if self.actions:
+            by: dict[tuple[str, int], list[ActionTime]] = defaultdict(list)
+            for a in self.actions:
+                by[a.kind, a.stage].append(a)
+            lines.append("pipeline actions (per microbatch, median over microbatches):")
+            lines += _table([("action", "chunk", "predicted", "measured")] + [
+                (k, str(c), fmt_time(statistics.median(a.predicted for a in v)),
+                 fmt_time(statistics.median(a.measured for a in v))) for (k, c), v in sorted(by.items())])
         coll = prof.collectives()
         if coll:
             lines.append("collectives (forward + backward):")
@@ -164,12 +195,14 @@ class Profile:
 
     def to_dict(self) -> dict:
         return dict(nodes=[asdict(n) for n in self.nodes], step=self.step, steps=self.steps,
-                    optimizer=self.optimizer, predicted_step=self.predicted_step)
+                    optimizer=self.optimizer, predicted_step=self.predicted_step,
+                    actions=[asdict(a) for a in self.actions])
 
     @classmethod
     def from_dict(cls, d: dict) -> Profile:
         return cls(tuple(NodeTime(**n) for n in d["nodes"]), d["step"], d["steps"],
-                   d.get("optimizer", 0.0), d.get("predicted_step", 0.0))
+                   d.get("optimizer", 0.0), d.get("predicted_step", 0.0),
+                   tuple(ActionTime(**a) for a in d.get("actions", ())))
 
 
 def _per_rank(path: str) -> str:
@@ -380,3 +413,54 @@ def _predicted(nodes, plan) -> tuple[NodeTime, ...]:
 
 def _median(xs) -> float:
     return statistics.median(xs) if xs else 0.0
+
+
+def profile_pipeline(runner, args, kwargs, steps: int = 3) -> Profile:
+    """Measure ``steps`` training steps of a pipeline ``runner``, action by action
+    (:class:`ActionTime`; one warm-up step first)."""
+    from fxpar.errors import FxparError
+
+    if steps < 1:
+        raise FxparError(f"profile: steps must be >= 1, got {steps}")
+    sync = torch.cuda.synchronize if torch.device(runner.device).type == "cuda" else (lambda: None)
+    times: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+    run = runner._run
+    walls, opts = [], []
+
+    def timed(action, batch, rec):
+        sync()
+        t = time.perf_counter()
+        run(action, batch)
+        sync()
+        rec.append((str(action.kind), action.stage, action.microbatch or 0, time.perf_counter() - t))
+    try:
+        for k in range(steps + 1):
+            rec: list = []
+            runner._run = lambda action, batch, rec=rec: timed(action, batch, rec)
+            t0 = time.perf_counter()
+            loss, work = runner._schedule(args, kwargs)
+            t1 = time.perf_counter()
+            runner.optimizer_step()
+            work.wait()
+            sync()
+            t2 = time.perf_counter()
+            if k:
+                for kind, st, mb, d in rec:
+                    times[kind, st, mb].append(d)
+                walls.append(t2 - t0)
+                opts.append(t2 - t1)
+    finally:
+        del runner._run
+    plan = runner.program.plan
+    pred = {}
+    for st in plan.stages:
+        p = st.plan
+        fwd = p.compute_fwd + sum(e.time for e in p.edges if e.direction == "fwd")
+        bwd_comm = sum(e.time for e in p.edges if e.direction == "bwd")
+        pred[st.index] = dict(F=fwd, B=p.compute_bwd + bwd_comm, I=p.compute_bwd / 2 + bwd_comm,
+                              W=p.compute_bwd / 2, SEND_F=st.send_time, SEND_B=0.0)
+        if st.index:
+            pred[st.index]["SEND_B"] = plan.stages[st.index - 1].back_time
+    acts = tuple(ActionTime(kind, st, mb, _median(ts), pred.get(st, {}).get(kind, 0.0))
+                 for (kind, st, mb), ts in sorted(times.items()))
+    return Profile((), statistics.median(walls), steps, statistics.median(opts), plan.time, acts)
