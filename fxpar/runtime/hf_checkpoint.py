@@ -123,20 +123,20 @@ def save_hf(runner, path) -> None:
     b = runner.bindings
     mesh, dm = b.mesh, b.device_mesh
     pre = runner.fqn_prefix
-    infos = {f: i for f, i in runner._infos.items()}
-    keep = sorted((f for f in runner.state if not (infos[f].kind == "buffer" and not infos[f].persistent)),
-                  key=lambda f: (-runner.state[f].numel(), f))
-    # owners: the largest first, each to the least-loaded device of the mesh (every member of
-    # the mesh computes the same)
+    infos = runner._infos
+    nbytes = {f: torch.Size(infos[f].shape).numel() * runner.state[f].element_size() for f in runner.state
+              if not (infos[f].kind == "buffer" and not infos[f].persistent)}
+    # owners: the largest first (global sizes: the same on every member of the mesh), each to
+    # the least-loaded device
     load = dict.fromkeys(mesh.devices, 0)
     owner = {}
-    for f in keep:
+    for f in sorted(nbytes, key=lambda f: (-nbytes[f], f)):
         d = min(load, key=lambda r: (load[r], r))
         owner[f] = d
-        load[d] += int(torch.Size(infos[f].shape).numel()) * runner.state[f].element_size()
+        load[d] += nbytes[f]
     rank = dist.get_rank() if dist.is_initialized() else 0
     mine: dict[str, torch.Tensor] = {}
-    for f in sorted(keep):
+    for f in sorted(nbytes):
         spec, t = runner.specs[f], runner.state[f].detach()
         full = t
         if not spec.is_replicated:
@@ -146,29 +146,24 @@ def save_hf(runner, path) -> None:
             mine[f.removeprefix(pre)] = full.cpu().contiguous()
         del full
     world = dist.get_world_size() if dist.is_initialized() else 1
-    names = [None] * world
+    owned = {k: v.numel() * v.element_size() for k, v in mine.items()}
+    every = [owned]
     if dist.is_initialized():
-        dist.all_gather_object(names, sorted(mine))
-    else:
-        names = [sorted(mine)]
+        every = [None] * world
+        dist.all_gather_object(every, owned)
     # a tensor several stages hold (tied across the pipeline) is written by the lowest rank
     first: dict[str, int] = {}
-    for r, ks in enumerate(names):
+    for r, ks in enumerate(every):
         for k in ks:
             first.setdefault(k, r)
     mine = {k: v for k, v in mine.items() if first[k] == rank}
-    fname = f"model-{rank + 1:05d}-of-{world:05d}.safetensors"
     if mine:
-        save_file(mine, os.path.join(path, fname), metadata={"format": "pt"})
-    sizes = [0] * world
-    total = sum(v.numel() * v.element_size() for v in mine.values())
-    if dist.is_initialized():
-        dist.all_gather_object(sizes, total)
-    else:
-        sizes = [total]
+        save_file(mine, os.path.join(path, f"model-{rank + 1:05d}-of-{world:05d}.safetensors"),
+                  metadata={"format": "pt"})
     if rank == 0:
         weight_map = {k: f"model-{r + 1:05d}-of-{world:05d}.safetensors" for k, r in sorted(first.items())}
+        total = sum(every[r][k] for k, r in first.items())
         with open(os.path.join(path, _INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}, f, indent=2)
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     if dist.is_initialized():
         dist.barrier()   # the index is there when anyone returns
