@@ -193,7 +193,7 @@ class Spec:
 
     def normalized(self, ndim: int) -> Spec:
         """Negative shard dims made positive for a tensor of rank ``ndim``."""
-        return Spec(tuple(with_dim(p, p.dim % ndim) if placement_kind(p) in "ST" and p.dim < 0 else p
+        return Spec(tuple(with_dim(p, p.dim % ndim) if placement_kind(p) in ("S", "T") and p.dim < 0 else p
                           for p in self.placements))
 
     @property
