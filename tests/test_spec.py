@@ -91,3 +91,31 @@ def test_layout_matches_dtensor_and_tiles_the_tensor(shape, mesh_shape, data):
         if all(c == 0 for c, p in zip(coord, placements) if not isinstance(p, Shard)):
             covered[sl] += 1
     assert bool((covered == 1).all()), f"{spec} on {mesh_shape} does not tile {shape}"
+
+
+def test_strided_shard_layout_and_errors():
+    """``S(d,f)`` (#31): parses and prints, holds chunk i of each of the f groups (a box per
+    group), refuses to pose as one box, and refuses layouts it cannot be."""
+    import torch
+
+    from fxpar.errors import SpecError
+    from fxpar.spec import Spec, Strided
+
+    s = Spec.parse("RS(1,3)")
+    assert str(s) == "RS(1,3)" and s.placements[1] == Strided(1, split_factor=3) and s.is_strided
+    assert Spec.parse(str(s)) == s and hash(Spec.parse(str(s))) == hash(s)
+    full = torch.arange(2 * 12).view(2, 12)
+    for c in range(2):
+        local = s.local_of(full, (2, 2), (0, c))
+        want = torch.cat([full[:, g * 4 + 2 * c: g * 4 + 2 * c + 2] for g in range(3)], dim=1)
+        assert torch.equal(local, want) and s.local_shape((2, 12), (2, 2), (0, c)) == (2, 6)
+        d, boxes = s.boxes((2, 12), (2, 2), (0, c))
+        assert d == 1 and torch.equal(torch.cat([full[b] for b in boxes], dim=1), want)
+    with pytest.raises(SpecError, match="not one box"):
+        s.global_slices((2, 12), (2, 2), (0, 0))
+    with pytest.raises(SpecError, match="divides the dim"):
+        Spec.parse("S(1,3)").check((2, 12), (8,))            # 12 is not 3 groups of 8 chunks
+    with pytest.raises(SpecError, match="no other axis"):
+        Spec.parse("S(1)S(1,3)").check((2, 12), (2, 2))
+    with pytest.raises(SpecError, match="split factor < 2"):
+        Spec.parse("S(1,1)")
