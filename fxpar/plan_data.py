@@ -330,6 +330,7 @@ class Plan:
             lines.append(f"overlap as the runtime orders it (prefetch 1): step {_fmt_ms(ov.step)} ms, "
                          f"communication exposed {_fmt_ms(ov.exposed)} ms, hidden {_fmt_ms(ov.hidden)} ms")
         lines += self._megatron_lines()
+        lines += self._cp_lines()
         lines += self._config_lines()
         if self.config is not None and self.config.dp_shard > 1 and "dp_shard" in self.mesh["axis_names"]:
             lines.append(f"  (s_p: parameters sharded inside groups of dp_shard="
@@ -340,6 +341,27 @@ class Plan:
         un = self.unsharded
         lines.append(f"unsharded ops (replicate-only fallback): {', '.join(un) if un else 'none'}")
         return "\n".join(lines)
+
+    def _cp_lines(self) -> list[str]:
+        """On a mesh with a ``cp`` axis: how each attention uses it (the sequence split with
+        K/V gathered, or another split the solver priced cheaper on this cluster)."""
+        from fxpar.spec import Spec, placement_kind
+
+        names = list(self.mesh["axis_names"])
+        if "cp" not in names or self.mesh["shape"][names.index("cp")] == 1:
+            return []
+        a = names.index("cp")
+        head = f"context parallelism (cp={self.mesh['shape'][a]}): "
+        att = [n for n in self.nodes if "attention" in n.op and n.inputs and n.inputs[0]]
+        if not att:
+            return [head + "no attention in the graph"]
+        ways: dict[str, int] = defaultdict(int)
+        for n in att:
+            q = Spec.parse(n.inputs[0]).placements[a]
+            seq = placement_kind(q) == "S" and q.dim == 2
+            ways["the sequence split, K/V gathered over cp" if seq else
+                 f"{n.strategy_name or 'R'} instead (priced cheaper than gathering K/V)"] += 1
+        return [head + "; ".join(f"{k}: {v} of {len(att)} attentions" for k, v in ways.items())]
 
     def _megatron_lines(self) -> list[str]:
         """Each transformer layer's tensor-parallel communication (collectives on ``tp``)
