@@ -43,6 +43,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 
 from fxpar.config import ParallelConfig
+from fxpar.cost.reshard import COLLECTIVE_KINDS
 from fxpar.cost.step import UnitCost
 from fxpar.defaults import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from fxpar.errors import PlanError
@@ -373,7 +374,7 @@ class Plan:
             return []
         mine: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
         for e, st in self.steps(axis="tp"):
-            if st.kind not in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
+            if st.kind not in COLLECTIVE_KINDS:
                 continue   # local steps move nothing
             mine[e.layer][0] += st.nbytes
             mine[e.layer][1] += st.time

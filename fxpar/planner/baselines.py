@@ -393,14 +393,15 @@ def _check_batch(kind: str, gm: fx.GraphModule, mesh: Mesh, dp_axes) -> None:
     if d <= 1 or not sizes or all(no_empty_shard(b, (d,)) for b in sizes):
         return
     b = min(sizes)
-    fits = [k for k in range(d, 0, -1) if no_empty_shard(b, (k,)) and d % k == 0][0]
+    fits = next(k for k in range(d, 0, -1) if no_empty_shard(b, (k,)) and d % k == 0)
     shape = dict(zip(mesh.axis_names, mesh.shape))
+    # the same mesh with the first data-parallel axis at `fits` and the others at 1
+    works = {a: fits if a == dp_axes[0] else 1 if a in dp_axes else n for a, n in shape.items()}
     raise PlanError(
         f"plan={kind!r} on mesh {shape} splits the batch of {b} samples over {d} data-parallel "
         f"devices ({'×'.join(dp_axes)}): every device needs at least one sample. Use a batch of "
         f"at least {d} (a multiple of {d} for equal shares), a data-parallel degree of at most "
-        f"{fits} (e.g. mesh={{{', '.join(repr(a) + ': ' + str(fits if a == dp_axes[0] else 1 if a in dp_axes else shape[a]) for a in mesh.axis_names)}}}), "
-        "or plan='auto' (it may shard the model instead of the batch)")
+        f"{fits} (e.g. mesh={works}), or plan='auto' (it may shard the model instead of the batch)")
 
 
 def baseline_pins(kind: str, gm: fx.GraphModule, mesh: Mesh, *,

@@ -81,7 +81,7 @@ class HFDirSource:
         return list(self._file)
 
     def shape(self, key):
-        return tuple(self._src(key).f.get_slice(self._key[key]).get_shape())
+        return self._src(key).shape(self._key[key])
 
     def take(self, key, spec, mesh_shape, coord):
         return self._src(key).take(self._key[key], spec, mesh_shape, coord)

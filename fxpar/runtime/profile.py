@@ -138,7 +138,7 @@ class Profile:
         step on one lane and the predicted on another, node by node. ``plan`` is the plan
         whose predictions to show (default: the one profiled, already in the profile); a
         different plan of the same program is matched by node and edge names."""
-        nodes = self.nodes if plan is None else self._with_plan(plan)
+        nodes = self.nodes if plan is None else _predicted(self.nodes, plan)
         prof = Profile(nodes, self.step, self.steps, self.optimizer,
                        plan.time if plan is not None else self.predicted_step, self.actions)
         rows = [("layer", "fwd pred", "fwd meas", "bwd pred", "bwd meas", "comm pred", "comm meas")]
@@ -171,9 +171,6 @@ class Profile:
         text = "\n".join(lines)
         print(text)
         return text
-
-    def _with_plan(self, plan) -> tuple[NodeTime, ...]:
-        return _predicted(self.nodes, plan)
 
     def chrome_trace(self) -> dict:
         """The step as Chrome trace events: process 0 the measured, process 1 the predicted
@@ -311,16 +308,21 @@ def _synthetic_batch(runner):
     return tuple(args), dict(kwargs)
 
 
-def profile_runner(runner, args, kwargs, steps: int = 3) -> Profile:
-    """Measure ``steps`` training steps of an SPMD ``runner`` (module docstring)."""
-    global _ACTIVE
+def _sync_for(runner, steps: int):
+    """The steps checked; what waits for the device's queued kernels (nothing on a CPU)."""
     from fxpar.errors import FxparError
 
     if steps < 1:
         raise FxparError(f"profile: steps must be >= 1, got {steps}")
+    return torch.cuda.synchronize if torch.device(runner.device).type == "cuda" else (lambda: None)
+
+
+def profile_runner(runner, args, kwargs, steps: int = 3) -> Profile:
+    """Measure ``steps`` training steps of an SPMD ``runner`` (module docstring)."""
+    global _ACTIVE
+    sync = _sync_for(runner, steps)
     if not args and not kwargs:
         args, kwargs = _synthetic_batch(runner)
-    sync = torch.cuda.synchronize if torch.device(runner.device).type == "cuda" else (lambda: None)
     gm = runner.gm
     prof_gm, stamped = _instrumented(gm)
     runs, walls, opts = [], [], []
@@ -418,11 +420,7 @@ def _median(xs) -> float:
 def profile_pipeline(runner, args, kwargs, steps: int = 3) -> Profile:
     """Measure ``steps`` training steps of a pipeline ``runner``, action by action
     (:class:`ActionTime`; one warm-up step first)."""
-    from fxpar.errors import FxparError
-
-    if steps < 1:
-        raise FxparError(f"profile: steps must be >= 1, got {steps}")
-    sync = torch.cuda.synchronize if torch.device(runner.device).type == "cuda" else (lambda: None)
+    sync = _sync_for(runner, steps)
     times: dict[tuple[str, int, int], list[float]] = defaultdict(list)
     run = runner._run
     walls, opts = [], []
