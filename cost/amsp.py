@@ -166,7 +166,7 @@ def amsp_time(op: str, v: float, a: tuple[int, int], cluster, *, b: tuple[int, i
     concurrently; the slowest group sets the time.
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("a800", nodes=2)         # 8 GPUs/node, 200 GB/s NVLink
+    >>> c = Cluster.preset("a800", physics=None, nodes=2)         # 8 GPUs/node, 200 GB/s NVLink
     >>> round(amsp_time("AG", 8e9, (8, 1), c) * 1e3, 1)   # 7/8 · 8 GB / 200 GB/s + 7·3 µs
     35.0
     """
@@ -268,7 +268,7 @@ def evaluate(sh: Sharding, *, phi: float, module_params: Sequence[float], L: int
     """All four terms and the memory of one sharding.
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("a800", nodes=2)
+    >>> c = Cluster.preset("a800", physics=None, nodes=2)
     >>> r = evaluate(Sharding(), phi=1e9, module_params=[1e9 / 32] * 1, L=32, M=4, U=5e8, cluster=c)
     >>> r.t_p, r.t_g, r.t_os1, r.t_os0 > 0          # plain data parallelism: one all-reduce
     (0.0, 0.0, 0.0, True)
@@ -316,7 +316,7 @@ def plan(*, phi: float, module_params: Sequence[float], L: int, M: int, U: float
     memory first). Empty if nothing fits.
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("a800", nodes=4)
+    >>> c = Cluster.preset("a800", physics=None, nodes=4)
     >>> best = plan(phi=1e9, module_params=[1e9 / 32], L=32, M=4, U=5e8, cluster=c)[0]
     >>> str(best.sharding)                 # 16 GB of states fit in 80 GB: no sharding at all
     'P 1x1, G 1x1, OS 1x1'

@@ -25,7 +25,7 @@ needs 16; the tests use 16 devices.
 
 >>> from fxpar import Cluster
 >>> from fxpar.cost.axonn import axonn_bandwidths
->>> c = Cluster.preset("perlmutter", nodes=4)           # 4 GPUs per node
+>>> c = Cluster.preset("perlmutter", physics=None, nodes=4)           # 4 GPUs per node
 >>> [b / 1e9 for b in axonn_bandwidths((2, 2, 2, 2), c)]  # x, y intra; z, data β_inter/4
 [300.0, 300.0, 25.0, 25.0]
 """
@@ -54,22 +54,22 @@ def axonn_bandwidths(G: Sequence[int], cluster, *, placement_aware: bool = True)
     ``β_intra``/``β_inter`` are ``cluster.intra_node_bandwidth``/``inter_node_bandwidth``.
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("perlmutter", nodes=8)
+    >>> c = Cluster.preset("perlmutter", physics=None, nodes=8)
     >>> [b / 1e9 for b in axonn_bandwidths((1, 1, 8, 4), c)]   # z alone crosses: full β_inter
     [300.0, 300.0, 100.0, 25.0]
     """
-    if not placement_aware:
-        from fxpar.cost.comm import _agnostic_link
+    from fxpar.cost.comm import _agnostic_link, link_bandwidth
 
+    if not placement_aware:
         return (_agnostic_link(cluster)[1],) * len(G)
     g_node = cluster.devices_per_node
     out = []
     before = 1
     for gi in G:
         if before * gi <= g_node:
-            out.append(cluster.intra_node_bandwidth)
+            out.append(link_bandwidth(cluster, "intra"))
         else:
-            out.append(cluster.inter_node_bandwidth / min(g_node, before))
+            out.append(link_bandwidth(cluster, "inter") / min(g_node, before))
         before *= gi
     return tuple(out)
 
@@ -82,7 +82,7 @@ def mesh_bandwidths(G: Sequence[int], cluster, *, placement_aware: bool = True,
     the node size; size-1 axes get ``inf`` (they never communicate).
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("perlmutter", nodes=4)
+    >>> c = Cluster.preset("perlmutter", physics=None, nodes=4)
     >>> [b / 1e9 for b in mesh_bandwidths((2, 2, 2, 2), c)]
     [300.0, 300.0, 25.0, 25.0]
     """
@@ -144,7 +144,7 @@ def model_comm_time(G: Sequence[int], cluster, *, n_layers: int, h: int, tokens:
     e.g. :func:`mesh_bandwidths`).
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("perlmutter", nodes=4)
+    >>> c = Cluster.preset("perlmutter", physics=None, nodes=4)
     >>> for G in [(4, 1, 1, 4), (1, 1, 4, 4)]:     # the same 4-way split inside vs across nodes
     ...     print(G, round(model_comm_time(G, c, n_layers=1, h=1024, tokens=8192) * 1e6), "us")
     (4, 1, 1, 4) 461 us
@@ -200,7 +200,7 @@ def rank_configs(num_gpus: int, cluster, *, n_layers: int, h: int, tokens: int, 
     enumeration order.
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("perlmutter", nodes=8)
+    >>> c = Cluster.preset("perlmutter", physics=None, nodes=8)
     >>> best = rank_configs(32, c, n_layers=32, h=7168, tokens=32 * 2048, batch=32)[0]
     >>> best.Gx * best.Gy <= c.devices_per_node
     True

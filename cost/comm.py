@@ -92,7 +92,7 @@ entry's α by the flat ring's steps (it has no hierarchy).
 
 >>> from fxpar import Cluster
 >>> from fxpar.cost.comm import group_bandwidth
->>> c = Cluster.preset("perlmutter", nodes=2)            # 4 devices per node
+>>> c = Cluster.preset("perlmutter", physics=None, nodes=2)            # 4 devices per node
 >>> group_bandwidth((0, 1), c) == c.intra_node_bandwidth
 True
 >>> groups = [(i, i + 4) for i in range(4)]               # 4 rings cross each node at once
@@ -118,6 +118,7 @@ __all__ = ["pairs_time",
     "latency_steps",
     "group_level",
     "group_bandwidth",
+    "link_bandwidth",
     "group_latency",
     "latency_time",
     "collective_time",
@@ -230,7 +231,7 @@ def group_level(group: Sequence[int], cluster) -> str:
     """``"intra"`` if every device of the group is on one node, else ``"inter"``.
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("perlmutter", nodes=2)
+    >>> c = Cluster.preset("perlmutter", physics=None, nodes=2)
     >>> group_level((0, 3), c), group_level((3, 4), c)
     ('intra', 'inter')
     """
@@ -260,12 +261,32 @@ def _a2a_egress(concurrent: Sequence[Sequence[int]], key) -> Counter:
     return out
 
 
+def link_bandwidth(cluster, level: str) -> float:
+    """The bus bandwidth one device reaches on a link of ``level`` (``"intra"``: its
+    ``intra_node_bandwidth``; ``"inter"``: the node's ``inter_node_bandwidth``; ``"switch"``:
+    a leaf's uplink): the nominal figure times the cluster's :class:`~fxpar.cluster.Physics`
+    efficiency of that network level (``intra_comm_efficiency``, else ``inter_comm_efficiency``).
+
+    >>> from fxpar import Cluster
+    >>> c = Cluster.preset("dgx-a100")
+    >>> round(link_bandwidth(c, "intra") / 1e9, 1), round(link_bandwidth(c, "inter") / 1e9, 1)
+    (231.0, 184.0)
+    """
+    bw = {"intra": cluster.intra_node_bandwidth, "inter": cluster.inter_node_bandwidth,
+          "switch": cluster.inter_switch_bandwidth}[level]
+    ph = getattr(cluster, "physics", None)
+    if ph is None:
+        return bw
+    return bw * (ph.intra_comm_efficiency if level == "intra" else ph.inter_comm_efficiency)
+
+
 def _agnostic_link(cluster) -> tuple[float, float]:
     """The one (α, β) of the placement-agnostic model: inter-node figures on a multi-node
     cluster (AxoNN §V-C sets every bandwidth to one constant), intra-node on one node."""
     if cluster.nodes > 1:
-        return cluster.inter_node_latency, min(cluster.intra_node_bandwidth, cluster.inter_node_bandwidth)
-    return cluster.intra_node_latency, cluster.intra_node_bandwidth
+        return cluster.inter_node_latency, min(link_bandwidth(cluster, "intra"),
+                                               link_bandwidth(cluster, "inter"))
+    return cluster.intra_node_latency, link_bandwidth(cluster, "intra")
 
 
 def group_bandwidth(group: Sequence[int], cluster, *, concurrent: Sequence[Sequence[int]] | None = None,
@@ -284,8 +305,11 @@ def group_bandwidth(group: Sequence[int], cluster, *, concurrent: Sequence[Seque
     ``group`` itself; default: only ``group``). ``placement_aware=False`` gives the
     placement-agnostic model: one bandwidth for every group.
 
+    Every link at its bus bandwidth (:func:`link_bandwidth`: nominal times the level's
+    efficiency).
+
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("dgx-a100", nodes=2)           # 8 per node, 200 GB/s off-node
+    >>> c = Cluster.preset("dgx-a100", nodes=2, physics=None)   # 8 per node, 200 GB/s off-node
     >>> group_bandwidth(range(16), c) / 1e9                 # one ring over both nodes
     200.0
     >>> [group_bandwidth((i, i + 8), c, concurrent=[(j, j + 8) for j in range(8)]) / 1e9 for i in (0,)]
@@ -295,7 +319,7 @@ def group_bandwidth(group: Sequence[int], cluster, *, concurrent: Sequence[Seque
     if not placement_aware:
         return _agnostic_link(cluster)[1]
     if group_level(group, cluster) == "intra":
-        return cluster.intra_node_bandwidth
+        return link_bandwidth(cluster, "intra")
     conc = [tuple(g) for g in concurrent] if concurrent is not None else [group]
     return _shared_beta(group, cluster, _level_loads(conc, cluster, collective), collective)
 
@@ -303,16 +327,16 @@ def group_bandwidth(group: Sequence[int], cluster, *, concurrent: Sequence[Seque
 def _level_loads(concurrent: Sequence[tuple[int, ...]], cluster, collective: str | None):
     """``[(domain key, link bandwidth, load per domain)]`` for the node level and, with leaf
     switches, the switch level: ring crossings, or all-to-all egress in units of ``m``."""
-    levels = [(cluster.node_of, cluster.inter_node_bandwidth)]
+    levels = [(cluster.node_of, link_bandwidth(cluster, "inter"))]
     if cluster.nodes_per_switch is not None and cluster.inter_switch_bandwidth is not None:
-        levels.append((cluster.switch_of, cluster.inter_switch_bandwidth))
+        levels.append((cluster.switch_of, link_bandwidth(cluster, "switch")))
     count = _a2a_egress if collective == "all_to_all" else _ring_loads
     return [(key, bw, count(concurrent, key)) for key, bw in levels]
 
 
 def _shared_beta(group: tuple[int, ...], cluster, loads, collective: str | None) -> float:
     """β of one multi-node group given the loads of every level (see :func:`group_bandwidth`)."""
-    beta = cluster.intra_node_bandwidth
+    beta = link_bandwidth(cluster, "intra")
     g = len(group)
     for key, bw, load in loads:
         doms = {key(d) for d in group}
@@ -331,7 +355,7 @@ def group_latency(group: Sequence[int], cluster, *, placement_aware: bool = True
     latency of a whole collective is :func:`latency_time`.
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("dgx-a100", nodes=2)
+    >>> c = Cluster.preset("dgx-a100", physics=None, nodes=2)
     >>> group_latency((0, 1), c), group_latency((0, 8), c)
     (3e-06, 8e-06)
     """
@@ -346,7 +370,7 @@ def latency_time(collective: str, group: Sequence[int], cluster, *, placement_aw
     cluster's calibrated α where it has one (module docstring).
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("a800", nodes=128)               # α_i 3 µs, α_e 8 µs
+    >>> c = Cluster.preset("a800", physics=None, nodes=128)               # α_i 3 µs, α_e 8 µs
     >>> round(latency_time("all_reduce", range(1024), c) * 1e6, 3)   # 14·3 + 14·8 µs
     154.0
     >>> round(latency_time("all_reduce", range(1024), c, placement_aware=False) * 1e3, 3)  # 2046·8 µs
@@ -413,7 +437,7 @@ def pairs_time(nbytes: float, pairs: Sequence[tuple[int, int]], cluster) -> floa
     (planned boundaries, the joint search, Megatron's formulas).
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("dgx-a100", nodes=2)
+    >>> c = Cluster.preset("dgx-a100", physics=None, nodes=2)
     >>> t = pairs_time(1e6, [(i, 8 + i) for i in range(8)], c)   # 8 pairs share the 200 GB/s NIC
     >>> round(t * 1e6, 3)                                         # 8 µs + 8·1 MB / 200 GB/s
     48.0
@@ -432,7 +456,7 @@ def collective_time(collective: str, nbytes: float, group: Sequence[int], cluste
     :func:`group_bandwidth`, the latency from :func:`latency_time`).
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("dgx-a100")
+    >>> c = Cluster.preset("dgx-a100", physics=None)
     >>> t = collective_time("all_reduce", 1e9, range(8), c)
     >>> round(t, 4)   # 2·7/8 · 1 GB / 300 GB/s + 14 · 3 µs
     0.0059
@@ -460,7 +484,7 @@ def _axis_links(collective: str, mesh, axis: int, placement_aware: bool):
         links = set()
         for g in groups:
             nodes, per_node = _span(g, cluster)
-            beta = (cluster.intra_node_bandwidth if nodes == 1
+            beta = (link_bandwidth(cluster, "intra") if nodes == 1
                     else _shared_beta(g, cluster, loads, collective))
             links.add((_latency(collective, g, cluster, True, nodes, per_node),
                        _calibrated_beta(collective, g, cluster, beta, True)))
@@ -473,7 +497,7 @@ def axis_collective_time(collective: str, nbytes: float, mesh, axis: int | str, 
     the slowest group sets the time (the groups are each other's ``concurrent`` rings).
 
     >>> from fxpar import Cluster, Mesh
-    >>> m = Mesh(Cluster.preset("perlmutter", nodes=2), dp=2, tp=4)
+    >>> m = Mesh(Cluster.preset("perlmutter", physics=None, nodes=2), dp=2, tp=4)
     >>> t_dp = axis_collective_time("all_reduce", 1e8, m, "dp")   # 4 rings share 100 GB/s
     >>> round(t_dp * 1e3, 3)   # 2·1/2 · 1e8 / 25e9 + 2·⌈log2 2⌉ · 8 µs
     4.016
@@ -491,7 +515,7 @@ def axis_bandwidth(mesh, axis: int | str, *, collective: str = "all_reduce",
     """The slowest effective β over the groups of one mesh axis (AxoNN's ``β_i``).
 
     >>> from fxpar import Cluster, Mesh
-    >>> m = Mesh(Cluster.preset("perlmutter", nodes=4), data=2, z=2, y=2, x=2)
+    >>> m = Mesh(Cluster.preset("perlmutter", physics=None, nodes=4), data=2, z=2, y=2, x=2)
     >>> [axis_bandwidth(m, a) / 1e9 for a in ("x", "y", "z", "data")]
     [300.0, 300.0, 25.0, 25.0]
     """

@@ -56,6 +56,7 @@ layers, ``96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))``.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -80,6 +81,9 @@ __all__ = [
     "roofline_time",
     "calibrated_time",
     "op_time",
+    "gemm_efficiency",
+    "physics_time",
+    "op_overheads",
     "Rule",
     "CostRuleError",
     "set_op_cost",
@@ -163,6 +167,9 @@ class OpCost:
     bwd_bytes: float = 0.0
     kind: str = "other"
     known: bool = True
+    #: a GEMM's forward product ``(batch, m, n, k)`` (``b × (m×k)·(k×n)``), read by
+    #: :func:`gemm_efficiency`; ``()``: not a GEMM, or its shape is not known
+    gemm: tuple[int, int, int, int] | tuple = ()
 
     @property
     def flops(self) -> float:
@@ -282,7 +289,8 @@ def view_cost(args, kwargs, out) -> OpCost:
     return ZERO
 
 
-def _gemm(flops: float, operands: Sequence[TensorArg | None], out: Any, kind: str = "matmul") -> OpCost:
+def _gemm(flops: float, operands: Sequence[TensorArg | None], out: Any, kind: str = "matmul",
+          shape: tuple = ()) -> OpCost:
     """Forward ``flops``; backward ``flops`` per operand needing a gradient; bytes: forward
     reads operands and writes the output, backward per operand reads dY and the other operand
     and writes the gradient."""
@@ -297,70 +305,75 @@ def _gemm(flops: float, operands: Sequence[TensorArg | None], out: Any, kind: st
             bwd_flops += flops
             others = [o for j, o in enumerate(ops) if j != i]
             bwd_bytes += ob + _nbytes(others) + t.nbytes
-    return OpCost(flops, bwd_flops, fwd_bytes, bwd_bytes, kind)
+    return OpCost(flops, bwd_flops, fwd_bytes, bwd_bytes, kind, gemm=tuple(int(x) for x in shape))
 
 
 def mm_cost(args, kwargs, out):
     a, b = args[0], args[1]
     m, k = a.shape
     n = b.shape[-1]
-    return _gemm(2.0 * m * k * n, (a, b), out)
+    return _gemm(2.0 * m * k * n, (a, b), out, shape=(1, m, n, k))
 
 
 def addmm_cost(args, kwargs, out):
     bias, a, b = args[0], args[1], args[2]
     m, k = a.shape
     n = b.shape[-1]
-    c = _gemm(2.0 * m * k * n, (a, b), out)
+    c = _gemm(2.0 * m * k * n, (a, b), out, shape=(1, m, n, k))
     # The bias is read once forward; its gradient (a column sum) is not counted as FLOPs.
-    return OpCost(c.fwd_flops, c.bwd_flops, c.fwd_bytes + bias.nbytes, c.bwd_bytes, "matmul")
+    return dataclasses.replace(c, fwd_bytes=c.fwd_bytes + bias.nbytes)
 
 
 def bmm_cost(args, kwargs, out):
     a, b = args[0], args[1]
     bsz, m, k = a.shape
     n = b.shape[-1]
-    return _gemm(2.0 * bsz * m * k * n, (a, b), out)
+    return _gemm(2.0 * bsz * m * k * n, (a, b), out, shape=(bsz, m, n, k))
 
 
 def baddbmm_cost(args, kwargs, out):
     c0, a, b = args[0], args[1], args[2]
     bsz, m, k = a.shape
     n = b.shape[-1]
-    c = _gemm(2.0 * bsz * m * k * n, (a, b), out)
-    return OpCost(c.fwd_flops, c.bwd_flops, c.fwd_bytes + c0.nbytes, c.bwd_bytes, "matmul")
+    c = _gemm(2.0 * bsz * m * k * n, (a, b), out, shape=(bsz, m, n, k))
+    return dataclasses.replace(c, fwd_bytes=c.fwd_bytes + c0.nbytes)
 
 
-def _matmul_flops(a: tuple[int, ...], b: tuple[int, ...]) -> float:
-    """``torch.matmul`` semantics: 1-d operands are promoted, batch dims broadcast; a 0-d
-    operand (``inner``/``tensordot`` with a scalar) is a scaling: one flop per element."""
+def _matmul_shape(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[float, tuple]:
+    """FLOPs and GEMM shape ``(batch, m, n, k)`` of ``torch.matmul`` (1-d operands promoted,
+    batch dims broadcast; a batch ``b`` times one weight is one ``(b·m) × k`` GEMM, as the
+    kernels run it); a 0-d operand (``inner``/``tensordot`` with a scalar) is a scaling: one
+    flop per element, no GEMM."""
     if not a or not b:
-        return float(math.prod(a) * math.prod(b))
+        return float(math.prod(a) * math.prod(b)), ()
     if len(a) == 1 and len(b) == 1:
-        return 2.0 * a[0]
+        return 2.0 * a[0], ()
     if len(a) == 1:
         a = (1,) + a
     if len(b) == 1:
         b = b + (1,)
     m, k = a[-2], a[-1]
     n = b[-1]
-    batch = torch.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2]))
-    return 2.0 * math.prod(batch) * m * k * n
+    batch = math.prod(torch.broadcast_shapes(tuple(a[:-2]), tuple(b[:-2])))
+    shape = (1, batch * m, n, k) if len(b) == 2 else (batch, m, n, k)
+    return 2.0 * batch * m * k * n, shape
 
 
 def matmul_cost(args, kwargs, out):
     a, b = args[0], args[1]
-    return _gemm(_matmul_flops(a.shape, b.shape), (a, b), out)
+    flops, shape = _matmul_shape(a.shape, b.shape)
+    return _gemm(flops, (a, b), out, shape=shape)
 
 
 def linear_cost(args, kwargs, out):
     x, w = args[0], _arg(args, kwargs, 1, "weight")
     bias = _arg(args, kwargs, 2, "bias")
     n, k = (w.shape if len(w.shape) == 2 else (1, w.shape[0]))
-    flops = 2.0 * math.prod(x.shape[:-1]) * k * n
-    c = _gemm(flops, (x, w), out)
+    m = math.prod(x.shape[:-1])
+    c = _gemm(2.0 * m * k * n, (x, w), out, shape=(1, m, n, k))
     bb = bias.nbytes if isinstance(bias, TensorArg) else 0.0
-    return OpCost(c.fwd_flops, c.bwd_flops, c.fwd_bytes + bb, c.bwd_bytes + (bb if _rg(bias) else 0.0), "matmul")
+    return dataclasses.replace(c, fwd_bytes=c.fwd_bytes + bb,
+                               bwd_bytes=c.bwd_bytes + (bb if _rg(bias) else 0.0))
 
 
 def einsum_cost(args, kwargs, out):
@@ -813,7 +826,7 @@ def graph_cost(gm: fx.GraphModule, *, training: bool = True,
             continue
         c = node_cost(n, requires_grad=flags if training else (lambda _n: False), gm=gm)
         if not training:
-            c = OpCost(c.fwd_flops, 0.0, c.fwd_bytes, 0.0, c.kind, c.known)
+            c = dataclasses.replace(c, bwd_flops=0.0, bwd_bytes=0.0)
         gc.per_node[n.name] = c
         gc.fwd_flops += c.fwd_flops
         gc.bwd_flops += c.bwd_flops
@@ -902,6 +915,89 @@ def calibrated_time(flops: float, nbytes: float, profile, *, gemm: bool = True,
     return max(t_f, t_b)
 
 
+def gemm_efficiency(shape: Sequence[int], physics) -> float:
+    """Fraction of peak a ``b × (m×k)·(k×n)`` GEMM reaches (:class:`fxpar.cluster.Physics`):
+    output tiles ``tm × tn`` run in waves over ``sm_count`` multiprocessors, the kernel picks
+    the tile (the preset's, or a halving of it down to 64 × 64) that wastes least, and a full
+    wave of full preset tiles reaches ``gemm_efficiency``. A smaller tile reuses each operand
+    element fewer times (``tm·tn/(tm+tn)`` FLOPs per element loaded): below the preset tile,
+    which is the smallest that saturates the tensor cores, its rate falls in proportion
+    (``reuse``, the roofline of the tile)::
+
+        eff = gemm_efficiency · reuse · b·m·n / (⌈b·⌈m/tm⌉·⌈n/tn⌉ / sms⌉ · sms · tm · tn)
+
+    >>> from fxpar.cluster import Physics
+    >>> ph = Physics(sm_count=108, gemm_tile=(256, 128), gemm_efficiency=0.8)
+    >>> gemm_efficiency((1, 256 * 12, 128 * 9, 4096), ph)       # 108 tiles: one full wave
+    0.8
+    >>> round(gemm_efficiency((1, 256 * 12, 128 * 9 + 1, 4096), ph), 3)  # one column over: a
+    ...                                                                    # 2nd, near-empty wave
+    0.4
+    """
+    b, m, n = (max(1, int(x)) for x in shape[:3])
+    sms = physics.sm_count
+    tm, tn = physics.gemm_tile
+    full = tm * tn / (tm + tn)  # the preset tile's operand reuse: the smallest that saturates
+    best = 0.0
+    while True:
+        tiles = b * -(-m // tm) * -(-n // tn)
+        reuse = min(1.0, tm * tn / (tm + tn) / full)
+        best = max(best, reuse * b * m * n / (-(-tiles // sms) * sms * tm * tn))
+        if tm <= 64 and tn <= 64:
+            break
+        tm, tn = (tm // 2, tn) if tm >= tn and tm > 64 else (tm, max(64, tn // 2))
+    return physics.gemm_efficiency * best
+
+
+def physics_time(cost: OpCost, cluster) -> tuple[float, float]:
+    """``(forward, backward)`` seconds of one op on a cluster with :class:`~fxpar.cluster.Physics`
+    ``ph`` and no measured compute: the roofline at the op's own efficiency, plus
+    ``ph.kernel_overhead`` per direction that does work::
+
+        t = max(flops / (peak · eff), bytes / (memory_bandwidth · ph.memory_efficiency)) + kernel
+
+    ``eff`` is :func:`gemm_efficiency` for a GEMM (forward at its ``(b, m, n, k)``, backward at
+    the mean of its two gradient products ``(b, m, k, n)`` and ``(b, k, n, m)``),
+    ``ph.attention_efficiency`` for attention, ``ph.gemm_efficiency`` for the rest (FLOPs of
+    other ops are few; the bytes decide them).
+
+    >>> from fxpar import Cluster
+    >>> c = Cluster.preset("dgx-a100")
+    >>> f, b = physics_time(OpCost(2 * 4096.0**3, 4 * 4096.0**3, 0, 0, "matmul",
+    ...                            gemm=(1, 4096, 4096, 4096)), c)
+    >>> round(2 * 4096**3 / (f - c.physics.kernel_overhead) / 312e12, 3)  # 512 tiles, 5 waves
+    0.759
+    """
+    ph = cluster.physics
+    peak, bw = cluster.peak_flops, cluster.memory_bandwidth * ph.memory_efficiency
+    if cost.kind == "attention":
+        ef = eb = ph.attention_efficiency
+    elif cost.gemm:
+        bt, m, n, k = cost.gemm
+        ef = gemm_efficiency((bt, m, n), ph)
+        eb = (gemm_efficiency((bt, m, k), ph) + gemm_efficiency((bt, k, n), ph)) / 2
+    else:
+        ef = eb = ph.gemm_efficiency
+
+    def t(flops, nbytes, eff):
+        if flops <= 0 and nbytes <= 0:
+            return 0.0
+        return max(flops / (peak * eff), nbytes / bw) + ph.kernel_overhead
+
+    return t(cost.fwd_flops, cost.fwd_bytes, ef), t(cost.bwd_flops, cost.bwd_bytes, eb)
+
+
+def op_overheads(cluster) -> tuple[float, float]:
+    """``(forward, backward)`` seconds :func:`op_time` adds to every op that does work in
+    that direction whatever its size (a kernel launch, the host's dispatch and autograd
+    record): paid once per microbatch, not scaled with it (:func:`fxpar.planner.price.unit_table`)."""
+    prof = getattr(cluster, "compute", None)
+    if prof is not None:
+        return (0.0, 0.0) if prof.asynchronous else (prof.op_overhead, prof.bwd_op_overhead)
+    ph = getattr(cluster, "physics", None)
+    return (ph.kernel_overhead, ph.kernel_overhead) if ph is not None else (0.0, 0.0)
+
+
 def op_time(cost: OpCost, cluster, efficiency: float = 0.5, memory_efficiency: float = 0.8) -> tuple[float, float]:
     """``(forward, backward)`` seconds of one op.
 
@@ -943,6 +1039,8 @@ def op_time(cost: OpCost, cluster, efficiency: float = 0.5, memory_efficiency: f
     """
     prof = getattr(cluster, "compute", None)
     if prof is None:
+        if getattr(cluster, "physics", None) is not None:
+            return physics_time(cost, cluster)
         return (roofline_time(cost.fwd_flops, cost.fwd_bytes, cluster, efficiency, memory_efficiency),
                 roofline_time(cost.bwd_flops, cost.bwd_bytes, cluster, efficiency, memory_efficiency))
     gemm = cost.kind in GEMM_KINDS

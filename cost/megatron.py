@@ -103,7 +103,7 @@ def tp_comm_time_per_layer(b: int, s: int, h: int, mesh, tp_axis, bytes_per_elem
     backward), priced by :func:`fxpar.cost.comm.axis_collective_time`.
 
     >>> from fxpar import Cluster, Mesh
-    >>> m = Mesh(Cluster.preset("dgx-a100", nodes=2), pp=2, tp=8)
+    >>> m = Mesh(Cluster.preset("dgx-a100", physics=None, nodes=2), pp=2, tp=8)
     >>> round(tp_comm_time_per_layer(1, 2048, 12288, m, "tp") * 1e3, 3)   # 4·(2·7/8·50.3 MB/300 GB/s + 14·3 µs)
     1.342
     """
@@ -122,7 +122,7 @@ def pp_boundary_time(b: int, s: int, h: int, cluster, src_group, dst_group, *, s
     the receivers all-gather over their (intra-node) group (PTD-P §4.1, Figure 9).
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("dgx-a100", nodes=2)
+    >>> c = Cluster.preset("dgx-a100", physics=None, nodes=2)
     >>> src, dst = range(8), range(8, 16)
     >>> plain = pp_boundary_time(1, 2048, 12288, c, src, dst)
     >>> sg = pp_boundary_time(1, 2048, 12288, c, src, dst, scatter_gather=True)

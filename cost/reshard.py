@@ -23,7 +23,7 @@ On a mesh axis of size 1 every step is free (the layouts coincide).
 
 >>> import torch
 >>> from fxpar import Cluster, Mesh, Spec
->>> mesh = Mesh(Cluster.preset("dgx-a100"), dp=2, tp=4)
+>>> mesh = Mesh(Cluster.preset("dgx-a100", physics=None), dp=2, tp=4)
 >>> nbytes, t = step_cost("all_gather", Spec.parse("S(0)S(1)"), Spec.parse("S(0)R"), mesh, 1,
 ...                       (1024, 1024), torch.float32)
 >>> nbytes                     # (1024/2)·(1024/4) float32 elements on each device

@@ -44,7 +44,7 @@ Every strategy's time for a task crossing into ``H`` is at least ``α_inter + n/
 device do not overlap never beats this bound.
 
 >>> from fxpar import Cluster
->>> c = Cluster.preset("aws-p3.8xlarge", nodes=2)        # 4 GPUs per node, 10 Gb/s between
+>>> c = Cluster.preset("aws-p3.8xlarge", physics=None, nodes=2)        # 4 GPUs per node, 10 Gb/s between
 >>> n = 2**30                                              # 1 GiB from device 0 to node 1
 >>> T = n / c.inter_node_bandwidth
 >>> [round(task_time(s, n, 0, (4, 5, 6, 7), c) / T, 2) for s in STRATEGIES]
@@ -58,7 +58,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 
-from fxpar.cost.comm import collective_time, group_bandwidth, group_latency
+from fxpar.cost.comm import collective_time, group_bandwidth, group_latency, link_bandwidth
 from fxpar.kinds import StrKind
 
 __all__ = ["Strategy", "STRATEGIES", "hop_link", "level_link", "send_recv_time", "allgather_time", "broadcast_time",
@@ -85,7 +85,7 @@ def level_link(level: str, cluster) -> tuple[float, float]:
     ``send_recv`` fit for that level.
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("aws-p3.8xlarge", nodes=2)
+    >>> c = Cluster.preset("aws-p3.8xlarge", physics=None, nodes=2)
     >>> level_link("inter", c) == (c.inter_node_latency, c.inter_node_bandwidth)
     True
     """
@@ -100,7 +100,7 @@ def level_link(level: str, cluster) -> tuple[float, float]:
         pair = (0, 1)
     alpha = group_latency(pair, cluster)
     beta = group_bandwidth(pair, cluster, collective="send_recv") if pair[0] != pair[1] \
-        else cluster.intra_node_bandwidth
+        else link_bandwidth(cluster, "intra")
     if cluster.profile.entries:
         e = cluster.profile.lookup("send_recv", level, 2)
         if e is not None:
@@ -112,7 +112,7 @@ def hop_link(a: int, b: int, cluster) -> tuple[float, float]:
     """``(α, β)`` of one copy from device ``a`` to device ``b``: intra- or inter-node level.
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("aws-p3.8xlarge", nodes=2)
+    >>> c = Cluster.preset("aws-p3.8xlarge", physics=None, nodes=2)
     >>> hop_link(0, 3, c)[1] == c.intra_node_bandwidth, hop_link(0, 4, c)[1] == c.inter_node_bandwidth
     (True, True)
     """
@@ -140,7 +140,7 @@ def chain(sender: int, receivers: Sequence[int], cluster) -> tuple[int, ...]:
     chain crosses each node boundary once.
 
     >>> from fxpar import Cluster
-    >>> chain(5, (0, 4, 1, 6), Cluster.preset("aws-p3.8xlarge", nodes=2))
+    >>> chain(5, (0, 4, 1, 6), Cluster.preset("aws-p3.8xlarge", physics=None, nodes=2))
     (5, 4, 6, 0, 1)
     """
     return (sender,) + tuple(r for _, rs in _by_host(sender, receivers, cluster) for r in rs)
@@ -150,7 +150,7 @@ def send_recv_time(nbytes: float, sender: int, receivers: Sequence[int], cluster
     """``Σ_r (α + n/β)(s, r)``: the sender copies the slice to each receiver in turn.
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("aws-p3.8xlarge", nodes=2)
+    >>> c = Cluster.preset("aws-p3.8xlarge", physics=None, nodes=2)
     >>> send_recv_time(1e6, 0, (4, 5), c) == 2 * (c.inter_node_latency + 1e6 / c.inter_node_bandwidth)
     True
     """
@@ -163,7 +163,7 @@ def allgather_time(nbytes: float, sender: int, receivers: Sequence[int], cluster
     ``max_i (Σ_{j≤i} send_j + ag_i)`` (module docstring).
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("aws-p3.8xlarge", nodes=3)
+    >>> c = Cluster.preset("aws-p3.8xlarge", physics=None, nodes=3)
     >>> T = 1e9 / c.inter_node_bandwidth
     >>> round(allgather_time(1e9, 0, (4, 5, 8, 9), c) / T, 3)       # one copy per host
     2.004
@@ -195,7 +195,7 @@ def broadcast_chunks(nbytes: float, sender: int, receivers: Sequence[int], clust
     better neighbour, in ``[1, max(1, n // min_chunk_bytes)]`` (module docstring).
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("aws-p3.8xlarge", nodes=2)
+    >>> c = Cluster.preset("aws-p3.8xlarge", physics=None, nodes=2)
     >>> broadcast_chunks(1e3, 0, (4,), c), broadcast_chunks(2**30, 0, (1, 2, 3, 4, 5, 6, 7), c) > 10
     (1, True)
     """
@@ -225,7 +225,7 @@ def broadcast_time(nbytes: float, sender: int, receivers: Sequence[int], cluster
     given (module docstring). Zero receivers cost nothing.
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("aws-p3.8xlarge", nodes=5, inter_node_latency=0.0)
+    >>> c = Cluster.preset("aws-p3.8xlarge", physics=None, nodes=5, inter_node_latency=0.0)
     >>> T = 1e9 / c.inter_node_bandwidth           # h = 4 receiving hosts, one device each
     >>> round(broadcast_time(1e9, 0, (4, 8, 12, 16), c, chunks=8) / T, 4)   # T·(1 + 3/8)
     1.375
@@ -245,7 +245,7 @@ def task_time(strategy: str, nbytes: float, sender: int, receivers: Sequence[int
     receivers.
 
     >>> from fxpar import Cluster
-    >>> task_time("send_recv", 1e6, 0, (), Cluster.preset("aws-p3.8xlarge"))
+    >>> task_time("send_recv", 1e6, 0, (), Cluster.preset("aws-p3.8xlarge", physics=None))
     0.0
     """
     receivers = tuple(r for r in set(receivers) if r != sender)
@@ -266,7 +266,7 @@ def local_copy_time(nbytes: float, cluster) -> float:
     memory bandwidth, ``2·n / B_mem``.
 
     >>> from fxpar import Cluster
-    >>> local_copy_time(9e8, Cluster.preset("aws-p3.8xlarge")) == 2 * 9e8 / (900 * 1e9)
+    >>> local_copy_time(9e8, Cluster.preset("aws-p3.8xlarge", physics=None)) == 2 * 9e8 / (900 * 1e9)
     True
     """
     return 2.0 * nbytes / cluster.memory_bandwidth
@@ -279,7 +279,7 @@ def lower_bound(pieces: Iterable[tuple[float, Sequence[int], Sequence[int]]], cl
     module docstring.
 
     >>> from fxpar import Cluster
-    >>> c = Cluster.preset("aws-p3.8xlarge", nodes=4)     # hosts 0,1 hold halves, 2,3 need both
+    >>> c = Cluster.preset("aws-p3.8xlarge", physics=None, nodes=4)     # hosts 0,1 hold halves, 2,3 need both
     >>> T = 1e9 / c.inter_node_bandwidth
     >>> pieces = [(1e9, (0,), (8, 12)), (1e9, (4,), (8, 12))]
     >>> round(lower_bound(pieces, c) / T, 3)              # each receiving host takes in 2 GB

@@ -64,6 +64,7 @@ from dataclasses import dataclass
 from fxpar.defaults import BUCKET_BYTES
 
 __all__ = ["UnitCost", "ChunkCost", "DpTerms", "StepTime", "chunk_costs", "dp_terms",
+           "microbatch_overhead",
            "rank_memory", "step_time", "unit_overlap", "overlapped_chunk", "overlapped_chunks",
            "BUCKET"]
 
@@ -93,8 +94,9 @@ class UnitCost:
     #: its gradient sums over the batch), one entry per such edge; priced per microbatch
     #: by the configuration's data-parallel group (:func:`chunk_costs`' ``replica_reduce``)
     replica_grads: tuple[float, ...] = ()
-    #: the latency part of its activation communication (``fwd``/``bwd`` hold it at the
-    #: priced batch): paid once per microbatch whatever its size
+    #: the part of ``fwd``/``bwd`` paid once per microbatch whatever its size: the latency
+    #: of its activation communication and its ops' fixed costs (kernel launches, dispatch:
+    #: :func:`fxpar.cost.compute.op_overheads`)
     fwd_lat: float = 0.0
     bwd_lat: float = 0.0
 
@@ -137,19 +139,23 @@ class ChunkCost:
 
 def chunk_costs(units: Sequence[UnitCost], starts: Sequence[int], scale: float = 1.0,
                 recomputed: Collection[int] = (),
-                replica_reduce: Callable[[float], float] | None = None) -> list[ChunkCost]:
+                replica_reduce: Callable[[float], float] | None = None,
+                overhead: float = 0.0) -> list[ChunkCost]:
     """Per chunk its :class:`ChunkCost` (module docstring; ``recomputed``: unit indices;
     ``replica_reduce(nbytes)``: seconds of an all-reduce over the data-parallel replicas, paid
-    in backward for each of the units' ``replica_grads``)."""
+    in backward for each of the units' ``replica_grads``; ``overhead``: seconds each pipeline
+    action pays whatever its size, ``Physics.microbatch_overhead``, on the chunk's first unit
+    forward and its last unit backward, the first each pass runs)."""
     bounds = list(starts) + [len(units)]
     rec = set(recomputed)
     out = []
     for k in range(len(starts)):
         idx = range(bounds[k], bounds[k + 1])
         us = [units[u] for u in idx]
-        ufwd = tuple(u.forward(scale) for u in us)
+        ufwd = tuple(u.forward(scale) + (overhead if j == 0 else 0.0) for j, u in enumerate(us))
         ubwd = tuple(units[u].backward(scale) + (units[u].forward(scale) if u in rec else 0.0)
                      + (sum(replica_reduce(b) for b in units[u].replica_grads) if replica_reduce else 0.0)
+                     + (overhead if u == bounds[k + 1] - 1 else 0.0)
                      for u in idx)
         act = sum((units[u - 1].out if u else 0.0) if u in rec else units[u].act for u in idx)
         copies = {name: n for u in us for name, first, n in u.reused if first < bounds[k]}
@@ -162,6 +168,13 @@ def chunk_costs(units: Sequence[UnitCost], starts: Sequence[int], scale: float =
             unit_reduce=tuple(u.bwd_fixed for u in us),
             unit_params=tuple(float(u.params) for u in us)))
     return out
+
+
+def microbatch_overhead(cluster) -> float:
+    """Seconds each pipeline action pays whatever its size (``cluster.physics.microbatch_overhead``;
+    0 without physics): :func:`chunk_costs`' ``overhead``."""
+    ph = getattr(cluster, "physics", None)
+    return ph.microbatch_overhead if ph is not None else 0.0
 
 
 def unit_overlap(compute: Sequence[float], gather: Sequence[float],

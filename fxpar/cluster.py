@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 from fxpar.errors import ClusterError
 from fxpar.kinds import Collective
 
-__all__ = ["Cluster", "Profile", "ProfileEntry", "ComputeProfile", "COLLECTIVES"]
+__all__ = ["Cluster", "Profile", "ProfileEntry", "ComputeProfile", "Physics", "PHYSICS_SOURCES",
+           "COLLECTIVES"]
 
 GB = 1e9
 GiB = 2**30
@@ -200,6 +201,78 @@ class ComputeProfile:
             raise ClusterError(f"bad compute profile in cluster JSON: {type(e).__name__}: {e}") from e
 
 
+@dataclass(frozen=True)
+class Physics:
+    """How far below its data sheet a device and its links run: the few physical parameters
+    the nominal cost model reads (issue #24 item 3). Each preset's values and their sources
+    are in :data:`PHYSICS_SOURCES`; a calibrated cluster's measured curves
+    (:class:`ComputeProfile`, :class:`Profile`) replace the compute and link parts.
+
+    * **GEMMs** run as output tiles of ``gemm_tile`` (``tm × tn``) in waves over ``sm_count``
+      multiprocessors; the library picks the tile (the preset's or a halving of it, down to
+      64 × 64) that wastes least, and a full wave of full tiles reaches ``gemm_efficiency`` of
+      ``peak_flops``. For a ``b × (m × k)·(k × n)`` product
+      (:func:`fxpar.cost.compute.gemm_efficiency`)::
+
+          tiles = b·⌈m/tm⌉·⌈n/tn⌉     waves = ⌈tiles / sm_count⌉
+          eff   = gemm_efficiency · b·m·n / (waves · sm_count · tm · tn)
+
+      and the op's time is the roofline ``max(flops / (peak·eff), bytes / (bw·memory_efficiency))``.
+    * **attention** (fused SDPA, forward and backward) at ``attention_efficiency`` of peak;
+      other ops by the roofline at ``memory_efficiency`` of ``memory_bandwidth``.
+    * **collectives**: the links' bus bandwidth is ``intra_comm_efficiency`` /
+      ``inter_comm_efficiency`` of the nominal figure, so a collective of ``m`` bytes reaches
+      the bus bandwidth ``factor·m / (α·steps + factor·m / (eff·β))``: message size enters
+      through the latency term, network level through ``α`` and ``eff`` of its level.
+    * **fixed costs**: ``kernel_overhead`` seconds per kernel that does work (forward, and
+      backward where there is one: launch gaps a kernel's size does not change), paid once
+      per microbatch; ``microbatch_overhead`` seconds per pipeline action (a chunk's forward
+      or backward of one microbatch: scheduling, the point-to-point handshake, the loss).
+
+    >>> ph = Physics(sm_count=108)
+    >>> ph.gemm_tile, ph == Physics.from_dict(ph.to_dict())
+    ((256, 128), True)
+    """
+
+    sm_count: int
+    gemm_tile: tuple[int, int] = (256, 128)
+    gemm_efficiency: float = 0.8
+    attention_efficiency: float = 0.5
+    memory_efficiency: float = 0.8
+    intra_comm_efficiency: float = 0.8
+    inter_comm_efficiency: float = 0.9
+    kernel_overhead: float = 0.0
+    microbatch_overhead: float = 0.0
+
+    def __post_init__(self) -> None:
+        tile = tuple(int(x) for x in self.gemm_tile)
+        if len(tile) != 2 or min(tile) < 1:
+            raise ClusterError(f"Physics.gemm_tile must be two positive ints, got {self.gemm_tile!r}")
+        object.__setattr__(self, "gemm_tile", tile)
+        if not isinstance(self.sm_count, int) or self.sm_count < 1:
+            raise ClusterError(f"Physics.sm_count must be a positive int, got {self.sm_count!r}")
+        for f in ("gemm_efficiency", "attention_efficiency", "memory_efficiency",
+                  "intra_comm_efficiency", "inter_comm_efficiency"):
+            v = getattr(self, f)
+            if not 0 < v <= 1:
+                raise ClusterError(f"Physics.{f} must be in (0, 1], got {v!r}")
+        for f in ("kernel_overhead", "microbatch_overhead"):
+            if not getattr(self, f) >= 0:
+                raise ClusterError(f"Physics.{f} must be >= 0 seconds, got {getattr(self, f)!r}")
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["gemm_tile"] = list(self.gemm_tile)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Physics:
+        try:
+            return cls(**d)
+        except TypeError as e:
+            raise ClusterError(f"bad physics in cluster JSON: {e}") from e
+
+
 class _ClassOrInstanceMethod:
     """A method callable on the class (``self`` is ``None``) or on an instance."""
 
@@ -213,37 +286,89 @@ class _ClassOrInstanceMethod:
 
 # Nominal figures for the presets of DESIGN §4 (unidirectional; see module docstring).
 # Latencies are typical small-message figures: ~3 µs per NVLink step, ~8 µs per network step.
+# Each preset's Physics: PHYSICS_SOURCES says where every number comes from.
+_A100 = dict(sm_count=108, gemm_tile=(256, 128), gemm_efficiency=0.8, attention_efficiency=0.5,
+             memory_efficiency=0.85, intra_comm_efficiency=0.77, inter_comm_efficiency=0.92,
+             kernel_overhead=3e-6, microbatch_overhead=0.0)
 _PRESETS: dict[str, dict] = {
     "perlmutter": dict(
         devices_per_node=4, device_type="A100-40GB", device_memory=40 * GiB,
         peak_flops=312e12, memory_bandwidth=1555 * GB,
         intra_node_bandwidth=300 * GB, inter_node_bandwidth=4 * 25 * GB,
-        intra_node_latency=3e-6, inter_node_latency=8e-6),
+        intra_node_latency=3e-6, inter_node_latency=8e-6,
+        physics=Physics(**{**_A100, "inter_comm_efficiency": 0.8})),
     "frontier": dict(
         devices_per_node=8, device_type="MI250X-GCD", device_memory=64 * GiB,
         peak_flops=192e12, memory_bandwidth=1600 * GB,
         intra_node_bandwidth=100 * GB, inter_node_bandwidth=4 * 25 * GB,
-        intra_node_latency=4e-6, inter_node_latency=8e-6),
+        intra_node_latency=4e-6, inter_node_latency=8e-6,
+        physics=Physics(sm_count=110, gemm_tile=(256, 128), gemm_efficiency=0.7,
+                        attention_efficiency=0.35, memory_efficiency=0.8,
+                        intra_comm_efficiency=0.7, inter_comm_efficiency=0.8,
+                        kernel_overhead=5e-6)),
     "dgx-a100": dict(
         devices_per_node=8, device_type="A100-80GB", device_memory=80 * GiB,
         peak_flops=312e12, memory_bandwidth=2039 * GB,
         intra_node_bandwidth=300 * GB, inter_node_bandwidth=8 * 25 * GB,
-        intra_node_latency=3e-6, inter_node_latency=8e-6),
+        intra_node_latency=3e-6, inter_node_latency=8e-6, physics=Physics(**_A100)),
     "a800": dict(
         devices_per_node=8, device_type="A800-80GB", device_memory=80 * GiB,
         peak_flops=312e12, memory_bandwidth=2039 * GB,
         intra_node_bandwidth=200 * GB, inter_node_bandwidth=4 * 25 * GB,
-        intra_node_latency=3e-6, inter_node_latency=8e-6),
+        intra_node_latency=3e-6, inter_node_latency=8e-6, physics=Physics(**_A100)),
     "aws-p3.8xlarge": dict(
         devices_per_node=4, device_type="V100-16GB", device_memory=16 * GiB,
         peak_flops=125e12, memory_bandwidth=900 * GB,
         intra_node_bandwidth=150 * GB, inter_node_bandwidth=10e9 / 8,
-        intra_node_latency=5e-6, inter_node_latency=30e-6),
+        intra_node_latency=5e-6, inter_node_latency=30e-6,
+        physics=Physics(sm_count=80, gemm_tile=(128, 128), gemm_efficiency=0.75,
+                        attention_efficiency=0.35, memory_efficiency=0.85,
+                        intra_comm_efficiency=0.7, inter_comm_efficiency=0.9,
+                        kernel_overhead=4e-6)),
     "dgx-h100": dict(
         devices_per_node=8, device_type="H100-80GB", device_memory=80 * GiB,
         peak_flops=989e12, memory_bandwidth=3350 * GB,
         intra_node_bandwidth=450 * GB, inter_node_bandwidth=8 * 50 * GB,
-        intra_node_latency=2.5e-6, inter_node_latency=6e-6),
+        intra_node_latency=2.5e-6, inter_node_latency=6e-6,
+        physics=Physics(sm_count=132, gemm_tile=(256, 128), gemm_efficiency=0.72,
+                        attention_efficiency=0.45, memory_efficiency=0.85,
+                        intra_comm_efficiency=0.8, inter_comm_efficiency=0.9,
+                        kernel_overhead=2.5e-6)),
+}
+
+#: Where each preset's :class:`Physics` comes from (shown by ``Cluster.describe``'s callers
+#: and the published-figures benchmark). "fitted" values are fitted by
+#: ``benchmarks/published.py`` on the rows it names and predict the rest.
+PHYSICS_SOURCES: dict[str, str] = {
+    "dgx-a100": (
+        "sm_count 108: NVIDIA A100 Tensor Core GPU Architecture whitepaper (2020). gemm_tile "
+        "256x128 and the tile/wave quantization model: NVIDIA, Matrix Multiplication Background "
+        "User's Guide (its A100 examples). gemm_efficiency, attention_efficiency, "
+        "microbatch_overhead: fitted to published A100 training throughput "
+        "(benchmarks/published.py). memory_efficiency 0.85: STREAM-type kernels reach "
+        "85-90% of A100 HBM bandwidth. intra_comm_efficiency 0.77: nccl-tests all-reduce bus "
+        "bandwidth ~230 GB/s of NVLink3's 300 GB/s per direction on DGX A100; "
+        "inter_comm_efficiency 0.92: nccl-tests across HDR-200 InfiniBand reach ~23 of "
+        "25 GB/s per NIC. kernel_overhead 3 us: the gap between dependent CUDA kernels "
+        "launched back to back."),
+    "perlmutter": "as dgx-a100 (the same A100 and NVLink3), except inter_comm_efficiency 0.8: "
+                  "Slingshot-11 NICs reach ~20 of 25 GB/s in all-reduce.",
+    "a800": "as dgx-a100 (an A100 with NVLink capped at 400 GB/s bidirectional, AMSP §II).",
+    "aws-p3.8xlarge": (
+        "sm_count 80, 128x128 tiles: NVIDIA Tesla V100 whitepaper (2017); gemm_efficiency "
+        "0.75: fp16 tensor-core GEMMs of cuBLAS reach ~90-95 of 125 TFLOP/s; "
+        "attention_efficiency 0.35: no flash kernels on V100 (the unfused path); "
+        "intra_comm_efficiency 0.7: NVLink2 hybrid cube mesh; inter 0.9: 10 Gb/s TCP."),
+    "dgx-h100": (
+        "sm_count 132: NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022); "
+        "gemm_efficiency 0.72: cuBLAS bf16 dense GEMMs reach ~700 of 989 TFLOP/s; "
+        "attention_efficiency 0.45: FlashAttention-2 forward+backward on H100; "
+        "intra_comm_efficiency 0.8: nccl-tests all-reduce ~360 of 450 GB/s (NVLink4); "
+        "inter 0.9: NDR-400 InfiniBand."),
+    "frontier": (
+        "sm_count 110 compute units per MI250X GCD: AMD CDNA2 whitepaper (2021); "
+        "gemm_efficiency 0.7, attention_efficiency 0.35, comm 0.7/0.8: rocBLAS and RCCL "
+        "figures of that generation, not fitted (no published throughput to fit them to here)."),
 }
 
 
@@ -271,8 +396,13 @@ class Cluster:
     #: (collective kernels take SMs and memory bandwidth); 0: overlap is free. No preset sets
     #: it (no published figure for these machines to source it from); a user may
     comm_interference: float = 0.0
+    #: how far below the data sheet the device and links run (:class:`Physics`); ``None``:
+    #: the flat roofline (``PlannerOptions.efficiency``) and the links' nominal bandwidth
+    physics: Physics | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.physics, dict):
+            object.__setattr__(self, "physics", Physics.from_dict(self.physics))
         for f in ("nodes", "devices_per_node"):
             v = getattr(self, f)
             if not isinstance(v, int) or v < 1:
@@ -484,6 +614,10 @@ class Cluster:
             d.pop("compute")
         else:
             d["compute"] = self.compute.to_dict()
+        if self.physics is None:
+            d.pop("physics")
+        else:
+            d["physics"] = self.physics.to_dict()
         return d
 
     @classmethod

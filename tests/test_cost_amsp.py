@@ -36,7 +36,7 @@ def test_group_layouts():
 
 
 def test_four_terms_by_hand():
-    c = Cluster.preset("a800", nodes=2)
+    c = Cluster.preset("a800", physics=None, nodes=2)
     phi_mods, L, M, U = [3e6, 5e6], 2, 4, 4e6
     phi = L * sum(phi_mods)
     sh = Sharding(p=(8, 1), g=(8, 1), os=(8, 2))
@@ -60,7 +60,7 @@ def test_four_terms_by_hand():
 def test_gradient_sharding_term_by_hand():
     """s_p = 2, s_g = 8 (one node): every microbatch but the last, 2Φ/(U·s_p) bucket
     all-reduces over the 4 GPUs sharing a P shard: (0, 2, 4, 6) and (1, 3, 5, 7)."""
-    c = Cluster.preset("a800", nodes=1)
+    c = Cluster.preset("a800", physics=None, nodes=1)
     phi, M, U = 1e8, 3, 1e7
     sh = Sharding(p=(2, 1), g=(8, 1), os=(8, 1))
     expected = (M - 1) * (2 * phi / (U * 2)) * 6 * (A800["ai"] + U / (4 * A800["bi"]))
@@ -91,7 +91,7 @@ def test_feasible_set_is_eq3_to_eq7(R, N):
 
 
 def test_plan_is_exact_minimum_under_memory():
-    c = Cluster.preset("a800", nodes=4)
+    c = Cluster.preset("a800", physics=None, nodes=4)
     kw = dict(phi=7e9, module_params=[7e9 / 32 / 9] * 9, L=32, M=8, U=5e8, cluster=c)
     limit = 60e9
     ranked = plan(memory_limit=limit, activation_bytes=10e9, **kw)
@@ -114,7 +114,7 @@ def test_llama7b_on_one_a800_node():
     H, FFN, L, V = 4096, 11008, 32, 32000
     mods = [H * H] * 4 + [H * FFN] * 3 + [H, H]
     phi = L * sum(mods) + 2 * V * H + H
-    c = Cluster.preset("a800", nodes=1)
+    c = Cluster.preset("a800", physics=None, nodes=1)
     best = plan(phi=phi, module_params=mods, L=L, M=128, U=5e8, cluster=c, activation_bytes=18e9)[0]
     assert best.sharding.p == (1, 1) and best.sharding.g == (1, 1) and best.sharding.os[0] > 1
     assert best.memory + 18e9 <= c.device_memory

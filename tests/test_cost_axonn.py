@@ -20,7 +20,7 @@ GB = 1e9
 def test_eq10_by_hand_issue_example():
     """4 nodes × 4 GPUs, (2, 2, 2, 2): x and y intra-node; z and data a quarter of β_inter.
     x: Π_{j≤x} = 2 ≤ 4; y: 4 ≤ 4; z: 8 > 4 → β_inter/min(4, 4); data: 16 > 4 → β_inter/min(4, 8)."""
-    c = Cluster.preset("perlmutter", nodes=4)
+    c = Cluster.preset("perlmutter", physics=None, nodes=4)
     bi, be = c.intra_node_bandwidth, c.inter_node_bandwidth
     assert axonn_bandwidths((2, 2, 2, 2), c) == (bi, bi, be / 4, be / 4)
     assert mesh_bandwidths((2, 2, 2, 2), c) == (bi, bi, be / 4, be / 4)
@@ -33,7 +33,7 @@ def test_eq10_by_hand_issue_example():
     ((4, 4, 2, 1), (None, 4, 4, None)),      # y crosses with Π_{j<y} = 4 → β_inter/4
 ])
 def test_eq10_cases(G, expected_over_inter):
-    c = Cluster.preset("perlmutter", nodes=8)
+    c = Cluster.preset("perlmutter", physics=None, nodes=8)
     aw = axonn_bandwidths(G, c)
     mw = mesh_bandwidths(G, c)
     for i, e in enumerate(expected_over_inter):
@@ -45,7 +45,7 @@ def test_eq10_cases(G, expected_over_inter):
 
 def test_mesh_model_equals_eq10_for_every_power_of_two_config():
     for nodes in (2, 4, 8):
-        c = Cluster.preset("perlmutter", nodes=nodes)
+        c = Cluster.preset("perlmutter", physics=None, nodes=nodes)
         for G in enumerate_configs(4 * nodes):
             aw, mw = axonn_bandwidths(G, c), mesh_bandwidths(G, c)
             assert all(a == m for g, a, m in zip(G, aw, mw) if g > 1), G
@@ -78,7 +78,7 @@ def test_transposed_layer_swaps_x_and_y():
 
 
 def test_model_time_sums_layers():
-    c = Cluster.preset("perlmutter", nodes=4)
+    c = Cluster.preset("perlmutter", physics=None, nodes=4)
     G = (2, 2, 2, 2)
     b = axonn_bandwidths(G, c)
     tokens, h = 4096, 512
@@ -92,7 +92,7 @@ def test_ranking_placement_aware_vs_agnostic():
     """GPT-20B (32 layers, h = 7168) on 32 Perlmutter GPUs, 32k tokens per batch (AxoNN §IV,
     §V-C). The aware model keeps every data/z ring's share of the NICs in view and ranks
     differently from the agnostic one (one bandwidth for all groups)."""
-    c = Cluster.preset("perlmutter", nodes=8)
+    c = Cluster.preset("perlmutter", physics=None, nodes=8)
     kw = dict(n_layers=32, h=7168, tokens=16 * 2048, batch=16)
     aware = rank_configs(32, c, **kw)
     agnostic = rank_configs(32, c, placement_aware=False, **kw)

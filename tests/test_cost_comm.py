@@ -80,7 +80,7 @@ def test_issue_example_eq10_16_devices_4_per_node():
     z: Π_{j≤z}=8 > 4 → β_inter/min(4, Π_{j<z}=4) = β_inter/4;
     data: Π=16 > 4 → β_inter/min(4, Π_{j<data}=8) = β_inter/4.
     """
-    c = Cluster.preset("perlmutter", nodes=4)
+    c = Cluster.preset("perlmutter", physics=None, nodes=4)
     mesh = Mesh(c, data=2, z=2, y=2, x=2)
     bi, be = c.intra_node_bandwidth, c.inter_node_bandwidth
     assert [axis_bandwidth(mesh, a) for a in ("x", "y", "z", "data")] == [bi, bi, be / 4, be / 4]
@@ -92,7 +92,7 @@ def test_issue_example_eq10_16_devices_4_per_node():
 
 
 def test_axis_time_is_slowest_concurrent_group():
-    c = Cluster.preset("perlmutter", nodes=2)
+    c = Cluster.preset("perlmutter", physics=None, nodes=2)
     mesh = Mesh(c, dp=2, tp=4)
     groups = mesh.groups("dp")
     expected = max(collective_time("all_reduce", 1e8, g, c, concurrent=groups) for g in groups)
@@ -132,12 +132,12 @@ def test_leaf_spine_third_level():
 
 
 def test_placement_agnostic_is_one_bandwidth():
-    c = Cluster.preset("perlmutter", nodes=4)
+    c = Cluster.preset("perlmutter", physics=None, nodes=4)
     mesh = Mesh(c, data=2, z=2, y=2, x=2)
     agn = {axis_bandwidth(mesh, a, placement_aware=False) for a in ("x", "y", "z", "data")}
     assert agn == {c.inter_node_bandwidth}
     assert group_latency((0, 1), c, placement_aware=False) == c.inter_node_latency
-    one = Cluster.preset("perlmutter", nodes=1)
+    one = Cluster.preset("perlmutter", physics=None, nodes=1)
     assert group_bandwidth((0, 1), one, placement_aware=False) == one.intra_node_bandwidth
 
 
@@ -188,7 +188,7 @@ def test_latency_steps_refuses_impossible_spans():
 def test_1024_gpu_data_parallel_all_reduce_is_a_tree():
     """AMSP's cluster: 128 nodes × 8 A800 (α_i 3 µs, α_e 8 µs, β_intra 200, β_inter 100 GB/s),
     one 25 MiB gradient bucket all-reduced over all 1024 GPUs."""
-    c = Cluster.preset("a800", nodes=128)
+    c = Cluster.preset("a800", physics=None, nodes=128)
     u = 25 * MiB
     bw = 2 * 1023 / 1024 * u / 100e9           # one ring crosses each node once: β_inter
     # a chain of 8 inside the node (2·7·3 µs), a tree over 128 nodes (2·7·8 µs): 154 µs
@@ -206,7 +206,7 @@ def test_1024_gpu_data_parallel_all_reduce_is_a_tree():
 def test_all_gather_over_two_nodes_of_eight():
     """2 nodes × 8 (dgx-a100: α_i 3 µs, α_e 8 µs, β_inter 200 GB/s): the ring's 15 hops, one
     crossing the node boundary; the bandwidth term is the ring's, as before."""
-    c = Cluster.preset("dgx-a100", nodes=2)
+    c = Cluster.preset("dgx-a100", physics=None, nodes=2)
     shard = 1e6
     assert collective_time("all_gather", shard, range(16), c) == pytest.approx(
         14 * 3e-6 + 1 * 8e-6 + 15 * shard / 200e9)
@@ -231,7 +231,7 @@ def test_intra_node_times_unchanged(coll):
               "all_to_all": 7 / 8, "send_recv": 1}[coll]
     expected = steps * 3e-6 + factor * M / 300e9
     for nodes in (1, 4):
-        c = Cluster.preset("dgx-a100", nodes=nodes)
+        c = Cluster.preset("dgx-a100", physics=None, nodes=nodes)
         assert collective_time(coll, M, range(8, 8 + g) if nodes > 1 else range(g), c) == \
             pytest.approx(expected, rel=1e-12)
         assert axis_collective_time(coll, M, Mesh(c, dp=nodes * 8 // g, tp=g), "tp") == \
@@ -244,7 +244,7 @@ def test_intra_node_times_unchanged(coll):
 def test_placement_agnostic_keeps_the_flat_ring(coll, steps, factor):
     """AxoNN §V-C's agnostic model: one α (inter-node) on the flat ring's steps, one β, for
     every group (it knows no nodes, so no hierarchy)."""
-    c = Cluster.preset("perlmutter", nodes=4)       # α_e 8 µs, β_inter 100 GB/s
+    c = Cluster.preset("perlmutter", physics=None, nodes=4)       # α_e 8 µs, β_inter 100 GB/s
     t = collective_time(coll, M, range(16), c, placement_aware=False)
     assert t == pytest.approx(steps * 8e-6 + factor * M / 100e9, rel=1e-12)
     # an intra-node pair is priced the same way: 2 steps of α_e for the all-reduce
@@ -322,7 +322,7 @@ def test_time_shrinks_with_bandwidth(c, coll, m, g, f, aware):
 @given(dp=st.sampled_from([1, 2, 4]), tp=st.sampled_from([1, 2, 4, 8]), m=st.floats(1e3, 1e9))
 def test_sharing_never_helps(dp, tp, m):
     """A ring with concurrent rings is never faster than alone; agnostic ignores sharing."""
-    c = Cluster.preset("dgx-a100", nodes=4)
+    c = Cluster.preset("dgx-a100", physics=None, nodes=4)
     mesh = Mesh(c, dp=dp, tp=tp) if dp * tp <= c.num_devices else Mesh(c, dp=1, tp=tp)
     for axis in ("dp", "tp"):
         for g in mesh.groups(axis):

@@ -92,7 +92,7 @@ def test_traffic_formulas():
 def test_scatter_gather_time():
     """8 TP ranks send to the next node: without s/g 8 pairs share the NICs and each moves
     bsh; with s/g each moves bsh/8, then an NVLink all-gather rebuilds the tensor."""
-    c = Cluster.preset("dgx-a100", nodes=2)
+    c = Cluster.preset("dgx-a100", physics=None, nodes=2)
     nbytes = 2 * 1 * 2048 * 12288
     plain = pp_boundary_time(1, 2048, 12288, c, range(8), range(8, 16))
     assert plain == pytest.approx(8e-6 + nbytes / (200e9 / 8))

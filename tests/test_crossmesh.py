@@ -25,7 +25,7 @@ P3 = "aws-p3.8xlarge"
 
 
 def _p3(nodes=8, **kw):
-    return Cluster.preset(P3, nodes=nodes, **kw)
+    return Cluster.preset(P3, physics=None, nodes=nodes, **kw)
 
 
 def _grid(cluster, shape, first_node, names=("a", "b")):
@@ -388,7 +388,7 @@ def test_bad_input_errors():
         cross_mesh_plan(src, "RR", dst, "S(0)S(1)", shape=(8, 12))
     with pytest.raises(SpecError, match="cannot parse"):
         cross_mesh_plan(src, "Q", dst, "R", shape=(8, 12))
-    other = Mesh.from_devices(Cluster.preset("dgx-a100"), ["tp"], [4, 5, 6, 7])
+    other = Mesh.from_devices(Cluster.preset("dgx-a100", physics=None), ["tp"], [4, 5, 6, 7])
     with pytest.raises(ReshardError, match=r"aws-p3.8xlarge.*dgx-a100"):
         cross_mesh_plan(src, "RR", other, "R", shape=(8, 12))
     with pytest.raises(ReshardError, match=r"P\(sum\).*Partial"):

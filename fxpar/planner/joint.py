@@ -65,7 +65,8 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.config import ParallelConfig, is_layer
 from fxpar.cost.pipeline import in_flight_microbatches
-from fxpar.cost.step import BUCKET, UnitCost, chunk_costs, dp_terms, overlapped_chunks, rank_memory
+from fxpar.cost.step import (BUCKET, UnitCost, chunk_costs, dp_terms, microbatch_overhead,
+                             overlapped_chunks, rank_memory)
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.planner.intra_op import PlannerOptions, plan_and_keep
@@ -581,7 +582,8 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
     us, p, n = pricing.table[s.t], s.p, s.p * s.v
     tmp = 2 * BUCKET + max(u.act for u in us) * s.scale  # buckets, one unit's backward
     # the one memory function's chunks, without and with recomputation
-    ccs = {rc: chunk_costs(us, s.starts, s.scale, pricing.recomputable[s.t] if rc else (), s.sync)
+    ccs = {rc: chunk_costs(us, s.starts, s.scale, pricing.recomputable[s.t] if rc else (), s.sync,
+                           microbatch_overhead(pricing.cluster))
            for rc in (False, True)}
     xfer = 2 * sum(_xfer(ccs[False][k].out, k, p, s.d, s.t, pricing.cluster)
                    for k in range(n - 1))

@@ -38,7 +38,7 @@ from fxpar.config import ParallelConfig
 from fxpar.cost.memory import STATE_BYTES_PER_PARAM
 from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import (BUCKET, DpTerms, StepTime, UnitCost, chunk_costs, dp_terms,
-                             rank_memory, step_time)
+                             microbatch_overhead, rank_memory, step_time)
 from fxpar.spec import Spec
 from fxpar.split import units
 
@@ -79,6 +79,7 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
             for a in nd.all_input_nodes:
                 users.setdefault(a.name, set()).add(i)
     reused: list[list] = [[] for _ in us]
+    fixed_f, fixed_b = _op_overheads(plan)
     for n in plan.nodes:
         if n.name in params and n.name in first_use:
             val = nodes[n.name].meta[ir.VAL]
@@ -91,6 +92,8 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
             a = acc[unit_of[n.name]]
             a["fwd"] += n.fwd_time
             a["bwd"] += n.bwd_time
+            a["fwd_lat"] += min(n.fwd_time, fixed_f) if n.fwd_time > 0 else 0.0
+            a["bwd_lat"] += min(n.bwd_time, fixed_b) if n.bwd_time > 0 else 0.0
             a["act"] += n.memory
     # activation gradients summed over the batch: reduced over the replicas, priced by the
     # configuration (the search's probe has no replica axis to show them)
@@ -128,6 +131,17 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
             acc[k]["out"] += nb
     return [UnitCost(lay, nodes_[0].name, **a, reused=tuple(r), replica_grads=tuple(g))
             for (lay, nodes_), a, r, g in zip(us, acc, reused, grads)]
+
+
+def _op_overheads(plan) -> tuple[float, float]:
+    """The per-op fixed seconds (forward, backward) of the plan's cluster
+    (:func:`fxpar.cost.compute.op_overheads`; 0 where the plan does not carry its cluster)."""
+    from fxpar.cost.compute import op_overheads
+
+    try:
+        return op_overheads(plan.cluster())
+    except (KeyError, TypeError, ValueError):  # a plan without its cluster: nothing fixed
+        return 0.0, 0.0
 
 
 def _latency(plan) -> Callable:
@@ -205,7 +219,8 @@ def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequenc
 
     p, m, v = config.pp, config.microbatches, config.chunks
     rec = recomputed_units(us, config.recompute) if recomputed is None else recomputed
-    chunks = chunk_costs(us, starts, scale, rec, replica_allreduce(config, cluster))
+    chunks = chunk_costs(us, starts, scale, rec, replica_allreduce(config, cluster),
+                         microbatch_overhead(cluster))
     sched = schedule or Schedule.build(str(config.schedule), stages=p, microbatches=m, chunks=v)
     d0, d1 = replica_grid(config.dp, p, config.tp, cluster)
     layers = max(1, math.ceil(len(us) / p))

@@ -55,6 +55,8 @@ R
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import operator
 
@@ -146,7 +148,7 @@ def compute_times(node, strat: Strategy, mesh, flags, opts) -> tuple[float, floa
     out = outs[0] if len(mets) == 1 and outs else tuple(outs)
     c = op_cost(node.target, args, kwargs, out)
     if not flags.get(node, False):
-        c = type(c)(c.fwd_flops, 0.0, c.fwd_bytes, 0.0, c.kind, c.known)
+        c = dataclasses.replace(c, bwd_flops=0.0, bwd_bytes=0.0)
     f, b = op_time(c, mesh.cluster, opts.efficiency, opts.memory_efficiency)
     rec = record_for(node.target)
     if rec is not None and rec.comm is not None:

@@ -33,7 +33,7 @@ executes it.
    receiving host takes in each needed byte once, sending hosts share their NICs).
 
 >>> import fxpar
->>> c = fxpar.Cluster.preset("aws-p3.8xlarge", nodes=2)
+>>> c = fxpar.Cluster.preset("aws-p3.8xlarge", physics=None, nodes=2)
 >>> src = fxpar.Mesh.from_devices(c, ["dp", "tp"], [[0, 1], [2, 3]])
 >>> dst = fxpar.Mesh.from_devices(c, ["tp"], [4, 5, 6, 7])
 >>> plan = cross_mesh_plan(src, "S(0)R", dst, "S(1)", shape=(8, 12), dtype="float32")
@@ -585,7 +585,7 @@ def cross_mesh_plan(src_mesh: Mesh, src_spec: Spec | str, dst_mesh: Mesh, dst_sp
     strategy or dtype, or a Partial destination.
 
     >>> import fxpar
-    >>> c = fxpar.Cluster.preset("aws-p3.8xlarge", nodes=2)
+    >>> c = fxpar.Cluster.preset("aws-p3.8xlarge", physics=None, nodes=2)
     >>> a = fxpar.Mesh.from_devices(c, ["x"], [0])
     >>> b = fxpar.Mesh.from_devices(c, ["x"], [4, 5, 6, 7])
     >>> [round(cross_mesh_plan(a, "R", b, "R", shape=(2**28,), strategy=s).time, 2)
@@ -641,7 +641,7 @@ def cross_mesh_time(src_mesh: Mesh, src_spec: Spec | str, dst_mesh: Mesh, dst_sp
     what a stage boundary between different layouts costs the planner (issue #11 item 3).
 
     >>> import fxpar
-    >>> c = fxpar.Cluster.preset("aws-p3.8xlarge", nodes=2)
+    >>> c = fxpar.Cluster.preset("aws-p3.8xlarge", physics=None, nodes=2)
     >>> m0, m1 = fxpar.Mesh(c, tp=4), fxpar.Mesh(c, tp=4, offset=4)
     >>> cross_mesh_time(m0, "S(0)", m1, "S(0)", (1024, 1024)) < cross_mesh_time(m0, "S(0)", m1, "R", (1024, 1024))
     True

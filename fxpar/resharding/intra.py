@@ -51,7 +51,7 @@ addition is monotone, so any label-correcting fixed point and Dijkstra's settled
 and the tie-breaking, which only chooses among equal-cost paths, never changes the cost).
 
 >>> from fxpar import Cluster, Mesh
->>> mesh = Mesh(Cluster.preset("perlmutter", nodes=2), dp=2, tp=4)   # dp crosses nodes
+>>> mesh = Mesh(Cluster.preset("perlmutter", physics=None, nodes=2), dp=2, tp=4)   # dp crosses nodes
 >>> plan = reshard_plan("S(0)S(1)", "RR", mesh, (1024, 1024), "float32")
 >>> print(plan)
 S(0)S(1) -> RS(1) -> RR
@@ -434,7 +434,7 @@ def reshard_costs(src: Spec | str, dsts: Sequence[Spec | str], mesh, shape: Sequ
     :func:`reshard_cost_table` (module docstring).
 
     >>> from fxpar import Cluster, Mesh
-    >>> mesh = Mesh(Cluster.preset("perlmutter", nodes=2), dp=2, tp=4)
+    >>> mesh = Mesh(Cluster.preset("perlmutter", physics=None, nodes=2), dp=2, tp=4)
     >>> ts = reshard_costs("S(0)S(1)", ["RR", "S(0)S(1)", "S(0)R"], mesh, (1024, 1024))
     >>> ts == [reshard_plan("S(0)S(1)", d, mesh, (1024, 1024)).time for d in ("RR", "S(0)S(1)", "S(0)R")]
     True

@@ -1,0 +1,157 @@
+"""Cluster physics (issue #24 item 3): GEMM tile/wave quantization, attention and memory
+efficiency, bus-bandwidth efficiency per network level, fixed costs per kernel and per
+microbatch. Every number is checked against its closed form, written out here."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.cluster import PHYSICS_SOURCES, ClusterError, ComputeProfile, Physics
+from fxpar.cost.comm import collective_time, link_bandwidth
+from fxpar.cost.compute import OpCost, TensorArg, gemm_efficiency, op_cost, op_time
+from fxpar.cost.step import UnitCost, chunk_costs
+
+PH = Physics(sm_count=10, gemm_tile=(128, 64), gemm_efficiency=0.9)
+
+
+def _brute(b, m, n, ph):
+    """Every tile the kernel may pick (the preset's, halved down to 64x64), by enumeration."""
+    best = 0.0
+    TM, TN = ph.gemm_tile
+    for tm in (128, 64, 32, 256):
+        for tn in (128, 64, 32, 256):
+            if tm > TM or tn > TN or tm < 64 or tn < 64:
+                continue
+            tiles = b * math.ceil(m / tm) * math.ceil(n / tn)
+            waves = math.ceil(tiles / ph.sm_count)
+            reuse = min(1.0, (tm * tn / (tm + tn)) / (TM * TN / (TM + TN)))
+            best = max(best, reuse * b * m * n / (waves * ph.sm_count * tm * tn))
+    return ph.gemm_efficiency * best
+
+
+@pytest.mark.parametrize("shape", [(1, 1280, 640), (1, 1281, 640), (3, 100, 70), (1, 64, 64),
+                                   (2, 4096, 1000), (1, 1, 4096)])
+def test_gemm_efficiency_is_tile_and_wave_quantization(shape):
+    assert gemm_efficiency(shape, PH) == pytest.approx(_brute(*shape, PH))
+
+
+def test_full_waves_reach_the_saturated_fraction_and_a_tail_wave_costs():
+    # 10 x 10 tiles of 128 x 64 on 10 SMs: 10 full waves
+    assert gemm_efficiency((1, 1280, 640), PH) == pytest.approx(0.9)
+    # one row more: a nearly empty 11th wave of the big tile, or a smaller tile's lower reuse
+    assert gemm_efficiency((1, 1281, 640), PH) < 0.9 * 0.95
+
+
+def test_op_time_is_the_roofline_at_the_ops_efficiency():
+    c = fxpar.Cluster.preset("dgx-a100")
+    ph = c.physics
+    x = TensorArg((4, 2048, 4096), torch.bfloat16, requires_grad=True)
+    w = TensorArg((12288, 4096), torch.bfloat16, requires_grad=True)
+    cost = op_cost(torch.ops.aten.linear.default, (x, w), out=TensorArg((4, 2048, 12288), torch.bfloat16))
+    assert cost.gemm == (1, 8192, 12288, 4096)
+    f, b = op_time(cost, c)
+    ef = gemm_efficiency((1, 8192, 12288), ph)
+    eb = (gemm_efficiency((1, 8192, 4096), ph) + gemm_efficiency((1, 4096, 12288), ph)) / 2
+    assert f == pytest.approx(max(cost.fwd_flops / (312e12 * ef),
+                                  cost.fwd_bytes / (c.memory_bandwidth * ph.memory_efficiency))
+                              + ph.kernel_overhead)
+    assert b == pytest.approx(cost.bwd_flops / (312e12 * eb) + ph.kernel_overhead)
+    # attention at its own efficiency; an elementwise op by its bytes
+    att = OpCost(1e12, 2e12, 1e6, 2e6, "attention")
+    assert op_time(att, c)[0] == pytest.approx(1e12 / (312e12 * ph.attention_efficiency) + ph.kernel_overhead)
+    add = OpCost(1e6, 0.0, 6e8, 0.0, "pointwise")
+    assert op_time(add, c) == pytest.approx((6e8 / (c.memory_bandwidth * ph.memory_efficiency)
+                                             + ph.kernel_overhead, 0.0))
+    # without physics: the flat roofline of PlannerOptions.efficiency, as before
+    flat = fxpar.Cluster.preset("dgx-a100", physics=None)
+    assert op_time(cost, flat, 0.5)[0] == pytest.approx(cost.fwd_flops / (312e12 * 0.5))
+
+
+def test_a_calibrated_profile_replaces_the_compute_physics():
+    prof = ComputeProfile(gemm=((1e3, 1e9), (1e12, 1e9)), memory=((1e3, 1e9), (1e12, 1e9)),
+                          op_overhead=0.0, bwd_op_overhead=0.0)
+    c = fxpar.Cluster.preset("dgx-a100", compute=prof)
+    assert op_time(OpCost(1e9, 0, 0, 0, "matmul", gemm=(1, 64, 64, 64)), c)[0] == pytest.approx(1.0)
+
+
+def test_collectives_run_at_the_levels_bus_bandwidth():
+    c = fxpar.Cluster.preset("dgx-a100", nodes=2)
+    ph = c.physics
+    assert link_bandwidth(c, "intra") == pytest.approx(300e9 * ph.intra_comm_efficiency)
+    assert link_bandwidth(c, "inter") == pytest.approx(200e9 * ph.inter_comm_efficiency)
+    # one node: ring all-reduce of 1 GB over 8, 14 steps of 3 µs
+    t = collective_time("all_reduce", 1e9, range(8), c)
+    assert t == pytest.approx(14 * 3e-6 + 2 * 7 / 8 * 1e9 / (300e9 * ph.intra_comm_efficiency))
+    # 8 rings cross the node boundary at once: each gets 1/8 of the node's bus bandwidth
+    groups = [(i, i + 8) for i in range(8)]
+    t = collective_time("all_gather", 1e8, (0, 8), c, concurrent=groups)
+    assert t == pytest.approx(8e-6 + 1e8 / (200e9 * ph.inter_comm_efficiency / 8))
+
+
+def test_every_preset_has_physics_with_its_sources_and_json_round_trips():
+    assert set(PHYSICS_SOURCES) == set(fxpar.Cluster.preset_names())
+    for name in fxpar.Cluster.preset_names():
+        c = fxpar.Cluster.preset(name, nodes=2)
+        assert c.physics is not None and PHYSICS_SOURCES[name]
+        assert fxpar.Cluster.from_json(c.to_json()) == c
+    assert fxpar.Cluster.local(2).physics is None
+    with pytest.raises(ClusterError, match="gemm_efficiency"):
+        Physics(sm_count=108, gemm_efficiency=1.5)
+    with pytest.raises(ClusterError, match="sm_count"):
+        Physics(sm_count=0)
+
+
+def test_microbatch_overhead_is_paid_per_action_not_scaled():
+    u = UnitCost("l", "x", fwd=1.0, bwd=2.0, fwd_fixed=0.0, bwd_fixed=0.0, act=0.0, params=0.0,
+                 out=0.0, fwd_lat=0.25, bwd_lat=0.5)
+    plain = chunk_costs([u, u], (0,), scale=0.5)[0]
+    # the fixed part (fwd_lat) is not halved: (1 - 0.25)·0.5 + 0.25 per unit
+    assert plain.fwd == pytest.approx(2 * (0.75 * 0.5 + 0.25))
+    assert plain.bwd == pytest.approx(2 * (1.5 * 0.5 + 0.5))
+    over = chunk_costs([u, u], (0,), scale=0.5, overhead=0.1)[0]
+    assert over.fwd == pytest.approx(plain.fwd + 0.1) and over.bwd == pytest.approx(plain.bwd + 0.1)
+    assert over.unit_fwd[0] == pytest.approx(plain.unit_fwd[0] + 0.1)   # the pass's first unit
+    assert over.unit_bwd[-1] == pytest.approx(plain.unit_bwd[-1] + 0.1)
+
+
+def test_per_op_fixed_costs_do_not_shrink_with_the_microbatch():
+    """A plan's units carry their ops' fixed costs (kernel launches, dispatch) in
+    ``fwd_lat``/``bwd_lat``: a smaller microbatch does not make them cheaper."""
+    from examples.models import MLP
+
+    prof = ComputeProfile(gemm=((1e3, 1e10), (1e12, 1e10)), memory=((1e3, 1e10), (1e12, 1e10)),
+                          op_overhead=1e-3, bwd_op_overhead=2e-3)
+    c = fxpar.Cluster.local(2, compute=prof)
+    model = MLP(64, 256, 64)
+    p = fxpar.plan(model, c, (torch.randn(8, 64),), mesh={"dp": 2}, plan="dp").plan
+    fixed_f = sum(1e-3 for n in p.nodes if n.fwd_time > 0 and n.name not in ("x",)
+                  and not n.name.startswith("p_"))
+    assert sum(u.fwd_lat for u in p.units) == pytest.approx(fixed_f)
+    assert fixed_f >= 3e-3   # two linears and the activation at least
+    for u in p.units:
+        assert u.forward(0.25) >= u.fwd_lat
+
+
+def test_per_microbatch_costs_make_many_microbatches_dearer():
+    """With a fixed cost per pipeline action the search no longer finds more microbatches
+    always cheaper (issue #24: pipeline predictions anti-correlated with measurements)."""
+    from examples.models import GPT
+
+    gm = fxpar.capture(GPT(vocab=64, d_model=32, n_heads=2, n_layers=4, seq_len=16),
+                       (torch.randint(0, 64, (1, 16)),))
+    base = fxpar.Cluster.preset("dgx-a100")
+    slow = dataclasses.replace(base, physics=dataclasses.replace(base.physics, microbatch_overhead=1e-3))
+    from fxpar.planner.joint import search
+
+    only = dict(pp=2, dp=4, tp=1, schedule="1f1b")
+    steps = {m: search(gm, slow, batch=32, only={**only, "microbatch": 8 // m}).best
+             for m in (1, 8)}
+    assert steps[1].microbatches == 1 and steps[8].microbatches == 8
+    # (m + p - 1) forward and backward actions of 1 ms each on the critical path: 4 ms at
+    # m = 1, 18 ms at m = 8, far above what the smaller bubble saves
+    assert steps[8].step > steps[1].step + 10e-3
