@@ -917,35 +917,37 @@ def calibrated_time(flops: float, nbytes: float, profile, *, gemm: bool = True,
 
 def gemm_efficiency(shape: Sequence[int], physics) -> float:
     """Fraction of peak a ``b × (m×k)·(k×n)`` GEMM reaches (:class:`fxpar.cluster.Physics`):
-    output tiles ``tm × tn`` run in waves over ``sm_count`` multiprocessors, the kernel picks
-    the tile (the preset's, or a halving of it down to 64 × 64) that wastes least, and a full
-    wave of full preset tiles reaches ``gemm_efficiency``. A smaller tile reuses each operand
-    element fewer times (``tm·tn/(tm+tn)`` FLOPs per element loaded): below the preset tile,
-    which is the smallest that saturates the tensor cores, its rate falls in proportion
-    (``reuse``, the roofline of the tile)::
+    its output columns run in tiles of ``tn`` (the preset's ``gemm_tile`` or a halving of it,
+    down to 64, whichever wastes least), padded to whole tiles, and full tiles of the preset's
+    size reach ``gemm_efficiency``. A narrower tile reuses each operand element fewer times
+    (``tm·tn/(tm+tn)`` FLOPs per element loaded): below the preset tile, the smallest that
+    saturates the tensor cores, its rate falls in proportion (``reuse``)::
 
-        eff = gemm_efficiency · reuse · b·m·n / (⌈b·⌈m/tm⌉·⌈n/tn⌉ / sms⌉ · sms · tm · tn)
+        eff = gemm_efficiency · max_tn reuse(tn) · n / (⌈n/tn⌉ · tn)
+
+    The rows ``m`` (tokens: ``b·s``) and the batch are taken as continuous, so no row padding
+    and no wave quantization: a GEMM's time stays linear in the microbatch, which the joint
+    search's scaling of a probe's unit costs relies on (training GEMMs have thousands of rows,
+    where both average out); the columns are weights' dimensions, split by tensor
+    parallelism (``3h/t`` not a multiple of the tile pads every row).
 
     >>> from fxpar.cluster import Physics
-    >>> ph = Physics(sm_count=108, gemm_tile=(256, 128), gemm_efficiency=0.8)
-    >>> gemm_efficiency((1, 256 * 12, 128 * 9, 4096), ph)       # 108 tiles: one full wave
+    >>> ph = Physics(gemm_tile=(256, 128), gemm_efficiency=0.8)
+    >>> gemm_efficiency((1, 4096, 128 * 9), ph)        # whole tiles
     0.8
-    >>> round(gemm_efficiency((1, 256 * 12, 128 * 9 + 1, 4096), ph), 3)  # one column over: a
-    ...                                                                    # 2nd, near-empty wave
-    0.4
+    >>> round(gemm_efficiency((1, 4096, 128 * 9 + 1), ph), 3)   # one column over: a 10th tile
+    0.721
     """
-    b, m, n = (max(1, int(x)) for x in shape[:3])
-    sms = physics.sm_count
+    n = max(1, int(shape[2]))
     tm, tn = physics.gemm_tile
     full = tm * tn / (tm + tn)  # the preset tile's operand reuse: the smallest that saturates
     best = 0.0
     while True:
-        tiles = b * -(-m // tm) * -(-n // tn)
         reuse = min(1.0, tm * tn / (tm + tn) / full)
-        best = max(best, reuse * b * m * n / (-(-tiles // sms) * sms * tm * tn))
-        if tm <= 64 and tn <= 64:
+        best = max(best, reuse * n / (-(-n // tn) * tn))
+        if tn <= 64:
             break
-        tm, tn = (tm // 2, tn) if tm >= tn and tm > 64 else (tm, max(64, tn // 2))
+        tn = max(64, tn // 2)
     return physics.gemm_efficiency * best
 
 
@@ -965,8 +967,8 @@ def physics_time(cost: OpCost, cluster) -> tuple[float, float]:
     >>> c = Cluster.preset("dgx-a100")
     >>> f, b = physics_time(OpCost(2 * 4096.0**3, 4 * 4096.0**3, 0, 0, "matmul",
     ...                            gemm=(1, 4096, 4096, 4096)), c)
-    >>> round(2 * 4096**3 / (f - c.physics.kernel_overhead) / 312e12, 3)  # 512 tiles, 5 waves
-    0.759
+    >>> round(2 * 4096**3 / (f - c.physics.kernel_overhead) / 312e12, 3)  # whole tiles
+    0.8
     """
     ph = cluster.physics
     peak, bw = cluster.peak_flops, cluster.memory_bandwidth * ph.memory_efficiency

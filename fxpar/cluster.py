@@ -208,16 +208,12 @@ class Physics:
     are in :data:`PHYSICS_SOURCES`; a calibrated cluster's measured curves
     (:class:`ComputeProfile`, :class:`Profile`) replace the compute and link parts.
 
-    * **GEMMs** run as output tiles of ``gemm_tile`` (``tm × tn``) in waves over ``sm_count``
-      multiprocessors; the library picks the tile (the preset's or a halving of it, down to
-      64 × 64) that wastes least, and a full wave of full tiles reaches ``gemm_efficiency`` of
-      ``peak_flops``. For a ``b × (m × k)·(k × n)`` product
-      (:func:`fxpar.cost.compute.gemm_efficiency`)::
-
-          tiles = b·⌈m/tm⌉·⌈n/tn⌉     waves = ⌈tiles / sm_count⌉
-          eff   = gemm_efficiency · b·m·n / (waves · sm_count · tm · tn)
-
-      and the op's time is the roofline ``max(flops / (peak·eff), bytes / (bw·memory_efficiency))``.
+    * **GEMMs** run their output columns in tiles of ``gemm_tile``'s ``tn`` (or a narrower
+      one, at less operand reuse), padded to whole tiles, and whole tiles reach
+      ``gemm_efficiency`` of ``peak_flops`` (:func:`fxpar.cost.compute.gemm_efficiency`:
+      rows and waves are taken as continuous, so a GEMM's time stays linear in the
+      microbatch); the op's time is the roofline
+      ``max(flops / (peak·eff), bytes / (bw·memory_efficiency))``.
     * **attention** (fused SDPA, forward and backward) at ``attention_efficiency`` of peak;
       other ops by the roofline at ``memory_efficiency`` of ``memory_bandwidth``.
     * **collectives**: the links' bus bandwidth is ``intra_comm_efficiency`` /
@@ -229,12 +225,11 @@ class Physics:
       per microbatch; ``microbatch_overhead`` seconds per pipeline action (a chunk's forward
       or backward of one microbatch: scheduling, the point-to-point handshake, the loss).
 
-    >>> ph = Physics(sm_count=108)
+    >>> ph = Physics(gemm_efficiency=0.7)
     >>> ph.gemm_tile, ph == Physics.from_dict(ph.to_dict())
     ((256, 128), True)
     """
 
-    sm_count: int
     gemm_tile: tuple[int, int] = (256, 128)
     gemm_efficiency: float = 0.8
     attention_efficiency: float = 0.5
@@ -249,8 +244,6 @@ class Physics:
         if len(tile) != 2 or min(tile) < 1:
             raise ClusterError(f"Physics.gemm_tile must be two positive ints, got {self.gemm_tile!r}")
         object.__setattr__(self, "gemm_tile", tile)
-        if not isinstance(self.sm_count, int) or self.sm_count < 1:
-            raise ClusterError(f"Physics.sm_count must be a positive int, got {self.sm_count!r}")
         for f in ("gemm_efficiency", "attention_efficiency", "memory_efficiency",
                   "intra_comm_efficiency", "inter_comm_efficiency"):
             v = getattr(self, f)
@@ -287,7 +280,7 @@ class _ClassOrInstanceMethod:
 # Nominal figures for the presets of DESIGN §4 (unidirectional; see module docstring).
 # Latencies are typical small-message figures: ~3 µs per NVLink step, ~8 µs per network step.
 # Each preset's Physics: PHYSICS_SOURCES says where every number comes from.
-_A100 = dict(sm_count=108, gemm_tile=(256, 128), gemm_efficiency=0.8, attention_efficiency=0.5,
+_A100 = dict(gemm_tile=(256, 128), gemm_efficiency=0.8, attention_efficiency=0.5,
              memory_efficiency=0.85, intra_comm_efficiency=0.77, inter_comm_efficiency=0.92,
              kernel_overhead=3e-6, microbatch_overhead=0.0)
 _PRESETS: dict[str, dict] = {
@@ -302,7 +295,7 @@ _PRESETS: dict[str, dict] = {
         peak_flops=192e12, memory_bandwidth=1600 * GB,
         intra_node_bandwidth=100 * GB, inter_node_bandwidth=4 * 25 * GB,
         intra_node_latency=4e-6, inter_node_latency=8e-6,
-        physics=Physics(sm_count=110, gemm_tile=(256, 128), gemm_efficiency=0.7,
+        physics=Physics(gemm_tile=(256, 128), gemm_efficiency=0.7,
                         attention_efficiency=0.35, memory_efficiency=0.8,
                         intra_comm_efficiency=0.7, inter_comm_efficiency=0.8,
                         kernel_overhead=5e-6)),
@@ -321,7 +314,7 @@ _PRESETS: dict[str, dict] = {
         peak_flops=125e12, memory_bandwidth=900 * GB,
         intra_node_bandwidth=150 * GB, inter_node_bandwidth=10e9 / 8,
         intra_node_latency=5e-6, inter_node_latency=30e-6,
-        physics=Physics(sm_count=80, gemm_tile=(128, 128), gemm_efficiency=0.75,
+        physics=Physics(gemm_tile=(128, 128), gemm_efficiency=0.75,
                         attention_efficiency=0.35, memory_efficiency=0.85,
                         intra_comm_efficiency=0.7, inter_comm_efficiency=0.9,
                         kernel_overhead=4e-6)),
@@ -330,7 +323,7 @@ _PRESETS: dict[str, dict] = {
         peak_flops=989e12, memory_bandwidth=3350 * GB,
         intra_node_bandwidth=450 * GB, inter_node_bandwidth=8 * 50 * GB,
         intra_node_latency=2.5e-6, inter_node_latency=6e-6,
-        physics=Physics(sm_count=132, gemm_tile=(256, 128), gemm_efficiency=0.72,
+        physics=Physics(gemm_tile=(256, 128), gemm_efficiency=0.72,
                         attention_efficiency=0.45, memory_efficiency=0.85,
                         intra_comm_efficiency=0.8, inter_comm_efficiency=0.9,
                         kernel_overhead=2.5e-6)),
@@ -341,8 +334,7 @@ _PRESETS: dict[str, dict] = {
 #: ``benchmarks/published.py`` on the rows it names and predict the rest.
 PHYSICS_SOURCES: dict[str, str] = {
     "dgx-a100": (
-        "sm_count 108: NVIDIA A100 Tensor Core GPU Architecture whitepaper (2020). gemm_tile "
-        "256x128 and the tile/wave quantization model: NVIDIA, Matrix Multiplication Background "
+        "gemm_tile 256x128 and tile quantization: NVIDIA, Matrix Multiplication Background "
         "User's Guide (its A100 examples). gemm_efficiency, attention_efficiency, "
         "microbatch_overhead: fitted to published A100 training throughput "
         "(benchmarks/published.py). memory_efficiency 0.85: STREAM-type kernels reach "
@@ -355,18 +347,16 @@ PHYSICS_SOURCES: dict[str, str] = {
                   "Slingshot-11 NICs reach ~20 of 25 GB/s in all-reduce.",
     "a800": "as dgx-a100 (an A100 with NVLink capped at 400 GB/s bidirectional, AMSP §II).",
     "aws-p3.8xlarge": (
-        "sm_count 80, 128x128 tiles: NVIDIA Tesla V100 whitepaper (2017); gemm_efficiency "
+        "128x128 tiles (NVIDIA Tesla V100 whitepaper, 2017, and cuBLAS); gemm_efficiency "
         "0.75: fp16 tensor-core GEMMs of cuBLAS reach ~90-95 of 125 TFLOP/s; "
         "attention_efficiency 0.35: no flash kernels on V100 (the unfused path); "
         "intra_comm_efficiency 0.7: NVLink2 hybrid cube mesh; inter 0.9: 10 Gb/s TCP."),
     "dgx-h100": (
-        "sm_count 132: NVIDIA H100 Tensor Core GPU Architecture whitepaper (2022); "
         "gemm_efficiency 0.72: cuBLAS bf16 dense GEMMs reach ~700 of 989 TFLOP/s; "
         "attention_efficiency 0.45: FlashAttention-2 forward+backward on H100; "
         "intra_comm_efficiency 0.8: nccl-tests all-reduce ~360 of 450 GB/s (NVLink4); "
         "inter 0.9: NDR-400 InfiniBand."),
     "frontier": (
-        "sm_count 110 compute units per MI250X GCD: AMD CDNA2 whitepaper (2021); "
         "gemm_efficiency 0.7, attention_efficiency 0.35, comm 0.7/0.8: rocBLAS and RCCL "
         "figures of that generation, not fitted (no published throughput to fit them to here)."),
 }

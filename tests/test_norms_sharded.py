@@ -405,7 +405,10 @@ def test_auto_resnet18ish_never_gathers_for_a_norm():
                           num_channels=3, num_labels=10)
     torch.manual_seed(0)
     x = torch.randn(256, 3, 112, 112)
-    planned = fxpar.plan(tf.ResNetForImageClassification(cfg), Cluster.preset("dgx-a100"), (x,),
+    # the flat roofline (physics=None): under the A100 physics the last stage's 7x7 norm is
+    # priced replicated within a few % of channel-parallel (a priced choice, not a missing
+    # rule); this test is about the sharded rules being there and chosen
+    planned = fxpar.plan(tf.ResNetForImageClassification(cfg), Cluster.preset("dgx-a100", physics=None), (x,),
                          {"labels": torch.zeros(256, dtype=torch.long)}, plan="auto",
                          mesh={"dp": 8}, time_limit=20)
     ops = {n.name: n.op for n in planned.plan.nodes}

@@ -1,4 +1,4 @@
-"""Cluster physics (issue #24 item 3): GEMM tile/wave quantization, attention and memory
+"""Cluster physics (issue #24 item 3): GEMM tile quantization, attention and memory
 efficiency, bus-bandwidth efficiency per network level, fixed costs per kernel and per
 microbatch. Every number is checked against its closed form, written out here."""
 
@@ -16,35 +16,27 @@ from fxpar.cost.comm import collective_time, link_bandwidth
 from fxpar.cost.compute import OpCost, TensorArg, gemm_efficiency, op_cost, op_time
 from fxpar.cost.step import UnitCost, chunk_costs
 
-PH = Physics(sm_count=10, gemm_tile=(128, 64), gemm_efficiency=0.9)
+PH = Physics(gemm_tile=(128, 256), gemm_efficiency=0.9)
 
 
-def _brute(b, m, n, ph):
-    """Every tile the kernel may pick (the preset's, halved down to 64x64), by enumeration."""
-    best = 0.0
-    TM, TN = ph.gemm_tile
-    for tm in (128, 64, 32, 256):
-        for tn in (128, 64, 32, 256):
-            if tm > TM or tn > TN or tm < 64 or tn < 64:
-                continue
-            tiles = b * math.ceil(m / tm) * math.ceil(n / tn)
-            waves = math.ceil(tiles / ph.sm_count)
-            reuse = min(1.0, (tm * tn / (tm + tn)) / (TM * TN / (TM + TN)))
-            best = max(best, reuse * b * m * n / (waves * ph.sm_count * tm * tn))
-    return ph.gemm_efficiency * best
+def _brute(n, ph):
+    """Every column tile the kernel may pick (256, 128, 64 wide), by enumeration: padding to
+    whole tiles times the tile's operand reuse relative to the preset's 128 x 256."""
+    full = 128 * 256 / (128 + 256)
+    return ph.gemm_efficiency * max(min(1.0, 128 * tn / (128 + tn) / full) * n / (math.ceil(n / tn) * tn)
+                                    for tn in (256, 128, 64))
 
 
-@pytest.mark.parametrize("shape", [(1, 1280, 640), (1, 1281, 640), (3, 100, 70), (1, 64, 64),
-                                   (2, 4096, 1000), (1, 1, 4096)])
-def test_gemm_efficiency_is_tile_and_wave_quantization(shape):
-    assert gemm_efficiency(shape, PH) == pytest.approx(_brute(*shape, PH))
+@pytest.mark.parametrize("n", [256, 512, 257, 100, 64, 1, 2304 * 3 // 8, 4096 + 64])
+def test_gemm_efficiency_is_tile_quantization_of_the_columns(n):
+    assert gemm_efficiency((3, 1000, n, 77), PH) == pytest.approx(_brute(n, PH))
 
 
-def test_full_waves_reach_the_saturated_fraction_and_a_tail_wave_costs():
-    # 10 x 10 tiles of 128 x 64 on 10 SMs: 10 full waves
-    assert gemm_efficiency((1, 1280, 640), PH) == pytest.approx(0.9)
-    # one row more: a nearly empty 11th wave of the big tile, or a smaller tile's lower reuse
-    assert gemm_efficiency((1, 1281, 640), PH) < 0.9 * 0.95
+def test_whole_tiles_reach_the_saturated_fraction_and_rows_are_linear():
+    assert gemm_efficiency((1, 1280, 1024), PH) == pytest.approx(0.9)
+    assert gemm_efficiency((1, 1281, 1024), PH) == gemm_efficiency((7, 5, 1024), PH) == pytest.approx(0.9)
+    # tensor parallelism that cuts the columns off the tile grid pays for the padding
+    assert gemm_efficiency((1, 4096, 3 * 2304 // 8), PH) < 0.9 * 0.95
 
 
 def test_op_time_is_the_roofline_at_the_ops_efficiency():
@@ -57,6 +49,7 @@ def test_op_time_is_the_roofline_at_the_ops_efficiency():
     f, b = op_time(cost, c)
     ef = gemm_efficiency((1, 8192, 12288), ph)
     eb = (gemm_efficiency((1, 8192, 4096), ph) + gemm_efficiency((1, 4096, 12288), ph)) / 2
+    assert ef == eb == pytest.approx(ph.gemm_efficiency)   # whole 128-wide tiles
     assert f == pytest.approx(max(cost.fwd_flops / (312e12 * ef),
                                   cost.fwd_bytes / (c.memory_bandwidth * ph.memory_efficiency))
                               + ph.kernel_overhead)
@@ -101,9 +94,9 @@ def test_every_preset_has_physics_with_its_sources_and_json_round_trips():
         assert fxpar.Cluster.from_json(c.to_json()) == c
     assert fxpar.Cluster.local(2).physics is None
     with pytest.raises(ClusterError, match="gemm_efficiency"):
-        Physics(sm_count=108, gemm_efficiency=1.5)
-    with pytest.raises(ClusterError, match="sm_count"):
-        Physics(sm_count=0)
+        Physics(gemm_efficiency=1.5)
+    with pytest.raises(ClusterError, match="gemm_tile"):
+        Physics(gemm_tile=(0, 128))
 
 
 def test_microbatch_overhead_is_paid_per_action_not_scaled():
