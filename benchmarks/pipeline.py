@@ -58,9 +58,10 @@ calls). Predicted step times:
   smallest ``m``), scaled linearly to the microbatch size (``×m₀/m``); an interleaved chunk
   (half a stage) takes half its stage's time; zb-h1's ``W`` the simulator's default half of a
   backward. A prediction a user could make from one run.
-* ``plan``: ``prog.simulate().step_time`` — the plan's own cost model (``Cluster.local``
-  roofline, 20 GFLOP/s per process); absolute values are off by the machine's true speed, so
-  its column is judged by rank order.
+* ``plan``: ``prog.simulate().step_time`` — the plan's own cost model on a cluster calibrated
+  on the same ranks first (``Cluster.local(pp).calibrate()``: GEMM and memory curves, per-op
+  overheads, which are paid once per microbatch, and collectives), what a user who calibrates
+  sees; ``--nominal``: ``Cluster.local``'s roofline, judged by rank order only.
 
 Every column twice: from all measured steps (medians), and ``q_`` from each side's quiet steps
 only (the fastest third by step time; action medians over those steps) — on a machine shared
@@ -265,6 +266,12 @@ def run_group(spec: dict) -> dict:
     out: dict = dict(rank=rank, sides={}, p2p_s={})
     for m in sorted({m for _, _, m in spec["sides"]}):
         out["p2p_s"][m] = _pingpong((BATCH // m, MODEL["seq_len"], MODEL["d_model"]))
+    # the cluster the plans are priced on: calibrated on these ranks (collectives and compute,
+    # per-op overheads included), as a user who calibrates would plan
+    t0 = time.perf_counter()
+    cluster = (fxpar.Cluster.local(pp).calibrate() if spec.get("calibrate")
+               else fxpar.Cluster.local(pp))
+    out["cluster"] = dict(name=cluster.name, calibration_s=time.perf_counter() - t0)
     sides, logs = {}, {}
 
     def agree(err) -> bool:
@@ -280,7 +287,7 @@ def run_group(spec: dict) -> dict:
         try:
             if lib == "fxpar":
                 t0 = time.perf_counter()
-                prog = fxpar.compile(copy.deepcopy(init), fxpar.Cluster.local(pp),
+                prog = fxpar.compile(copy.deepcopy(init), cluster,
                                      (batches[0][0],), loss_fn=_ce,
                                      example_targets=(batches[0][1],), optimizer=_adamw,
                                      mesh={"pp": pp}, schedule=sched, microbatches=m, chunks=v,
@@ -542,7 +549,8 @@ def _plan_groups(args) -> list[dict]:
     for pp, (ms, cmp_ms) in plan.items():
         sides = [("fxpar", s, m) for m in ms for s in FX_SCHEDULES if _valid(s, pp, m)]
         sides += [("torch", s, m) for m in cmp_ms for s in TORCH_SCHEDULES if _valid(s, pp, m)]
-        g = dict(pp=pp, sides=sides, warmup=args.warmup, steps=args.steps)
+        g = dict(pp=pp, sides=sides, warmup=args.warmup, steps=args.steps,
+                 calibrate=not args.nominal)
         if args.profile:
             g["profile"] = [f"{lib}:{args.profile}:m{cmp_ms[0]}" for lib in ("fxpar", "torch")]
         groups.append(g)
@@ -556,6 +564,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true",
                     help="pp=2 only, m in {2, 4} (torch at m=4), 6 steps after 2 warm-up")
     ap.add_argument("--no-pp4", action="store_true", help="skip the pp=4 group")
+    ap.add_argument("--nominal", action="store_true",
+                    help="plan on Cluster.local (nominal roofline), not a calibrated cluster")
     ap.add_argument("--profile", choices=tuple(TORCH_SCHEDULES), default=None,
                     help="cProfile rank 0's fxpar and torch steps of this schedule (first compared m)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "pipeline.json"))
@@ -658,8 +668,9 @@ def main() -> None:
           "sim·own: simulator fed with this side's own per-chunk F/B medians + measured p2p + "
           "its optimizer step; sim·cal: the same with chunk times from ONE gpipe side at the "
           "smallest m of this pp, scaled linearly to the microbatch size; plan: "
-          "prog.simulate() from the plan's cost model (Cluster.local's roofline, not this "
-          "machine: judge it by rank). q_: the same from the quiet steps only (fastest third "
+          "prog.simulate() from the plan's cost model on a cluster calibrated on these ranks "
+          "(--nominal: Cluster.local's roofline, judge it by rank). q_: the same from the quiet "
+          "steps only (fastest third "
           "of each side's steps).")
     print(f"{'pp':>2} {'m':>2} {'schedule':<12} {'measured':>9} {'sim·own':>8} {'sim·cal':>8} "
           f"{'plan':>8} {'bubble':>6} | {'q_meas':>7} {'q_own':>7} {'q_cal':>7}")

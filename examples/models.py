@@ -31,13 +31,18 @@ __all__ = ["GPT", "Block", "CausalSelfAttention", "MLP"]
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: QKV projection (one fused ``qkv`` linear, or ``q``,
-    ``k``, ``v`` with ``fused_qkv=False``), SDPA, output projection."""
+    ``k``, ``v`` with ``fused_qkv=False``), SDPA, output projection. ``attention="math"``:
+    the scores written out, ``softmax(q·kᵀ/√d + causal mask)·v`` (what Megatron-LM ran before
+    flash attention: the ``s × s`` scores go through memory), the same function."""
 
-    def __init__(self, d_model: int, n_heads: int, fused_qkv: bool = True) -> None:
+    def __init__(self, d_model: int, n_heads: int, fused_qkv: bool = True,
+                 attention: str = "sdpa") -> None:
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
-        self.n_heads = n_heads
+        if attention not in ("sdpa", "math"):
+            raise ValueError(f"attention must be 'sdpa' or 'math', got {attention!r}")
+        self.n_heads, self.attention = n_heads, attention
         if fused_qkv:
             self.qkv = nn.Linear(d_model, 3 * d_model)
         else:
@@ -52,7 +57,12 @@ class CausalSelfAttention(nn.Module):
             q, k, v = self.q(x), self.k(x), self.v(x)
         # (B, T, D) -> (B, H, T, D/H)
         q, k, v = (z.view(b, t, self.n_heads, d // self.n_heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            s = (q @ k.transpose(-2, -1)) * (d // self.n_heads) ** -0.5
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            y = s.masked_fill(causal, float("-inf")).softmax(-1) @ v
         return self.proj(y.transpose(1, 2).reshape(b, t, d))
 
 
@@ -71,10 +81,11 @@ class MLP(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(ln1(x))`` then ``x + mlp(ln2(x))``."""
 
-    def __init__(self, d_model: int, n_heads: int, fused_qkv: bool = True) -> None:
+    def __init__(self, d_model: int, n_heads: int, fused_qkv: bool = True,
+                 attention: str = "sdpa") -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(d_model)
-        self.attn = CausalSelfAttention(d_model, n_heads, fused_qkv)
+        self.attn = CausalSelfAttention(d_model, n_heads, fused_qkv, attention)
         self.ln2 = nn.LayerNorm(d_model)
         self.mlp = MLP(d_model, 4 * d_model)
 
@@ -85,15 +96,17 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """A tiny GPT. ``seq_len`` is the maximum sequence length (size of the position table);
-    ``fused_qkv=False``: separate q, k, v projections."""
+    ``fused_qkv=False``: separate q, k, v projections; ``attention="math"``: attention with
+    the scores written out (:class:`CausalSelfAttention`)."""
 
     def __init__(self, vocab: int, d_model: int, n_heads: int, n_layers: int, seq_len: int,
-                 fused_qkv: bool = True) -> None:
+                 fused_qkv: bool = True, attention: str = "sdpa") -> None:
         super().__init__()
         self.seq_len = seq_len
         self.tok_emb = nn.Embedding(vocab, d_model)
         self.pos_emb = nn.Embedding(seq_len, d_model)
-        self.blocks = nn.ModuleList(Block(d_model, n_heads, fused_qkv) for _ in range(n_layers))
+        self.blocks = nn.ModuleList(Block(d_model, n_heads, fused_qkv, attention)
+                                    for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.head = nn.Linear(d_model, vocab, bias=False)
 

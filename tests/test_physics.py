@@ -148,3 +148,22 @@ def test_per_microbatch_costs_make_many_microbatches_dearer():
     # (m + p - 1) forward and backward actions of 1 ms each on the critical path: 4 ms at
     # m = 1, 18 ms at m = 8, far above what the smaller bubble saves
     assert steps[8].step > steps[1].step + 10e-3
+
+
+def test_math_attention_is_sdpa_with_the_scores_through_memory():
+    """``GPT(attention="math")`` (Megatron-LM's attention before flash kernels, used by the
+    published-figures benchmark for its 2021 rows) computes what SDPA does, and its price
+    carries the ``s × s`` scores through memory, which fused SDPA's does not."""
+    from examples.models import GPT
+    from fxpar.cost.compute import graph_cost
+
+    torch.manual_seed(0)
+    fused = GPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=128)
+    math_ = GPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=128, attention="math")
+    math_.load_state_dict(fused.state_dict())
+    x = torch.randint(0, 64, (2, 128))
+    torch.testing.assert_close(math_(x), fused(x), rtol=1e-5, atol=1e-5)
+    costs = [graph_cost(fxpar.capture(m, (x,))) for m in (fused, math_)]
+    scores = 2 * 4 * 128 * 128 * 4   # batch x heads x s x s, float32, per layer
+    assert costs[1].total_bytes - costs[0].total_bytes > 2 * 2 * scores  # 2 layers, >1 pass each
+    assert costs[1].gemm_flops == pytest.approx(costs[0].gemm_flops, rel=0.01)

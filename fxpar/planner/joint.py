@@ -501,7 +501,8 @@ def _shapes_at(space: _Space, us: Sequence[UnitCost], t: int, p: int, d: int, d0
     """:func:`_configurations` at one ``(t, p)``: each microbatch size ``b`` dividing a
     replica's share (at most :data:`MAX_MICROBATCH`, or the user's), each schedule (one
     without a pipeline: they are all the same there), each chunk count (2 or 4, or the
-    user's, for ``interleaved``, which needs ``p | m``), at most one chunk per unit; stage
+    user's, for ``interleaved``, which needs ``p | m``: :func:`_chunk_counts`), at most one
+    chunk per unit; stage
     cuts by :func:`partition` on the units' time at ``b``."""
     only, share = space.only, space.batch // d
     bs = [b for b in _divisors(share) if b <= MAX_MICROBATCH]
@@ -515,12 +516,26 @@ def _shapes_at(space: _Space, us: Sequence[UnitCost], t: int, p: int, d: int, d0
         times = tuple((u.fwd + u.bwd) * scale + u.fwd_fixed for u in us)
         for sname in (space.schedules if p > 1 else space.schedules[:1]):
             interleaved = sname == "interleaved"
-            for v in ([only["chunks"]] if "chunks" in only else [2, 4]) if interleaved else [1]:
+            for v in ([only["chunks"]] if "chunks" in only else _chunk_counts(len(us), p)) \
+                    if interleaved else [1]:
                 if p * v > len(us) or (interleaved and (p == 1 or m % p)):
                     continue
                 states = _zero_options(d, only, p == 1 and m == 1, d0, sname == "zb-h1")
                 yield _Shape(t, p, d, d0, b, m, sname, v, partition(times, p * v), scale, sync,
                              tuple(space.recompute), tuple(states))
+
+
+def _chunk_counts(n_units: int, p: int) -> list[int]:
+    """Chunk counts ``v`` tried for the interleaved schedule on ``p`` ranks: 2 and 4, and each
+    ``v ≤ 8`` that splits a rank's ``⌊n_units / p⌋`` units evenly (Megatron-LM runs 105
+    layers on 35 stages as 3 chunks of one layer: with only 2 or 4, every other chunk holds
+    two layers and sets the pace).
+
+    >>> _chunk_counts(107, 35), _chunk_counts(34, 4)
+    ([2, 3, 4], [2, 4, 8])
+    """
+    per = n_units // p
+    return sorted({2, 4} | {v for v in range(3, 9) if per >= v and per % v == 0})
 
 
 # --- pricing ---------------------------------------------------------------------------------
