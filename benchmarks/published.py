@@ -84,16 +84,16 @@ class Row:
     work: float                  # FLOPs per step the metric divides by
     gpus: int
     axonn: dict | None = None
-    #: the measured system overlaps its data-parallel communication with compute (see
-    #: :data:`NO_OVERLAP`); False: priced with every hidden second counted
-    overlap: bool = True
 
     @property
     def fit(self) -> bool:
         return self.name in FIT
 
-    def __post_init__(self) -> None:
-        self.overlap = not self.name.startswith(NO_OVERLAP)
+    @property
+    def overlap(self) -> bool:
+        """The measured system overlaps data-parallel communication with compute
+        (:data:`NO_OVERLAP`); False: priced with every hidden second counted."""
+        return not self.name.startswith(NO_OVERLAP)
 
     def metric(self, step: float) -> float:
         per = self.work / step / self.gpus
@@ -232,21 +232,20 @@ def fit(rs: list[Row], start: dict) -> tuple[dict, list]:
 
     ph = dict(start)
     g = (math.sqrt(5) - 1) / 2
-    for _ in range(1):
-        for k in PARAMS:
-            lo, hi = 0.3, 1.0
-            a, b = hi - g * (hi - lo), lo + g * (hi - lo)
-            fa, fb = loss({**ph, k: a}), loss({**ph, k: b})
-            for _ in range(6):
-                if fa <= fb:
-                    hi, b, fb = b, a, fa
-                    a = hi - g * (hi - lo)
-                    fa = loss({**ph, k: a})
-                else:
-                    lo, a, fa = a, b, fb
-                    b = lo + g * (hi - lo)
-                    fb = loss({**ph, k: b})
-            ph[k] = round((a + b) / 2, 3)
+    for k in PARAMS:
+        lo, hi = 0.3, 1.0
+        a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+        fa, fb = loss({**ph, k: a}), loss({**ph, k: b})
+        for _ in range(6):
+            if fa <= fb:
+                hi, b, fb = b, a, fa
+                a = hi - g * (hi - lo)
+                fa = loss({**ph, k: a})
+            else:
+                lo, a, fa = a, b, fb
+                b = lo + g * (hi - lo)
+                fb = loss({**ph, k: b})
+        ph[k] = round((a + b) / 2, 3)
     return ph, trace
 
 

@@ -35,6 +35,7 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.config import ParallelConfig
+from fxpar.cost.compute import op_overheads
 from fxpar.cost.memory import STATE_BYTES_PER_PARAM
 from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import (BUCKET, DpTerms, StepTime, UnitCost, chunk_costs, dp_terms,
@@ -79,7 +80,8 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
             for a in nd.all_input_nodes:
                 users.setdefault(a.name, set()).add(i)
     reused: list[list] = [[] for _ in us]
-    fixed_f, fixed_b = _op_overheads(plan)
+    cl = _cluster_of(plan)
+    fixed_f, fixed_b = op_overheads(cl)   # (0, 0) without a cluster
     for n in plan.nodes:
         if n.name in params and n.name in first_use:
             val = nodes[n.name].meta[ir.VAL]
@@ -112,7 +114,7 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
                 sync.add((n.name, c.name))
                 grads[unit_of[c.name]].append(float(nb))
     last = len(us) - 1
-    lat = _latency(plan)
+    lat = _latency(plan, cl)
     for e in plan.edges:
         fixed = e.producer in params
         keep_replica = not fixed and (e.direction == "fwd" or (e.producer, e.consumer) not in sync)
@@ -133,25 +135,24 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
             for (lay, nodes_), a, r, g in zip(us, acc, reused, grads)]
 
 
-def _op_overheads(plan) -> tuple[float, float]:
-    """The per-op fixed seconds (forward, backward) of the plan's cluster
-    (:func:`fxpar.cost.compute.op_overheads`; 0 where the plan does not carry its cluster)."""
-    from fxpar.cost.compute import op_overheads
-
+def _cluster_of(plan):
+    """The plan's cluster, ``None`` where the plan does not carry one (then nothing is fixed
+    per microbatch and no latency is split off)."""
     try:
-        return op_overheads(plan.cluster())
-    except (KeyError, TypeError, ValueError):  # a plan without its cluster: nothing fixed
-        return 0.0, 0.0
+        return plan.cluster()
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
-def _latency(plan) -> Callable:
-    """``step -> seconds`` of a collective step's latency on the plan's mesh and cluster (0
-    for local steps and where the plan does not carry its cluster)."""
+def _latency(plan, cl) -> Callable:
+    """``step -> seconds`` of a collective step's latency on the plan's mesh and cluster
+    ``cl`` (0 for local steps and where the plan does not carry its cluster)."""
     from fxpar.cost.comm import COLLECTIVES, latency_time
     from fxpar.mesh import Mesh
 
+    if cl is None:
+        return lambda s: 0.0
     try:
-        cl = plan.cluster()
         mesh = Mesh.from_devices(cl, plan.mesh["axis_names"],
                                  np.asarray(plan.mesh["devices"]).reshape(plan.mesh["shape"]))
     except (KeyError, TypeError, ValueError):
