@@ -86,3 +86,40 @@ def test_context_parallel_trains_like_one_process(pools, name, mesh):
 @pytest.mark.timeout(300)
 def test_context_parallel_left_to_the_solver(pools):
     pools(4).run(cp_worker, "llama", {"cp": 2, "dp": 2}, False)
+
+
+
+def cp_pipeline_worker(name: str):
+    """``{"pp": 2, "cp": 2}``, 2 microbatches of 1F1B, every attention pinned to the sequence
+    split: each stage's submesh splits the sequence over ``cp`` (the first stage's token ids,
+    the last's labels) and the pipeline parity harness checks losses, reduced gradients and
+    parameters each step against one process."""
+    import torch.distributed as dist
+    from test_pipeline_runtime import _build, train_and_check
+
+    import fxpar
+
+    model, inputs, kwargs, loss_fn, targets = _build(name, 8)
+    ref = copy.deepcopy(model)
+    opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-5)  # noqa: E731
+    gm = fxpar.capture(model, inputs, kwargs)
+    pins = {n.name: "S(2)" for n in gm.graph.nodes
+            if n.target == torch.ops.aten.scaled_dot_product_attention.default}
+    prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), inputs, kwargs,
+                         loss_fn=loss_fn, example_targets=targets, optimizer=opt,
+                         mesh={"pp": 2, "cp": 2}, microbatches=2, time_limit=20, pins=pins)
+    for st in prog.plan.stages:
+        att = [n for n in st.plan.nodes if "attention" in n.op]
+        assert att and all(n.strategy_name == "seq" for n in att), [n.strategy_name for n in att]
+        user = [n.outputs[0] for n in st.plan.nodes if n.op == "placeholder" and not n.param
+                and n.name in ("input_ids", "labels", "args_0", "args_1")]
+        assert user and set(user) == {"S(1)"}, user
+    runner = prog.runner()
+    return train_and_check(runner, ref, opt, inputs, targets, kwargs, loss_fn, 3)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("name", ["llama", "gpt"])
+def test_context_parallel_inside_a_pipeline_stage(pools, name):
+    res = pools(4).run(cp_pipeline_worker, name)
+    assert all(r == res[0] for r in res)

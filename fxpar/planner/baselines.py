@@ -374,7 +374,11 @@ def cp_pins(gm: fx.GraphModule, mesh: Mesh) -> dict[str, Spec]:
     names = list(mesh.axis_names)
     if "cp" not in names or mesh.shape[names.index("cp")] == 1:
         return {}
-    inputs = [n for n in gm.graph.find_nodes(op="placeholder") if ir.INPUT in n.meta]
+    from fxpar.split import is_boundary
+
+    # the model's own inputs (a stage chunk's boundary values arrive in the sender's layout)
+    inputs = [n for n in gm.graph.find_nodes(op="placeholder")
+              if ir.INPUT in n.meta and not is_boundary(n.meta[ir.INPUT])]
     metas = [ir.tensor_metas(n)[0] if ir.tensor_metas(n) else None for n in inputs]
     shapes = [tuple(v.shape) for v in metas if v is not None and len(v.shape) == 2]
     if not shapes:

@@ -48,7 +48,7 @@ from fxpar.config import ParallelConfig, ScheduleKind
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.plan_data import Plan, StagePlan
-from fxpar.planner.baselines import baseline_pins
+from fxpar.planner.baselines import baseline_pins, cp_pins
 from fxpar.planner.intra_op import BuildCache, PlannerOptions, plan_and_keep
 from fxpar.planner.price import price_plan, schedule_of
 from fxpar.planner.pricing import finalize_spec
@@ -144,6 +144,7 @@ def plan_pipeline(gm: fx.GraphModule, mesh: Mesh, *, schedule="1f1b",
         names = {nd.name for nd in sg.graph.graph.nodes}
         pk: dict[str, object] = dict(baseline_pins(
             kind, sg.graph, sub, sequence_parallel=options.sequence_parallel)) if kind != "auto" else {}
+        pk.update(cp_pins(sg.graph, sub))   # a "cp" axis splits the sequence of the user inputs
         # a pin on a boundary value is the layout it is computed in: the receivers take it
         # as the sender's layout (or their own, under "crossmesh"/"auto")
         pk.update({k: v for k, v in user_pins.items()
