@@ -140,7 +140,10 @@ def plan_overlap(plan, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
                 gathers.setdefault((min(issue, first[e.layer]), first[e.layer], st.kind, st.axis),
                                    []).append(st)
         elif e.direction == "fwd":
-            comms.append(Comm(e.time, fi.get(e.producer, -1) + 1, use))
+            # a shared reshard (Strategy.shared: its consumer is the producer itself) runs
+            # once after the producer, needed by the first consumer, the next op at the latest
+            issue = fi.get(e.producer, -1) + 1
+            comms.append(Comm(e.time, issue, max(use, issue)))
         elif e.producer in held:
             last = 2 * F - 1 - first[e.layer]  # the layer's first use runs last in backward
             for st in e.steps:

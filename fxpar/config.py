@@ -9,12 +9,15 @@ that need the cluster or the batch and says which rule failed and what would wor
 
 Fields: ``pp`` pipeline ranks, ``dp`` data-parallel replicas (all of them: with ``1 < s_p <
 dp`` they split into ``dp / s_p`` groups of ``dp_shard = s_p``, HSDP), ``tp`` tensor-parallel
-devices, ``extra`` any other mesh axes as ``(name, degree)`` pairs (AxoNN's grids, future
-``cp``); ``microbatch`` samples per replica per microbatch (``None``: not fixed),
+devices, ``extra`` any other mesh axes as ``(name, degree)`` pairs (AxoNN's grids; ``cp``,
+context parallelism: the sequence split over ``cp`` devices between ``dp`` and ``tp``, whose
+parameter gradients are reduced with the ``dp`` replicas', :attr:`ParallelConfig.replicas`);
+``microbatch`` samples per replica per microbatch (``None``: not fixed),
 ``microbatches``; ``schedule`` a :class:`ScheduleKind`; ``chunks`` per pipeline rank;
 ``recompute`` the layers whose forward runs again in backward (:func:`recompute_set`);
 ``s_p | s_g | s_os`` AMSP's sharding factors of parameters, gradients and optimizer states
-over ``dp`` (eq. 3): DDP ``(1, 1, 1)``, ZeRO-1 ``(1, 1, dp)``, ZeRO-2 ``(1, dp, dp)``, ZeRO-3
+over a parameter's ``replicas`` (``dp``, times ``cp``; eq. 3): DDP ``(1, 1, 1)``, ZeRO-1
+``(1, 1, dp)``, ZeRO-2 ``(1, dp, dp)``, ZeRO-3
 ``(dp, dp, dp)``.
 
 >>> c = ParallelConfig(pp=2, dp=4, tp=2, microbatch=1, microbatches=8, schedule="interleaved",
@@ -79,8 +82,8 @@ def recompute_set(names: Iterable[str] | None) -> frozenset[str]:
 
 
 #: the keys of a user tuple ``plan={...}`` (and of :meth:`ParallelConfig.from_tuple`)
-TUPLE_KEYS = ("pp", "dp", "tp", "microbatch", "schedule", "chunks", "recompute", "s_p", "s_g",
-              "s_os")
+TUPLE_KEYS = ("pp", "dp", "tp", "cp", "microbatch", "schedule", "chunks", "recompute", "s_p",
+              "s_g", "s_os")
 
 
 def _divisors(n: int) -> list[int]:
@@ -121,12 +124,14 @@ class ParallelConfig:
                 raise PlanError(f"ParallelConfig: extra axis {a}={k} (pp, dp, dp_shard, tp have "
                                 "their own fields; degrees are positive)")
         f = (self.s_p, self.s_g, self.s_os)
-        if self.dp % self.s_os or self.s_os % self.s_g or self.s_g % self.s_p:
-            ok = [(p, g, o) for p in _divisors(self.dp) for g in _divisors(self.dp)
-                  for o in _divisors(self.dp) if g % p == 0 and o % g == 0 and p == self.s_p][:2]
-            ok = ok or [(1, 1, 1), (self.dp,) * 3]
+        n = self.replicas
+        if n % self.s_os or self.s_os % self.s_g or self.s_g % self.s_p:
+            ok = [(p, g, o) for p in _divisors(n) for g in _divisors(n)
+                  for o in _divisors(n) if g % p == 0 and o % g == 0 and p == self.s_p][:2]
+            ok = ok or [(1, 1, 1), (n,) * 3]
+            what = f"dp={self.dp}" if n == self.dp else f"dp·cp={n}"
             raise PlanError(f"ParallelConfig: state factors s_p={f[0]} | s_g={f[1]} | s_os={f[2]} "
-                            f"must each divide the next and dp={self.dp} (AMSP eq. 3); e.g. "
+                            f"must each divide the next and {what} (AMSP eq. 3); e.g. "
                             + " or ".join(str(x) for x in ok))
         if self.chunks > 1 and self.schedule not in (ScheduleKind.INTERLEAVED, ScheduleKind.CUSTOM):
             raise PlanError(f"ParallelConfig: chunks={self.chunks} needs schedule='interleaved' "
@@ -149,6 +154,17 @@ class ParallelConfig:
     def dp_shard(self) -> int:
         """Replicas per parameter-sharding group when ``1 < s_p < dp`` (an HSDP mesh axis)."""
         return self.s_p if 1 < self.s_p < self.dp else 1
+
+    @property
+    def cp(self) -> int:
+        """Context-parallel devices per replica (the ``cp`` axis of ``extra``, else 1)."""
+        return dict(self.extra).get("cp", 1)
+
+    @property
+    def replicas(self) -> int:
+        """Devices holding a copy of each parameter and a partial sum of its gradient:
+        ``dp·cp`` (the group gradients are reduced over, states sharded in)."""
+        return self.dp * self.cp
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -208,7 +224,8 @@ class ParallelConfig:
                 raise PlanError(f"ParallelConfig {self.name}: tp={self.tp} neither divides a node's "
                                 f"{R} devices nor is a multiple of them (its groups would straddle "
                                 "nodes unevenly)")
-            d0 = math.gcd(self.dp, max(1, R // self.tp)) if self.devices >= R else self.dp
+            n = self.replicas
+            d0 = math.gcd(n, max(1, R // self.tp)) if self.devices >= R else n
             for k, f in zip(("s_p", "s_g", "s_os"), self.state):
                 if d0 % f and f % d0:
                     raise PlanError(f"ParallelConfig {self.name}: {k}={f} neither divides nor is a "
@@ -241,7 +258,7 @@ class ParallelConfig:
         out = dict(only)
         if "schedule" in out:
             out["schedule"] = ScheduleKind.parse(out["schedule"])
-        for k in ("pp", "dp", "tp", "microbatch", "chunks", "s_p", "s_g", "s_os"):
+        for k in ("pp", "dp", "tp", "cp", "microbatch", "chunks", "s_p", "s_g", "s_os"):
             if k in out and (not isinstance(out[k], int) or isinstance(out[k], bool) or out[k] < 1):
                 raise PlanError(f"plan={dict(only)}: {k}={out[k]!r} must be a positive integer")
         if "recompute" in out:

@@ -134,6 +134,8 @@ def _search_lines(search: Mapping | None) -> list[str]:
         out.append(f"  {i + 1}. {r['name']}: step {_fmt_ms(r['step'])} ms "
                    f"(x{r['step'] / best:.3f}), pipeline {_fmt_ms(r['pipeline'])} ms + dp "
                    f"{_fmt_ms(r['dp_comm'])} ms, {fmt_bytes(r['memory'])}")
+    if search.get("cp"):
+        out.append("  " + search["cp"])
     return out
 
 
@@ -359,8 +361,10 @@ class Plan:
         ways: dict[str, int] = defaultdict(int)
         for n in att:
             q = Spec.parse(n.inputs[0]).placements[a]
-            seq = placement_kind(q) == "S" and q.dim == 2
-            ways["the sequence split, K/V gathered over cp" if seq else
+            split = q.dim if placement_kind(q) == "S" else None
+            ways["the sequence split, K/V gathered over cp" if split == 2 else
+                 "the heads split over cp (DeepSpeed-Ulysses: all-to-all from the sequence "
+                 "split and back, priced cheaper than gathering K/V)" if split == 1 else
                  f"{n.strategy_name or 'R'} instead (priced cheaper than gathering K/V)"] += 1
         return [head + "; ".join(f"{k}: {v} of {len(att)} attentions" for k, v in ways.items())]
 

@@ -121,3 +121,23 @@ def test_optimizer_step_is_priced_per_local_parameter(kind, shards, precision, t
     base = dataclasses.replace(p, mesh=unpriced).overlap().step
     assert p.overlap().step - base == pytest.approx(tensors * 1e-5 + 16576 / shards * 1e-9,
                                                     rel=1e-9)
+
+
+def test_a_shared_reshard_is_issued_after_its_producer():
+    """A reshard shared by all consumers (``Strategy.shared``: Megatron's sequence-parallel
+    all-gather of a norm's output, once for q, k and v) is an edge from the producer to
+    itself: it starts after the producer and is needed by the next op, so with nothing to
+    hide it under it is exposed in full (the replay used to refuse it: issue after need)."""
+    import transformers as tf
+
+    cfg = tf.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    ids = torch.zeros(2, 16, dtype=torch.long)
+    p = fxpar.plan(tf.LlamaForCausalLM(cfg), fxpar.Cluster.preset("dgx-a100"), (ids,),
+                   {"labels": ids}, plan="megatron", mesh={"tp": 2}, sequence_parallel=True).plan
+    shared = [e for e in p.edges if e.producer == e.consumer and e.direction == "fwd"]
+    assert shared, "no shared reshard in this plan"
+    w = p.overlap(0)
+    compute = sum(n.fwd_time + n.bwd_time for n in p.nodes)
+    assert w.exposed >= sum(e.time for e in shared) - 1e-15
+    assert w.step >= compute + sum(e.time for e in shared) - 1e-12

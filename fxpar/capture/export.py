@@ -14,7 +14,9 @@ each user input ``meta[INPUT]``, and the graph module's meta holds ``PARAMS``, `
 Around the call to export (non-strict only): the model's forward is wrapped for the call so
 output leaves no frontend can hold (transformers' ``DynamicCache``) become ``None`` with a
 warning (the model is unchanged afterwards), and export's intermediate graph modules recompile
-lazily. ``stack_traces=False`` leaves ``meta["stack_trace"]`` out of every node; when they are
+lazily. Both frontends let transformers take eager's causal-mask decision
+(:func:`_eager_causal_skip`): with no padding mask a causal attention runs ``is_causal=True``
+instead of a ``[B, 1, L, S]`` mask built in the graph (16 GiB at 128k tokens). ``stack_traces=False`` leaves ``meta["stack_trace"]`` out of every node; when they are
 kept, a frame's source line is read when the frame is printed, not when it is listed.
 
 Example (``nn.Linear`` decomposed to core ATen)::
@@ -74,7 +76,8 @@ def export_graph(model: torch.nn.Module, args: tuple, kwargs: dict, *, strict: b
         guard = contextlib.nullcontext() if strict else _pytree_outputs(model)
         replay = contextlib.nullcontext() if reads is None else replaying(model, reads)
         # (strict export reads attributes a lazily recompiled module lacks: eager there)
-        with guard, replay, (contextlib.nullcontext() if strict else _lazy_recompile()):
+        with guard, replay, (contextlib.nullcontext() if strict else _lazy_recompile()), \
+                _eager_causal_skip(model, args, kwargs):
             ep = torch.export.export(model, args, kwargs, strict=strict)
         _recompile_lazy(ep.graph_module)
         # Inline grad-mode regions first: run_decompositions would inline them WITHOUT the
@@ -118,6 +121,56 @@ def _frames_unread(tb, skip):
     for f in reversed(tb[skip:]):
         stack.append(traceback.FrameSummary(f["filename"], f["line"], f["name"], lookup_line=False))
     return stack
+
+
+@contextlib.contextmanager
+def _eager_causal_skip(model: torch.nn.Module, args: tuple, kwargs: dict) -> Iterator[None]:
+    """transformers builds a causal mask under export that eager skips. Eager, with no
+    padding mask and ``q_length == kv_length``, hands SDPA ``is_causal=True`` and no mask;
+    under export ``masking_utils`` refuses both steps of that decision, because an exported
+    graph could be called with other shapes or values: ``_ignore_causal_mask_sdpa`` returns
+    False while exporting, and ``find_packed_sequence_indices`` cannot read the position ids
+    to see that they are one sequence, so the ``[B, 1, L, S]`` mask is built in the graph
+    (16 GiB at 128k tokens, read by every attention; :func:`fold_causal_masks` folds it only
+    when it is small enough to evaluate). fxpar's graphs are specialized to the captured
+    shapes (the runtime checks them), so eager's decision is exact here: without a padding
+    mask the skip check runs as in eager (sliding windows keep their mask by the check's own
+    rule), and when the caller passes no ``position_ids`` the model makes them from
+    ``arange`` (one sequence per row, never packed: eager finds no packing). A no-op when
+    transformers is not imported or lacks these functions.
+    """
+    import inspect
+    import sys
+
+    mu = sys.modules.get("transformers.masking_utils")
+    names = ("_ignore_causal_mask_sdpa", "find_packed_sequence_indices", "is_torchdynamo_exporting")
+    if mu is None or not all(hasattr(mu, n) for n in names):
+        yield
+        return
+    skip, packed = mu._ignore_causal_mask_sdpa, mu.find_packed_sequence_indices
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        bound = {"position_ids": True}   # cannot tell: keep transformers' own rule
+    own_positions = bound.get("position_ids") is None
+
+    def eager_skip(padding_mask, *a, **k):
+        if padding_mask is not None:
+            return skip(padding_mask, *a, **k)
+        exporting = mu.is_torchdynamo_exporting
+        mu.is_torchdynamo_exporting = lambda: False
+        try:
+            return skip(padding_mask, *a, **k)
+        finally:
+            mu.is_torchdynamo_exporting = exporting
+
+    mu._ignore_causal_mask_sdpa = eager_skip
+    if own_positions:
+        mu.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        mu._ignore_causal_mask_sdpa, mu.find_packed_sequence_indices = skip, packed
 
 
 @contextlib.contextmanager

@@ -357,12 +357,33 @@ def baseline_notes(kind: str, gm: fx.GraphModule, mesh: Mesh) -> tuple[str, ...]
     return ()
 
 
+def sequence_inputs(gm: fx.GraphModule) -> dict[str, tuple[int, int]]:
+    """The model's own 2-d inputs of the first one's ``(batch, sequence)`` shape (token ids,
+    labels, position ids: what a ``cp`` axis splits along dim 1), by input name; a stage
+    chunk's boundary values are not its own (they arrive in the sender's layout).
+
+    >>> import torch, fxpar
+    >>> from examples.models import GPT
+    >>> x = torch.zeros(2, 8, dtype=torch.long)
+    >>> sequence_inputs(fxpar.capture(GPT(vocab=16, d_model=8, n_heads=2, n_layers=1, seq_len=8), (x, x)))
+    {'idx': (2, 8), 'targets': (2, 8)}
+    """
+    from fxpar.split import is_boundary
+
+    inputs = [n for n in gm.graph.find_nodes(op="placeholder")
+              if ir.INPUT in n.meta and not is_boundary(n.meta[ir.INPUT])]
+    metas = [ir.tensor_metas(n)[0] if ir.tensor_metas(n) else None for n in inputs]
+    shapes = [tuple(v.shape) for v in metas if v is not None and len(v.shape) == 2]
+    return {n.meta[ir.INPUT].name: shapes[0] for n, v in zip(inputs, metas)
+            if v is not None and tuple(v.shape) == shapes[0]}
+
+
 def cp_pins(gm: fx.GraphModule, mesh: Mesh) -> dict[str, Spec]:
     """A mesh axis named ``cp`` (context parallelism) splits the sequence as ``dp`` splits the
-    batch: every 2-d user input of the first input's ``(batch, sequence)`` shape (token ids,
-    labels, position ids) is pinned ``S(1)`` on ``cp``, ``S(0)`` on ``dp`` axes, replicated on
-    the others; the layouts inside (attention's sequence split with K/V gathered over ``cp``,
-    :mod:`fxpar.strategies.attention`) are the solver's. ``{}`` without a ``cp`` axis.
+    batch: every :func:`sequence_inputs` input is pinned ``S(1)`` on ``cp``, ``S(0)`` on
+    ``dp`` axes, replicated on the others; the layouts inside (attention's sequence split
+    with K/V gathered over ``cp``, :mod:`fxpar.strategies.attention`) are the solver's.
+    ``{}`` without a ``cp`` axis.
 
     >>> import torch, fxpar
     >>> from examples.models import GPT
@@ -374,18 +395,8 @@ def cp_pins(gm: fx.GraphModule, mesh: Mesh) -> dict[str, Spec]:
     names = list(mesh.axis_names)
     if "cp" not in names or mesh.shape[names.index("cp")] == 1:
         return {}
-    from fxpar.split import is_boundary
-
-    # the model's own inputs (a stage chunk's boundary values arrive in the sender's layout)
-    inputs = [n for n in gm.graph.find_nodes(op="placeholder")
-              if ir.INPUT in n.meta and not is_boundary(n.meta[ir.INPUT])]
-    metas = [ir.tensor_metas(n)[0] if ir.tensor_metas(n) else None for n in inputs]
-    shapes = [tuple(v.shape) for v in metas if v is not None and len(v.shape) == 2]
-    if not shapes:
-        return {}
     spec = Spec.parse("".join("S(1)" if a == "cp" else "S(0)" if a.startswith("dp") else "R" for a in names))
-    return {n.meta[ir.INPUT].name: spec for n, v in zip(inputs, metas)
-            if v is not None and tuple(v.shape) == shapes[0]}
+    return {name: spec for name in sequence_inputs(gm)}
 
 
 def _check_batch(kind: str, gm: fx.GraphModule, mesh: Mesh, dp_axes) -> None:

@@ -71,6 +71,7 @@ from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.planner.intra_op import PlannerOptions, plan_and_keep
 from fxpar.planner.price import MEM_KEY, price_config, replica_allreduce, state_bytes
+from fxpar.spec import Spec
 from fxpar.split import units
 
 __all__ = ["UnitCost", "Candidate", "SearchResult", "unit_costs", "search", "SCHEDULES"]
@@ -89,9 +90,12 @@ def unit_costs(gm: fx.GraphModule, mesh: Mesh, options: PlannerOptions | None = 
                ) -> tuple[list[UnitCost], object]:
     """Plan ``gm`` on ``mesh`` with no memory limit (memory is the search's business) and
     return its unit table (:func:`fxpar.planner.price.unit_table`) and the
-    :class:`~fxpar.plan_data.Plan`."""
+    :class:`~fxpar.plan_data.Plan`. A ``cp`` axis splits the sequence of the inputs
+    (:func:`fxpar.planner.baselines.cp_pins`)."""
+    from fxpar.planner.baselines import cp_pins
+
     opts = dataclasses.replace(options or PlannerOptions(), memory_budget=_NO_LIMIT)
-    plan = plan_and_keep(gm, mesh, options=opts)[0]
+    plan = plan_and_keep(gm, mesh, pins=cp_pins(gm, mesh), options=opts)[0]
     return list(plan.units), plan
 
 
@@ -121,6 +125,14 @@ class Candidate:
     s_p: int = 1
     #: with ``recompute``, the units recomputed (indices into the unit table); empty: all
     recomputed: tuple[int, ...] = ()
+    #: context-parallel devices per replica: the sequence split over ``cp`` (between ``dp``
+    #: and ``tp``; parameters replicated over it, gradients reduced over ``dp·cp``)
+    cp: int = 1
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """``(tp, cp)``: which cost table (:attr:`SearchResult.tables`) prices this."""
+        return (self.tp, self.cp)
 
     @property
     def spmd_axes(self) -> dict[str, int]:
@@ -136,6 +148,8 @@ class Candidate:
         """
         if 1 < self.s_p < self.dp:
             return {"dp": self.dp // self.s_p, "dp_shard": self.s_p, "tp": self.tp}
+        if self.cp > 1:
+            return {"dp": self.dp, "cp": self.cp, "tp": self.tp}
         return {"dp": self.dp, "tp": self.tp}
 
     def config(self, layers=()) -> ParallelConfig:
@@ -145,14 +159,16 @@ class Candidate:
         return ParallelConfig(pp=self.pp, dp=self.dp, tp=self.tp, microbatch=self.microbatch,
                               microbatches=self.microbatches, schedule=self.schedule,
                               chunks=self.chunks, recompute=frozenset(layers), s_p=self.s_p,
-                              s_g=self.s_g, s_os=self.s_os)
+                              s_g=self.s_g, s_os=self.s_os,
+                              extra=(("cp", self.cp),) if self.cp > 1 else ())
 
     @property
     def name(self) -> str:
         r = ((f" recompute({len(self.recomputed)} units)" if self.recomputed else " recompute")
              if self.recompute else "")
         v = f" v={self.chunks}" if self.chunks > 1 else ""
-        return (f"pp={self.pp} dp={self.dp} tp={self.tp} b={self.microbatch} m={self.microbatches} "
+        cp = f" cp={self.cp}" if self.cp > 1 else ""
+        return (f"pp={self.pp} dp={self.dp} tp={self.tp}{cp} b={self.microbatch} m={self.microbatches} "
                 f"{self.schedule}{v}{r} zero({'p=%d,' % self.s_p if self.s_p > 1 else ''}"
                 f"g={self.s_g},os={self.s_os})")
 
@@ -169,10 +185,12 @@ class SearchResult:
     smallest: Candidate | None
     budget: float
     stats: Mapping = field(default_factory=dict, compare=False)
-    #: the cost table's plan per ``tp`` degree (the layouts the search priced)
+    #: the cost table's plan per ``(tp, cp)`` (the layouts the search priced)
     layouts: Mapping = field(default_factory=dict, compare=False, repr=False)
-    #: the unit table per ``tp`` degree
+    #: the unit table per ``(tp, cp)``
     tables: Mapping = field(default_factory=dict, compare=False, repr=False)
+    #: why the winner has its context-parallel degree (:func:`_cp_reason`; what explain says)
+    cp: str = field(default="", compare=False)
 
     @property
     def best(self) -> Candidate:
@@ -180,7 +198,7 @@ class SearchResult:
 
     def config(self, c: Candidate) -> ParallelConfig:
         """``c`` as a :class:`~fxpar.config.ParallelConfig`, its recomputed layers named."""
-        us = self.tables[c.tp]
+        us = self.tables[c.key]
         idx = c.recomputed if c.recomputed else (range(len(us)) if c.recompute else ())
         return c.config(us[i].layer for i in idx)
 
@@ -189,6 +207,7 @@ class SearchResult:
         return {"tried": self.tried, "over_memory": self.over_memory, "budget": self.budget,
                 "smallest": self.smallest.name if self.smallest else "",
                 "smallest_memory": self.smallest.memory if self.smallest else 0.0,
+                "cp": self.cp,
                 "ranked": [{"name": c.name, "step": c.step, "memory": c.memory,
                             "pipeline": c.pipeline, "dp_comm": c.dp_comm}
                            for c in self.ranked[:top]]}
@@ -206,19 +225,26 @@ class SearchResult:
         axes and its ``tp`` layout, so no replica computes another's rows (data parallelism
         is the search's choice, not one the intra-op planner may undo to save a gradient
         reduction)."""
-        plan = self.layouts[c.tp]
+        plan = self.layouts[c.key]
         by_name = {n.name: n for n in plan.nodes}  # (plan.node scans: one lookup per node)
 
         def tp(name: str) -> str:
-            return "R" if c.tp == 1 else by_name[name].outputs[0]
+            """The layout on the table's own axes (``tp``, or ``cp`` and ``tp``)."""
+            return "R" if c.key == (1, 1) else by_name[name].outputs[0]
 
         hsdp = "dp_shard" in c.spmd_axes
         batch_s = "S(0)S(0)" if hsdp else "S(0)"   # the batch over every replica axis
         first = next((i.name for i in ir.user_inputs(probe) if i.is_tensor), None)
         out = {"input": batch_s + (tp(first) if first else "R")}
+        if c.cp > 1:   # the sequence inputs split over cp, the others as the planner likes
+            from fxpar.planner.baselines import sequence_inputs
+
+            out = {name: batch_s + "S(1)R" for name in sequence_inputs(probe)}
         for n in probe.graph.nodes:
             if n.op == "placeholder" and ir.is_trainable_param(n):
                 t_s = tp(n.name)
+                if c.cp > 1:   # replicated over the sequence shards (PARAM_REPLICA_AXES)
+                    t_s = "R" + str(Spec.parse(t_s).placements[1])
                 shape = tuple(n.meta[ir.VAL].shape)
                 if hsdp:  # replicated across the groups, sharded inside each
                     dp_s = "R" + _zero3_dp(shape, t_s, c.s_p, c.tp)
@@ -238,8 +264,10 @@ class SearchResult:
                     and int(v.shape[0]) == rows * int(w.shape[0])
                     and tuple(v.shape[1:]) == tuple(w.shape[1:])):
                 # dim 0 is the batch, or the batch flattened with what follows it (b·s, ...)
-                out[n.name] = batch_s + tp(n.name)
                 batch.add(n.name)
+                if c.cp > 1 and str(Spec.parse(tp(n.name)).placements[0]) == "S(0)":
+                    continue   # (b·s, ...) split over cp: b sequences' shards, not one's
+                out[n.name] = batch_s + tp(n.name)
             elif isinstance(v, (tuple, list)):  # a split's pieces: its getitems carry the batch
                 batch.add(n.name)
         return out
@@ -364,11 +392,13 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
            options: PlannerOptions | None = None, schedules: Sequence[str] = SCHEDULES,
            pps: Sequence[int] | None = None, tps: Sequence[int] | None = None,
            microbatches: Sequence[int] | None = None, recompute: Sequence[bool] = (False, True),
-           only: Mapping | None = None, keep: int = 8, devices: int | None = None) -> SearchResult:
+           only: Mapping | None = None, keep: int = 8, devices: int | None = None,
+           cps: Sequence[int] | None = None) -> SearchResult:
     """Search the configurations of the module docstring for ``gm`` captured with
     ``probe_batch`` samples per replica, a global batch of ``batch``, on ``cluster``
-    (``devices``: how many of its devices, default all). ``pps``/``tps``/``microbatches``
-    restrict the degrees tried (``microbatches``: per-replica microbatch sizes ``b``);
+    (``devices``: how many of its devices, default all). ``pps``/``tps``/``cps``/``microbatches``
+    restrict the degrees tried (``microbatches``: per-replica microbatch sizes ``b``; ``cps``:
+    context-parallel degrees, by default :func:`cp_degrees`);
     ``only``: a user tuple (``{"tp": 8, "pp": 16, "dp": 8, "microbatch": 1, "schedule":
     "interleaved", "chunks": 2, "recompute": True, "s_g": 1, "s_os": 8}``; missing keys are
     searched). Every configuration is enumerated (:func:`_configurations`) and priced by the
@@ -381,18 +411,20 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
     budget = opts.memory_budget if opts.memory_budget is not None else cluster.device_memory
     space = _space(gm, cluster, batch=batch, probe_batch=probe_batch, devices=devices,
                    only=only, tps=tps, pps=pps, schedules=schedules, recompute=recompute,
-                   microbatches=microbatches)
-    table, layouts, plan_s = _cost_tables(gm, cluster, space.tps, opts)
+                   microbatches=microbatches, cps=cps)
+    table, layouts, plan_s = _cost_tables(gm, cluster, space.keys, opts)
     pricing = _Pricing(table, state_bytes(opts), budget, cluster,
                        space.n_units, "recompute" not in space.only and True in space.recompute)
     cands, tried, over, smallest = _price_all(_configurations(space, table, cluster), pricing)
-    _raise_if_nothing(space, cands, tried, smallest, budget)
+    _raise_if_nothing(space, cands, tried, smallest[None], budget)
     t2 = time.perf_counter()
-    ranked = sorted((_simulate(c, table[c.tp], c.microbatch / probe_batch, cluster, opts)
+    ranked = sorted((_simulate(c, table[c.key], c.microbatch / probe_batch, cluster, opts)
                      for c in _finalists(cands, keep)), key=_rank_key)
-    return SearchResult(tuple(ranked), tried, over, smallest, float(budget),
+    return SearchResult(tuple(ranked), tried, over, smallest[None], float(budget),
                         stats={"table_s": plan_s, "sim_s": time.perf_counter() - t2,
-                               "search_s": time.perf_counter() - t0}, layouts=layouts, tables=table)
+                               "search_s": time.perf_counter() - t0},
+                        layouts=layouts, tables=table,
+                        cp=_cp_reason(ranked, space, smallest, float(budget)))
 
 
 # --- the space -------------------------------------------------------------------------------
@@ -416,13 +448,56 @@ class _Space:
     schedules: list[str]
     recompute: list[bool]
     microbatches: Sequence[int] | None
+    #: context-parallel degrees tried (1 always unless the user fixed one) and why not more
+    cps: list[int] = field(default_factory=lambda: [1])
+    cp_why: str = ""
+
+    @property
+    def keys(self) -> list[tuple[int, int]]:
+        """The ``(tp, cp)`` cost tables needed: ``tp·cp`` dividing the devices."""
+        return [(t, c) for t in self.tps for c in self.cps if self.n_dev % (t * c) == 0]
+
+
+#: the shortest sequence context parallelism is tried at by default (Megatron-LM's guidance:
+#: below ~8k tokens the K/V gathers cost more than the activation memory they save)
+CP_MIN_SEQ = 8192
+#: the context-parallel degrees tried by default (those dividing the sequence)
+CP_DEGREES = (2, 4, 8, 16, 32)
+
+
+def cp_degrees(gm: fx.GraphModule, n_dev: int, min_seq: int = CP_MIN_SEQ
+               ) -> tuple[list[int], str]:
+    """The context-parallel degrees the search tries by default and why no others: ``1``,
+    and with a sequence input of at least ``min_seq`` tokens (a 2-d token input, dim 1:
+    :func:`fxpar.planner.baselines.cp_pins`) each of :data:`CP_DEGREES` that divides it and
+    the devices.
+
+    >>> import torch, fxpar
+    >>> from examples.models import GPT
+    >>> gm = fxpar.capture(GPT(vocab=16, d_model=8, n_heads=2, n_layers=1, seq_len=16),
+    ...                    (torch.zeros(1, 16, dtype=torch.long),))
+    >>> cp_degrees(gm, 8)
+    ([1], 'cp not tried: a sequence of 16 tokens, below 8192 (plan=dict(cp=...) forces it)')
+    >>> cp_degrees(gm, 8, min_seq=16)
+    ([1, 2, 4, 8], '')
+    """
+    from fxpar.planner.baselines import sequence_inputs
+
+    seqs = sequence_inputs(gm)
+    if not seqs:
+        return [1], "cp not tried: no 2-d (batch, sequence) input to split along the sequence"
+    seq = next(iter(seqs.values()))[1]
+    if seq < min_seq:
+        return [1], (f"cp not tried: a sequence of {seq} tokens, below {min_seq} "
+                     "(plan=dict(cp=...) forces it)")
+    return [1] + [c for c in CP_DEGREES if seq % c == 0 and n_dev % c == 0], ""
 
 
 def _space(gm: fx.GraphModule, cluster, *, batch, probe_batch, devices, only, tps, pps,
-           schedules, recompute, microbatches) -> _Space:
+           schedules, recompute, microbatches, cps=None) -> _Space:
     """:func:`search`'s arguments as a :class:`_Space`: a user tuple's degrees, schedule and
     recomputation replace the lists; ``tp`` divides the devices, ``pp`` is at most the
-    model's units."""
+    model's units; ``cp`` (:func:`cp_degrees`) divides the devices."""
     n_dev = devices or cluster.num_devices
     only = dict(only or {})
     R = cluster.devices_per_node
@@ -435,33 +510,42 @@ def _space(gm: fx.GraphModule, cluster, *, batch, probe_batch, devices, only, tp
         pps = [only["pp"]]
     scheds = [only["schedule"]] if "schedule" in only else list(schedules)
     recs = [bool(only["recompute"])] if "recompute" in only else list(recompute)
+    why = ""
+    if "cp" in only:
+        cps = [only["cp"]]
+    elif cps is None:
+        cps, why = cp_degrees(gm, n_dev)
+    else:
+        cps = [c for c in cps if n_dev % c == 0]
     return _Space(n_dev, R, batch, probe_batch, n_units, only, tps, pps, scheds, recs,
-                  microbatches)
+                  microbatches, list(cps), why)
 
 
-def _cost_tables(gm: fx.GraphModule, cluster, tps: Sequence[int], opts: PlannerOptions
-                 ) -> tuple[dict[int, list[UnitCost]], dict[int, object], float]:
-    """Per ``tp`` degree the unit table and its plan (:func:`unit_costs` on a ``tp=t``
-    mesh), and the seconds the planning took."""
+def _cost_tables(gm: fx.GraphModule, cluster, keys: Sequence[tuple[int, int]],
+                 opts: PlannerOptions) -> tuple[dict, dict, float]:
+    """Per ``(tp, cp)`` the unit table and its plan (:func:`unit_costs` on a ``tp=t`` mesh,
+    ``{"cp": c, "tp": t}`` with context parallelism), and the seconds the planning took."""
     table, layouts, plan_s = {}, {}, 0.0
-    for t in tps:
+    for t, c in keys:
         t1 = time.perf_counter()
-        mesh = Mesh(cluster, tp=t) if t > 1 else Mesh(cluster, dp=1)
-        table[t], layouts[t] = unit_costs(gm, mesh, opts)
+        mesh = (Mesh(cluster, {"cp": c, "tp": t}) if c > 1 else
+                Mesh(cluster, tp=t) if t > 1 else Mesh(cluster, dp=1))
+        table[t, c], layouts[t, c] = unit_costs(gm, mesh, opts)
         plan_s += time.perf_counter() - t1
     return table, layouts, plan_s
 
 
 @dataclass(frozen=True)
 class _Shape:
-    """One ``(t, p, b, schedule, v)`` of the space and the choices taken on it: ``p·d·t``
-    devices (``d0`` of the ``d`` replicas inside a node), ``m`` microbatches of ``b`` samples
+    """One ``(t, c, p, b, schedule, v)`` of the space and the choices taken on it: ``p·d·c·t``
+    devices (``d0`` of a parameter's ``d·c`` replicas inside a node), ``m`` microbatches of ``b`` samples
     per replica (``scale = b / probe_batch``), ``schedule`` with ``v`` chunks per rank, chunk
     ``k`` starting at unit ``starts[k]``; ``sync``: seconds of an all-reduce over the replicas
     (:func:`fxpar.planner.price.replica_allreduce`); each of ``recompute`` × ``states``
     (``(s_p, s_g, s_os)``, :func:`_zero_options`) is one configuration."""
 
     t: int
+    c: int
     p: int
     d: int
     d0: int
@@ -475,28 +559,39 @@ class _Shape:
     recompute: tuple[bool, ...]
     states: tuple[tuple[int, int, int], ...]
 
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.t, self.c)
+
+    @property
+    def replicas(self) -> int:
+        """A parameter's replicas (its gradient's reduction group): ``d·c``."""
+        return self.d * self.c
+
 
 def _configurations(space: _Space, table: Mapping[int, Sequence[UnitCost]], cluster
                     ) -> Iterator[_Shape]:
-    """Every ``(t, p, b, schedule, v)`` of ``space`` that can run, in the order the search
-    prices them (the order breaks ranking ties): ``p·t`` dividing the devices, the replicas
+    """Every ``(t, c, p, b, schedule, v)`` of ``space`` that can run, in the order the search
+    prices them (the order breaks ranking ties): ``p·c·t`` dividing the devices, the replicas
     ``d`` the batch (and equal to a user's ``dp``); then :func:`_shapes_at`."""
     R, only = space.per_node, space.only
-    for t in space.tps:
+    for t, c in space.keys:
         for p in space.pps:
-            if space.n_dev % (p * t):
+            if space.n_dev % (p * t * c):
                 continue
-            d = space.n_dev // (p * t)
+            d = space.n_dev // (p * t * c)
             if "dp" in only and only["dp"] != d or space.batch % d:
                 continue
-            # replicas inside a node (a divisor of d and of the node's R/t tp groups), then across
-            d0 = math.gcd(d, R // t) if p * d * t >= R else d
+            # a parameter's d·c replicas inside a node (a divisor of d·c and of the node's R/t
+            # tp groups: cp lies between dp and tp), then across
+            n = d * c
+            d0 = math.gcd(n, R // t) if p * n * t >= R else n
             # activation gradients summed over the batch, all-reduced over the replicas
-            sync = replica_allreduce(ParallelConfig(pp=p, dp=d, tp=t), cluster)
-            yield from _shapes_at(space, table[t], t, p, d, d0, sync)
+            sync = replica_allreduce(ParallelConfig(pp=p, dp=d, tp=t, extra=(("cp", c),)), cluster)
+            yield from _shapes_at(space, table[t, c], t, c, p, d, d0, sync)
 
 
-def _shapes_at(space: _Space, us: Sequence[UnitCost], t: int, p: int, d: int, d0: int,
+def _shapes_at(space: _Space, us: Sequence[UnitCost], t: int, c: int, p: int, d: int, d0: int,
                sync) -> Iterator[_Shape]:
     """:func:`_configurations` at one ``(t, p)``: each microbatch size ``b`` dividing a
     replica's share (at most :data:`MAX_MICROBATCH`, or the user's), each schedule (one
@@ -520,9 +615,11 @@ def _shapes_at(space: _Space, us: Sequence[UnitCost], t: int, p: int, d: int, d0
                     if interleaved else [1]:
                 if p * v > len(us) or (interleaved and (p == 1 or m % p)):
                     continue
-                states = _zero_options(d, only, p == 1 and m == 1, d0, sname == "zb-h1")
-                yield _Shape(t, p, d, d0, b, m, sname, v, partition(times, p * v), scale, sync,
-                             tuple(space.recompute), tuple(states))
+                states = _zero_options(d * c, only, p == 1 and m == 1, d0, sname == "zb-h1")
+                if c > 1:   # parameters replicated over the sequence shards
+                    states = [f for f in states if f[0] == 1]
+                yield _Shape(t, c, p, d, d0, b, m, sname, v, partition(times, p * v), scale,
+                             sync, tuple(space.recompute), tuple(states))
 
 
 def _chunk_counts(n_units: int, p: int) -> list[int]:
@@ -556,26 +653,28 @@ class _Pricing:
     partial: bool
 
     @functools.cached_property
-    def recomputable(self) -> dict[int, frozenset[int]]:
-        """Per ``tp`` degree the units full recomputation rebuilds (those of named layers)."""
+    def recomputable(self) -> dict[tuple[int, int], frozenset[int]]:
+        """Per cost table the units full recomputation rebuilds (those of named layers)."""
         return {t: frozenset(i for i, u in enumerate(us) if is_layer(u.layer))
                 for t, us in self.table.items()}
 
 
 def _price_all(shapes: Iterable[_Shape], pricing: _Pricing
-               ) -> tuple[list[Candidate], int, int, Candidate | None]:
+               ) -> tuple[list[Candidate], int, int, dict]:
     """Price every configuration of ``shapes`` (:func:`_price`): the candidates within the
     budget in enumeration order, each over-budget one's partial recomputation after it; how
-    many were tried (those included), how many were over the budget, and the smallest peak
-    memory seen (of a whole configuration, partial recomputations aside)."""
+    many were tried (those included), how many were over the budget, and the configuration
+    of smallest peak memory seen (of a whole configuration, partial recomputations aside),
+    overall (key ``None``) and per context-parallel degree."""
     cands: list[Candidate] = []
     tried = over = 0
-    smallest: Candidate | None = None
+    smallest: dict = {None: None}
     for s in shapes:
         for c, some in _price(s, pricing):
             tried += 1
-            if smallest is None or c.memory < smallest.memory:
-                smallest = c
+            for k in (None, c.cp):
+                if smallest.get(k) is None or c.memory < smallest[k].memory:
+                    smallest[k] = c
             if c.memory <= pricing.budget:
                 cands.append(c)
                 continue
@@ -594,13 +693,13 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
     (:func:`_recompute_some`, ``None`` if none fits), else ``None``. The chunk costs,
     transfers and in-flight counts are computed once for ``s``, the per-rank sums once per
     recomputation choice."""
-    us, p, n = pricing.table[s.t], s.p, s.p * s.v
+    us, p, n = pricing.table[s.key], s.p, s.p * s.v
     tmp = 2 * BUCKET + max(u.act for u in us) * s.scale  # buckets, one unit's backward
     # the one memory function's chunks, without and with recomputation
-    ccs = {rc: chunk_costs(us, s.starts, s.scale, pricing.recomputable[s.t] if rc else (), s.sync,
+    ccs = {rc: chunk_costs(us, s.starts, s.scale, pricing.recomputable[s.key] if rc else (), s.sync,
                            microbatch_overhead(pricing.cluster))
            for rc in (False, True)}
-    xfer = 2 * sum(_xfer(ccs[False][k].out, k, p, s.d, s.t, pricing.cluster)
+    xfer = 2 * sum(_xfer(ccs[False][k].out, k, p, s.replicas, s.t, pricing.cluster)
                    for k in range(n - 1))
     fl = [in_flight_microbatches(MEM_KEY[s.schedule], r, p, s.m, s.v) for r in range(p)]
     layers_r = max(1, math.ceil(pricing.n_units / p))
@@ -611,7 +710,7 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
         red = [sum(ch[k].reduce for k in range(r, n, p)) for r in range(p)]
         for s_p, s_g, s_os in s.states:
             mems = rank_memory(ch, p, fl, pricing.state_bytes, (s_p, s_g, s_os), tmp)
-            dpr = [dp_terms(round(phi[r]), layers_r, s.m, s.d0, s.d // s.d0, s_p, s_g, s_os,
+            dpr = [dp_terms(round(phi[r]), layers_r, s.m, s.d0, s.replicas // s.d0, s_p, s_g, s_os,
                             pricing.cluster) for r in range(p)]
             dpt = max(red[r] + dpr[r].total for r in range(p))
             # the estimate overlaps as the step model does (cost.step.overlapped_chunks): the
@@ -621,7 +720,7 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
             est_o = s.m * max(Wo) + (sum(Wo) - max(Wo)) / s.v + xfer
             tail = max(sum(R[r::p]) for r in range(p)) + max(d.t_os1 for d in dpr)
             c = Candidate(p, s.d, s.t, s.b, s.m, s.schedule, s.v, rc, s_g, s_os, est_o + tail,
-                          max(mems), est_o, dpt, s.starts, s_p=s_p)
+                          max(mems), est_o, dpt, s.starts, s_p=s_p, cp=s.c)
             some = None
             if pricing.partial and not rc and not c.memory <= pricing.budget:
                 part = part or _partial_tables(us, s.starts, p, s.scale, fl)
@@ -655,17 +754,44 @@ def _raise_if_nothing(space: _Space, cands: Sequence[Candidate], tried: int,
 
 
 def _finalists(cands: Sequence[Candidate], keep: int) -> list[Candidate]:
-    """The candidates to simulate: the ``keep`` best by estimate (:func:`_rank_key`) and each
-    schedule's :data:`PER_SCHEDULE` best. The estimate is 1F1B's bubble; other schedules'
+    """The candidates to simulate: the ``keep`` best by estimate (:func:`_rank_key`), each
+    schedule's :data:`PER_SCHEDULE` best and each context-parallel degree's best (what
+    ``explain()`` compares the winner with). The estimate is 1F1B's bubble; other schedules'
     (zb-h1's, eager's) differ, so each schedule's best estimates are simulated too."""
     ordered = sorted(cands, key=_rank_key)  # stable: ties keep the enumeration order
     chosen = ordered[:keep]
     per = Counter(c.schedule for c in chosen)
+    cps = {c.cp for c in chosen}
     for c in ordered[keep:]:   # in rank order: a schedule's first are its best estimates
-        if per[c.schedule] < PER_SCHEDULE:
+        if per[c.schedule] < PER_SCHEDULE or c.cp not in cps:
             per[c.schedule] += 1
+            cps.add(c.cp)
             chosen.append(c)
     return chosen
+
+
+def _cp_reason(ranked: Sequence[Candidate], space: _Space, smallest: Mapping,
+               budget: float) -> str:
+    """Why the winner has its context-parallel degree: the best simulated configuration of
+    each other degree tried and how much slower it is, or the smallest footprint of a degree
+    none of whose configurations fits ``budget``; or why no degree beyond 1 was tried."""
+    if space.cps == [1]:
+        return space.cp_why
+    best = ranked[0]
+    per: dict[int, Candidate] = {}
+    for c in ranked:
+        per.setdefault(c.cp, c)
+    out = []
+    for k in space.cps:
+        if k == best.cp:
+            continue
+        if k in per:
+            out.append(f"cp={k}: {per[k].name} {per[k].step / best.step - 1:+.1%}")
+        elif smallest.get(k) is not None:
+            out.append(f"cp={k}: nothing fits (smallest {smallest[k].memory / 2**30:.1f} GiB > "
+                       f"{budget / 2**30:.1f} GiB: {smallest[k].name})")
+    return (f"context parallelism: cp={best.cp} chosen; the best of each other degree: "
+            + "; ".join(out))
 
 
 def _empty_space(only: Mapping, n_dev: int, batch: int, tps, pps, n_units: int) -> str:
@@ -706,7 +832,8 @@ def _rank_key(c: Candidate) -> tuple:
 
 @functools.lru_cache(maxsize=65536)
 def _xfer(nbytes: float, k: int, p: int, d: int, t: int, cluster) -> float:
-    """Seconds of one boundary transfer from chunk ``k``'s rank to the next one's: every
+    """Seconds of one boundary transfer from chunk ``k``'s rank to the next one's (``d·t``
+    devices a stage, ``d`` counting ``cp``): every
     device of the stage sends its shard to the same position of the next stage, all at once
     (:func:`fxpar.cost.comm.pairs_time`, as a planned boundary is priced)."""
     from fxpar.cost.comm import pairs_time
@@ -812,7 +939,7 @@ def _simulate(c: Candidate, us: list[UnitCost], scale: float, cluster, opts) -> 
     rec = (frozenset(c.recomputed) if c.recomputed else
            frozenset(i for i, u in enumerate(us) if is_layer(u.layer)) if c.recompute else frozenset())
     ch = chunk_costs(us, c.starts, scale)
-    xs = [_xfer(ch[k].out, k, c.pp, c.dp, c.tp, cluster) for k in range(n - 1)]
+    xs = [_xfer(ch[k].out, k, c.pp, c.dp * c.cp, c.tp, cluster) for k in range(n - 1)]
     st, mem = price_config(c.config(), us, c.starts, cluster, opts, scale=scale, recomputed=rec,
                            xfer=lambda k: (xs[k], xs[k]))
     return dataclasses.replace(c, step=st.step, pipeline=st.pipeline, dp_comm=st.dp_comm,

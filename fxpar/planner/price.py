@@ -2,7 +2,8 @@
 
 * :func:`unit_table`: a plan's costs attributed to the units of its graph
   (:func:`fxpar.split.units`): per device, compute and communication on the plan's own axes;
-  parameter communication over the replica axes (``dp``, ``dp_shard``) is left out, the step
+  parameter communication over the replica axes (``dp``, ``dp_shard``, and ``cp``: a
+  parameter's gradient is a partial sum over the sequence shards too) is left out, the step
   model prices it with AMSP's terms from the configuration's state factors, and so are the
   reductions of activation gradients summed over the batch (``replica_grads``: their bytes,
   priced by the configuration's data-parallel group);
@@ -48,6 +49,9 @@ __all__ = ["REPLICA_AXES", "schedule_of", "unit_table", "replica_grid", "price_c
 
 #: mesh axes whose devices hold replicas of the batch split (data parallelism)
 REPLICA_AXES = ("dp", "dp_shard")
+#: mesh axes over which a parameter is replicated and its gradient reduced by the step's
+#: data-parallel terms: the batch replicas' and context parallelism's (sequence shards)
+PARAM_REPLICA_AXES = REPLICA_AXES + ("cp",)
 #: memory key of each schedule (:func:`fxpar.cost.pipeline.in_flight_microbatches`)
 MEM_KEY = {"1f1b": "1f1b", "interleaved": "interleaved", "eager-1f1b": "eager_1f1b",
             "zb-h1": "1f1b", "gpipe": "gpipe"}
@@ -63,7 +67,7 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
     nodes = {n.name: n for n in gm.graph.nodes}
     params = {n.name for n in gm.graph.nodes if n.op == "placeholder" and ir.is_trainable_param(n)}
     names, shape = tuple(plan.mesh["axis_names"]), tuple(plan.mesh["shape"])
-    own = tuple(1 if a in REPLICA_AXES else s for a, s in zip(names, shape))
+    own = tuple(1 if a in PARAM_REPLICA_AXES else s for a, s in zip(names, shape))
     first_use: dict[str, int] = {}
     last_use: dict[str, int] = {}
     for i, (_, unodes) in enumerate(us):
@@ -118,7 +122,7 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
     for e in plan.edges:
         fixed = e.producer in params
         keep_replica = not fixed and (e.direction == "fwd" or (e.producer, e.consumer) not in sync)
-        steps = [s for s in e.steps if keep_replica or s.axis not in REPLICA_AXES]
+        steps = [s for s in e.steps if keep_replica or s.axis not in PARAM_REPLICA_AXES]
         d = "fwd" if e.direction == "fwd" else "bwd"
         a = acc[unit_of.get(e.consumer, last)]
         a[d + ("_fixed" if fixed else "")] += sum(s.time for s in steps)
@@ -181,15 +185,17 @@ def replica_grid(dp: int, pp: int, tp: int, cluster) -> tuple[int, int]:
 
 def replica_allreduce(config: ParallelConfig, cluster) -> Callable[[float], float] | None:
     """``nbytes -> seconds`` of an all-reduce over one data-parallel group of ``config`` (all
-    its replicas, on the devices a mesh of its degrees gives them), ``None`` without one."""
+    its :attr:`~fxpar.config.ParallelConfig.replicas`, ``dp·cp``, on the devices a mesh of its
+    degrees gives them), ``None`` without one."""
     from fxpar.cost.comm import collective_time
     from fxpar.mesh import Mesh
 
-    if config.dp == 1:
+    if config.replicas == 1:
         return None
-    deg = {k: v for k, v in config.degrees.items() if k != "dp_shard"}
-    deg["dp"] = config.dp
-    groups = Mesh(cluster, deg).groups("dp")
+    # cp lies next to dp (pp, dp, cp, tp): one axis of dp·cp has the same groups
+    deg = {k: v for k, v in config.degrees.items() if k not in ("dp_shard", "cp")}
+    deg["dp"] = config.replicas
+    groups = Mesh(cluster, {k: deg[k] for k in config.degrees if k in deg}).groups("dp")
     return lambda nb: collective_time("all_reduce", nb, groups[0], cluster, concurrent=groups)
 
 
@@ -223,11 +229,11 @@ def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequenc
     chunks = chunk_costs(us, starts, scale, rec, replica_allreduce(config, cluster),
                          microbatch_overhead(cluster))
     sched = schedule or Schedule.build(str(config.schedule), stages=p, microbatches=m, chunks=v)
-    d0, d1 = replica_grid(config.dp, p, config.tp, cluster)
+    d0, d1 = replica_grid(config.replicas, p, config.tp, cluster)
     layers = max(1, math.ceil(len(us) / p))
     prec = options.precision
     dp = [dp_terms(round(sum(c.params for c in chunks[r::p])), layers, m, d0, d1, *config.state,
-                   cluster, prec) if config.dp > 1 else DpTerms() for r in range(p)]
+                   cluster, prec) if config.replicas > 1 else DpTerms() for r in range(p)]
     fl = [in_flight_microbatches(MEM_KEY.get(str(config.schedule), "gpipe"), r, p, m, v)
           for r in range(p)]
     tmp = 2 * BUCKET + max(c.max_act for c in chunks)

@@ -71,7 +71,7 @@ from fxpar.cost.reshard import max_local_shape
 from fxpar.defaults import BUCKET_BYTES
 from fxpar.mesh import Mesh
 from fxpar.resharding.intra import reshard_cost_table
-from fxpar.spec import Spec, grad_in_spec, grad_out_spec
+from fxpar.spec import Shard, Spec, grad_in_spec, grad_out_spec
 from fxpar.strategies.base import Strategy, record_for
 
 __all__ = ["compute_times", "node_memory", "node_key", "output_meta", "finalize_spec",
@@ -185,11 +185,39 @@ def node_memory(node, strat: Strategy, mesh, flags, opts, *, kept: bool = True,
         total += extra * math.prod(_local(strat.outputs[0], t.shape, mesh)) // n if n else extra
     if not kept:
         return total
+    total += gathered_kv_bytes(node, strat, mesh)
     for o, t in enumerate(m for m in mets if m is not None):
         if o < len(strat.outputs) and t.dtype.is_floating_point:
             total += math.prod(_local(strat.outputs[o], t.shape, mesh)) * t.dtype.itemsize
     return total
 
+def gathered_kv_bytes(node, strat: Strategy, mesh) -> int:
+    """Bytes per device of the keys and values an attention on the sequence split (strategy
+    ``seq``: queries ``S(2)`` over axes of ``c`` devices, K/V gathered over them) keeps for its
+    backward beyond the shards their producers hold: ``(1 − 1/c)·(|K| + |V|)`` at K/V's local
+    shape (context parallelism's memory: at 128k tokens a layer's gathered K/V is 1 GiB).
+
+    >>> import torch, fxpar
+    >>> from types import SimpleNamespace
+    >>> mesh = fxpar.Mesh(fxpar.Cluster.local(4), cp=4)
+    >>> kv = SimpleNamespace(meta={"val": torch.empty(1, 8, 1024, 64, device="meta")})
+    >>> att = SimpleNamespace(target=torch.ops.aten.scaled_dot_product_attention.default,
+    ...                       args=(kv, kv, kv))
+    >>> gathered_kv_bytes(att, Strategy(("S(2)", "R", "R"), ("S(2)",), "seq"), mesh) == 2 * 3 * 8 * 1024 * 64
+    True
+    """
+    if strat.name != "seq" or "attention" not in str(getattr(node, "target", "")):
+        return 0
+    q = strat.inputs[0]
+    c = math.prod(n for pl, n in zip(q.placements, mesh.shape) if pl == Shard(2)) if q else 1
+    if c == 1:
+        return 0
+    total = 0
+    for a, spec in zip(node.args[1:3], strat.inputs[1:3]):
+        t = getattr(a, "meta", {}).get(ir.VAL)
+        if isinstance(t, torch.Tensor):
+            total += math.prod(_local(spec, t.shape, mesh)) * t.dtype.itemsize
+    return total * (c - 1) // c
 
 
 def node_key(node: fx.Node, flags) -> tuple | None:

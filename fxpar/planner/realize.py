@@ -199,7 +199,13 @@ def _config_mesh(c, cluster) -> Mesh:
 
     if c.pp == 1 and c.microbatches == 1:
         return Mesh(cluster, c.spmd_axes)
-    return stage_submesh(Mesh(cluster, {"pp": c.pp, "dp": c.dp, "tp": c.tp}), 0)
+    return stage_submesh(_pipeline_mesh(c, cluster), 0)
+
+
+def _pipeline_mesh(c, cluster) -> Mesh:
+    """The whole mesh of a pipeline configuration ``c``: ``pp``, ``dp``, ``cp`` (when
+    ``c.cp > 1``), ``tp``, outermost first."""
+    return Mesh(cluster, {"pp": c.pp, "dp": c.dp, **({"cp": c.cp} if c.cp > 1 else {}), "tp": c.tp})
 
 
 def _plan_config(gm, probe, cluster, c, res, opts, pins, dropped, cache) -> Planned:
@@ -226,7 +232,7 @@ def _plan_config(gm, probe, cluster, c, res, opts, pins, dropped, cache) -> Plan
                                 memory=int(max(price_plan(p)[1])),
                                 schedule={**p.schedule, "search": res.summary()})
         return Planned(p, gm, ((c.name, p.time),), bp, sol)
-    mesh = Mesh(cluster, {"pp": c.pp, "dp": c.dp, "tp": c.tp})
+    mesh = _pipeline_mesh(c, cluster)
     pplan, chunks = plan_pipeline(
         gm, mesh, schedule=c.schedule, microbatches=c.microbatches, chunks=c.chunks,
         options=free, boundary="scatter_gather",
