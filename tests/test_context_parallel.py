@@ -154,7 +154,6 @@ def cp_tuple_worker(name: str, plan: dict):
                          plan=plan, optimizer=opt, time_limit=20)
     cfg = prog.plan.config
     assert cfg.cp == plan["cp"] and all(getattr(cfg, k) == v for k, v in plan.items() if k != "cp"), cfg
-    graphs = [sp.graph for sp in prog.stage_programs] if prog.plan.stages else [prog.graph]
     names = list(prog.plan.mesh["axis_names"])
     assert "cp" in names, names
     runner = prog.runner()
