@@ -1,9 +1,10 @@
-"""Context parallelism (issue #27, first slice): a mesh axis named ``cp`` splits the sequence of
-the token inputs (:func:`fxpar.planner.baselines.cp_pins`), and causal attention runs on a
-sequence shard of the queries against the keys gathered over ``cp``, masked at the shard's
-global rows (``fxpar::offset_causal_sdpa``). On 4 gloo ranks, HF Llama (GQA) and a model calling
-``F.scaled_dot_product_attention(..., is_causal=True)`` train like one process, with the
-attention forced onto the sequence split and left to the solver."""
+"""Context parallelism (issue #27): a mesh axis named ``cp`` splits the sequence of the token
+inputs (:func:`fxpar.planner.baselines.cp_pins`), and causal attention runs on a sequence shard
+of the queries against the keys gathered over ``cp``, masked at the shard's global rows
+(``fxpar::offset_causal_sdpa``), or on the heads split (DeepSpeed-Ulysses). On 4 gloo ranks, HF
+Llama and Qwen2 (GQA) and a model calling ``F.scaled_dot_product_attention(..., is_causal=True)``
+train like one process: attention forced onto either split or left to the solver, ``cp`` inside
+pipeline stages, and ``plan=dict(cp=...)`` through the joint search."""
 
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ def _model(name: str):
                              use_cache=False)
         ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(1))
         return tf.LlamaForCausalLM(cfg), (ids,), {"labels": ids}
+    if name == "qwen2":   # causal, GQA, biased q/k/v projections
+        import transformers as tf
+
+        cfg = tf.Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                             use_cache=False)
+        ids = torch.randint(0, 96, (4, 16), generator=torch.Generator().manual_seed(1))
+        return tf.Qwen2ForCausalLM(cfg), (ids,), {"labels": ids}
     from examples.models import GPT
 
     ids = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
@@ -77,7 +86,7 @@ def cp_worker(name: str, mesh: dict, force: bool, dim: int = 2):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("name", ["llama", "gpt"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt"])
 @pytest.mark.parametrize("mesh", [{"cp": 4}, {"cp": 2, "dp": 2}])
 def test_context_parallel_trains_like_one_process(pools, name, mesh):
     res = pools(4).run(cp_worker, name, mesh, True)
