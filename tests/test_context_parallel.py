@@ -60,11 +60,12 @@ def cp_worker(name: str, mesh: dict, force: bool, dim: int = 2):
     prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), args, kwargs, mesh=mesh,
                          optimizer=opt, time_limit=20, pins=pins)
     runner = prog.runner()
-    # (by name: the op is registered when a rewrite first makes it)
-    ops = [n for n in runner.gm.graph.nodes if "offset_causal_sdpa" in str(n.target)]
+    # (by name: the op is registered when a rewrite first makes it); 16 rows split evenly:
+    # every causal attention shares its work with its partner (load-balanced)
+    ops = [n for n in runner.gm.graph.nodes if "causal_sdpa" in str(n.target)]
     if force and dim == 2:
-        assert ops, "no attention on a sequence shard"
-        offsets = sorted({n.args[4] for n in ops})
+        assert ops and all("balanced_causal_sdpa" in str(n.target) for n in ops), ops
+        offsets = sorted({n.args[3] for n in ops})
     elif force:   # heads split: whole sequences, the usual causal kernel on a share of the heads
         assert not ops and prog.plan.explain().count("DeepSpeed-Ulysses"), prog.plan.explain()
         offsets = None

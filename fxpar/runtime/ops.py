@@ -15,7 +15,9 @@
   (:mod:`fxpar.runtime.keyed`; defined when this module is imported);
 * the vocabulary-parallel cross-entropy, log-softmax and nll loss (the class dim split):
   ``torch.ops.fxpar.vocab_parallel_cross_entropy`` and friends (:mod:`fxpar.runtime.vocab`;
-  defined when this module is imported).
+  defined when this module is imported);
+* causal attention on a sequence shard with its work balanced across the context-parallel
+  axis: ``torch.ops.fxpar.balanced_causal_sdpa`` (:mod:`fxpar.runtime.context_parallel`).
 
 >>> import torch
 >>> w = torch.arange(6.).reshape(3, 2)            # rows 3..5 of a 6-row table
@@ -90,3 +92,4 @@ SHARDED_DROPOUT = define(
 # the keyed random ops build on keep_mask / sharded_dropout: defined with them
 import fxpar.runtime.keyed  # noqa: E402,F401
 import fxpar.runtime.vocab  # noqa: E402,F401  (the vocabulary-parallel cross-entropy)
+import fxpar.runtime.context_parallel  # noqa: E402,F401  (load-balanced causal attention)

@@ -7,6 +7,9 @@ broadcast to ``[B, H, L, S]`` follows (sharded where its dim is not a broadcast 
   device's query heads keep their own key/value group);
 * ``seq``: L of q (and mask) sharded, k/v replicated (all-gathered over the axis: context
   parallelism as Llama 3 runs it); with ``is_causal`` the local op becomes
+  ``fxpar::balanced_causal_sdpa`` (even shards over one axis, no mask or dropout: each rank
+  computes half its rows and half its partner's, every rank the same work,
+  :mod:`fxpar.runtime.context_parallel`, the swaps priced by :func:`attention_comm`), else
   ``fxpar::offset_causal_sdpa`` at the shard's first global row (``is_causal`` alone would
   align the mask to the local rows); the fused variants with ``is_causal`` have no ``seq``;
 * never E (the head dim is contracted) or S (the softmax runs over it).
@@ -20,6 +23,8 @@ fused variants with dropout are refused at plan time (:func:`fxpar.strategies.ra
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -61,6 +66,60 @@ def _causal_rows(node: fx.Node, lctx: LocalContext) -> int | None:
     return spec.global_slices(lctx.global_shape(q), lctx.mesh_shape, lctx.coord)[2].start
 
 
+def _balanceable(node: fx.Node, qspec, length: int, mesh_shape) -> tuple[int, int] | None:
+    """``(axis, c)`` when a causal attention whose queries are laid out ``qspec`` can share
+    its work evenly (:mod:`fxpar.runtime.context_parallel`): the sequence (``length`` rows)
+    split over one mesh axis of ``c`` devices into equal shards of an even length, no mask,
+    no dropout; else ``None`` (each rank's rows against all keys, the mask at their global
+    rows: ``fxpar::offset_causal_sdpa``)."""
+    b = bound(node)
+    if not b.get("is_causal") or b.get("attn_mask") is not None or (b.get("dropout_p") or 0.0):
+        return None
+    axes = qspec.shard_axes(2) if qspec is not None else ()
+    if len(axes) != 1:
+        return None
+    c = mesh_shape[axes[0]]
+    return (axes[0], c) if c > 1 and length % (2 * c) == 0 else None
+
+
+def _balanced(node: fx.Node, lctx: LocalContext) -> tuple[int, int] | None:
+    q = bound(node)["query"]
+    return _balanceable(node, node.meta[ir.IN_SPECS][node.all_input_nodes.index(q)],
+                        lctx.global_shape(q)[2], lctx.mesh_shape)
+
+
+def attention_comm(node: fx.Node, strat, mesh) -> tuple[float, float]:
+    """``(t_fwd, t_bwd)`` of the swaps a load-balanced causal attention adds
+    (:func:`_balanceable`; :mod:`fxpar.runtime.context_parallel`): half the local queries to
+    the partner and its outputs back, forward; their gradients, backward; all pairs ``(r,
+    c−1−r)`` of the axis at once (:func:`fxpar.cost.comm.pairs_time`). ``(0, 0)`` otherwise.
+    The attention itself is priced on its local shapes against all keys, as every causal
+    attention is (the causal mask does not halve the price: :mod:`fxpar.cost.compute`), so
+    the balanced op's half-sized work and the unbalanced op's masked full work price alike."""
+    if node.target is not aten.scaled_dot_product_attention.default or strat.name != "seq":
+        return 0.0, 0.0
+    from fxpar.cost.comm import pairs_time
+    from fxpar.cost.reshard import max_local_shape
+
+    b = bound(node)
+    q, v = b["query"], b["value"]
+    qspec = strat.inputs[node.all_input_nodes.index(q)]
+    qv, vv = q.meta[ir.VAL], v.meta[ir.VAL]
+    got = _balanceable(node, qspec, int(qv.shape[2]), mesh.shape)
+    if got is None:
+        return 0.0, 0.0
+    axis, c = got
+    local = max_local_shape(qspec, tuple(qv.shape), mesh.shape)
+    half_q = math.prod(local) // 2 * qv.dtype.itemsize
+    half_o = half_q // int(qv.shape[-1]) * int(vv.shape[-1])
+    g = mesh.groups(axis)[0]
+    pairs = [(g[r], g[c - 1 - r]) for r in range(c) if r != c - 1 - r]
+    if not pairs:
+        return 0.0, 0.0
+    t = pairs_time(half_q, pairs, mesh.cluster) + pairs_time(half_o, pairs, mesh.cluster)
+    return t, t
+
+
 def attention_local(node: fx.Node, lctx: LocalContext) -> None:
     """Attention is tagged ``nondeterministic_seeded`` for its dropout: without dropout
     (``dropout_p == 0``) the plain op is right. With it, ``aten.scaled_dot_product_attention``
@@ -81,6 +140,15 @@ def attention_local(node: fx.Node, lctx: LocalContext) -> None:
 
     import fxpar.runtime.ops  # noqa: F401  (registers torch.ops.fxpar: only when localizing)
 
+    bal = _balanced(node, lctx) if offset is not None else None
+    if bal is not None:   # causal rows of a sequence shard, their work shared with a partner
+        axis, c = bal
+        me = lctx.coord[axis]
+        node.target = torch.ops.fxpar.balanced_causal_sdpa.default
+        node.args = (b["query"], b["key"], b["value"], offset, axis, me, c - 1 - me, b.get("scale"),
+                     bool(b.get("enable_gqa", False)))
+        node.kwargs = {}
+        return
     if offset is not None:   # causal rows of a sequence shard: the mask at their global rows
         node.target = torch.ops.fxpar.offset_causal_sdpa.default
         node.args = (b["query"], b["key"], b["value"], b.get("attn_mask"), offset, float(b.get("dropout_p") or 0.0),
@@ -96,7 +164,7 @@ def attention_local(node: fx.Node, lctx: LocalContext) -> None:
     node.kwargs = {}
 
 
-@register(*_VARIANTS, cost=sdpa_cost, saves="qkvo", local=attention_local)
+@register(*_VARIANTS, cost=sdpa_cost, saves="qkvo", local=attention_local, comm=attention_comm)
 def sdpa_rule(node):
     b = bound(node)
     q, k = tensor_shape(b["query"]), tensor_shape(b["key"])
