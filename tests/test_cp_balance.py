@@ -63,11 +63,12 @@ def test_the_swaps_are_priced_only_where_the_work_is_shared():
     pairs = [(0, 3), (1, 2), (2, 1), (3, 0)]
 
     def node(L):
-        q = torch.fx.Node(torch.fx.Graph(), "q", "placeholder", "q", (), {})
-        q.meta["val"] = torch.empty(2, 8, L, 64, device="meta", dtype=torch.bfloat16)
-        n = torch.fx.Node(q.graph, "a", "call_function", torch.ops.aten.scaled_dot_product_attention.default,
-                          (q, q, q), {"is_causal": True})
-        return n
+        g = torch.fx.Graph()
+        q, k, v = (g.placeholder(x) for x in "qkv")
+        for x in (q, k, v):
+            x.meta["val"] = torch.empty(2, 8, L, 64, device="meta", dtype=torch.bfloat16)
+        return g.call_function(torch.ops.aten.scaled_dot_product_attention.default, (q, k, v),
+                               {"is_causal": True})
 
     seq = Strategy(("S(2)", "R", "R"), ("S(2)",), "seq")
     half = 2 * 8 * (64 // 4) * 64 // 2 * 2   # local q elements / 2, bf16
@@ -75,3 +76,28 @@ def test_the_swaps_are_priced_only_where_the_work_is_shared():
     assert f == b == pytest.approx(2 * pairs_time(half, pairs, mesh.cluster))
     assert attention_comm(node(60), seq, mesh) == (0.0, 0.0)       # 60 % 8: unbalanced
     assert attention_comm(node(64), Strategy(("S(1)", "S(1)", "S(1)"), ("S(1)",), "heads"), mesh) == (0.0, 0.0)
+    # the same split on a 2-d mesh (named "cp:seq" there): priced alike
+    mesh2 = fxpar.Mesh(fxpar.Cluster.preset("dgx-a100"), {"cp": 4, "tp": 2})
+    pairs2 = [(0, 6), (2, 4), (4, 2), (6, 0)]
+    seq2 = Strategy(("S(2)R", "RR", "RR"), ("S(2)R",), "cp:seq")
+    assert attention_comm(node(64), seq2, mesh2)[0] == pytest.approx(2 * pairs_time(half, pairs2, mesh2.cluster))
+
+
+def test_gathered_keys_and_values_are_held_on_any_mesh():
+    """The K/V an attention on the sequence split gathers over cp are held for its backward:
+    ``(1 − 1/cp)`` of their local bytes beyond the producers' shards, on a 2-d mesh too
+    (heads split over tp: half the heads each), and nothing where K/V stay split (no gather)."""
+    from fxpar.planner.pricing import gathered_kv_bytes
+    from fxpar.strategies.base import Strategy
+
+    g = torch.fx.Graph()
+    q, k, v = (g.placeholder(x) for x in "qkv")
+    for x in (q, k, v):
+        x.meta["val"] = torch.empty(1, 8, 1024, 64, device="meta", dtype=torch.bfloat16)
+    att = g.call_function(torch.ops.aten.scaled_dot_product_attention.default, (q, k, v), {"is_causal": True})
+    mesh = fxpar.Mesh(fxpar.Cluster.local(8), {"cp": 4, "tp": 2})
+    kv_local = 2 * (1 * 4 * 1024 * 64) * 2   # K and V, 4 of 8 heads, bf16
+    s = Strategy(("S(2)S(1)", "RS(1)", "RS(1)"), ("S(2)S(1)",), "cp:seq tp:heads")
+    assert gathered_kv_bytes(att, s, mesh) == kv_local * 3 // 4
+    ring = Strategy(("S(2)S(1)", "S(2)S(1)", "S(2)S(1)"), ("S(2)S(1)",), "cp:ring tp:heads")
+    assert gathered_kv_bytes(att, ring, mesh) == 0

@@ -192,10 +192,10 @@ def node_memory(node, strat: Strategy, mesh, flags, opts, *, kept: bool = True,
     return total
 
 def gathered_kv_bytes(node, strat: Strategy, mesh) -> int:
-    """Bytes per device of the keys and values an attention on the sequence split (strategy
-    ``seq``: queries ``S(2)`` over axes of ``c`` devices, K/V gathered over them) keeps for its
-    backward beyond the shards their producers hold: ``(1 − 1/c)·(|K| + |V|)`` at K/V's local
-    shape (context parallelism's memory: at 128k tokens a layer's gathered K/V is 1 GiB).
+    """Bytes per device of the keys and values an attention on the sequence split (queries
+    ``S(2)`` over axes of ``c`` devices, K/V replicated there: gathered over them) keeps for
+    its backward beyond the shards their producers hold: ``(1 − 1/c)·(|K| + |V|)`` at K/V's
+    local shape (context parallelism's memory: at 128k tokens a layer's gathered K/V is 1 GiB).
 
     >>> import torch, fxpar
     >>> from types import SimpleNamespace
@@ -206,10 +206,13 @@ def gathered_kv_bytes(node, strat: Strategy, mesh) -> int:
     >>> gathered_kv_bytes(att, Strategy(("S(2)", "R", "R"), ("S(2)",), "seq"), mesh) == 2 * 3 * 8 * 1024 * 64
     True
     """
-    if strat.name != "seq" or "attention" not in str(getattr(node, "target", "")):
+    if "attention" not in str(getattr(node, "target", "")) or len(strat.inputs) < 3:
         return 0
     q = strat.inputs[0]
-    c = math.prod(n for pl, n in zip(q.placements, mesh.shape) if pl == Shard(2)) if q else 1
+    axes = [a for a, pl in enumerate(q.placements) if pl == Shard(2)] if q is not None else []
+    # gathered: K/V not split along the sequence where the queries are
+    axes = [a for a in axes if all(s is None or s.placements[a] != Shard(2) for s in strat.inputs[1:3])]
+    c = math.prod(mesh.shape[a] for a in axes)
     if c == 1:
         return 0
     total = 0

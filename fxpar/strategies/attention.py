@@ -96,7 +96,7 @@ def attention_comm(node: fx.Node, strat, mesh) -> tuple[float, float]:
     The attention itself is priced on its local shapes against all keys, as every causal
     attention is (the causal mask does not halve the price: :mod:`fxpar.cost.compute`), so
     the balanced op's half-sized work and the unbalanced op's masked full work price alike."""
-    if node.target is not aten.scaled_dot_product_attention.default or strat.name != "seq":
+    if node.target is not aten.scaled_dot_product_attention.default:
         return 0.0, 0.0
     from fxpar.cost.comm import pairs_time
     from fxpar.cost.reshard import max_local_shape
@@ -104,10 +104,11 @@ def attention_comm(node: fx.Node, strat, mesh) -> tuple[float, float]:
     b = bound(node)
     q, v = b["query"], b["value"]
     qspec = strat.inputs[node.all_input_nodes.index(q)]
+    kspec = strat.inputs[node.all_input_nodes.index(b["key"])]
     qv, vv = q.meta[ir.VAL], v.meta[ir.VAL]
     got = _balanceable(node, qspec, int(qv.shape[2]), mesh.shape)
-    if got is None:
-        return 0.0, 0.0
+    if got is None or (kspec is not None and kspec.placements[got[0]] == S(2)):
+        return 0.0, 0.0   # not balanced, or K/V not gathered
     axis, c = got
     local = max_local_shape(qspec, tuple(qv.shape), mesh.shape)
     half_q = math.prod(local) // 2 * qv.dtype.itemsize
