@@ -362,6 +362,10 @@ class Plan:
         for n in att:
             q = Spec.parse(n.inputs[0]).placements[a]
             split = q.dim if placement_kind(q) == "S" else None
+            k = Spec.parse(n.inputs[1]).placements[a] if len(n.inputs) > 1 and n.inputs[1] else None
+            if split == 2 and k is not None and placement_kind(k) == "S" and k.dim == 2:
+                ways["ring attention (K/V blocks passed round cp, overlapped with compute)"] += 1
+                continue
             ways["the sequence split, K/V gathered over cp" if split == 2 else
                  "the heads split over cp (DeepSpeed-Ulysses: all-to-all from the sequence "
                  "split and back, priced cheaper than gathering K/V)" if split == 1 else

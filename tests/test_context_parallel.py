@@ -42,7 +42,29 @@ def _model(name: str):
     return GPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=16), (ids, ids.roll(1, 1)), {}
 
 
-def cp_worker(name: str, mesh: dict, force: bool, dim: int = 2):
+#: per forced attention layout, the placements on cp of the queries and of the keys
+FORCED = {"seq": ("S(2)", "R"), "heads": ("S(1)", "S(1)"), "ring": ("S(2)", "S(2)")}
+
+
+def forced_strategies(kind: str, mesh: dict):
+    """A strategy list that leaves each attention only ``kind`` on the mesh axis ``cp``
+    (``FORCED``: the sequence split with K/V gathered, the heads split (Ulysses) or the ring)
+    and the batch split on ``dp``; every other node keeps its own."""
+    from fxpar.planner.intra_op import default_strategies
+
+    base, (q, k) = default_strategies(), FORCED[kind]
+    want = [(a, (q, k) if name == "cp" else ("S(0)", "S(0)")) for a, name in enumerate(mesh)]
+
+    def strategies(n, m):
+        got = base(n, m)
+        if n.target != torch.ops.aten.scaled_dot_product_attention.default:
+            return got
+        return [s for s in got if all((str(s.inputs[0].placements[a]), str(s.inputs[1].placements[a])) == w
+                                      for a, w in want)]
+    return strategies
+
+
+def cp_worker(name: str, mesh: dict, force: str | None):
     import torch.distributed as dist
 
     import fxpar
@@ -51,24 +73,23 @@ def cp_worker(name: str, mesh: dict, force: bool, dim: int = 2):
     model, args, kwargs = _model(name)
     ref = copy.deepcopy(model)
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-5)  # noqa: E731
-    seq = "".join(f"S({dim})" if a == "cp" else "S(0)" for a in mesh)
-    pins = None
-    if force:   # every attention on the sequence split (dim 2) or the heads split (1) over cp
-        gm = fxpar.capture(model, args, kwargs)
-        pins = {n.name: seq for n in gm.graph.nodes
-                if n.target == torch.ops.aten.scaled_dot_product_attention.default}
+    strategies = forced_strategies(force, mesh) if force else None
     prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), args, kwargs, mesh=mesh,
-                         optimizer=opt, time_limit=20, pins=pins)
+                         optimizer=opt, time_limit=20, strategies=strategies)
     runner = prog.runner()
     # (by name: the op is registered when a rewrite first makes it); 16 rows split evenly:
-    # every causal attention shares its work with its partner (load-balanced)
-    ops = [n for n in runner.gm.graph.nodes if "causal_sdpa" in str(n.target)]
-    if force and dim == 2:
+    # every causal attention on the sequence split shares its work with its partner
+    ops = [n for n in runner.gm.graph.nodes if "sdpa" in str(n.target)]
+    offsets = None
+    if force == "seq":
         assert ops and all("balanced_causal_sdpa" in str(n.target) for n in ops), ops
         offsets = sorted({n.args[3] for n in ops})
-    elif force:   # heads split: whole sequences, the usual causal kernel on a share of the heads
+    elif force == "ring":   # K/V go round cp: every attention a ring over the cp axis
+        assert ops and all("ring_sdpa" in str(n.target) and n.args[3] == [list(mesh).index("cp")]
+                           for n in ops), [(n.target, n.args[3:]) for n in ops]
+        assert "ring attention" in prog.plan.explain(), prog.plan.explain()
+    elif force == "heads":   # whole sequences, the usual causal kernel on a share of the heads
         assert not ops and prog.plan.explain().count("DeepSpeed-Ulysses"), prog.plan.explain()
-        offsets = None
     inputs = [n for n in runner.gm.graph.find_nodes(op="placeholder") if ir.INPUT in n.meta]
     assert all(str(n.meta[ir.SPECS][0]) == "".join("S(1)" if a == "cp" else "S(0)" for a in mesh)
                for n in inputs if len(n.meta[ir.INPUT].shape or ()) == 2)
@@ -83,14 +104,14 @@ def cp_worker(name: str, mesh: dict, force: bool, dim: int = 2):
         ropt.zero_grad()
         torch.testing.assert_close(loss, rl.detach(), **TOL)
         losses.append(loss.item())
-    return losses, offsets if force else None
+    return losses, offsets
 
 
 @pytest.mark.timeout(400)
 @pytest.mark.parametrize("name", ["llama", "qwen2", "gpt"])
 @pytest.mark.parametrize("mesh", [{"cp": 4}, {"cp": 2, "dp": 2}])
 def test_context_parallel_trains_like_one_process(pools, name, mesh):
-    res = pools(4).run(cp_worker, name, mesh, True)
+    res = pools(4).run(cp_worker, name, mesh, "seq")
     assert all(r[0] == res[0][0] for r in res)
     # each rank's causal rows start where its sequence shard starts (16 tokens over cp)
     cp = mesh["cp"]
@@ -103,12 +124,23 @@ def test_ulysses_heads_split_trains_like_one_process(pools, name):
     """DeepSpeed-Ulysses: the sequence split over cp everywhere but attention, which takes the
     heads split (all-to-all in, all-to-all out): the layout the joint search picks for
     Llama-3-8B at 128k tokens on 64 A100s (benchmarks/long_context.py)."""
-    pools(4).run(cp_worker, name, {"cp": 2, "dp": 2}, True, 1)
+    pools(4).run(cp_worker, name, {"cp": 2, "dp": 2}, "heads")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name,mesh", [("llama", {"cp": 4}), ("gpt", {"cp": 2, "dp": 2}),
+                                       ("qwen2", {"dp": 2, "cp": 2})])
+def test_ring_attention_trains_like_one_process(pools, name, mesh):
+    """Ring attention: queries, keys and values all split along the sequence over cp, the
+    K/V blocks passed round the ring (causal: later blocks skipped, the diagonal masked),
+    merged by log-sum-exp; the backward passes each block round again with its gradients."""
+    res = pools(4).run(cp_worker, name, mesh, "ring")
+    assert all(r[0] == res[0][0] for r in res)
 
 
 @pytest.mark.timeout(300)
 def test_context_parallel_left_to_the_solver(pools):
-    pools(4).run(cp_worker, "llama", {"cp": 2, "dp": 2}, False)
+    pools(4).run(cp_worker, "llama", {"cp": 2, "dp": 2}, None)
 
 
 

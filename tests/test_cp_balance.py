@@ -101,3 +101,36 @@ def test_gathered_keys_and_values_are_held_on_any_mesh():
     assert gathered_kv_bytes(att, s, mesh) == kv_local * 3 // 4
     ring = Strategy(("S(2)S(1)", "S(2)S(1)", "S(2)S(1)"), ("S(2)S(1)",), "cp:ring tp:heads")
     assert gathered_kv_bytes(att, ring, mesh) == 0
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_ring_attention_overlaps_each_block_with_the_next_shift(fast):
+    """Ring attention on cp=4 pays, beyond its local block, 3 more blocks each overlapped with
+    a K/V shift: 3·max(block, shift) forward. With links far faster than compute that is 3
+    blocks of compute; far slower, 3 shifts of the local K/V (both directions of the ring at
+    once)."""
+    import dataclasses
+
+    from fxpar.cost.comm import pairs_time
+    from fxpar.cost.compute import TensorArg, op_cost, op_time
+    from fxpar.strategies.attention import attention_comm
+    from fxpar.strategies.base import Strategy
+
+    cl = fxpar.Cluster.preset("dgx-a100", physics=None)
+    k = 1e6 if fast else 1e-6
+    cl = dataclasses.replace(cl, intra_node_bandwidth=cl.intra_node_bandwidth * k,
+                             inter_node_bandwidth=cl.inter_node_bandwidth * k)
+    mesh = fxpar.Mesh(cl, cp=4)
+    g = torch.fx.Graph()
+    q, kk, v = (g.placeholder(x) for x in "qkv")
+    for x in (q, kk, v):
+        x.meta["val"] = torch.empty(1, 8, 4096, 64, device="meta", dtype=torch.bfloat16)
+    att = g.call_function(torch.ops.aten.scaled_dot_product_attention.default, (q, kk, v),
+                          {"is_causal": True})
+    ring = Strategy(("S(2)", "S(2)", "S(2)"), ("S(2)",), "ring")
+    f, _ = attention_comm(att, ring, mesh)
+    local = TensorArg((1, 8, 1024, 64), torch.bfloat16, True)
+    tf, _ = op_time(op_cost(att.target, (local, local, local), {}, TensorArg((1, 8, 1024, 64), torch.bfloat16)), cl)
+    shift = pairs_time(2 * 8 * 1024 * 64 * 2, [(0, 1), (1, 2), (2, 3), (3, 0)], cl)
+    assert f == pytest.approx(3 * max(tf, shift))
+    assert (tf > shift) == fast

@@ -19,6 +19,18 @@ the local output, each way once forward and once backward (their gradients), bet
   shared with the peer as above (both must call it: it communicates); composite, so autograd
   differentiates through the swaps and the two attentions.
 
+**Ring attention** (Liu et al.; ``torch.ops.fxpar.ring_sdpa(q, k, v, axes, is_causal, scale,
+enable_gqa)``): queries, keys and values all split along the sequence over the mesh ``axes``
+(``C`` blocks, nested left to right as a dim split over them); no rank ever holds more than
+two key/value blocks. Forward, ``C`` steps: attend the block held (block ``j = me − t``, skipped
+when causal and ``j > me``; the diagonal block causal), merge with the running output by
+log-sum-exp (``lse = log(e^lse + e^lse_j)``, ``o = o·e^(lse_old−lse) + o_j·e^(lse_j−lse)``)
+while the block moves on to the next rank (send to ``me + 1``, receive from ``me − 1``,
+overlapped). Backward, ``C`` steps again with ``D = rowsum(dO ∘ O)`` and ``P = e^(S − lse)``:
+``dV_j += Pᵀ·dO``, ``dS = P ∘ (dO·V_jᵀ − D)``, ``dQ += dS·K_j·scale``, ``dK_j += dSᵀ·Q·scale``,
+each block travelling with its ``dK_j, dV_j`` until it is home. Saved: the local ``q, k, v``,
+the output and ``lse`` (the K/V all-gather's saved copy is what the ring avoids).
+
 >>> [(p.row0, p.rows, p.keys) for p in balanced_pieces(16, 4, 0)]   # rank 0 of 4 on 16 rows
 [(0, 2, 2), (14, 2, 16)]
 >>> {sum(p.rows * p.keys for p in balanced_pieces(16, 4, r)) for r in range(4)}
@@ -27,6 +39,7 @@ the local output, each way once forward and once backward (their gradients), bet
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -35,7 +48,7 @@ from fxpar.runtime.bindings import current
 from fxpar.runtime.keyed import _composite, _offset_causal
 from fxpar.runtime.library import define
 
-__all__ = ["Piece", "balanced_pieces", "CP_SWAP", "BALANCED_CAUSAL_SDPA"]
+__all__ = ["Piece", "balanced_pieces", "CP_SWAP", "BALANCED_CAUSAL_SDPA", "RING_SDPA", "ring_step"]
 
 
 class Piece(NamedTuple):
@@ -96,3 +109,159 @@ def _balanced(query, key, value, offset, axis, me, peer, scale, enable_gqa):
 BALANCED_CAUSAL_SDPA = _composite(
     "balanced_causal_sdpa(Tensor query, Tensor key, Tensor value, int offset, int axis, int me, "
     "int peer, float? scale, bool enable_gqa) -> Tensor", _balanced)
+
+
+# --- ring attention -------------------------------------------------------------------------
+
+
+def _ring(axes) -> tuple[list[int], int]:
+    """Global ranks of this rank's ring over mesh ``axes`` in block order (the axes nest left
+    to right, as a dim split over them) and this rank's place in it."""
+    dm = current().device_mesh
+    coord = list(dm.get_coordinate())
+    sizes = [dm.size(a) for a in axes]
+    ranks = []
+    for b in range(math.prod(sizes)):
+        c, rest = list(coord), b
+        for a, k in reversed(list(zip(axes, sizes))):
+            c[a], rest = rest % k, rest // k
+        ranks.append(int(dm.mesh[tuple(c)]))
+    return ranks, ranks.index(int(dm.mesh[tuple(coord)]))
+
+
+def _shift(ts, ranks: list[int], me: int):
+    """Send ``ts`` to the next rank of the ring, receive the previous rank's: started, with
+    the receive buffers (:meth:`wait` them)."""
+    import torch.distributed as dist
+
+    n = len(ranks)
+    nxt, prv = ranks[(me + 1) % n], ranks[(me - 1) % n]
+    bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in ts]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt) for t in ts] + \
+          [dist.P2POp(dist.irecv, b, prv) for b in bufs]
+    return dist.batch_isend_irecv(ops), bufs
+
+
+def _heads(t: torch.Tensor, h: int) -> torch.Tensor:
+    return t if t.size(-3) == h else t.repeat_interleave(h // t.size(-3), -3)
+
+
+def _fold_heads(g: torch.Tensor, hk: int) -> torch.Tensor:
+    """A gradient over the query heads summed back onto ``hk`` key/value heads (GQA)."""
+    if g.size(-3) == hk:
+        return g
+    *b, h, n, e = g.shape
+    return g.reshape(*b, hk, h // hk, n, e).sum(-3)
+
+
+def _scores(q, k, scale, diag: bool) -> torch.Tensor:
+    s = (q @ k.transpose(-2, -1)).float() * scale
+    if diag:   # the block on the diagonal: rows and keys start at the same position
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+def ring_step(q, k, v, out, lse, scale: float, diag: bool):
+    """One forward step of ring attention: ``q`` against the key block ``k, v``, merged into
+    the running ``out`` (fp32) and ``lse`` by log-sum-exp; returns the new ``(out, lse)``.
+
+    >>> import torch
+    >>> q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8)
+    >>> o = torch.zeros(1, 2, 4, 8); l = torch.full((1, 2, 4), float("-inf"))
+    >>> for j in range(2):   # two blocks of 4 keys, merged
+    ...     o, l = ring_step(q, k[..., 4*j:4*j+4, :], v[..., 4*j:4*j+4, :], o, l, 8 ** -0.5, False)
+    >>> torch.allclose(o, torch.nn.functional.scaled_dot_product_attention(q, k, v), atol=1e-6)
+    True
+    """
+    s = _scores(q, _heads(k, q.size(-3)), scale, diag)
+    l_j = torch.logsumexp(s, -1)
+    o_j = torch.exp(s - l_j[..., None]).to(v.dtype) @ _heads(v, q.size(-3))
+    new = torch.logaddexp(lse, l_j)
+    return out * torch.exp(lse - new)[..., None] + o_j.float() * torch.exp(l_j - new)[..., None], new
+
+
+def _ring_fwd(q, k, v, axes, causal, scale, gqa):
+    ranks, me = _ring(axes)
+    n = len(ranks)
+    scale = scale if scale is not None else q.size(-1) ** -0.5
+    out = q.new_zeros(q.shape[:-1] + (v.size(-1),), dtype=torch.float32)
+    lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
+    kb, vb = k, v
+    for t in range(n):
+        j = (me - t) % n
+        moving = _shift((kb, vb), ranks, me) if t < n - 1 else None
+        if not causal or j <= me:
+            out, lse = ring_step(q, kb, vb, out, lse, scale, causal and j == me)
+        if moving is not None:
+            for w in moving[0]:
+                w.wait()
+            kb, vb = moving[1]
+    return out.to(q.dtype), lse
+
+
+def _ring_bwd(dout, q, k, v, out, lse, axes, causal, scale, gqa):
+    ranks, me = _ring(axes)
+    n = len(ranks)
+    scale = scale if scale is not None else q.size(-1) ** -0.5
+    h, hk = q.size(-3), k.size(-3)
+    D = (dout.float() * out.float()).sum(-1)
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    kb, vb = k, v
+    dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+    for t in range(n):
+        j = (me - t) % n
+        if not causal or j <= me:
+            K, V = _heads(kb, h), _heads(vb, h)
+            P = torch.exp(_scores(q, K, scale, causal and j == me) - lse[..., None])
+            dv = dv + _fold_heads(P.transpose(-2, -1) @ dout.float(), hk)
+            dS = P * ((dout @ V.transpose(-2, -1)).float() - D[..., None])
+            dq = dq + (dS @ K.float()) * scale
+            dk = dk + _fold_heads((dS.transpose(-2, -1) @ q.float()) * scale, hk)
+        if n == 1:
+            break
+        # the block moves on with its gradients; after n moves each is home
+        reqs, got = _shift((kb, vb, dk, dv) if t < n - 1 else (dk, dv), ranks, me)
+        for w in reqs:
+            w.wait()
+        if t < n - 1:
+            kb, vb, dk, dv = got
+        else:
+            dk, dv = got
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _fake_fwd(q, k, v, axes, causal, scale, gqa):
+    return q.new_empty(q.shape[:-1] + (v.size(-1),)), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+RING_FWD = define("fxpar::ring_sdpa_fwd(Tensor q, Tensor k, Tensor v, int[] axes, bool is_causal, "
+                  "float? scale, bool enable_gqa) -> (Tensor, Tensor)", _ring_fwd, fake=_fake_fwd,
+                  differentiable=False)
+RING_BWD = define("fxpar::ring_sdpa_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, "
+                  "Tensor lse, int[] axes, bool is_causal, float? scale, bool enable_gqa) "
+                  "-> (Tensor, Tensor, Tensor)", _ring_bwd,
+                  fake=lambda dout, q, k, v, *a: (torch.empty_like(q), torch.empty_like(k),
+                                                  torch.empty_like(v)),
+                  differentiable=False)
+
+
+class _Ring(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, axes, causal, scale, gqa):
+        out, lse = RING_FWD(q, k, v, axes, causal, scale, gqa)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cfg = (axes, causal, scale, gqa)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*RING_BWD(dout.contiguous(), q, k, v, out, lse, *ctx.cfg), None, None, None, None)
+
+
+#: ``ring_sdpa(q, k, v, axes, is_causal, scale, enable_gqa)`` (module docstring)
+RING_SDPA = _composite(
+    "ring_sdpa(Tensor query, Tensor key, Tensor value, int[] axes, bool is_causal, float? scale, "
+    "bool enable_gqa) -> Tensor",
+    lambda q, k, v, axes, causal, scale, gqa: _Ring.apply(q, k, v, list(axes), causal, scale, gqa))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 import torch.fx as fx
@@ -106,6 +107,9 @@ def attention_comm(node: fx.Node, strat, mesh) -> tuple[float, float]:
     qspec = strat.inputs[node.all_input_nodes.index(q)]
     kspec = strat.inputs[node.all_input_nodes.index(b["key"])]
     qv, vv = q.meta[ir.VAL], v.meta[ir.VAL]
+    ring = _ring_of(qspec, kspec)
+    if ring:
+        return _ring_time(node, strat, mesh, ring)
     got = _balanceable(node, qspec, int(qv.shape[2]), mesh.shape)
     if got is None or (kspec is not None and kspec.placements[got[0]] == S(2)):
         return 0.0, 0.0   # not balanced, or K/V not gathered
@@ -121,6 +125,21 @@ def attention_comm(node: fx.Node, strat, mesh) -> tuple[float, float]:
     return t, t
 
 
+def _ring_axes(node: fx.Node) -> tuple[int, ...]:
+    """The mesh axes of the ``ring`` strategy (queries, keys and values all split along the
+    sequence over them), ``()`` for any other."""
+    b = bound(node)
+    if not isinstance(b.get("query"), fx.Node) or not isinstance(b.get("key"), fx.Node):
+        return ()
+    specs = node.meta[ir.IN_SPECS]
+    return _ring_of(*(specs[node.all_input_nodes.index(b[x])] for x in ("query", "key")))
+
+
+def _ring_of(q, k) -> tuple[int, ...]:
+    axes = q.shard_axes(2) if q is not None else ()
+    return axes if axes and k is not None and k.shard_axes(2) == axes else ()
+
+
 def attention_local(node: fx.Node, lctx: LocalContext) -> None:
     """Attention is tagged ``nondeterministic_seeded`` for its dropout: without dropout
     (``dropout_p == 0``) the plain op is right. With it, ``aten.scaled_dot_product_attention``
@@ -131,6 +150,15 @@ def attention_local(node: fx.Node, lctx: LocalContext) -> None:
     again. The fused variants (``_scaled_dot_product_flash_attention``...) with dropout are
     refused (planning refused them already)."""
     b = bound(node)
+    ring = _ring_axes(node)
+    if ring:   # keys and values split along the sequence too: they go round the axes
+        import fxpar.runtime.ops  # noqa: F401  (registers torch.ops.fxpar)
+
+        node.target = torch.ops.fxpar.ring_sdpa.default
+        node.args = (b["query"], b["key"], b["value"], list(ring), bool(b.get("is_causal", False)),
+                     b.get("scale"), bool(b.get("enable_gqa", False)))
+        node.kwargs = {}
+        return
     offset = _causal_rows(node, lctx) if node.target is aten.scaled_dot_product_attention.default else None
     if not (b.get("dropout_p") or 0.0) and offset is None:
         return
@@ -165,6 +193,36 @@ def attention_local(node: fx.Node, lctx: LocalContext) -> None:
     node.kwargs = {}
 
 
+def _ring_time(node: fx.Node, strat, mesh, axes) -> tuple[float, float]:
+    """Ring attention beyond its local op's price (one block: the local queries against the
+    local keys): the other ``C − 1`` blocks, each overlapped with the shift of the next
+    (``max(block, shift)``: the K/V block forward; K, V and their fp32 gradients backward, then
+    the gradients' last move home). Every rank is priced for all ``C`` blocks, as causal
+    attention is priced in full (:mod:`fxpar.cost.compute`)."""
+    from fxpar.cost.comm import pairs_time
+    from fxpar.cost.compute import TensorArg, op_cost, op_time
+    from fxpar.cost.reshard import max_local_shape
+
+    b = bound(node)
+    args = []
+    for x in ("query", "key", "value"):
+        v = b[x].meta[ir.VAL]
+        spec = strat.inputs[node.all_input_nodes.index(b[x])]
+        args.append(TensorArg(max_local_shape(spec, tuple(v.shape), mesh.shape), v.dtype, True))
+    out = TensorArg(args[0].shape[:-1] + args[2].shape[-1:], args[0].dtype)
+    tf, tb = op_time(op_cost(node.target, tuple(args), {}, out), mesh.cluster)
+    kv = sum(math.prod(a.shape) for a in args[1:]) * args[1].dtype.itemsize
+    grads = sum(math.prod(a.shape) for a in args[1:]) * 4
+    C = math.prod(mesh.shape[a] for a in axes)
+    devs = np.asarray(mesh.devices).reshape(mesh.shape)
+    idx = [slice(None) if a in axes else 0 for a in range(len(mesh.shape))]
+    ring = [int(d) for d in devs[tuple(idx)].reshape(-1)]   # block order: axes nested in order
+    pairs = [(ring[i], ring[(i + 1) % C]) for i in range(C)]
+    fwd = (C - 1) * max(tf, pairs_time(kv, pairs, mesh.cluster))
+    bwd = (C - 1) * max(tb, pairs_time(kv + grads, pairs, mesh.cluster)) + pairs_time(grads, pairs, mesh.cluster)
+    return fwd, bwd
+
+
 @register(*_VARIANTS, cost=sdpa_cost, saves="qkvo", local=attention_local, comm=attention_comm)
 def sdpa_rule(node):
     b = bound(node)
@@ -189,6 +247,10 @@ def sdpa_rule(node):
     if node.target.overloadpacket is aten.scaled_dot_product_attention or not b.get("is_causal", False):
         # causal: the local rewrite masks at the shard's global rows (fused variants have none)
         yield choice(node, pls(S(2), R, 2), outs_for(2), "seq")
+    if (node.target is aten.scaled_dot_product_attention.default and mask is None
+            and not (b.get("dropout_p") or 0.0) and q[2] == k[2]):
+        # ring attention: K/V stay split and go round (even blocks: the diagonal is square)
+        yield choice(node, pls(S(2), S(2), 2), outs_for(2), "ring", even=True)
 
 
 # Fused-attention kernels without a sharding rule, priced like SDPA.
