@@ -75,15 +75,33 @@ def cell(gm, seq: int, gpus: int) -> dict:
             continue
         b = res.best
         tokens = BATCH * seq / b.step
+        attention = _attention_layout(res.layouts[b.key]) if b.cp > 1 else ""
         out[key] = {"plan": b.name, "cp": b.cp, "step_s": b.step, "memory_gib": b.memory / 2**30,
                     "tokens_per_s_per_gpu": tokens / gpus,
                     "tflops_per_gpu": tokens * model_flops_per_token(seq) / gpus / 1e12,
-                    "why": res.cp, "tried": res.tried, "over_memory": res.over_memory,
+                    "attention": attention, "why": res.cp, "tried": res.tried, "over_memory": res.over_memory,
                     "search_s": time.perf_counter() - t0}
     w, wo = out["with_cp"], out["without_cp"]
     if "step_s" in w and "step_s" in wo:
         out["speedup_with_cp"] = wo["step_s"] / w["step_s"]
     return out
+
+
+def _attention_layout(plan) -> str:
+    """How the winner's attentions use cp (axis 0 of its ``{cp, tp}`` table plan): the
+    sequence split with K/V gathered, the ring, the heads split (Ulysses) or another."""
+    from collections import Counter
+
+    from fxpar.spec import Spec
+
+    ways = Counter()
+    for n in plan.nodes:
+        if "attention" not in n.op:
+            continue
+        q, k = (str(Spec.parse(x).placements[0]) for x in n.inputs[:2])
+        ways[{("S(2)", "R"): "gathered", ("S(2)", "S(2)"): "ring",
+              ("S(1)", "S(1)"): "ulysses"}.get((q, k), f"{q}/{k}")] += 1
+    return ", ".join(f"{k} x{v}" for k, v in ways.items())
 
 
 def main() -> None:
@@ -95,7 +113,7 @@ def main() -> None:
     gpus = (8, 64) if args.quick else (8, 16, 32, 64)
     rows = []
     print(f"{'seq':>7} {'GPUs':>4}  {'plan (with cp)':<58} {'step s':>7} {'tok/s/GPU':>9} "
-          f"{'TF/GPU':>6} {'GiB':>5}  {'without cp':<52} {'x':>5}")
+          f"{'TF/GPU':>6} {'GiB':>5} {'attention':<12}  {'without cp':<52} {'x':>5}")
     for seq in seqs:
         gm = capture(seq)
         for n in gpus:
@@ -103,8 +121,9 @@ def main() -> None:
             rows.append(r)
             w, wo = r["with_cp"], r["without_cp"]
             left = (f"{w['plan']:<58} {w['step_s']:7.2f} {w['tokens_per_s_per_gpu']:9.0f} "
-                    f"{w['tflops_per_gpu']:6.0f} {w['memory_gib']:5.1f}" if "plan" in w else
-                    f"{'no plan: ' + w['error'][:56]:<94}")
+                    f"{w['tflops_per_gpu']:6.0f} {w['memory_gib']:5.1f} {w['attention'][:12]:<12}"
+                    if "plan" in w else
+                    f"{'no plan: ' + w['error'][:56]:<107}")
             right = (f"{wo['plan'][:52]:<52} {r.get('speedup_with_cp', 0):5.2f}" if "plan" in wo
                      else "nothing fits without cp")
             print(f"{seq:>7} {n:>4}  {left}  {right}", flush=True)

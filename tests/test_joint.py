@@ -557,3 +557,30 @@ def test_every_schedule_has_candidates_simulated(gpt):
     scheds = {c.schedule for c in every}
     assert len(scheds) > 1 and {c.schedule for c in few} == scheds
     assert len(few) <= 1 + PER_SCHEDULE * len(scheds) < len(every)
+
+
+def test_context_parallel_is_searched_and_explained():
+    """``cp`` degrees are searched for long sequences (from CP_MIN_SEQ tokens; here given
+    explicitly for 4096) beside the others: every one tried is either in the ranking's reason
+    with its gap to the winner or named as not fitting; a configuration with cp prices its
+    parameters as replicated over cp (the same local parameter count as without) and its
+    activations split along the sequence (less memory per device at the same microbatch)."""
+    from examples.models import GPT
+    from fxpar.planner import joint
+
+    with torch.device("meta"):
+        model = GPT(vocab=512, d_model=1024, n_heads=8, n_layers=2, seq_len=4096).to(torch.bfloat16)
+    gm = fxpar.capture(model, (torch.zeros(1, 4096, dtype=torch.long, device="meta"),))
+    assert joint.cp_degrees(gm, 8)[0] == [1]
+    assert joint.cp_degrees(gm, 8, min_seq=4096)[0] == [1, 2, 4, 8]
+    res = search(gm, fxpar.Cluster.preset("dgx-a100"), batch=8, cps=(1, 2, 4), pps=(1,), tps=(1,))
+    other = {c for c in (1, 2, 4) if c != res.best.cp}
+    assert all(f"cp={c}:" in res.cp for c in other), res.cp
+    t1, t4 = res.tables[1, 1], res.tables[1, 4]
+    assert sum(u.params for u in t4) == sum(u.params for u in t1)
+    assert sum(u.act for u in t4) < sum(u.act for u in t1) / 2
+    # a user's cp that cannot split the sequence or the devices is refused, naming what works
+    with pytest.raises(PlanError, match=r"cp=3 must divide the 8 devices .* cp ∈ \[1, 2, 4, 8\]"):
+        search(gm, fxpar.Cluster.preset("dgx-a100"), batch=8, only={"cp": 3})
+    with pytest.raises(PlanError, match="s_p=2 with cp=2"):
+        search(gm, fxpar.Cluster.preset("dgx-a100"), batch=8, only={"cp": 2, "s_p": 2})

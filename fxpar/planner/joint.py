@@ -493,6 +493,29 @@ def cp_degrees(gm: fx.GraphModule, n_dev: int, min_seq: int = CP_MIN_SEQ
     return [1] + [c for c in CP_DEGREES if seq % c == 0 and n_dev % c == 0], ""
 
 
+def _check_cp(gm: fx.GraphModule, only: Mapping, n_dev: int) -> int:
+    """A user's ``cp`` when the model has a sequence to split that it and the devices divide
+    (parameters stay replicated over it: ``s_p = 1``); else :class:`PlanError` naming the rule
+    and the degrees that would work."""
+    from fxpar.planner.baselines import sequence_inputs
+
+    c = only["cp"]
+    seqs = sequence_inputs(gm)
+    if not seqs:
+        raise PlanError(f"plan={dict(only)}: cp={c} splits the sequence of a 2-d (batch, "
+                        "sequence) input, and the model has none")
+    seq = next(iter(seqs.values()))[1]
+    ok = [k for k in range(1, n_dev + 1) if n_dev % k == 0 and seq % k == 0]
+    if n_dev % c or seq % c:
+        raise PlanError(f"plan={dict(only)}: cp={c} must divide the {n_dev} devices and the "
+                        f"sequence of {seq} tokens; e.g. cp ∈ {ok}")
+    if c > 1 and only.get("s_p", 1) > 1:
+        raise PlanError(f"plan={dict(only)}: s_p={only['s_p']} with cp={c}: parameters are "
+                        "replicated over the context-parallel devices (s_p = 1); shard gradients "
+                        "and optimizer states with s_g, s_os (over dp·cp) instead")
+    return c
+
+
 def _space(gm: fx.GraphModule, cluster, *, batch, probe_batch, devices, only, tps, pps,
            schedules, recompute, microbatches, cps=None) -> _Space:
     """:func:`search`'s arguments as a :class:`_Space`: a user tuple's degrees, schedule and
@@ -512,7 +535,7 @@ def _space(gm: fx.GraphModule, cluster, *, batch, probe_batch, devices, only, tp
     recs = [bool(only["recompute"])] if "recompute" in only else list(recompute)
     why = ""
     if "cp" in only:
-        cps = [only["cp"]]
+        cps = [_check_cp(gm, only, n_dev)]
     elif cps is None:
         cps, why = cp_degrees(gm, n_dev)
     else:
