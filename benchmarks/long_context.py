@@ -8,8 +8,8 @@ joint search plans a batch of 8 sequences twice: with context-parallel degrees
 per cell: the winner, its predicted step, tokens/s per GPU and model TFLOP/s per GPU
 (``6·P·tokens`` plus causal attention's ``6·l·h·s`` per token, counted as a causal kernel does
 — half the unmasked ``12·l·h·s``), its memory, why it has its ``cp``
-(:attr:`~fxpar.planner.joint.SearchResult.cp`) and the best plan without ``cp`` (or that none
-fits). The model is built on the meta device from Llama-3-8B's config (bf16, GQA 32/8 heads,
+(:attr:`~fxpar.planner.joint.SearchResult.cp`), how its attentions use ``cp`` (K/V gathered,
+ring, Ulysses' heads split) and the best plan without ``cp`` (or that none fits). The model is built on the meta device from Llama-3-8B's config (bf16, GQA 32/8 heads,
 vocabulary 128256); nothing is downloaded or run.
 
     python benchmarks/long_context.py [--quick] [--out F]
