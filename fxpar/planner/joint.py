@@ -1,6 +1,6 @@
 r"""The joint search (DESIGN §10): pipeline stages × stage submesh × tensor-parallel layout ×
-microbatches × schedule × recomputation × model-state sharding, under device memory,
-minimizing the predicted step time.
+context parallelism × microbatches × schedule × recomputation × model-state sharding, under
+device memory, minimizing the predicted step time.
 
 **Cost table.** The model is captured once at a *probe* shape (one sample per replica,
 ``probe_batch``) and planned by the intra-op planner on a ``tp=t`` mesh for every candidate
@@ -10,6 +10,12 @@ backward seconds, split into the part that scales with the microbatch (compute a
 communication) and the part that does not (communication of parameters), the saved activation
 bytes, the local parameter count and the bytes crossing the cut after it. A configuration with
 ``b`` samples per replica and microbatch scales the first kind by ``b / probe_batch``.
+With context parallelism (:func:`cp_degrees`: long sequences; ``plan=dict(cp=c)``) the probe is
+planned on ``{"cp": c, "tp": t}`` with its sequence inputs split over ``cp``
+(:func:`fxpar.planner.baselines.cp_pins`): attention's K/V gathered, passed round in a ring or
+its heads split, as the intra-op planner prices cheaper; parameters are replicated over
+``cp`` and their gradients reduced with the replicas' (``dp·cp`` devices,
+:attr:`fxpar.config.ParallelConfig.replicas`); devices order ``pp, dp, cp, tp``.
 
 **Configurations.** ``N = p·d·t`` devices: ``p`` pipeline ranks (outermost, across nodes
 first), ``d`` data-parallel replicas, ``t`` tensor-parallel devices (innermost, inside a node);
@@ -481,30 +487,31 @@ def cp_degrees(gm: fx.GraphModule, n_dev: int, min_seq: int = CP_MIN_SEQ
     >>> cp_degrees(gm, 8, min_seq=16)
     ([1, 2, 4, 8], '')
     """
-    from fxpar.planner.baselines import sequence_inputs
-
-    seqs = sequence_inputs(gm)
-    if not seqs:
+    seq = _sequence_length(gm)
+    if seq is None:
         return [1], "cp not tried: no 2-d (batch, sequence) input to split along the sequence"
-    seq = next(iter(seqs.values()))[1]
     if seq < min_seq:
         return [1], (f"cp not tried: a sequence of {seq} tokens, below {min_seq} "
                      "(plan=dict(cp=...) forces it)")
     return [1] + [c for c in CP_DEGREES if seq % c == 0 and n_dev % c == 0], ""
 
 
+def _sequence_length(gm: fx.GraphModule) -> int | None:
+    """Tokens per sequence of the model's sequence inputs (``None`` without one)."""
+    from fxpar.planner.baselines import sequence_inputs
+
+    seqs = sequence_inputs(gm)
+    return next(iter(seqs.values()))[1] if seqs else None
+
+
 def _check_cp(gm: fx.GraphModule, only: Mapping, n_dev: int) -> int:
     """A user's ``cp`` when the model has a sequence to split that it and the devices divide
     (parameters stay replicated over it: ``s_p = 1``); else :class:`PlanError` naming the rule
     and the degrees that would work."""
-    from fxpar.planner.baselines import sequence_inputs
-
-    c = only["cp"]
-    seqs = sequence_inputs(gm)
-    if not seqs:
+    c, seq = only["cp"], _sequence_length(gm)
+    if seq is None:
         raise PlanError(f"plan={dict(only)}: cp={c} splits the sequence of a 2-d (batch, "
                         "sequence) input, and the model has none")
-    seq = next(iter(seqs.values()))[1]
     ok = [k for k in range(1, n_dev + 1) if n_dev % k == 0 and seq % k == 0]
     if n_dev % c or seq % c:
         raise PlanError(f"plan={dict(only)}: cp={c} must divide the {n_dev} devices and the "
@@ -610,7 +617,8 @@ def _configurations(space: _Space, table: Mapping[int, Sequence[UnitCost]], clus
             n = d * c
             d0 = math.gcd(n, R // t) if p * n * t >= R else n
             # activation gradients summed over the batch, all-reduced over the replicas
-            sync = replica_allreduce(ParallelConfig(pp=p, dp=d, tp=t, extra=(("cp", c),)), cluster)
+            sync = replica_allreduce(ParallelConfig(pp=p, dp=d, tp=t,
+                                                    extra=(("cp", c),) if c > 1 else ()), cluster)
             yield from _shapes_at(space, table[t, c], t, c, p, d, d0, sync)
 
 
