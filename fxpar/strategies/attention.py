@@ -12,7 +12,13 @@ broadcast to ``[B, H, L, S]`` follows (sharded where its dim is not a broadcast 
   :mod:`fxpar.runtime.context_parallel`, the swaps priced by :func:`attention_comm`), else
   ``fxpar::offset_causal_sdpa`` at the shard's first global row (``is_causal`` alone would
   align the mask to the local rows); the fused variants with ``is_causal`` have no ``seq``;
-* never E (the head dim is contracted) or S (the softmax runs over it).
+* ``ring`` (:func:`fxpar.strategies.attention.sdpa_rule`: plain SDPA, self-attention, no mask or
+  dropout): q, k and v all split along the sequence, even blocks; the local op
+  ``fxpar::ring_sdpa`` passes the K/V blocks round the axes, merged by log-sum-exp (ring
+  attention, :mod:`fxpar.runtime.context_parallel`; :func:`_ring_time` prices the other blocks,
+  each overlapped with the next shift); no gathered K/V is held;
+* never E (the head dim is contracted) or S (the softmax runs over it), except in ``ring``,
+  whose local op sees every key block in turn.
 
 Extra outputs of the variants (logsumexp ``[B, H, L]``) shard like the output on B, H, L; scalar
 RNG seeds/offsets stay replicated. Training attention with dropout (``dropout_p > 0``) becomes
