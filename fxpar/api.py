@@ -297,7 +297,7 @@ def _compile_pipeline(model, wrapped, cluster, args, example_kwargs, *, optimize
         split_points = [p if p.startswith("model.") else "model." + p for p in split_points]
     mb_args = tuple(_microbatch(x, microbatches, f"#{i}") for i, x in enumerate(args))
     mb_kwargs = {k: _microbatch(v, microbatches, repr(k)) for k, v in (example_kwargs or {}).items()}
-    unknown = set(kwargs) - {"pins", "options", "memory_budget", "time_limit", "boundary"}
+    unknown = set(kwargs) - {"pins", "options", "memory_budget", "time_limit", "boundary", "strategies"}
     if unknown:
         raise PlanError(f"pipeline compile does not take {sorted(unknown)}")
     opts = kwargs.get("options") or PlannerOptions()
@@ -317,7 +317,8 @@ def _compile_pipeline(model, wrapped, cluster, args, example_kwargs, *, optimize
         pplan, chunks_ = plan_pipeline(gm, m, schedule=schedule, microbatches=microbatches,
                                        chunks=chunks, split_points=split_points,
                                        pins=kwargs.get("pins"), options=opts, kind=plan,
-                                       boundary=kwargs.get("boundary", "auto"))
+                                       boundary=kwargs.get("boundary", "auto"),
+                                       strategies=kwargs.get("strategies"))
         return Planned(pplan, gm, stage_graphs=tuple(c.graph for c in chunks_))
 
     # rank 0 plans; the others split their capture where rank 0's chunks start

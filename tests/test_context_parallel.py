@@ -157,12 +157,10 @@ def cp_pipeline_worker(name: str):
     model, inputs, kwargs, loss_fn, targets = _build(name, 8)
     ref = copy.deepcopy(model)
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-5)  # noqa: E731
-    gm = fxpar.capture(model, inputs, kwargs)
-    pins = {n.name: "S(2)" for n in gm.graph.nodes
-            if n.target == torch.ops.aten.scaled_dot_product_attention.default}
     prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), inputs, kwargs,
                          loss_fn=loss_fn, example_targets=targets, optimizer=opt,
-                         mesh={"pp": 2, "cp": 2}, microbatches=2, time_limit=20, pins=pins)
+                         mesh={"pp": 2, "cp": 2}, microbatches=2, time_limit=20,
+                         strategies=forced_strategies("seq", {"cp": 2}))   # a stage's submesh
     for st in prog.plan.stages:
         att = [n for n in st.plan.nodes if "attention" in n.op]
         assert att and all(n.strategy_name == "seq" for n in att), [n.strategy_name for n in att]

@@ -226,7 +226,8 @@ def test_dp_computes_norms_and_bias_adds_on_the_local_batch():
 
 def test_explain_says_how_attention_uses_cp():
     """(#27) On a mesh with ``cp``: the inputs split along the sequence, and explain() says
-    whether each attention took the sequence split (K/V gathered) or another split."""
+    whether each attention took the sequence split (K/V gathered), the ring, the heads split
+    (Ulysses) or another split."""
     import transformers as tf
 
     cfg = tf.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -237,10 +238,15 @@ def test_explain_says_how_attention_uses_cp():
     kw = dict(mesh={"cp": 2, "dp": 2})
     p = plan(model, fxpar.Cluster.local(4), (ids,), {"labels": ids}, **kw).plan
     assert p.node("input_ids").outputs == ("S(1)S(0)",) and p.node("labels").outputs == ("S(1)S(0)",)
-    forced = plan(model, fxpar.Cluster.local(4), (ids,), {"labels": ids}, **kw,
-                  pins={n: "S(2)S(0)" for n in ("scaled_dot_product_attention",
-                                                "scaled_dot_product_attention_1")}).plan
-    line = next(x for x in forced.explain().splitlines() if x.startswith("context parallelism"))
-    assert "the sequence split, K/V gathered over cp: 2 of 2 attentions" in line, line
+    from test_context_parallel import forced_strategies
+
+    for kind, says in (("seq", "the sequence split, K/V gathered over cp: 2 of 2 attentions"),
+                       ("ring", "ring attention (K/V blocks passed round cp, overlapped with "
+                                "compute): 2 of 2 attentions"),
+                       ("heads", "the heads split over cp (DeepSpeed-Ulysses")):
+        forced = plan(model, fxpar.Cluster.local(4), (ids,), {"labels": ids}, **kw,
+                      strategies=forced_strategies(kind, kw["mesh"])).plan
+        line = next(x for x in forced.explain().splitlines() if x.startswith("context parallelism"))
+        assert says in line, line
     line = next(x for x in p.explain().splitlines() if x.startswith("context parallelism"))
     assert "2 of 2 attentions" in line, line

@@ -17,6 +17,7 @@ from torch.distributed.tensor import Partial
 
 from fxpar import Cluster, Mesh
 from fxpar.strategies import is_unsharded, strategies_for
+from fxpar.strategies.attention import _ring_of
 from fxpar.strategies.embedding import is_vocab_parallel
 from fxpar.strategies.losses import sharded_mean_call, vocab_call
 
@@ -145,6 +146,8 @@ def simulate(node, strat, mesh_shape, gen):
         elif mean_loss is not None:  # the local program of a mean loss with its input sharded
             fn, margs = mean_loss
             out = fn(*fx.node.map_arg(margs, lambda n: env[n]))
+        elif node.target is aten.scaled_dot_product_attention.default and _ring_of(*strat.inputs[:2]):
+            out = _ring(node, strat, mesh_shape, c, local_in)   # ring attention, all ranks here
         elif (node.target is aten.scaled_dot_product_attention.default and node.kwargs.get("is_causal")
               and strat.inputs[0].shard_axes(2)):   # attention_local: the mask at the global rows
             import fxpar.runtime.ops  # noqa: F401
@@ -187,6 +190,36 @@ def simulate(node, strat, mesh_shape, gen):
             else:
                 assert torch.equal(val, want), (strat, j, c)
     return err
+
+
+def _ring(node, strat, mesh_shape, c, local_in):
+    """Ring attention at coordinate ``c``, every rank's K/V block read from ``local_in``: the
+    runtime's merge (:func:`fxpar.runtime.context_parallel.ring_step`) over the blocks in the
+    ring's order (its own first), later blocks skipped and the diagonal masked when causal."""
+    from fxpar.runtime.context_parallel import ring_step
+
+    axes = _ring_of(*strat.inputs[:2])
+    q, k, v = (local_in[(n, c)] for n in node.args[:3])
+    sizes = [mesh_shape[a] for a in axes]
+
+    def coord_of(b):
+        cc, rest = list(c), b
+        for a, n in reversed(list(zip(axes, sizes))):
+            cc[a], rest = rest % n, rest // n
+        return tuple(cc)
+
+    n_blocks = math.prod(sizes)
+    me = next(b for b in range(n_blocks) if coord_of(b) == tuple(c))
+    causal = bool(node.kwargs.get("is_causal"))
+    acc = torch.promote_types(q.dtype, torch.float32)
+    out = q.new_zeros(q.shape[:-1] + (v.shape[-1],), dtype=acc)
+    lse = q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
+    for t in range(n_blocks):
+        j = (me - t) % n_blocks
+        if not causal or j <= me:
+            kb, vb = (local_in[(x, coord_of(j))] for x in node.args[1:3])
+            out, lse = ring_step(q, kb, vb, out, lse, q.shape[-1] ** -0.5, causal and j == me)
+    return out.to(q.dtype)
 
 
 def _full(local_out, coord, j, paxes, upto, mesh_shape, spec):

@@ -98,7 +98,8 @@ def plan_pipeline(gm: fx.GraphModule, mesh: Mesh, *, schedule="1f1b",
                   options: PlannerOptions | None = None,
                   kind: str = "auto", boundary: str = "auto",
                   start_nodes: Sequence[str] | None = None,
-                  cache: BuildCache | None = None) -> tuple[Plan, list[StageGraph]]:
+                  cache: BuildCache | None = None,
+                  strategies=None) -> tuple[Plan, list[StageGraph]]:
     """Plan ``gm`` (captured at the microbatch shape) as a pipeline (module docstring);
     returns the pipeline :class:`Plan` (``plan.stages``) and the chunk graphs. ``schedule``:
     a name for :meth:`Schedule.build` (with ``microbatches`` and ``chunks``) or a
@@ -109,7 +110,9 @@ def plan_pipeline(gm: fx.GraphModule, mesh: Mesh, *, schedule="1f1b",
     different ones); ``"send_recv"``/``"scatter_gather"`` keep equal layouts and say how they
     cross; ``"crossmesh"`` always takes the receiver's own layouts. The chunks share one
     :class:`~fxpar.planner.intra_op.BuildCache` (``cache``, or a new one): the chunks of a
-    submesh repeat the same layers, whose nodes and edges are priced once."""
+    submesh repeat the same layers, whose nodes and edges are priced once. ``strategies``:
+    ``(node, submesh) -> [Strategy]`` in place of the registered rules (as
+    :func:`fxpar.plan` takes it; each chunk's on its stage's submesh)."""
     from fxpar import ir
     from fxpar.schedule import Schedule
 
@@ -161,7 +164,7 @@ def plan_pipeline(gm: fx.GraphModule, mesh: Mesh, *, schedule="1f1b",
         def solve(pins, sg=sg, sub=sub):
             try:
                 return plan_and_keep(sg.graph, sub, pins=pins, options=options, kind=kind,
-                                     cache=cache)[0]
+                                     cache=cache, strategies=strategies)[0]
             except PlanError as e:
                 raise PlanError(f"stage chunk {sg.index} (layers {', '.join(sg.layers)}) on "
                                 f"{sub!r}: {e}") from e

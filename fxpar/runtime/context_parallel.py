@@ -154,8 +154,13 @@ def _fold_heads(g: torch.Tensor, hk: int) -> torch.Tensor:
     return g.reshape(*b, hk, h // hk, n, e).sum(-3)
 
 
+def _acc(t: torch.Tensor) -> torch.dtype:
+    """The accumulation dtype for ``t``: fp32, or ``t``'s own when wider (fp64)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def _scores(q, k, scale, diag: bool) -> torch.Tensor:
-    s = (q @ k.transpose(-2, -1)).float() * scale
+    s = (q @ k.transpose(-2, -1)).to(_acc(q)) * scale
     if diag:   # the block on the diagonal: rows and keys start at the same position
         keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~keep, float("-inf"))
@@ -164,7 +169,8 @@ def _scores(q, k, scale, diag: bool) -> torch.Tensor:
 
 def ring_step(q, k, v, out, lse, scale: float, diag: bool):
     """One forward step of ring attention: ``q`` against the key block ``k, v``, merged into
-    the running ``out`` (fp32) and ``lse`` by log-sum-exp; returns the new ``(out, lse)``.
+    the running ``out`` and ``lse`` (fp32, or fp64 for fp64 inputs) by log-sum-exp; returns
+    the new ``(out, lse)``.
 
     >>> import torch
     >>> q, k, v = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8)
@@ -178,15 +184,15 @@ def ring_step(q, k, v, out, lse, scale: float, diag: bool):
     l_j = torch.logsumexp(s, -1)
     o_j = torch.exp(s - l_j[..., None]).to(v.dtype) @ _heads(v, q.size(-3))
     new = torch.logaddexp(lse, l_j)
-    return out * torch.exp(lse - new)[..., None] + o_j.float() * torch.exp(l_j - new)[..., None], new
+    return out * torch.exp(lse - new)[..., None] + o_j.to(out.dtype) * torch.exp(l_j - new)[..., None], new
 
 
 def _ring_fwd(q, k, v, axes, causal, scale, gqa):
     ranks, me = _ring(axes)
     n = len(ranks)
     scale = scale if scale is not None else q.size(-1) ** -0.5
-    out = q.new_zeros(q.shape[:-1] + (v.size(-1),), dtype=torch.float32)
-    lse = q.new_full(q.shape[:-1], float("-inf"), dtype=torch.float32)
+    out = q.new_zeros(q.shape[:-1] + (v.size(-1),), dtype=_acc(q))
+    lse = q.new_full(q.shape[:-1], float("-inf"), dtype=_acc(q))
     kb, vb = k, v
     for t in range(n):
         j = (me - t) % n
@@ -205,19 +211,20 @@ def _ring_bwd(dout, q, k, v, out, lse, axes, causal, scale, gqa):
     n = len(ranks)
     scale = scale if scale is not None else q.size(-1) ** -0.5
     h, hk = q.size(-3), k.size(-3)
-    D = (dout.float() * out.float()).sum(-1)
-    dq = torch.zeros_like(q, dtype=torch.float32)
+    acc = _acc(q)
+    D = (dout.to(acc) * out.to(acc)).sum(-1)
+    dq = torch.zeros_like(q, dtype=acc)
     kb, vb = k, v
-    dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+    dk, dv = torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc)
     for t in range(n):
         j = (me - t) % n
         if not causal or j <= me:
             K, V = _heads(kb, h), _heads(vb, h)
             P = torch.exp(_scores(q, K, scale, causal and j == me) - lse[..., None])
-            dv = dv + _fold_heads(P.transpose(-2, -1) @ dout.float(), hk)
-            dS = P * ((dout @ V.transpose(-2, -1)).float() - D[..., None])
-            dq = dq + (dS @ K.float()) * scale
-            dk = dk + _fold_heads((dS.transpose(-2, -1) @ q.float()) * scale, hk)
+            dv = dv + _fold_heads(P.transpose(-2, -1) @ dout.to(acc), hk)
+            dS = P * ((dout @ V.transpose(-2, -1)).to(acc) - D[..., None])
+            dq = dq + (dS @ K.to(acc)) * scale
+            dk = dk + _fold_heads((dS.transpose(-2, -1) @ q.to(acc)) * scale, hk)
         if n == 1:
             break
         # the block moves on with its gradients; after n moves each is home
@@ -232,7 +239,7 @@ def _ring_bwd(dout, q, k, v, out, lse, axes, causal, scale, gqa):
 
 
 def _fake_fwd(q, k, v, axes, causal, scale, gqa):
-    return q.new_empty(q.shape[:-1] + (v.size(-1),)), q.new_empty(q.shape[:-1], dtype=torch.float32)
+    return q.new_empty(q.shape[:-1] + (v.size(-1),)), q.new_empty(q.shape[:-1], dtype=_acc(q))
 
 
 RING_FWD = define("fxpar::ring_sdpa_fwd(Tensor q, Tensor k, Tensor v, int[] axes, bool is_causal, "

@@ -135,9 +135,9 @@ def _ring_axes(node: fx.Node) -> tuple[int, ...]:
     """The mesh axes of the ``ring`` strategy (queries, keys and values all split along the
     sequence over them), ``()`` for any other."""
     b = bound(node)
-    if not isinstance(b.get("query"), fx.Node) or not isinstance(b.get("key"), fx.Node):
+    specs = node.meta.get(ir.IN_SPECS)
+    if specs is None or not isinstance(b.get("query"), fx.Node) or not isinstance(b.get("key"), fx.Node):
         return ()
-    specs = node.meta[ir.IN_SPECS]
     return _ring_of(*(specs[node.all_input_nodes.index(b[x])] for x in ("query", "key")))
 
 
