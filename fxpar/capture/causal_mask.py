@@ -2,10 +2,12 @@
 
 Hugging Face models build their attention mask in Python; run eagerly without padding they
 hand ``scaled_dot_product_attention`` no mask and ``is_causal=True``, but under ``torch.export``
-(tracing) they always build it: an ``arange``/``le``/``and`` chain ending in a ``[B, 1, L, S]``
-boolean mask. The captured program then runs SDPA with an explicit mask, which rules out the
-flash kernels (on an H200: a 0.5B Llama at 4×2048 tokens stepped 1.23× slower than eager) and
-costs a mask per step.
+(tracing) they build it: an ``arange``/``le``/``and`` chain ending in a ``[B, 1, L, S]``
+boolean mask (transformers' own decision is now taken as eager takes it during fxpar's export,
+:func:`fxpar.capture.export._eager_causal_skip`; what still arrives here: masks built from
+the caller's position ids, other libraries, hand-written models). The captured program then
+runs SDPA with an explicit mask, which rules out the flash kernels (on an H200: a 0.5B Llama
+at 4×2048 tokens stepped 1.23× slower than eager) and costs a mask per step.
 
 :func:`fold_causal_masks` finds each ``aten.scaled_dot_product_attention`` whose ``attn_mask``
 is computed from constants alone (no placeholder among its ancestors: it depends on no input,
