@@ -809,6 +809,8 @@ def _cp_reason(ranked: Sequence[Candidate], space: _Space, smallest: Mapping,
     if space.cps == [1]:
         return space.cp_why
     best = ranked[0]
+    if len(space.cps) == 1:
+        return f"context parallelism: cp={best.cp}, as the user tuple says"
     per: dict[int, Candidate] = {}
     for c in ranked:
         per.setdefault(c.cp, c)
