@@ -579,6 +579,8 @@ def test_context_parallel_is_searched_and_explained():
     t1, t4 = res.tables[1, 1], res.tables[1, 4]
     assert sum(u.params for u in t4) == sum(u.params for u in t1)
     assert sum(u.act for u in t4) < sum(u.act for u in t1) / 2
+    fixed = search(gm, fxpar.Cluster.preset("dgx-a100"), batch=8, only={"cp": 2, "pp": 1, "tp": 1})
+    assert fixed.best.cp == 2 and fixed.cp == "context parallelism: cp=2, as the user tuple says"
     # a user's cp that cannot split the sequence or the devices is refused, naming what works
     with pytest.raises(PlanError, match=r"cp=3 must divide the 8 devices .* cp ∈ \[1, 2, 4, 8\]"):
         search(gm, fxpar.Cluster.preset("dgx-a100"), batch=8, only={"cp": 3})
