@@ -42,6 +42,23 @@ def _model(name: str):
     return GPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=16), (ids, ids.roll(1, 1)), {}
 
 
+def _train_like_one_process(runner, ref, opt, args, kwargs, steps: int = 3) -> list[float]:
+    """``steps`` steps of ``runner`` and of the one-process ``ref`` side by side, the losses
+    equal each step (the parameters after each step feed the next loss)."""
+    ropt = opt(ref.parameters())
+    losses = []
+    for _ in range(steps):
+        loss = runner.step(*args, **kwargs)
+        out = ref(*args, **kwargs)
+        rl = out.loss if hasattr(out, "loss") else out
+        rl.backward()
+        ropt.step()
+        ropt.zero_grad()
+        torch.testing.assert_close(loss, rl.detach(), **TOL)
+        losses.append(loss.item())
+    return losses
+
+
 #: per forced attention layout, the placements on cp of the queries and of the keys
 FORCED = {"seq": ("S(2)", "R"), "heads": ("S(1)", "S(1)"), "ring": ("S(2)", "S(2)")}
 
@@ -93,18 +110,7 @@ def cp_worker(name: str, mesh: dict, force: str | None):
     inputs = [n for n in runner.gm.graph.find_nodes(op="placeholder") if ir.INPUT in n.meta]
     assert all(str(n.meta[ir.SPECS][0]) == "".join("S(1)" if a == "cp" else "S(0)" for a in mesh)
                for n in inputs if len(n.meta[ir.INPUT].shape or ()) == 2)
-    ropt = opt(ref.parameters())
-    losses = []
-    for _ in range(3):
-        loss = runner.step(*args, **kwargs)
-        out = ref(*args, **kwargs)
-        rl = out.loss if hasattr(out, "loss") else out
-        rl.backward()
-        ropt.step()
-        ropt.zero_grad()
-        torch.testing.assert_close(loss, rl.detach(), **TOL)
-        losses.append(loss.item())
-    return losses, offsets
+    return _train_like_one_process(runner, ref, opt, args, kwargs), offsets
 
 
 @pytest.mark.timeout(400)
@@ -203,18 +209,7 @@ def cp_tuple_worker(name: str, plan: dict):
                and len(n.meta[ir.INPUT].shape or ()) == 2]
         assert ins and all(n.meta[ir.SPECS][0].placements[names.index("cp")] == fxpar.spec.Shard(1)
                            for n in ins), [str(n.meta[ir.SPECS][0]) for n in ins]
-    ropt = opt(ref.parameters())
-    losses = []
-    for _ in range(3):
-        loss = runner.step(*args, **kwargs)
-        out = ref(*args, **kwargs)
-        rl = out.loss if hasattr(out, "loss") else out
-        rl.backward()
-        ropt.step()
-        ropt.zero_grad()
-        torch.testing.assert_close(loss, rl.detach(), **TOL)
-        losses.append(loss.item())
-    return losses
+    return _train_like_one_process(runner, ref, opt, args, kwargs)
 
 
 @pytest.mark.timeout(400)

@@ -69,6 +69,18 @@ def balanced_pieces(length: int, c: int, r: int) -> list[Piece]:
     return [Piece(r * s, h, r * s + h), Piece(p * s + h, h, (p + 1) * s)]
 
 
+def _exchange(ts, dst: int, src: int, group=None):
+    """Send ``ts`` to global rank ``dst`` and receive as many tensors of their shapes from
+    ``src``, all at once: the started requests and the receive buffers (wait on the former
+    before reading the latter)."""
+    import torch.distributed as dist
+
+    bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in ts]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), dst, group) for t in ts] + \
+          [dist.P2POp(dist.irecv, b, src, group) for b in bufs]
+    return dist.batch_isend_irecv(ops), bufs
+
+
 def _swap(x: torch.Tensor, axis: int, me: int, peer: int) -> torch.Tensor:
     if peer == me:
         return x.clone()
@@ -76,9 +88,7 @@ def _swap(x: torch.Tensor, axis: int, me: int, peer: int) -> torch.Tensor:
 
     group = current().device_mesh.get_group(axis)
     dst = dist.get_process_group_ranks(group)[peer]
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, x.contiguous(), dst, group),
-                                   dist.P2POp(dist.irecv, out, dst, group)])
+    reqs, (out,) = _exchange((x,), dst, dst, group)
     for q in reqs:
         q.wait()
     return out
@@ -130,16 +140,10 @@ def _ring(axes) -> tuple[list[int], int]:
 
 
 def _shift(ts, ranks: list[int], me: int):
-    """Send ``ts`` to the next rank of the ring, receive the previous rank's: started, with
-    the receive buffers (:meth:`wait` them)."""
-    import torch.distributed as dist
-
+    """Send ``ts`` to the next rank of the ring, receive the previous rank's
+    (:func:`_exchange`)."""
     n = len(ranks)
-    nxt, prv = ranks[(me + 1) % n], ranks[(me - 1) % n]
-    bufs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in ts]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), nxt) for t in ts] + \
-          [dist.P2POp(dist.irecv, b, prv) for b in bufs]
-    return dist.batch_isend_irecv(ops), bufs
+    return _exchange(ts, ranks[(me + 1) % n], ranks[(me - 1) % n])
 
 
 def _heads(t: torch.Tensor, h: int) -> torch.Tensor:
