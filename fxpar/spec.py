@@ -136,6 +136,16 @@ class Spec:
                 raise SpecError(f"Partial reduce op {p.reduce_op!r} not in {_REDUCE_OPS}")
         object.__setattr__(self, "placements", ps)
 
+    def __hash__(self) -> int:  # computed once: planning looks specs up millions of times
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(self.placements)
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:  # the cached hash is per process (string hashing is salted)
+        return {"placements": self.placements}
+
     # -- construction -------------------------------------------------------------------
     @classmethod
     def of(cls, *placements: Placement | str) -> Spec:

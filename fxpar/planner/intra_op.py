@@ -219,23 +219,14 @@ def _strategies_of(n: fx.Node, mesh, strategies: Callable) -> list[Strategy]:
 
 
 def _price_node(n: fx.Node, flags, mesh, opts: PlannerOptions, lst: list[Strategy],
-                memo: dict, kept: bool = True, extra: int = 0) -> tuple:
+                kept: bool = True, extra: int = 0) -> tuple:
     """``(lst, fwd, bwd, memory, cost)`` of node ``n`` with strategies ``lst`` on ``mesh``
-    (read-only vectors); ``memo`` shares the times of equal (op, arguments, metas, strategy)
-    within one build; ``kept``/``extra``: what autograd keeps of it (:func:`_kept`)."""
+    (read-only vectors); ``kept``/``extra``: what autograd keeps of it (:func:`_kept`)."""
     f = np.zeros(len(lst))
     b = np.zeros(len(lst))
     m = np.zeros(len(lst), dtype=np.int64)
-    base = (n.target, str(n.args), str(n.kwargs), tuple(ir.tensor_metas(n)),
-            bool(flags.get(n))) if n.op == "call_function" else None
     for k, s in enumerate(lst):
-        key = base + (str(s),) if base is not None else None
-        if key is not None and key in memo:
-            f[k], b[k] = memo[key]
-        else:
-            f[k], b[k] = compute_times(n, s, mesh, flags, opts)
-            if key is not None:
-                memo[key] = (f[k], b[k])
+        f[k], b[k] = compute_times(n, s, mesh, flags, opts)
         m[k] = node_memory(n, s, mesh, flags, opts, kept=kept, extra=extra)
     c = f + b
     for v in (f, b, m, c):
@@ -378,7 +369,6 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
         lists = cache._strategies(mesh)
     strats: list[list[Strategy]] = []
     cost, mem, fwd, bwd = [], [], [], []
-    memo: dict[tuple, tuple] = {}
     kept, extra = _kept(gm, flags)
     for n in nodes:
         skey = node_key(n, flags) if share else None      # the strategies' key
@@ -387,7 +377,7 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
         if got is None:
             lst = lists.get(skey) if skey is not None else None
             got = _price_node(n, flags, mesh, opts, lst if lst is not None else
-                              _strategies_of(n, mesh, strategies), memo, n in kept, extra.get(n, 0))
+                              _strategies_of(n, mesh, strategies), n in kept, extra.get(n, 0))
             if nkey is not None:
                 by_key[nkey] = got
         if opts.fan_out and fans_out(n, flags):

@@ -368,15 +368,19 @@ class _Tensor:
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, mesh):
         self.shape, self.dtype, self.mesh = shape, dtype, mesh
+        # a spec without strided placements checks the same against every tensor of this
+        # rank (its dims in range, normalized by the rank alone): shared across shapes
+        self.by_rank = _checked_by_rank(len(shape), mesh)
         self.checked: dict[tuple, tuple[Spec, frozenset]] = {}
         self.graphs: dict[tuple[str, ...], _Graph] = {}
 
     def spec(self, spec, role: str) -> tuple[Spec, frozenset]:
         key = (spec, role)
-        got = self.checked.get(key)
+        got = self.by_rank.get(key) or self.checked.get(key)
         if got is None:
             s = _validate(spec, role, self.shape, self.mesh)
-            got = self.checked[key] = (s, frozenset(_ops_of(s)))
+            got = (s, frozenset(_ops_of(s)))
+            (self.checked if s.is_strided else self.by_rank)[key] = got
         return got
 
     def graph(self, ops: tuple[str, ...]) -> _Graph:
@@ -384,6 +388,11 @@ class _Tensor:
         if g is None:
             g = self.graphs[ops] = _graph(self.mesh, self.shape, self.dtype, ops)
         return g
+
+
+@functools.lru_cache(maxsize=64)
+def _checked_by_rank(ndim: int, mesh) -> dict:
+    return {}
 
 
 @functools.lru_cache(maxsize=256)
@@ -404,27 +413,24 @@ def reshard_cost_table(srcs: Sequence[Spec | str], dsts: Sequence[Spec | str], m
     for b, (_, ops) in enumerate(D):
         by_ops.setdefault(ops, []).append(b)
     T = np.zeros((len(S), len(D)))
-    goal_ids: dict[tuple, np.ndarray] = {}
-    work: dict[tuple[str, ...], list[tuple[int, list[int]]]] = {}
+    work: dict[tuple[str, ...], dict[tuple[int, ...], list[int]]] = {}
     for a, (s, s_ops) in enumerate(S):
         groups: dict[tuple[str, ...], list[int]] = {}
         for d_ops, bs in by_ops.items():
             groups.setdefault(tuple(sorted(s_ops | d_ops)), []).extend(bs)
         for ops, bs in groups.items():
-            work.setdefault(ops, []).append((a, bs))
-    for ops, items in work.items():
+            work.setdefault(ops, {}).setdefault(tuple(bs), []).append(a)
+    for ops, by_goals in work.items():
         g = tens.graph(ops)
-        starts = [g.id(S[a][0]) for a, _ in items]
-        for _, bs in items:   # every state id first: the rows then cover them
-            if (ops, tuple(bs)) not in goal_ids:
-                goal_ids[ops, tuple(bs)] = np.array([g.id(D[b][0]) for b in bs], np.int64)
-        rows = g.table(starts)
-        for (a, bs), st in zip(items, starts):
-            ids = goal_ids[ops, tuple(bs)]
-            row = rows[st]
-            if ids.size and (ids.max() >= row.size or not np.all(np.isfinite(row[ids]))):
-                raise ReshardError(f"no resharding path from {S[a][0]} for shape {shape} on {mesh!r}")
-            T[a, bs] = row[ids]
+        items = [(np.array([g.id(S[a][0]) for a in srcs], np.int64), srcs,
+                  np.array([g.id(D[b][0]) for b in bs], np.int64), bs)
+                 for bs, srcs in by_goals.items()]   # every state id first: rows cover them
+        rows = g.table(sorted({int(i) for st, _, _, _ in items for i in st}))
+        for starts, srcs, goals, bs in items:
+            T[np.ix_(srcs, bs)] = np.stack([rows[i] for i in starts.tolist()])[:, goals]
+    if not np.isfinite(T).all():   # unreachable by construction (gather all, chunk all)
+        a = int(np.flatnonzero(~np.isfinite(T).all(axis=1))[0])
+        raise ReshardError(f"no resharding path from {S[a][0]} for shape {shape} on {mesh!r}")
     return T
 
 
@@ -461,6 +467,7 @@ class _Topology:
         self.names: list[str] = []
         self._edges: list[tuple[int, int, int, int]] = []
         self._arrays: tuple | None = None
+        self._derived: dict = {}   # per-edge/per-state arrays made from the arrays
         self.id(_fast_spec((Replicate(),) * naxes))
 
     def id(self, spec: Spec) -> int:
@@ -495,7 +502,37 @@ class _Topology:
             e = np.array(self._edges, np.int64).reshape(-1, 4)
             e = e[np.argsort(e[:, 1], kind="stable")]
             self._arrays = (e[:, 0].copy(), e[:, 1].copy(), e[:, 2].copy(), e[:, 3].copy())
+            self._derived = {}
         return self._arrays
+
+    def splits(self, mesh_shape: tuple[int, ...]) -> np.ndarray:
+        """``G[state, dim]``: how many pieces the state splits each dim into (the product of
+        the sizes of the axes sharding it): the fullest device keeps ``ceil(n / G)`` of a dim
+        of size ``n``, as :func:`fxpar.cost.reshard.max_local_shape` nests one ceiling per
+        axis (``ceil(ceil(n/a)/b) = ceil(n/(a·b))``)."""
+        self.arrays()
+        key = ("splits", mesh_shape)
+        got = self._derived.get(key)
+        if got is None:
+            got = np.ones((len(self.specs), self.ndim), np.int64)
+            for i, sp in enumerate(self.specs):
+                for a, pl in enumerate(sp.placements):
+                    if placement_kind(pl) in ("S", "T"):
+                        got[i, pl.dim] *= mesh_shape[a]
+            self._derived[key] = got
+        return got
+
+    def to_sum(self) -> np.ndarray:
+        """Per edge (order of :meth:`arrays`): a ``TO_PARTIAL`` step whose new placement is
+        ``Partial(sum)`` (the only one that writes: the other ranks zero their copy)."""
+        U, V, K, A = self.arrays()
+        got = self._derived.get("to_sum")
+        if got is None:
+            tp = _KINDS.index(StepKind.TO_PARTIAL)
+            got = np.array([k == tp and self.specs[v][a].reduce_op == "sum"
+                            for v, k, a in zip(V.tolist(), K.tolist(), A.tolist())], bool)
+            self._derived["to_sum"] = got
+        return got
 
 
 @functools.lru_cache(maxsize=64)
@@ -539,19 +576,19 @@ class _Graph:
         U, V, K, A = self.topo.arrays()
         if self._weights is not None and self._weights[0] == U.size:
             return self._weights[1]
-        ms = self.mesh.shape
-        size = self.dtype.itemsize
-        numel = np.array([local_numel(sp, self.shape, ms) for sp in self.specs], np.int64)
+        ms = tuple(self.mesh.shape)
+        shape = np.array(self.shape, np.int64)
+        numel = (-(-shape // self.topo.splits(ms))).prod(axis=1)
         chunk, to_partial = _KINDS.index(StepKind.CHUNK), _KINDS.index(StepKind.TO_PARTIAL)
-        nbytes = np.where(K == chunk, numel[V], numel[U]) * size
-        tp = np.flatnonzero(K == to_partial)
-        if tp.size:   # only Partial(sum) writes anything, and not on an axis of size 1
-            keep = [self.specs[v][a].reduce_op == "sum" and ms[a] > 1
-                    for v, a in zip(V[tp].tolist(), A[tp].tolist())]
-            nbytes[tp] = np.where(keep, nbytes[tp], 0)
-        keys = np.stack([K, nbytes, A], axis=1)
-        uniq, inv = np.unique(keys, axis=0, return_inverse=True)
-        times = np.array([step_time(_KINDS[k], int(b), self.mesh, int(a)) for k, b, a in uniq])
+        nbytes = np.where(K == chunk, numel[V], numel[U]) * self.dtype.itemsize
+        # only Partial(sum) writes anything, and not on an axis of size 1
+        writes = self.topo.to_sum() & (np.array(ms, np.int64)[A] > 1)
+        nbytes = np.where((K == to_partial) & ~writes, 0, nbytes)
+        # one key per distinct (kind, bytes, axis): bytes < 2**52 leaves room for both
+        nk, na = len(_KINDS), len(ms)
+        uniq, inv = np.unique((nbytes * nk + K) * na + A, return_inverse=True)
+        times = np.array([step_time(_KINDS[int(u // na % nk)], int(u // (na * nk)), self.mesh, int(u % na))
+                          for u in uniq.tolist()])
         W = times[inv.reshape(-1)]
         self._weights = (U.size, W)
         self._rows.clear()   # the graph grew (never in practice): rows are recomputed
