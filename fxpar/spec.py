@@ -57,6 +57,7 @@ __all__ = [
     "grad_out_spec",
     "placement_kind",
     "placement_str",
+    "trusted_spec",
     "with_dim",
 ]
 
@@ -365,6 +366,18 @@ def _long():
     import torch
 
     return torch.long
+
+
+def trusted_spec(placements: tuple[Placement, ...]) -> Spec:
+    """``Spec(placements)`` without re-checking them: for placements taken from specs or
+    choices already checked (the planner builds millions of combinations of a few).
+
+    >>> trusted_spec((Shard(0), Replicate())) == Spec.parse("S(0)R")
+    True
+    """
+    s = object.__new__(Spec)
+    object.__setattr__(s, "placements", placements)
+    return s
 
 
 def as_spec(x: Spec | str | Iterable[Placement]) -> Spec:

@@ -53,7 +53,7 @@ from fxpar.plan_data import EdgePlan, NodePlan, Plan, StepCost
 from fxpar.planner.explain import megatron_reference
 from fxpar.planner.pins import match_pins, squeeze, unsqueeze
 from fxpar.planner.pricing import (EdgePricer, backward_transient, bucket_share, bucketed_time,
-                                   compute_times, fan_out_grad, finalize_spec, latency_free,
+                                   compute_times, time_inputs, fan_out_grad, finalize_spec, latency_free,
                                    node_key, node_memory, output_meta)
 from fxpar.resharding.intra import LOCAL_KINDS, reshard_costs, reshard_plan
 from fxpar.solver import Solution, StrategyProblem, solve
@@ -225,8 +225,9 @@ def _price_node(n: fx.Node, flags, mesh, opts: PlannerOptions, lst: list[Strateg
     f = np.zeros(len(lst))
     b = np.zeros(len(lst))
     m = np.zeros(len(lst), dtype=np.int64)
+    prep = time_inputs(n, flags) if n.op == "call_function" else None
     for k, s in enumerate(lst):
-        f[k], b[k] = compute_times(n, s, mesh, flags, opts)
+        f[k], b[k] = compute_times(n, s, mesh, flags, opts, prep)
         m[k] = node_memory(n, s, mesh, flags, opts, kept=kept, extra=extra)
     c = f + b
     for v in (f, b, m, c):

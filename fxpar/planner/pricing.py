@@ -74,7 +74,7 @@ from fxpar.resharding.intra import reshard_cost_table
 from fxpar.spec import Shard, Spec, grad_in_spec, grad_out_spec
 from fxpar.strategies.base import Strategy, record_for
 
-__all__ = ["compute_times", "node_memory", "node_key", "output_meta", "finalize_spec",
+__all__ = ["compute_times", "time_inputs", "node_memory", "node_key", "output_meta", "finalize_spec",
            "EdgePricer"]
 
 
@@ -122,38 +122,53 @@ def output_meta(node: fx.Node, out_idx: int):
     return mets[out_idx] if out_idx < len(mets) else None
 
 
-def compute_times(node, strat: Strategy, mesh, flags, opts) -> tuple[float, float]:
+def time_inputs(node, flags) -> tuple:
+    """What :func:`compute_times` reads of ``node`` whatever the strategy (made once per node
+    by the planner): its input nodes, each one's tensor meta (or its value when it is not
+    a tensor) and gradient flag, the node's tensor output metas and their count with
+    ``None`` entries, its op record and whether it has a gradient."""
+    ins = node.all_input_nodes
+    metas = {}
+    for x in ins:
+        v = x.meta.get(ir.VAL)
+        tm = ir.tensor_meta(x) if isinstance(v, torch.Tensor) else None
+        metas[x] = (tm, v, bool(flags.get(x)))
+    mets = ir.tensor_metas(node)
+    return (ins, metas, [m for m in mets if m is not None], len(mets), record_for(node.target),
+            bool(flags.get(node, False)))
+
+
+def compute_times(node, strat: Strategy, mesh, flags, opts, prep: tuple | None = None) -> tuple[float, float]:
     """``(t_fwd, t_bwd)`` seconds of ``node`` under ``strat`` (module docstring); 0 for a
-    non-``call_function`` node."""
+    non-``call_function`` node. ``prep``: :func:`time_inputs` of the node, when the caller
+    prices many strategies of it."""
     if node.op != "call_function":
         return 0.0, 0.0
-    ins = node.all_input_nodes
+    ins, metas, outs_m, n_out, rec, grad = prep if prep is not None else time_inputs(node, flags)
     spec_of = {a: strat.inputs[q] if q < len(strat.inputs) else None for q, a in enumerate(ins)}
 
     def conv(x):
         if isinstance(x, fx.Node):
-            tm = ir.tensor_meta(x) if isinstance(x.meta.get(ir.VAL), torch.Tensor) else None
+            tm, v, g = metas[x]
             if tm is None:
-                return x.meta.get(ir.VAL)
-            return TensorArg(_local(spec_of.get(x), tm.shape, mesh), tm.dtype, bool(flags.get(x)))
+                return v
+            return TensorArg(_local(spec_of.get(x), tm.shape, mesh), tm.dtype, g)
         if isinstance(x, (list, tuple)):
             return type(x)(conv(y) for y in x)
         return x
 
     args = tuple(conv(a) for a in node.args)
     kwargs = {k: conv(v) for k, v in node.kwargs.items()}
-    mets = ir.tensor_metas(node)
     outs = [TensorArg(_local(strat.outputs[o] if o < len(strat.outputs) else None, t.shape, mesh), t.dtype)
-            for o, t in enumerate(m for m in mets if m is not None)]
-    out = outs[0] if len(mets) == 1 and outs else tuple(outs)
+            for o, t in enumerate(outs_m)]
+    out = outs[0] if n_out == 1 and outs else tuple(outs)
     c = op_cost(node.target, args, kwargs, out)
-    if not flags.get(node, False):
+    if not grad:
         c = dataclasses.replace(c, bwd_flops=0.0, bwd_bytes=0.0)
     f, b = op_time(c, mesh.cluster, opts.efficiency, opts.memory_efficiency)
-    rec = record_for(node.target)
     if rec is not None and rec.comm is not None:
         cf, cb = rec.comm(node, strat, mesh)
-        f, b = f + cf, b + (cb if flags.get(node, False) else 0.0)
+        f, b = f + cf, b + (cb if grad else 0.0)
     return f, b
 
 

@@ -75,9 +75,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fxpar.cost.reshard import LOCAL_KINDS, StepKind, local_numel, step_cost, step_time
+from fxpar.cost.reshard import LOCAL_KINDS, StepKind, step_cost, step_time
 from fxpar.errors import ReshardError, SpecError
-from fxpar.spec import Partial, Placement, Replicate, Shard, Spec, as_spec, placement_kind, placement_str
+from fxpar.spec import (Partial, Placement, Replicate, Shard, Spec, as_spec, placement_kind,
+                        placement_str, trusted_spec)
 from fxpar.units import dtype_name, fmt_time
 
 __all__ = ["ReshardPlan", "ReshardStep", "LOCAL_KINDS", "reshard_plan", "reshard_costs", "reshard_cost_table", "step_kind", "as_dtype"]
@@ -258,13 +259,6 @@ def _code(p) -> tuple:
     return (c,)
 
 
-def _fast_spec(placements: tuple) -> Spec:
-    # placements taken from valid specs and candidates: skip re-validation
-    s = object.__new__(Spec)
-    object.__setattr__(s, "placements", placements)
-    return s
-
-
 def _moves(spec: Spec, ndim: int, ops: Sequence[str]) -> list[tuple[str, int, Spec]]:
     """Every legal one-axis step out of ``spec``: ``(kind, axis, next_spec)``; the legality of
     :func:`step_kind` (module docstring), in the order of :func:`_moves_slow`."""
@@ -318,7 +312,7 @@ def _moves(spec: Spec, ndim: int, ops: Sequence[str]) -> list[tuple[str, int, Sp
                 nops.add(new[1])
             if len(nops) > 1 and not nops <= _LINEAR_OPS:
                 continue
-            out.append((kind, axis, _fast_spec(pls[:axis] + (p,) + pls[axis + 1:])))
+            out.append((kind, axis, trusted_spec(pls[:axis] + (p,) + pls[axis + 1:])))
     return out
 
 
@@ -468,7 +462,7 @@ class _Topology:
         self._edges: list[tuple[int, int, int, int]] = []
         self._arrays: tuple | None = None
         self._derived: dict = {}   # per-edge/per-state arrays made from the arrays
-        self.id(_fast_spec((Replicate(),) * naxes))
+        self.id(trusted_spec((Replicate(),) * naxes))
 
     def id(self, spec: Spec) -> int:
         i = self.ids.get(spec)

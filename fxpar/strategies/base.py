@@ -38,7 +38,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from fxpar import ir
 from fxpar.cost.compute import set_op_cost
-from fxpar.spec import Spec, as_spec, placement_kind, placement_str, with_dim
+from fxpar.spec import Spec, as_spec, placement_kind, placement_str, trusted_spec, with_dim
 
 __all__ = ["AxisStrategy", "Strategy", "OpRecord", "RECORDS", "register", "declare", "record_for", "rule_for",
            "RULES", "expand", "bound",
@@ -404,27 +404,36 @@ multiply to a divisor of ``blocks``. Axes of size 1 only replicate. The all-repl
                 return False
         return True
 
-    per_axis = [[rep] if k == 1 else [c for c in clean if ok1(c, k)] for k in mesh_shape]
+    # per choice and tensor: (kind, dim, reduce op) of its placement, read per combination
+    summ = []
+    for c in clean:
+        pls = c.inputs + c.outputs
+        for p in pls:
+            if p is not None:
+                Spec((p,))   # validates the placement once (combinations are built trusted)
+        summ.append(tuple(None if p is None else (placement_kind(p), getattr(p, "dim", None),
+                                                   getattr(p, "reduce_op", None)) for p in pls))
+    per_axis = [[0] if k == 1 else [i for i, c in enumerate(clean) if ok1(c, k)] for k in mesh_shape]
+    tensors = [t for t, s in enumerate(shapes) if s is not None]
     out, keys = [], set()
     for combo in itertools.product(*per_axis):
+        chosen = [clean[i] for i in combo]
         # (6) a choice of indivisible blocks: the axes taking it split them evenly
-        good = all(c.blocks % math.prod(k for k, d in zip(mesh_shape, combo) if d == c) == 0
-                   for c in set(combo) if c.blocks)
-        needs_even = any(c.even for c in combo)
-        for t, s in enumerate(shapes):
-            if s is None:
-                continue
+        good = all(clean[i].blocks % math.prod(k for k, j in zip(mesh_shape, combo) if j == i) == 0
+                   for i in set(combo) if clean[i].blocks)
+        needs_even = any(c.even for c in chosen)
+        for t in tensors:
+            s = shapes[t]
             by_dim: dict[int, list[int]] = {}
-            for a, c in enumerate(combo):
-                p = c.inputs[t] if t < len(in_shapes) else c.outputs[t - len(in_shapes)]
-                kind = placement_kind(p)
+            ops = set()
+            for a, i in enumerate(combo):
+                kind, dim, op = summ[i][t]
                 if kind == "S":
-                    by_dim.setdefault(p.dim, []).append(a)
+                    by_dim.setdefault(dim, []).append(a)
                 elif kind == "T":   # a strided dim is split by its one axis only
-                    by_dim.setdefault(p.dim, []).extend((a, -1))
-            ops = {p.reduce_op for c in combo
-                   for p in (c.inputs[t] if t < len(in_shapes) else c.outputs[t - len(in_shapes)],)
-                   if placement_kind(p) == "P"}
+                    by_dim.setdefault(dim, []).extend((a, -1))
+                elif kind == "P":
+                    ops.add(op)
             if len(ops) > 1 and not ops <= {"sum", "avg"}:
                 good = False  # partial sums and maxima on one tensor do not commute (see reshard)
                 break
@@ -442,12 +451,13 @@ multiply to a divisor of ``blocks``. Axes of size 1 only replicate. The all-repl
                 break
         if not good:
             continue
-        ins = tuple(None if s is None else Spec(tuple(c.inputs[i] for c in combo)) for i, s in enumerate(in_shapes))
-        outs = tuple(Spec(tuple(c.outputs[i] for c in combo)) for i in range(len(o_shapes)))
+        ins = tuple(None if s is None else trusted_spec(tuple(c.inputs[i] for c in chosen))
+                    for i, s in enumerate(in_shapes))
+        outs = tuple(trusted_spec(tuple(c.outputs[i] for c in chosen)) for i in range(len(o_shapes)))
         if (ins, outs) in keys:
             continue
         keys.add((ins, outs))
-        out.append(Strategy(ins, outs, name=_name(combo, names)))
+        out.append(Strategy(ins, outs, name=_name(chosen, names)))
     return out
 
 
