@@ -560,3 +560,29 @@ def test_a_gap_limit_is_reported_as_feasible_with_its_gap():
             assert s.objective == pytest.approx(best.objective, rel=1e-9, abs=1e-12)
         else:
             assert s.bound <= best.objective + 1e-12 and s.gap > 0
+
+
+def test_filtered_memory_free_problems_solve_their_reduced_classes_exactly():
+    """Without memory points the filter's survivors are solved as the reduced problem's own
+    classes (ilp.class_problem), not by reducing the original nodes again. Random layout
+    problems (12 nodes, 6 layouts, a metric resharding cost on a random graph with cycles,
+    DP tables capped so the filter runs) against CP-SAT on the original problem, unfiltered."""
+    hits = 0
+    for seed in range(12):
+        rng = np.random.default_rng(seed)
+        n, k = 12, 6
+        where = rng.integers(0, 5, size=(k, 2))
+        metric = np.abs(where[:, None] - where[None]).sum(-1) / 8
+        cost = [rng.integers(0, 16, size=k) / 8 for _ in range(n)]
+        edges = {(i, i + 1): metric * rng.integers(1, 4) for i in range(n - 1)}
+        for _ in range(4):
+            a, b = sorted(rng.choice(n, 2, replace=False).tolist())
+            edges[(a, b)] = edges.get((a, b), 0) + metric
+        p = StrategyProblem(cost=cost, edges=edges)
+        s = solve(p, max_table=8)
+        ref = solve(p, bound_filter=False, dual=False, dp=False)
+        assert ref.status == "OPTIMAL" and s.status == "OPTIMAL"
+        assert s.objective == pytest.approx(ref.objective, rel=1e-12)
+        assert sum(p.evaluate(s.choice)[:2]) == s.objective
+        hits += s.stats["method"].startswith("filter+")
+    assert hits >= 3, hits

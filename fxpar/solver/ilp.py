@@ -17,8 +17,8 @@ from fxpar.solver.dp import DEFAULT_MAX_TABLE, eliminate, elimination_order
 from fxpar.solver.dual import dual_bound
 from fxpar.solver.heuristic import feasible, greedy
 from fxpar.solver.problem import Solution, StrategyProblem
-from fxpar.units import fmt_bytes
 from fxpar.solver.reduce import ALL_REDUCTIONS, Reduced, choose_scale, reduce_problem
+from fxpar.units import fmt_bytes
 
 __all__ = ["solve", "min_peak_memory", "EDGE_ENCODINGS"]
 
@@ -309,6 +309,26 @@ def _encode(red: Reduced, choice: Sequence[int]) -> list[int] | None:
     return x
 
 
+def class_problem(red: Reduced, keep: Sequence[np.ndarray]) -> StrategyProblem:
+    """The reduced problem ``red`` (no memory points, no equalities) as a
+    :class:`StrategyProblem` whose node ``c`` is class ``c`` restricted to its values
+    ``keep[c]`` (sorted), in seconds: integer units over ``red.scale``, a power of two, so
+    exact, and the same units again at that scale. Its optimum plus ``red.offset`` is the
+    optimum of the problem ``red`` was reduced from, restricted to those values.
+
+    >>> p = StrategyProblem(cost=[[1.0, 2.0, 0.0], [3.0, 0.5, 1.0], [0.0, 0.2, 0.1]],
+    ...                     edges={(0, 1): [[0, 4, 1], [4, 0, 2], [3, 3, 0]],
+    ...                            (1, 2): [[0, 1, 2], [1, 0, 1], [2, 2, 0]]})
+    >>> red = reduce_problem(p)
+    >>> sub = class_problem(red, [np.arange(d) for d in red.dom])
+    >>> round(solve(sub).objective + red.offset, 12) == round(solve(p).objective, 12) == 1.1
+    True
+    """
+    cost = [red.cost[c][k] / red.scale for c, k in enumerate(keep)]
+    edges = [(c, d, a[np.ix_(keep[c], keep[d])] / red.scale) for c, d, a in red.edges]
+    return StrategyProblem(cost=cost, edges=edges, names=[f"class{c}" for c in range(len(keep))])
+
+
 def _filtered_solve(problem: StrategyProblem, red: Reduced, t0: float, stats: dict, *,
                     time_limit, filter_gap, **kw) -> Solution | None:
     """Bound filtering (:func:`fxpar.solver.bounds.bound_and_filter`) then :func:`solve` on
@@ -323,22 +343,33 @@ def _filtered_solve(problem: StrategyProblem, red: Reduced, t0: float, stats: di
         info["s"] = time.perf_counter() - t1
         stats["filter"] = info
         return None
-    allowed: dict[int, set[int]] = {}
-    for i, (c, fmap) in enumerate(red.node_map):
-        if c >= 0:
-            allowed.setdefault(i, set()).update(fmap[f.keep[c]].tolist())
-    sub = problem.restricted(allowed)
-    info["s"] = time.perf_counter() - t1
-    left = None if time_limit is None else max(1.0, time_limit - (time.perf_counter() - t0))
     ub_choice = red.decode(f.x)
-    inner = solve(sub, time_limit=left, bound_filter=False, start=ub_choice, **kw)
-    choice = inner.choice
+    left = None if time_limit is None else max(1.0, time_limit - (time.perf_counter() - t0))
+    shift = 0.0   # what the inner problem's objective leaves out of the original's
+    if not red.points and not red.equal:
+        # the reduced problem itself, restricted: its classes are the nodes (what the
+        # reductions already did is not redone on the original nodes)
+        sub = class_problem(red, f.keep)
+        start = [int(np.searchsorted(k, v)) for k, v in zip(f.keep, f.x)]
+        info["s"] = time.perf_counter() - t1
+        inner = solve(sub, time_limit=left, bound_filter=False, start=start, **kw)
+        choice = red.decode([int(k[v]) for k, v in zip(f.keep, inner.choice)])
+        shift = red.offset
+    else:
+        allowed: dict[int, set[int]] = {}
+        for i, (c, fmap) in enumerate(red.node_map):
+            if c >= 0:
+                allowed.setdefault(i, set()).update(fmap[f.keep[c]].tolist())
+        sub = problem.restricted(allowed)
+        info["s"] = time.perf_counter() - t1
+        inner = solve(sub, time_limit=left, bound_filter=False, start=ub_choice, **kw)
+        choice = inner.choice
     nc, ec, peaks = problem.evaluate(choice)
     obj = nc + ec
     unc, uec, upeaks = problem.evaluate(ub_choice)
     if unc + uec < obj:  # a time limit stopped the inner search above the upper bound
         choice, nc, ec, peaks, obj = ub_choice, unc, uec, upeaks, unc + uec
-    status, bound = inner.status, max(inner.bound, info["lower_s"])
+    status, bound = inner.status, max(inner.bound + shift, info["lower_s"])
     if filter_gap > 0:  # the filtered problem's bound holds for the original only within gap
         bound = min(bound, info["upper_s"] / (1.0 + filter_gap), obj)
         bound = max(bound, info["lower_s"])
@@ -349,6 +380,9 @@ def _filtered_solve(problem: StrategyProblem, red: Reduced, t0: float, stats: di
     st.update({k: v for k, v in inner.stats.items() if k in ("method", "dp_s", "branches",
                                                             "build_s", "objective_units",
                                                             "dual")})
+    if shift and "dual" in st:
+        st["dual"] = dict(st["dual"], **{k: st["dual"][k] + shift for k in ("lower_s", "upper_s")
+                                          if st["dual"].get(k) is not None})
     st["filter"] = info
     st["filtered"] = {k: inner.stats.get(k) for k in ("classes", "values", "class_edges",
                                                       "class_points", "reduce_s", "solve_s",
@@ -367,23 +401,24 @@ def _filtered_solve(problem: StrategyProblem, red: Reduced, t0: float, stats: di
 DUAL_CPSAT_MAX_BOOLEANS = 50_000
 
 
-def _restricted_optimum(problem: StrategyProblem, red: Reduced, keep: list[np.ndarray], *,
+def _restricted_optimum(red: Reduced, keep: list[np.ndarray], *,
                         scale: float, reductions, max_table: int) -> tuple[int, ...] | None:
-    """The exact optimum of ``problem`` restricted to class values ``keep[c]`` of ``red`` (and
-    its fixed nodes at their values), reduced again and solved by bucket elimination; ``None``
-    when the tables do not fit (or ties stay constraints)."""
-    allowed = {i: ({int(f[0])} if c < 0 else set(f[keep[c]].tolist()))
-               for i, (c, f) in enumerate(red.node_map)}
-    rs = reduce_problem(problem.restricted(allowed), scale=scale, reductions=reductions)
+    """The exact optimum of the problem ``red`` was reduced from (no memory points, no
+    equalities), restricted to class values ``keep[c]`` and its fixed nodes' values: the
+    restricted classes (:func:`class_problem`) reduced again and solved by bucket
+    elimination; ``None`` when the tables do not fit."""
+    rs = reduce_problem(class_problem(red, keep), scale=scale, reductions=reductions)
     if rs.points or rs.equal:
         return None
-    if not rs.dom:
-        return rs.decode([])
-    order = elimination_order(rs.dom, rs.edges, max_table)
-    if order is None:
-        return None
-    got = eliminate(rs, max_table=max_table, order=order)
-    return None if got is None else rs.decode(got[0])
+    if rs.dom:
+        order = elimination_order(rs.dom, rs.edges, max_table)
+        if order is None:
+            return None
+        got = eliminate(rs, max_table=max_table, order=order)
+        if got is None:
+            return None
+    x = rs.decode(got[0] if rs.dom else [])
+    return red.decode([int(k[v]) for k, v in zip(keep, x)])
 
 
 def _dual_solve(problem: StrategyProblem, red: Reduced, t0: float, stats: dict, *,
@@ -417,8 +452,7 @@ def _dual_solve(problem: StrategyProblem, red: Reduced, t0: float, stats: dict, 
         tau, too_wide = slack(b), np.inf
         while rungs < 12 * (attempt + 1) and tau >= 0.5:
             rungs += 1
-            got = _restricted_optimum(problem, red,
-                                      [np.flatnonzero(r <= tau) for r in b.reduced],
+            got = _restricted_optimum(red, [np.flatnonzero(r <= tau) for r in b.reduced],
                                       scale=scale, reductions=reductions,
                                       max_table=max_table)
             if got is None:

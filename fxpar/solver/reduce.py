@@ -233,6 +233,9 @@ class _Reducer:
             else:
                 self._add_edge(ca, cb, r[np.ix_(fa, fb)])
         self._md: dict[int, np.ndarray] = {}
+        #: (c, d) -> (adj[c][d], its _min_delta): dead-end elimination and follower merging
+        #: of a class read the same edges' deltas until an edge changes
+        self._dl: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self.offset = 0.0
         self.fixed: dict[int, int] = {}
         self.stats = {"nodes": p.n, "strategies": int(sum(c.size for c in p.cost)),
@@ -319,21 +322,31 @@ class _Reducer:
 
     # -- the reductions ----------------------------------------------------------------------
 
+    def _delta(self, c: int, d: int) -> np.ndarray:
+        """:func:`_min_delta` of ``adj[c][d]`` (cached while that matrix is the same object)."""
+        a = self.adj[c][d]
+        got = self._dl.get((c, d))
+        if got is None or got[0] is not a:
+            got = self._dl[c, d] = (a, _min_delta(a))
+        return got[1]
+
     def _reparam(self, c: int) -> None:
         """Move row and column minima of each incident edge into node costs (exact: a
         constant per value of one endpoint); a separable edge becomes all-zero and goes."""
         for d in sorted(self.adj[c]):
             a = self.adj[c][d]
             rmin = a.min(axis=1)
-            a = a - rmin[:, None]
+            if rmin.any():
+                a = a - rmin[:, None]
+                self.cost[c] = self.cost[c] + rmin
             cmin = a.min(axis=0)
-            a = a - cmin[None, :]
-            self.cost[c] = self.cost[c] + rmin
-            self.cost[d] = self.cost[d] + cmin
+            if cmin.any():
+                a = a - cmin[None, :]
+                self.cost[d] = self.cost[d] + cmin
             if a.max() <= self.tol:  # separable (up to round-off): all in node costs now
                 self._del_edge(c, d)
                 self.stats["separable_edges"] += 1
-            else:
+            elif a is not self.adj[c][d]:  # unchanged: the same objects (their deltas cached)
                 self.adj[c][d], self.adj[d][c] = a, a.T
 
     def _fix(self, c: int) -> None:
@@ -363,8 +376,8 @@ class _Reducer:
             self.stats["skipped_dee"] = self.stats.get("skipped_dee", 0) + 1
             return False
         slack = cost[:, None] - cost[None, :]
-        for a in self.adj[c].values():
-            slack = slack + _min_delta(a)
+        for d in self.adj[c]:
+            slack = slack + self._delta(c, d)
         ok = (slack >= -self.tol) & self._memdom(c)
         np.fill_diagonal(ok, False)
         alive = np.ones(n, dtype=bool)
@@ -397,7 +410,7 @@ class _Reducer:
             return None
         cj = self.cost[j]
         memdom = self._memdom(j)
-        deltas = {n: _min_delta(a) for n, a in self.adj[j].items()}
+        deltas = {n: self._delta(j, n) for n in self.adj[j]}
         total = sum(deltas.values(), np.zeros((cj.size, cj.size), dtype=np.int64))
         for p in sorted(self.adj[j]):
             base = cj[:, None] - cj[None, :] + total - deltas[p]          # [v, v*]
