@@ -382,7 +382,9 @@ class _Reducer:
         np.fill_diagonal(ok, False)
         alive = np.ones(n, dtype=bool)
         by: dict[int, int] = {}
-        for u in range(n - 1, -1, -1):  # highest index first: of equal values the lowest stays
+        # highest index first: of equal values the lowest stays (a row with no dominator,
+        # most of them, is never removed and not visited)
+        for u in np.flatnonzero(ok.any(axis=1))[::-1].tolist():
             if (ok[u] & alive).any():
                 alive[u] = False
                 if self.removed is not None:
