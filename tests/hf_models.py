@@ -392,6 +392,9 @@ def _train(model_type: str, plan: str, mesh: dict, steps: int, time_limit: float
     gm = fxpar.capture(model, (ids,), kwargs)
     rec["capture_s"] = time.perf_counter() - t0
     rec["phase"] = "plan"
+    # every rank has captured before the clock starts: plan_s is planning (rank 0 solves, the
+    # others wait for its plan without a core), not rank 0 sharing the cores with captures
+    dist.barrier()
     # eps 1e-5 as tests/test_runtime_parity.py: gradients that are rounding noise in theory
     # (a key bias) must not become steps of ~lr
     opt = lambda ps: torch.optim.AdamW(ps, lr=1e-2, eps=1e-5)
