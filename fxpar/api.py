@@ -38,6 +38,7 @@ import torch.fx as fx
 
 from fxpar.capture import WithLoss, capture, frozen_params
 from fxpar.errors import PlanError
+from fxpar.ir import untrained_outputs
 from fxpar.mesh import Mesh
 from fxpar.plan_data import BASELINES, PLAN_KINDS, SEARCHED, Plan
 from fxpar.planner import (PlannerOptions, axonn_meshes, baseline_mesh,
@@ -248,6 +249,11 @@ def compile(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | tor
                                             plan=plan, **kwargs)
     finally:
         model.train(was_training)
+    why = untrained_outputs(planned.graph) if training else ""
+    if why:   # its backward would fail at the first step: say why before anything runs
+        raise PlanError(f"cannot train the captured {type(model).__name__}: {why}. Compile it "
+                        "with training=False for inference, or write the layer without a custom "
+                        "autograd.Function")
     if not emit:
         return planned
     return Program(planned.plan, planned.graph, wrapped, optimizer=optimizer, training=training,

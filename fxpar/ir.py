@@ -144,6 +144,8 @@ __all__ = [
     "is_differentiable",
     "is_trainable_param",
     "grad_flags",
+    "source_of",
+    "untrained_outputs",
 ]
 
 # --- node keys -----------------------------------------------------------------------------------
@@ -438,6 +440,59 @@ def is_trainable_param(n: fx.Node) -> bool:
         return bool(getattr(info, "requires_grad", True)) and getattr(info, "kind", "param") == "param"
     v = n.meta.get(VAL, n.meta.get("example_value"))
     return isinstance(v, torch.Tensor) and bool(v.requires_grad)
+
+
+def source_of(node: fx.Node) -> str:
+    """``", at FILE:LINE: `CODE`"`` of the innermost frame of a node's stack trace
+    (:data:`STACK_TRACE`), or ``""`` without one: where an error names the user's line."""
+    lines = [ln.strip() for ln in (node.meta.get(STACK_TRACE) or "").splitlines() if ln.strip()]
+    at = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
+    if not at:
+        return ""
+    i = at[-1]
+    code = f": `{lines[i + 1]}`" if i + 1 < len(lines) else ""
+    return f", {lines[i]}{code}"
+
+
+def untrained_outputs(gm: fx.GraphModule) -> str:
+    """``""`` when some output of ``gm`` carries a gradient or no parameter trains; else why
+    training it is impossible: the node where the gradient of its trainable parameters stops
+    (the first one in graph order the outputs depend on whose input carries a gradient and
+    whose output does not, e.g. the ``detach`` a custom ``torch.autograd.Function`` running its forward under
+    ``no_grad`` leaves behind: capture keeps a Function's forward, not its ``backward``).
+
+    >>> import torch
+    >>> from fxpar.capture import capture
+    >>> class Cut(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.lin = torch.nn.Linear(4, 4)
+    ...     def forward(self, x):
+    ...         return self.lin(x).detach().sum()
+    >>> untrained_outputs(capture(torch.nn.Linear(4, 3), (torch.randn(2, 4),)))
+    ''
+    >>> untrained_outputs(capture(Cut(), (torch.randn(2, 4),))).split(" (")[0]
+    'no output depends on a trainable parameter through autograd; the gradient stops at node detach'
+    """
+    flags = grad_flags(gm)
+    trains = any(getattr(n.meta.get(PARAM), "requires_grad", False) for n in gm.graph.nodes
+                 if n.op == "placeholder")
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    if not trains or any(flags.get(a) for a in out.all_input_nodes):
+        return ""
+    feeds, todo = set(), list(out.all_input_nodes)   # what the outputs depend on
+    while todo:
+        n = todo.pop()
+        if n not in feeds:
+            feeds.add(n)
+            todo.extend(n.all_input_nodes)
+    cut = next((n for n in gm.graph.nodes if n in feeds and n.op == "call_function"
+                and not flags.get(n) and any(flags.get(a) for a in n.all_input_nodes)), None)
+    where = (f"; the gradient stops at node {cut.name} ({cut.target}{source_of(cut)})"
+             if cut is not None else "")
+    return ("no output depends on a trainable parameter through autograd" + where
+            + " (a custom torch.autograd.Function whose forward runs under no_grad, as "
+            "Reformer's reversible layers, is captured as its forward alone)")
 
 
 def grad_flags(gm: fx.GraphModule, extra: Any = (), *, prune: bool = True) -> dict[fx.Node, bool]:

@@ -250,3 +250,38 @@ def test_explain_says_how_attention_uses_cp():
         assert says in line, line
     line = next(x for x in p.explain().splitlines() if x.startswith("context parallelism"))
     assert "2 of 2 attentions" in line, line
+
+
+def test_compile_refuses_a_model_whose_loss_has_no_gradient_path():
+    """A custom autograd.Function running its forward under no_grad (Reformer's reversible
+    layers) is captured as its forward alone: the loss carries no gradient. compile(training)
+    says so and names the node where the parameters' gradient stops, instead of a backward
+    failing at the first step; training=False compiles it."""
+    import fxpar
+
+    class NoGradFn(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            with torch.no_grad():
+                return x @ w
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, g
+
+    class Rev(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = torch.nn.Linear(8, 8)
+            self.w = torch.nn.Parameter(torch.randn(8, 8))
+
+        def forward(self, x):
+            return NoGradFn.apply(self.inp(x), self.w).pow(2).mean()
+
+    x = torch.randn(4, 8)
+    with pytest.raises(fxpar.PlanError, match=r"no output depends on a trainable parameter "
+                       r"through autograd; the gradient stops at node \w+ \(aten\."):
+        fxpar.compile(Rev(), fxpar.Cluster.local(2), (x,), mesh={"dp": 2}, plan="dp")
+    prog = fxpar.compile(Rev(), fxpar.Cluster.local(2), (x,), mesh={"dp": 2}, plan="dp",
+                         training=False)
+    assert prog.plan.mesh["axis_names"] == ("dp",) and not prog.training

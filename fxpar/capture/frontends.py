@@ -121,7 +121,7 @@ def capture(
                 r = wanted[0]
                 raise CaptureError(
                     f"could not capture {type(model).__name__}: node {r.name} ({r.target}"
-                    f"{_source(r)}) reads a value from tensor data that sets a size or a branch: "
+                    f"{ir.source_of(r)}) reads a value from tensor data that sets a size or a branch: "
                     f"{e}") from e
         refuse_data_dependent(gm, type(model).__name__)  # final: no other frontend can do better
         return gm
@@ -150,17 +150,6 @@ def _prepared_inputs(model: torch.nn.Module, example_inputs: Sequence[Any] | tor
 
 def _data_dependent(e: BaseException) -> bool:
     return type(e).__name__ in DATA_DEPENDENT_ERRORS
-
-
-def _source(node: fx.Node) -> str:
-    """``", at FILE:LINE: `CODE`"`` of the innermost frame of a node's stack trace, or ``""``."""
-    lines = [ln.strip() for ln in (node.meta.get(ir.STACK_TRACE) or "").splitlines() if ln.strip()]
-    at = [i for i, ln in enumerate(lines) if ln.startswith("File ")]
-    if not at:
-        return ""
-    i = at[-1]
-    code = f": `{lines[i + 1]}`" if i + 1 < len(lines) else ""
-    return f", {lines[i]}{code}"
 
 
 def _specialized(model: torch.nn.Module, args: tuple, kwargs: dict, decompose: bool,
