@@ -107,7 +107,7 @@ def _batches(name: str):
 # ---------------------------------------------------------------------------------------------
 # capture: specialized, guarded, equal to eager in one process
 # ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name,expected", [("size", [5]), ("branch", None), ("split", [6, 2, 4])])
+@pytest.mark.parametrize("name,expected", [("size", [5]), ("branch", None)])
 def test_a_read_that_sets_a_size_or_branch_is_specialized_and_guarded(name, expected):
     m, ex, same, diff = _batches(name)
     gm = capture(m, ex)
@@ -153,13 +153,25 @@ def test_a_loop_over_nonzero_is_specialized_to_its_length():
         run_captured(gm, m, *diff)
 
 
-def test_a_specialized_split_has_the_eager_gradients():
-    m, ex, _, _ = _batches("split")
-    ref = copy.deepcopy(m)
-    run_captured(capture(m, ex), m, *ex).backward()
-    ref(*ex).backward()
-    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0, msg=name)
+def test_a_split_by_read_sizes_is_made_static_with_the_eager_gradients():
+    """jetmoe's split (sizes read with ``.tolist()``, a linear per piece, ``cat``): the sizes
+    reach nothing else, so the capture computes every expert's rows with static shapes
+    (:mod:`fxpar.capture.grouped`), no guard; equal to eager, gradients included, on the
+    example and on a batch whose sizes differ."""
+    m, ex, _, diff = _batches("split")
+    gm = capture(m, ex)
+    assert guards(gm) == []
+    for b in (ex, diff):
+        ref = copy.deepcopy(m)
+        m.zero_grad()
+        got = run_captured(gm, m, *b)
+        got.backward()
+        want = ref(*b)
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+        for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+            # summed over every row (zeros for the other experts): another float order
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_the_guard_names_node_line_and_both_values():
@@ -287,6 +299,9 @@ def dp_worker(name: str):
 @pytest.mark.parametrize("name", ["size", "branch", "split", "loop"])
 def test_dp_trains_like_one_process_and_every_rank_raises_the_guard(pools, name):
     msgs = pools(2).run(dp_worker, name)
+    if name == "split":   # made static (no guard): the differing batch trains too
+        assert msgs == ["no GuardError", "no GuardError"]
+        return
     assert msgs[0].startswith("node guard_value: ") and "in this step" in msgs[0], msgs
     assert msgs[1] == msgs[0]
 

@@ -161,14 +161,46 @@ def _specialized(model: torch.nn.Module, args: tuple, kwargs: dict, decompose: b
     reads = record_reads(model, args, kwargs) if reads is None else reads
     if not reads:
         return None
-    try:
+    def export(reads):
         with quiet_torch_logs(debug):
             return export_graph(model, args, kwargs, strict=False, decompose=decompose,
                                 stack_traces=stack_traces, reads=reads)
+
+    try:
+        gm = export(reads)
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - reported as this route's reason
         raise CaptureError(failure_reason("export(non-strict)", e, debug=debug)) from e
+    _densify_grouped(gm, reads, export)
+    return gm
+
+
+def _densify_grouped(gm: fx.GraphModule, reads: dict, export) -> None:
+    """Grouped GEMMs whose sizes are guarded reads, made static (:mod:`fxpar.capture.grouped`)
+    when two more exports, with other sizes of the same sum, differ only in those splits and
+    the guards (the reads reach nothing else); otherwise the guards stay."""
+    from fxpar.capture.grouped import altered_reads, densify, graph_key, grouped_linears
+    from fxpar.capture.specialize import guards
+
+    groups = grouped_linears(gm)
+    if not groups:
+        return
+    lists = {tuple(m.guard.args[1]) for m in groups}
+    names = {m.split.name for m in groups} | {g.name for g in guards(gm)}
+    key = graph_key(gm, lambda n: n.name in names)
+    same = True
+    for shift in (0, 1):
+        alt = altered_reads(reads, lists, shift)
+        try:
+            other = export(alt) if alt is not None else None
+        except Exception:  # noqa: BLE001 - the other sizes take another path: keep the guards
+            other = None
+        if other is None or graph_key(other, lambda n: n.name in names) != key:
+            same = False
+            break
+    if same:
+        densify(gm, groups)
 
 
 def _run_frontend(fe: str, model: torch.nn.Module, args: tuple, kwargs: dict, decompose: bool,
