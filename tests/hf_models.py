@@ -103,7 +103,7 @@ _SET = {  # attribute -> value, wherever the config has it
                      "shared_experts_intermediate_size", "expert_ffn_hidden_size",
                      "dense_intermediate_size", "prefix_dense_intermediate_size",
                      "intermediate_size_mlp"), INTER // 2),
-    **dict.fromkeys(("vocab_size", "decoder_vocab_size"), VOCAB),
+    **dict.fromkeys(("vocab_size", "decoder_vocab_size", "vocab_size_per_layer_input"), VOCAB),
     **dict.fromkeys(("num_local_experts", "n_routed_experts", "num_experts", "moe_num_experts"),
                     EXPERTS),
     **dict.fromkeys(("n_group", "topk_group", "num_expert_group"), 1),
