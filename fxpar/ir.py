@@ -458,8 +458,8 @@ def untrained_outputs(gm: fx.GraphModule) -> str:
     """``""`` when some output of ``gm`` carries a gradient or no parameter trains; else why
     training it is impossible: the node where the gradient of its trainable parameters stops
     (the first one in graph order the outputs depend on whose input carries a gradient and
-    whose output does not, e.g. the ``detach`` a custom ``torch.autograd.Function`` running its forward under
-    ``no_grad`` leaves behind: capture keeps a Function's forward, not its ``backward``).
+    whose output does not, e.g. the ``detach`` a custom ``torch.autograd.Function`` running
+    its forward under ``no_grad`` leaves behind: capture keeps its forward, not ``backward``).
 
     >>> import torch
     >>> from fxpar.capture import capture
@@ -475,8 +475,7 @@ def untrained_outputs(gm: fx.GraphModule) -> str:
     'no output depends on a trainable parameter through autograd; the gradient stops at node detach'
     """
     flags = grad_flags(gm)
-    trains = any(getattr(n.meta.get(PARAM), "requires_grad", False) for n in gm.graph.nodes
-                 if n.op == "placeholder")
+    trains = any(is_trainable_param(n) for n in gm.graph.find_nodes(op="placeholder"))
     out = next(n for n in gm.graph.nodes if n.op == "output")
     if not trains or any(flags.get(a) for a in out.all_input_nodes):
         return ""

@@ -161,6 +161,7 @@ def _specialized(model: torch.nn.Module, args: tuple, kwargs: dict, decompose: b
     reads = record_reads(model, args, kwargs) if reads is None else reads
     if not reads:
         return None
+
     def export(reads):
         with quiet_torch_logs(debug):
             return export_graph(model, args, kwargs, strict=False, decompose=decompose,
@@ -189,17 +190,16 @@ def _densify_grouped(gm: fx.GraphModule, reads: dict, export) -> None:
     lists = {tuple(m.guard.args[1]) for m in groups}
     names = {m.split.name for m in groups} | {g.name for g in guards(gm)}
     key = graph_key(gm, lambda n: n.name in names)
-    same = True
-    for shift in (0, 1):
+
+    def same_graph(shift: int) -> bool:
         alt = altered_reads(reads, lists, shift)
         try:
             other = export(alt) if alt is not None else None
         except Exception:  # noqa: BLE001 - the other sizes take another path: keep the guards
-            other = None
-        if other is None or graph_key(other, lambda n: n.name in names) != key:
-            same = False
-            break
-    if same:
+            return False
+        return other is not None and graph_key(other, lambda n: n.name in names) == key
+
+    if same_graph(0) and same_graph(1):
         densify(gm, groups)
 
 

@@ -37,6 +37,7 @@ import torch
 import torch.fx as fx
 
 from fxpar import ir
+from fxpar.runtime.guards import GUARD_VALUE
 
 __all__ = ["GroupedLinear", "grouped_linears", "densify", "other_sizes", "altered_reads",
            "graph_key"]
@@ -55,17 +56,16 @@ class GroupedLinear:
     cat: fx.Node
 
 
-def _guard_value():
-    from fxpar.runtime.guards import GUARD_VALUE
-
-    return GUARD_VALUE
+def _where_from(src: fx.Node, dst: fx.Node) -> None:
+    """``dst`` takes ``src``'s module path and source line (what explain and errors show)."""
+    dst.meta.update({k: src.meta[k] for k in (ir.NN_MODULE_STACK, ir.STACK_TRACE) if k in src.meta})
 
 
 def grouped_linears(gm: fx.GraphModule) -> list[GroupedLinear]:
     """Every ``split_with_sizes → linear per piece → cat`` (module docstring) whose sizes are
     the list of exactly one guarded read (of a 1-d integer tensor), in graph order."""
     by_list: dict[tuple, list[fx.Node]] = {}
-    for g in gm.graph.find_nodes(op="call_function", target=_guard_value()):
+    for g in gm.graph.find_nodes(op="call_function", target=GUARD_VALUE):
         by_list.setdefault(tuple(g.args[1]), []).append(g)
     # a list two reads returned alike cannot say which read's tensor sized the split
     by_list = {k: gs[0] for k, gs in by_list.items() if len(gs) == 1
@@ -97,9 +97,9 @@ def grouped_linears(gm: fx.GraphModule) -> list[GroupedLinear]:
     return out
 
 
-def densify(gm: fx.GraphModule, groups: list[GroupedLinear], drop_guards: bool = True) -> None:
-    """Rewrite each match (module docstring) in place; with ``drop_guards``, remove the
-    guards whose lists no split keeps. New nodes get fake values."""
+def densify(gm: fx.GraphModule, groups: list[GroupedLinear]) -> None:
+    """Rewrite each match (module docstring) in place and remove the guards whose lists no
+    split keeps. New nodes get fake values."""
     from fxpar.capture.cleanup import fill_missing_vals
 
     graph = gm.graph
@@ -115,8 +115,7 @@ def densify(gm: fx.GraphModule, groups: list[GroupedLinear], drop_guards: bool =
             acc = None
             for i, lin in enumerate(m.linears):
                 y = graph.call_function(_aten.linear.default, (x, *lin.args[1:]), dict(lin.kwargs))
-                y.meta.update({k: lin.meta[k] for k in (ir.NN_MODULE_STACK, ir.STACK_TRACE)
-                               if k in lin.meta})
+                _where_from(lin, y)
                 lo = graph.call_function(_aten.select.int, (starts, 0, i))
                 hi = graph.call_function(_aten.select.int, (ends, 0, i))
                 inside = graph.call_function(_aten.logical_and.default, (
@@ -126,17 +125,15 @@ def densify(gm: fx.GraphModule, groups: list[GroupedLinear], drop_guards: bool =
                 if acc is None:
                     acc = graph.call_function(_aten.zeros_like.default, (y,))
                 acc = graph.call_function(_aten.where.self, (mask, y, acc))
-        acc.meta.update({k: m.cat.meta[k] for k in (ir.NN_MODULE_STACK, ir.STACK_TRACE)
-                         if k in m.cat.meta})
+        _where_from(m.cat, acc)
         m.cat.replace_all_uses_with(acc)
         for n in (m.cat, *m.linears, *[u for lin in m.linears for u in lin.args[:1]], m.split):
             graph.erase_node(n)
-    if drop_guards:
-        kept = {tuple(s.args[1]) for s in graph.find_nodes(op="call_function",
-                                                           target=_aten.split_with_sizes.default)}
-        for g in {m.guard for m in groups}:
-            if tuple(g.args[1]) not in kept:
-                graph.erase_node(g)
+    kept = {tuple(s.args[1]) for s in graph.find_nodes(op="call_function",
+                                                       target=_aten.split_with_sizes.default)}
+    for g in {m.guard for m in groups}:
+        if tuple(g.args[1]) not in kept:
+            graph.erase_node(g)
     fill_missing_vals(gm)
     graph.lint()
     gm.recompile()

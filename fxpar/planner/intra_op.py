@@ -53,8 +53,8 @@ from fxpar.plan_data import EdgePlan, NodePlan, Plan, StepCost
 from fxpar.planner.explain import megatron_reference
 from fxpar.planner.pins import match_pins, squeeze, unsqueeze
 from fxpar.planner.pricing import (EdgePricer, backward_transient, bucket_share, bucketed_time,
-                                   compute_times, time_inputs, fan_out_grad, finalize_spec, latency_free,
-                                   node_key, node_memory, output_meta)
+                                   compute_times, fan_out_grad, finalize_spec, latency_free,
+                                   node_key, node_memory, output_meta, time_inputs)
 from fxpar.resharding.intra import LOCAL_KINDS, reshard_costs, reshard_plan
 from fxpar.solver import Solution, StrategyProblem, solve
 from fxpar.spec import Partial, Replicate, Spec, grad_in_spec, grad_out_spec, placement_kind

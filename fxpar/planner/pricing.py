@@ -74,8 +74,8 @@ from fxpar.resharding.intra import reshard_cost_table
 from fxpar.spec import Shard, Spec, grad_in_spec, grad_out_spec
 from fxpar.strategies.base import Strategy, record_for
 
-__all__ = ["compute_times", "time_inputs", "node_memory", "node_key", "output_meta", "finalize_spec",
-           "EdgePricer"]
+__all__ = ["compute_times", "time_inputs", "node_memory", "node_key", "output_meta",
+           "finalize_spec", "EdgePricer"]
 
 
 def _local(spec: Spec | None, shape, mesh) -> tuple[int, ...]:
@@ -138,7 +138,8 @@ def time_inputs(node, flags) -> tuple:
             bool(flags.get(node, False)))
 
 
-def compute_times(node, strat: Strategy, mesh, flags, opts, prep: tuple | None = None) -> tuple[float, float]:
+def compute_times(node, strat: Strategy, mesh, flags, opts,
+                  prep: tuple | None = None) -> tuple[float, float]:
     """``(t_fwd, t_bwd)`` seconds of ``node`` under ``strat`` (module docstring); 0 for a
     non-``call_function`` node. ``prep``: :func:`time_inputs` of the node, when the caller
     prices many strategies of it."""

@@ -581,7 +581,7 @@ class _Graph:
         # one key per distinct (kind, bytes, axis): bytes < 2**52 leaves room for both
         nk, na = len(_KINDS), len(ms)
         uniq, inv = np.unique((nbytes * nk + K) * na + A, return_inverse=True)
-        times = np.array([step_time(_KINDS[int(u // na % nk)], int(u // (na * nk)), self.mesh, int(u % na))
+        times = np.array([step_time(_KINDS[u // na % nk], u // (na * nk), self.mesh, u % na)
                           for u in uniq.tolist()])
         W = times[inv.reshape(-1)]
         self._weights = (U.size, W)
