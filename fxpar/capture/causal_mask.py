@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.fx.node import map_arg
 from torch.fx.operator_schemas import normalize_function
+
+from fxpar.capture.constants import evaluate
 
 __all__ = ["fold_causal_masks", "MAX_ELEMENTS"]
 
@@ -109,7 +110,7 @@ def _causal_mask_nodes(gm: fx.GraphModule, mask: fx.Node, query: fx.Node,
         if not isinstance(v, torch.Tensor) or v.numel() > MAX_ELEMENTS:
             return None
     try:
-        m = _evaluate(gm, nodes)
+        m = evaluate(gm, nodes)[nodes[-1]]
     except Exception:  # noqa: BLE001 - an op we cannot run on constants: keep the mask
         return None
     L, S = query.meta["val"].shape[-2], key.meta["val"].shape[-2]
@@ -124,23 +125,3 @@ def _causal_mask_nodes(gm: fx.GraphModule, mask: fx.Node, query: fx.Node,
     else:
         ok = False
     return nodes if ok else None
-
-
-def _evaluate(gm: fx.GraphModule, nodes: list[fx.Node]) -> torch.Tensor:
-    """The value of ``nodes[-1]`` computed on the CPU from the graph's constants."""
-    env: dict[fx.Node, object] = {}
-    cpu = torch.device("cpu")
-    for n in nodes:
-        if n.op == "get_attr":
-            v = gm
-            for part in n.target.split("."):
-                v = getattr(v, part)
-            if isinstance(v, torch.Tensor) and v.device.type == "meta":
-                raise ValueError("a constant on meta")
-            env[n] = v.to(cpu) if isinstance(v, torch.Tensor) else v
-            continue
-        args, kwargs = map_arg((n.args, n.kwargs), env.__getitem__)
-        if "device" in kwargs:
-            kwargs = {**kwargs, "device": cpu}
-        env[n] = n.target(*args, **kwargs)
-    return env[nodes[-1]]

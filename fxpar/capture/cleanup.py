@@ -22,7 +22,9 @@ meta as they are, and is run by :mod:`fxpar.capture.export` in this order:
    inputs that add nothing (a legacy 1-d empty tensor, or size 0 along its dim) and one left
    alone stands for the ``cat``; what only fed a dropped input goes. transformers' key/value
    cache under ``use_cache=True`` is such a ``cat`` onto an empty cache per layer, so a
-   training graph plans as it does with ``use_cache=False``.
+   training graph plans as it does with ``use_cache=False``;
+8. :func:`drop_identities` (last): ``alias`` and casts to the dtype a tensor has are erased,
+   their users read the input (nothing to run, nothing for the planner to place).
 
 Example (a ``view`` becomes a ``reshape``, a grad-disabled region is inlined)::
 
@@ -58,7 +60,7 @@ from fxpar import ir
 from fxpar.errors import CaptureError
 
 __all__ = ["inline_set_grad_regions", "views_to_reshapes", "decompose", "merge_tied_placeholders",
-           "constants_to_attrs", "drop_metadata_asserts", "fill_missing_vals", "fold_empty_cats"]
+           "constants_to_attrs", "drop_metadata_asserts", "fill_missing_vals", "fold_empty_cats", "drop_identities"]
 
 
 def inline_set_grad_regions(gm: fx.GraphModule) -> None:
@@ -111,21 +113,57 @@ _MAY_RETURN_SELF = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, tor
                     torch.ops.aten.to.other, torch.ops.aten.contiguous.default, torch.ops.aten.type_as.default}
 
 
+def _same_layout(a: fx.Node, b: fx.Node) -> bool:
+    va, vb = a.meta.get(ir.VAL), b.meta.get(ir.VAL)
+    return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dtype == vb.dtype
+            and va.device == vb.device and tuple(va.shape) == tuple(vb.shape)
+            and va.stride() == vb.stride())
+
+
 def _returned_input(r, operands: list) -> fx.Node | None:
     """The region operand that ``r`` *is* (not a copy): eager ``x.to(x.dtype)`` under
     ``no_grad`` returns ``x`` itself, so a use outside the region keeps ``x``'s gradient
     (dots3's indexer hands back ``hidden_states.to(weight.dtype)``, the same tensor the
     attention's gate reads); ``None`` when ``r`` is a new tensor."""
-    def same(a, b) -> bool:
-        va, vb = a.meta.get(ir.VAL), b.meta.get(ir.VAL)
-        return (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor) and va.dtype == vb.dtype
-                and va.device == vb.device and tuple(va.shape) == tuple(vb.shape)
-                and va.stride() == vb.stride())
-
     while (isinstance(r, fx.Node) and r not in operands and r.op == "call_function"
-           and r.target in _MAY_RETURN_SELF and isinstance(r.args[0], fx.Node) and same(r, r.args[0])):
+           and r.target in _MAY_RETURN_SELF and isinstance(r.args[0], fx.Node)
+           and _same_layout(r, r.args[0])):
         r = r.args[0]
     return r if isinstance(r, fx.Node) and r in operands else None
+
+
+#: ops that are their input when dtype, device, shape and strides stay (``contiguous`` is
+#: not: a rank's shard of a contiguous tensor may not be, and a ``view`` may need it)
+_IDENTITIES = (_MAY_RETURN_SELF - {torch.ops.aten.contiguous.default}) | {torch.ops.aten.alias.default}
+
+
+def drop_identities(gm: fx.GraphModule) -> int:
+    """Erase ``alias`` and the casts and moves that change nothing (``x.to(x.dtype)``,
+    ``x.type_as(y)`` of one dtype; same shape and strides): a functional graph reads their
+    input instead. Kept: one the output reads, and one that an in-place op may write through
+    (its input or output, or a view of them, is written in place). Returns how many went."""
+    graph = gm.graph
+    written: set[fx.Node] = set()
+    for n in graph.nodes:   # what an in-place op writes, and what that is a view of
+        if n.op == "call_function" and _writes_in_place(n, n.args[0] if n.args else None):
+            t = n.args[0]
+            while isinstance(t, fx.Node) and t not in written:
+                written.add(t)
+                schema = getattr(t.target, "_schema", None)
+                is_view = bool(schema and schema.returns and schema.returns[0].alias_info is not None)
+                t = t.args[0] if is_view and t.args else None
+    gone = 0
+    for n in list(graph.nodes):
+        if (n.op == "call_function" and n.target in _IDENTITIES and n.args
+                and isinstance(n.args[0], fx.Node) and _same_layout(n, n.args[0])
+                and not {n, n.args[0]} & written
+                and not any(u.op == "output" for u in n.users)):
+            n.replace_all_uses_with(n.args[0])
+            graph.erase_node(n)
+            gone += 1
+    if gone:
+        gm.recompile()
+    return gone
 
 
 def _copy_region(graph: fx.Graph, node: fx.Node, sub: fx.GraphModule, operands: list) -> Any:

@@ -50,10 +50,11 @@ from torch.fx.node import map_arg
 
 from fxpar import ir
 from fxpar.capture.causal_mask import fold_causal_masks
+from fxpar.capture.constants import fold_constants
 from fxpar.capture.functionalize import functionalize_mutations
 from fxpar.capture.cleanup import (constants_to_attrs, decompose as decompose_graph,
-                                   drop_metadata_asserts, fill_missing_vals, fold_empty_cats,
-                                   inline_set_grad_regions, merge_tied_placeholders)
+                                   drop_identities, drop_metadata_asserts, fill_missing_vals,
+                                   fold_empty_cats, inline_set_grad_regions, merge_tied_placeholders)
 from fxpar.capture.model import canonical_names, param_info_from_tensor, unique_state
 from fxpar.capture.specialize import name_guards, replaying
 from fxpar.errors import CaptureError
@@ -257,6 +258,8 @@ def _from_exported(ep: torch.export.ExportedProgram, model: torch.nn.Module,
     fill_missing_vals(gm)
     fold_empty_cats(gm)
     fold_causal_masks(gm)
+    fold_constants(gm)   # after the masks: a causal one becomes is_causal, not a buffer
+    drop_identities(gm)
     graph.eliminate_dead_code()   # pure values nothing reads (index aranges of an unused mask path)
     out_node = graph.find_nodes(op="output")[0]
     out_node.meta[ir.VAL] = map_arg(out_node.args[0], lambda n: n.meta[ir.VAL])

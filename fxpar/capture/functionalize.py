@@ -37,10 +37,10 @@ metadata changes (``resize_``, ``unsqueeze_``...) to their own strategies.
 ...         e[:, :2].copy_(x)
 ...         e[:, 2:].copy_(x * 2)
 ...         return e.sum()
->>> from fxpar.capture import capture   # (capture then drops the slices nothing reads)
->>> gm = capture(M(), (torch.ones(2, 2),))
+>>> from fxpar.capture import capture   # (capture then drops the slices nothing reads
+>>> gm = capture(M(), (torch.ones(2, 2),))  # and the aliases: cleanup.drop_identities)
 >>> [str(n.target).removeprefix("aten.") for n in gm.graph.nodes if n.op == "call_function"]
-['new_empty.default', 'alias.default', 'slice_scatter.default', 'mul.Tensor', 'alias.default', 'slice_scatter.default', 'sum.default']
+['new_empty.default', 'slice_scatter.default', 'mul.Tensor', 'slice_scatter.default', 'sum.default']
 """
 
 from __future__ import annotations
