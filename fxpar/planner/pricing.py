@@ -352,6 +352,7 @@ class EdgePricer:
         self._dst: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._keep: list = []                 # keeps the strategy lists alive (ids above)
         self._mats: dict[tuple, np.ndarray | None] = {}
+        self._tables: dict[tuple, np.ndarray] = {}
         self._free = None                     # the latency-free mesh, made when first needed
 
     def _id(self, spec: Spec) -> int:
@@ -403,9 +404,15 @@ class EdgePricer:
         return got
 
     def _table(self, srcs: np.ndarray, dsts: np.ndarray, shape, dtype, mesh=None) -> np.ndarray:
-        """``T[a, b]`` = reshard time from spec id ``srcs[a]`` to spec id ``dsts[b]``."""
-        return reshard_cost_table([self._specs[s] for s in srcs], [self._specs[d] for d in dsts],
-                                  mesh or self.mesh, shape, dtype)
+        """``T[a, b]`` = reshard time from spec id ``srcs[a]`` to spec id ``dsts[b]`` (memoized:
+        matrices of different strategy lists often read the same specs of one shape)."""
+        key = (srcs.tobytes(), dsts.tobytes(), shape, dtype, mesh is None)
+        got = self._tables.get(key)
+        if got is None:
+            got = self._tables[key] = reshard_cost_table(
+                [self._specs[s] for s in srcs], [self._specs[d] for d in dsts],
+                mesh or self.mesh, shape, dtype)
+        return got
 
     def matrix(self, si: list[Strategy], o: int, sj: list[Strategy], p: int, shape, dtype,
                needs_grad: bool, is_param: bool) -> np.ndarray | None:
