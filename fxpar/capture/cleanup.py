@@ -307,6 +307,55 @@ def fold_empty_cats(gm: fx.GraphModule) -> int:
     return dropped
 
 
+def read_through_scatters(gm: fx.GraphModule) -> int:
+    """A ``select`` of a ``select_scatter`` on the same dim reads what was written (same
+    index: the scattered ``src``) or what was there before (another index: a ``select`` of
+    the base), as functionalized writes into a buffer leave them
+    (``buf[b, q] = v; ... buf[b, j]``); the read then skips the write, and writes nothing
+    reads any more go. Returns how many reads were rewritten.
+
+    >>> import torch
+    >>> g = fx.Graph(); base, src = g.placeholder("base"), g.placeholder("src")
+    >>> w = g.call_function(torch.ops.aten.select_scatter.default, (base, src, 0, 1))
+    >>> r1 = g.call_function(torch.ops.aten.select.int, (w, 0, -3))   # row 1 again: src
+    >>> r2 = g.call_function(torch.ops.aten.select.int, (w, 0, 2))    # row 2: the base's
+    >>> _ = g.output((r1, r2))
+    >>> for n, v in zip(g.nodes, (torch.zeros(4, 2), torch.ones(2))):
+    ...     n.meta[ir.VAL] = v
+    >>> gm = fx.GraphModule(torch.nn.Module(), g); read_through_scatters(gm)
+    2
+    >>> [line.strip() for line in gm.code.strip().splitlines()[-2:]]
+    ['select_int_1 = torch.ops.aten.select.int(base, 0, 2);  base = None', 'return (src, select_int_1)']
+    """
+    aten = torch.ops.aten
+    done = 0
+    for n in list(gm.graph.nodes):
+        if n.target is not aten.select.int or not isinstance(n.args[0], fx.Node):
+            continue
+        first, (x, dim, i) = n.args[0], n.args
+        while (isinstance(x, fx.Node) and x.target is aten.select_scatter.default
+               and isinstance(i, int) and isinstance(x.args[3], int)
+               and not any(_writes_in_place(u, x) for u in x.users)):
+            base, src, wdim, wi = x.args
+            size = base.meta[ir.VAL].shape
+            if wdim % len(size) != dim % len(size):
+                break
+            if wi % size[dim % len(size)] == i % size[dim % len(size)]:
+                n.replace_all_uses_with(src)   # the value written
+                gm.graph.erase_node(n)
+                break
+            x = base                           # another row: what was there before
+        else:
+            if x is first:
+                continue
+            n.args = (x, dim, i)
+        done += 1
+        _erase_if_dead(first)
+    if done:
+        gm.recompile()
+    return done
+
+
 def _adds_nothing(p, dim: int, ndim: int) -> bool:
     v = p.meta.get(ir.VAL) if isinstance(p, fx.Node) else None
     if not isinstance(v, torch.Tensor):

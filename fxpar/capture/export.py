@@ -54,7 +54,8 @@ from fxpar.capture.constants import fold_constants
 from fxpar.capture.functionalize import functionalize_mutations
 from fxpar.capture.cleanup import (constants_to_attrs, decompose as decompose_graph,
                                    drop_identities, drop_metadata_asserts, fill_missing_vals,
-                                   fold_empty_cats, inline_set_grad_regions, merge_tied_placeholders)
+                                   fold_empty_cats, inline_set_grad_regions, merge_tied_placeholders,
+                                   read_through_scatters)
 from fxpar.capture.model import canonical_names, param_info_from_tensor, unique_state
 from fxpar.capture.specialize import name_guards, replaying
 from fxpar.errors import CaptureError
@@ -257,6 +258,7 @@ def _from_exported(ep: torch.export.ExportedProgram, model: torch.nn.Module,
     functionalize_mutations(gm)
     fill_missing_vals(gm)
     fold_empty_cats(gm)
+    read_through_scatters(gm)
     fold_causal_masks(gm)
     fold_constants(gm)   # after the masks: a causal one becomes is_causal, not a buffer
     drop_identities(gm)
