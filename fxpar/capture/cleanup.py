@@ -23,7 +23,9 @@ meta as they are, and is run by :mod:`fxpar.capture.export` in this order:
    alone stands for the ``cat``; what only fed a dropped input goes. transformers' key/value
    cache under ``use_cache=True`` is such a ``cat`` onto an empty cache per layer, so a
    training graph plans as it does with ``use_cache=False``;
-8. :func:`drop_identities` (last): ``alias`` and casts to the dtype a tensor has are erased,
+8. :func:`read_through_scatters`: a ``select`` of a functionalized write into a buffer reads
+   the written value or the buffer's earlier version (writes nothing reads go);
+9. :func:`drop_identities` (last): ``alias`` and casts to the dtype a tensor has are erased,
    their users read the input (nothing to run, nothing for the planner to place).
 
 Example (a ``view`` becomes a ``reshape``, a grad-disabled region is inlined)::
@@ -60,7 +62,8 @@ from fxpar import ir
 from fxpar.errors import CaptureError
 
 __all__ = ["inline_set_grad_regions", "views_to_reshapes", "decompose", "merge_tied_placeholders",
-           "constants_to_attrs", "drop_metadata_asserts", "fill_missing_vals", "fold_empty_cats", "drop_identities"]
+           "constants_to_attrs", "drop_metadata_asserts", "fill_missing_vals", "fold_empty_cats",
+           "read_through_scatters", "drop_identities"]
 
 
 def inline_set_grad_regions(gm: fx.GraphModule) -> None:
@@ -333,6 +336,7 @@ def read_through_scatters(gm: fx.GraphModule) -> int:
         if n.target is not aten.select.int or not isinstance(n.args[0], fx.Node):
             continue
         first, (x, dim, i) = n.args[0], n.args
+        read = x   # the version of the buffer the read goes to, or the written src
         while (isinstance(x, fx.Node) and x.target is aten.select_scatter.default
                and isinstance(i, int) and isinstance(x.args[3], int)
                and not any(_writes_in_place(u, x) for u in x.users)):
@@ -341,14 +345,16 @@ def read_through_scatters(gm: fx.GraphModule) -> int:
             if wdim % len(size) != dim % len(size):
                 break
             if wi % size[dim % len(size)] == i % size[dim % len(size)]:
-                n.replace_all_uses_with(src)   # the value written
-                gm.graph.erase_node(n)
+                read = src                     # the value written
                 break
-            x = base                           # another row: what was there before
-        else:
-            if x is first:
-                continue
+            x = read = base                    # another row: what was there before
+        if read is first:
+            continue
+        if read is x:
             n.args = (x, dim, i)
+        else:
+            n.replace_all_uses_with(read)
+            gm.graph.erase_node(n)
         done += 1
         _erase_if_dead(first)
     if done:
