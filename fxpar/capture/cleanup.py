@@ -145,6 +145,8 @@ def drop_identities(gm: fx.GraphModule) -> int:
     ``x.type_as(y)`` of one dtype; same shape and strides): a functional graph reads their
     input instead. Kept: one the output reads, and one that an in-place op may write through
     (its input or output, or a view of them, is written in place). Returns how many went."""
+    from fxpar.capture.functionalize import _parent
+
     graph = gm.graph
     written: set[fx.Node] = set()
     for n in graph.nodes:   # what an in-place op writes, and what that is a view of
@@ -152,9 +154,7 @@ def drop_identities(gm: fx.GraphModule) -> int:
             t = n.args[0]
             while isinstance(t, fx.Node) and t not in written:
                 written.add(t)
-                schema = getattr(t.target, "_schema", None)
-                is_view = bool(schema and schema.returns and schema.returns[0].alias_info is not None)
-                t = t.args[0] if is_view and t.args else None
+                t = _parent(t)
     gone = 0
     for n in list(graph.nodes):
         if (n.op == "call_function" and n.target in _IDENTITIES and n.args

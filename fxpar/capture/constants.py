@@ -40,6 +40,7 @@ import torch.fx as fx
 from torch.fx.node import map_arg
 
 from fxpar import ir
+from fxpar.capture.cleanup import _fetch_attr
 from fxpar.runtime.guards import GUARD_VALUE
 
 aten = torch.ops.aten
@@ -115,9 +116,7 @@ def evaluate(gm: fx.GraphModule, nodes: list[fx.Node]) -> dict[fx.Node, object]:
     cpu = torch.device("cpu")
     for n in nodes:
         if n.op == "get_attr":
-            v = gm
-            for part in n.target.split("."):
-                v = getattr(v, part)
+            v = _fetch_attr(gm, n.target)
             if isinstance(v, torch.Tensor) and v.device.type == "meta":
                 raise ValueError("a constant on meta")
             env[n] = v.to(cpu) if isinstance(v, torch.Tensor) else v
