@@ -399,6 +399,31 @@ def test_cost_table_is_bit_identical_to_reshard_plan(axes, shape):
         reshard_cost_table(["S(5)" + "R" * (len(axes) - 1)], ["R" * len(axes)], mesh, shape)
 
 
+def test_cost_tables_batched_across_shapes_equal_reshard_plan():
+    """``reshard_cost_tables``: tables of many shapes and dtypes (one topology relaxed as
+    the columns of one Bellman-Ford, another with partials beside it) equal
+    ``reshard_plan(...).time`` exactly, rows asked twice included, and a bad spec in any
+    request raises."""
+    from fxpar.resharding.intra import reshard_cost_tables
+
+    mesh = Mesh(Cluster.preset("dgx-a100"), {"dp": 2, "tp": 4})
+    rng = random.Random(1)
+    pl = [Shard(0), Shard(1), Shard(2), Replicate(), Partial("sum")]
+    specs = [Spec(p) for p in itertools.product(pl, repeat=2)]
+    reqs = []
+    for k in range(24):
+        shape = (rng.choice([1, 3, 8, 64]), rng.randint(1, 40), rng.choice([2, 5, 128]))
+        dtype = rng.choice([torch.float32, torch.bfloat16])
+        reqs.append((rng.sample(specs, 5), rng.sample(specs, 7), mesh, shape, dtype))
+    reqs.append(reqs[3])
+    for (srcs, dsts, _, shape, dtype), T in zip(reqs, reshard_cost_tables(reqs)):
+        for a, s in enumerate(srcs):
+            for b, d in enumerate(dsts):
+                assert T[a, b] == reshard_plan(s, d, mesh, shape, dtype).time, (s, d, shape)
+    with pytest.raises(SpecError):
+        reshard_cost_tables(reqs[:2] + [(["S(3)R"], ["RR"], mesh, (4, 4, 4), torch.float32)])
+
+
 def test_state_graph_is_shared_across_shapes_and_its_step_costs_are_step_cost():
     """Two tensors of one rank share the state graph (legality does not depend on the shape);
     each tensor's vectorised edge times equal ``step_cost`` edge by edge, uneven shards and

@@ -420,7 +420,7 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
 
     # edges
     edges: dict[tuple[int, int], np.ndarray] = {}
-    edge_info = []
+    edge_info, priced = [], []
     for j, n in enumerate(nodes):
         for p, a in enumerate(n.all_input_nodes):
             if a not in index:
@@ -433,10 +433,11 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
             needs_grad = bool(flags.get(a, False)) and tm.dtype.is_floating_point
             is_param = ir.PARAM in a.meta
             edge_info.append((i, j, p, o, needs_grad))
-            R = pricer.matrix(strats[i], o, strats[j], p, tuple(tm.shape), tm.dtype, needs_grad,
-                              is_param)
-            if R is not None:
-                edges[i, j] = edges[i, j] + R if (i, j) in edges else R
+            priced.append((strats[i], o, strats[j], p, tuple(tm.shape), tm.dtype, needs_grad,
+                           is_param))
+    for (i, j, _, _, _), R in zip(edge_info, pricer.matrices(priced)):
+        if R is not None:
+            edges[i, j] = edges[i, j] + R if (i, j) in edges else R
 
     layers = [layer_of(n) for n in nodes]
     ties = _ties(gm, nodes, strats, layers) if opts.tie_layers else []

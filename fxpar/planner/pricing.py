@@ -59,6 +59,7 @@ import dataclasses
 
 import math
 import operator
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -70,7 +71,7 @@ from fxpar.cost.memory import model_state_bytes
 from fxpar.cost.reshard import max_local_shape
 from fxpar.defaults import BUCKET_BYTES
 from fxpar.mesh import Mesh
-from fxpar.resharding.intra import reshard_cost_table
+from fxpar.resharding.intra import reshard_cost_tables
 from fxpar.spec import Shard, Spec, grad_in_spec, grad_out_spec
 from fxpar.strategies.base import Strategy, record_for
 
@@ -352,7 +353,7 @@ class EdgePricer:
         self._dst: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._keep: list = []                 # keeps the strategy lists alive (ids above)
         self._mats: dict[tuple, np.ndarray | None] = {}
-        self._tables: dict[tuple, np.ndarray] = {}
+        self._table: dict[tuple, np.ndarray] = {}
         self._free = None                     # the latency-free mesh, made when first needed
 
     def _id(self, spec: Spec) -> int:
@@ -403,49 +404,77 @@ class EdgePricer:
             got = self._dst[key] = (np.array(dst, np.int64), np.array(gin, np.int64))
         return got
 
-    def _table(self, srcs: np.ndarray, dsts: np.ndarray, shape, dtype, mesh=None) -> np.ndarray:
-        """``T[a, b]`` = reshard time from spec id ``srcs[a]`` to spec id ``dsts[b]`` (memoized:
-        matrices of different strategy lists often read the same specs of one shape)."""
-        key = (srcs.tobytes(), dsts.tobytes(), shape, dtype, mesh is None)
-        got = self._tables.get(key)
-        if got is None:
-            got = self._tables[key] = reshard_cost_table(
-                [self._specs[s] for s in srcs], [self._specs[d] for d in dsts],
-                mesh or self.mesh, shape, dtype)
-        return got
+    def _tables(self, requests: list[tuple]) -> None:
+        """Memoize ``T[a, b]`` = reshard time from spec id ``srcs[a]`` to spec id ``dsts[b]``
+        for every ``(srcs, dsts, shape, dtype, free)`` not yet known, in one batch
+        (:func:`reshard_cost_tables`); ``free``: on the latency-free mesh. Matrices of
+        different strategy lists often read the same specs of one shape."""
+        todo = {}
+        for srcs, dsts, shape, dtype, free in requests:
+            key = (srcs.tobytes(), dsts.tobytes(), shape, dtype, free)
+            if key not in self._table and key not in todo:
+                if free and self._free is None:
+                    self._free = latency_free(self.mesh)
+                todo[key] = ([self._specs[i] for i in srcs], [self._specs[i] for i in dsts],
+                             self._free if free else self.mesh, shape, dtype)
+        self._table.update(zip(todo, reshard_cost_tables(list(todo.values()))))
+
+    def _get(self, srcs: np.ndarray, dsts: np.ndarray, shape, dtype, free: bool = False):
+        return self._table[srcs.tobytes(), dsts.tobytes(), shape, dtype, free]
 
     def matrix(self, si: list[Strategy], o: int, sj: list[Strategy], p: int, shape, dtype,
                needs_grad: bool, is_param: bool) -> np.ndarray | None:
         """``R`` of the edge (output ``o`` of a node with strategies ``si`` → input ``p`` of a
         node with strategies ``sj``), or ``None`` when it is all zeros."""
-        src, gt = self._src_ids(si, o)
-        dst, gin = self._dst_ids(sj, p, needs_grad)
-        key = (src.tobytes(), gt.tobytes(), dst.tobytes(), gin.tobytes(), shape, dtype, needs_grad,
-               is_param)
-        if key in self._mats:
-            return self._mats[key]
-        rows, cols = src >= 0, dst >= 0
-        us, si_ = np.unique(src[rows], return_inverse=True)
-        ud, dj = np.unique(dst[cols], return_inverse=True)
-        R = np.zeros((len(si), len(sj)))
-        if len(us) and len(ud):
-            F = self._table(us, ud, shape, dtype)[np.ix_(si_, dj)]
-            Rs = F
+        return self.matrices([(si, o, sj, p, shape, dtype, needs_grad, is_param)])[0]
+
+    def matrices(self, edges: Sequence[tuple]) -> list[np.ndarray | None]:
+        """``[self.matrix(*e) for e in edges]``, with every reshard table they read computed
+        in one batch (:func:`reshard_cost_tables`: the many shapes of a model share rounds)."""
+        keys, todo = [], {}
+        for si, o, sj, p, shape, dtype, needs_grad, is_param in edges:
+            src, gt = self._src_ids(si, o)
+            dst, gin = self._dst_ids(sj, p, needs_grad)
+            key = (src.tobytes(), gt.tobytes(), dst.tobytes(), gin.tobytes(), shape, dtype,
+                   needs_grad, is_param)
+            keys.append(key)
+            if key in self._mats or key in todo:
+                continue
+            rows, cols = src >= 0, dst >= 0
+            us, si_ = np.unique(src[rows], return_inverse=True)
+            ud, dj = np.unique(dst[cols], return_inverse=True)
+            grad = None
             if needs_grad:
                 ug, gj = np.unique(gin[cols], return_inverse=True)
                 ugo, gk = np.unique(gt[rows], return_inverse=True)   # per row: its target
-                B = self._table(ug, ugo, shape, dtype)          # [gin, grad target]
-                if is_param:  # reduced in buckets, once per step
-                    if self._free is None:
-                        self._free = latency_free(self.mesh)
-                    B0 = self._table(ug, ugo, shape, dtype, self._free)
-                    B = bucketed_time(B, B0, bucket_share(shape, dtype))
-                    if self.grad_steps > 1:
-                        B = B / self.grad_steps
-                Rs = F + B[np.ix_(gj, gk)].T
-                if is_param:
-                    Rs = Rs + F
-            R[np.ix_(rows, cols)] = Rs
-        out = R if R.any() else None
-        self._mats[key] = out
-        return out
+                grad = (ug, gj, ugo, gk)
+            todo[key] = (len(si), len(sj), rows, cols, us, si_, ud, dj, grad, shape, dtype,
+                         is_param)
+        reqs = []
+        for _, _, _, _, us, _, ud, _, grad, shape, dtype, is_param in todo.values():
+            if len(us) and len(ud):
+                reqs.append((us, ud, shape, dtype, False))
+                if grad is not None:
+                    reqs.append((grad[0], grad[2], shape, dtype, False))
+                    if is_param:
+                        reqs.append((grad[0], grad[2], shape, dtype, True))
+        self._tables(reqs)
+        for key, (ni, nj, rows, cols, us, si_, ud, dj, grad, shape, dtype, is_param) in todo.items():
+            R = np.zeros((ni, nj))
+            if len(us) and len(ud):
+                F = self._get(us, ud, shape, dtype)[np.ix_(si_, dj)]
+                Rs = F
+                if grad is not None:
+                    ug, gj, ugo, gk = grad
+                    B = self._get(ug, ugo, shape, dtype)          # [gin, grad target]
+                    if is_param:  # reduced in buckets, once per step
+                        B0 = self._get(ug, ugo, shape, dtype, True)
+                        B = bucketed_time(B, B0, bucket_share(shape, dtype))
+                        if self.grad_steps > 1:
+                            B = B / self.grad_steps
+                    Rs = F + B[np.ix_(gj, gk)].T
+                    if is_param:
+                        Rs = Rs + F
+                R[np.ix_(rows, cols)] = Rs
+            self._mats[key] = R if R.any() else None
+        return [self._mats[k] for k in keys]

@@ -236,6 +236,8 @@ class _Reducer:
         #: (c, d) -> (adj[c][d], its _min_delta): dead-end elimination and follower merging
         #: of a class read the same edges' deltas until an edge changes
         self._dl: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        #: (c, d) -> adj[c][d] when it was last reparametrised (zero row and column minima)
+        self._flat: dict[tuple[int, int], np.ndarray] = {}
         self.offset = 0.0
         self.fixed: dict[int, int] = {}
         self.stats = {"nodes": p.n, "strategies": int(sum(c.size for c in p.cost)),
@@ -305,6 +307,9 @@ class _Reducer:
         for d, a in list(self.adj[c].items()):
             na = a[keep]
             self.adj[c][d], self.adj[d][c] = na, na.T
+            got = self._dl.get((c, d))
+            if got is not None and got[0] is a:  # fewer rows, the same minima over w
+                self._dl[c, d] = (na, got[1][np.ix_(keep, keep)])
 
     def _memdom(self, c: int) -> np.ndarray:
         """``M[u, v]``: u uses at least as much memory as v at every point (cached)."""
@@ -334,7 +339,9 @@ class _Reducer:
         """Move row and column minima of each incident edge into node costs (exact: a
         constant per value of one endpoint); a separable edge becomes all-zero and goes."""
         for d in sorted(self.adj[c]):
-            a = self.adj[c][d]
+            a = old = self.adj[c][d]
+            if self._flat.get((c, d)) is a:  # reparametrised already, unchanged since
+                continue
             rmin = a.min(axis=1)
             if rmin.any():
                 a = a - rmin[:, None]
@@ -346,8 +353,17 @@ class _Reducer:
             if a.max() <= self.tol:  # separable (up to round-off): all in node costs now
                 self._del_edge(c, d)
                 self.stats["separable_edges"] += 1
-            elif a is not self.adj[c][d]:  # unchanged: the same objects (their deltas cached)
-                self.adj[c][d], self.adj[d][c] = a, a.T
+            else:
+                if a is not old:
+                    self.adj[c][d], self.adj[d][c] = a, a.T
+                self._flat[c, d], self._flat[d, c] = a, self.adj[d][c]
+                # min_w (a_uw - r_u - a_vw + r_v) = D_uv - r_u + r_v: the cached deltas move
+                # with the shifts instead of being recomputed
+                for key, m, shift in (((c, d), old, rmin), ((d, c), old.T, cmin)):
+                    got = self._dl.get(key)
+                    if got is not None and got[0] is m:
+                        self._dl[key] = (self.adj[key[0]][key[1]],
+                                         got[1] - shift[:, None] + shift[None, :])
 
     def _fix(self, c: int) -> None:
         """Fold a single-valued class into the constant, its neighbours and point constants."""
