@@ -562,6 +562,24 @@ class _Topology:
             self._derived[key] = got
         return got
 
+    def out_edges(self) -> list[list[int]]:
+        """Per state, the indices (order of :meth:`arrays`) of the edges out of it."""
+        U = self.arrays()[0]
+        got = self._derived.get("out")
+        if got is None:
+            got = self._derived["out"] = [[] for _ in self.specs]
+            for e, u in enumerate(U.tolist()):
+                got[u].append(e)
+        return got
+
+    def targets(self) -> list[int]:
+        """Per edge (order of :meth:`arrays`), its target state, as Python ints."""
+        V = self.arrays()[1]
+        got = self._derived.get("targets")
+        if got is None:
+            got = self._derived["targets"] = V.tolist()
+        return got
+
     def to_sum(self) -> np.ndarray:
         """Per edge (order of :meth:`arrays`): a ``TO_PARTIAL`` step whose new placement is
         ``Partial(sum)`` (the only one that writes: the other ranks zero their copy)."""
@@ -583,30 +601,27 @@ def _topology(ndim: int, naxes: int, ops: tuple[str, ...]) -> _Topology:
 class _Graph:
     """The state graph of one ``(mesh, shape, dtype, reduce ops)``: the shared
     :class:`_Topology` with this tensor's step costs (all of them at once for :meth:`table`,
-    or each state's outgoing :class:`ReshardStep` on first visit for :func:`reshard_plan`)."""
+    for :meth:`table` and for :func:`reshard_plan`'s search; steps are made for a plan's path)."""
 
     def __init__(self, mesh, shape: tuple[int, ...], dtype: torch.dtype, ops: tuple[str, ...]):
         self.mesh, self.shape, self.dtype, self.ops = mesh, shape, dtype, ops
         self.topo = _topology(len(shape), len(mesh.shape), ops)
         self.ids, self.names, self.specs = self.topo.ids, self.topo.names, self.topo.specs
-        self._out: dict[int, tuple] = {}
-        self._weights: tuple[int, np.ndarray] | None = None   # (edges, W) for table()
+        self._weights: tuple[int, np.ndarray] | None = None   # (edges, W)
+        self._wlist: list[float] = []                          # W as Python floats
         self._rows: dict[int, np.ndarray] = {}  # source -> min time to every state
 
     def id(self, spec: Spec) -> int:
         return self.topo.id(spec)
 
-    def out(self, i: int) -> tuple[tuple[float, int, ReshardStep], ...]:
-        """``(time, next state id, step)`` for every legal step out of state ``i``."""
-        got = self._out.get(i)
-        if got is None:
-            spec, edges = self.specs[i], []
-            for kind, axis, nxt in _moves(spec, len(self.shape), self.ops):
-                nbytes, t = step_cost(kind, spec, nxt, self.mesh, axis, self.shape, self.dtype)
-                step = ReshardStep(kind, axis, self.mesh.axis_names[axis], spec, nxt, nbytes, t)
-                edges.append((t, self.id(nxt), step))
-            got = self._out[i] = tuple(edges)
-        return got
+    def step(self, e: int) -> ReshardStep:
+        """The :class:`ReshardStep` of edge ``e`` (order of :meth:`_Topology.arrays`): its
+        time is ``weights()[e]``, which equals ``step_cost(...)[1]`` bit for bit."""
+        U, V, K, A = self.topo.arrays()
+        kind, axis, u, v = _KINDS[int(K[e])], int(A[e]), self.specs[int(U[e])], self.specs[int(V[e])]
+        nbytes, _ = step_cost(kind, u, v, self.mesh, axis, self.shape, self.dtype)
+        return ReshardStep(kind, axis, self.mesh.axis_names[axis], u, v, nbytes,
+                           float(self.weights()[e]))
 
     def weights(self) -> np.ndarray:
         """Every edge's time (order of :meth:`_Topology.arrays`), exactly
@@ -631,6 +646,7 @@ class _Graph:
                           for u in uniq.tolist()])
         W = times[inv.reshape(-1)]
         self._weights = (U.size, W)
+        self._wlist = W.tolist()
         self._rows.clear()   # the graph grew (never in practice): rows are recomputed
         return W
 
@@ -706,17 +722,20 @@ def _plan(src: Spec, dst: Spec, mesh, shape: tuple[int, ...], dtype: torch.dtype
     # Heap entries: (cost, n_steps, path as spec strings, state, steps). The key
     # (cost, n_steps, path) is unique per path and only grows along a path, so Dijkstra settles
     # each state with its smallest key: the same plan on every rank.
+    g.weights()
+    out, nxt, w = g.topo.out_edges(), g.topo.targets(), g._wlist
     heap = [(0.0, 0, (names[start],), start, ())]
     done: set[int] = set()
     while heap:
-        cost, n, path, i, steps = heapq.heappop(heap)
+        cost, n, path, i, edges = heapq.heappop(heap)
         if i in done:
             continue
         done.add(i)
         if i == goal:
-            return ReshardPlan(src, dst, mesh, shape, dtype, steps, cost)
-        for t, j, step in g.out(i):
+            return ReshardPlan(src, dst, mesh, shape, dtype, tuple(map(g.step, edges)), cost)
+        for e in out[i]:
+            j = nxt[e]
             if j not in done:
-                heapq.heappush(heap, (cost + t, n + 1, path + (names[j],), j, steps + (step,)))
+                heapq.heappush(heap, (cost + w[e], n + 1, path + (names[j],), j, edges + (e,)))
     # Unreachable by construction (gather all, then chunk all); kept as a guard.
     raise ReshardError(f"no resharding path from {src} to {dst} for shape {shape} on {mesh!r}")
