@@ -304,6 +304,7 @@ REDUCTION_FIRED = {
     "merge": lambda st: st["merged"] > 0,
     "edges": lambda st: st["separable_edges"] > 0,
     "points": lambda st: st["class_points"] < st["points"],
+    "series": lambda st: st["series"] > 0,
 }
 
 
@@ -319,6 +320,44 @@ def test_each_reduction_keeps_the_optimum(name):
             if s is not None and name in red:
                 fired += REDUCTION_FIRED[name](s.stats)
     assert fired >= 3, f"reduction {name!r} never applied: the test would prove nothing"
+
+
+def test_series_elimination_of_chains_and_cycles_is_exact():
+    """Ladders (two chains with rungs: cycles) and chains with random costs, some nodes with
+    memory under a binding budget: series elimination alone and with the other reductions
+    reaches the brute-force optimum, the decoded choice costs it (the probes followed their
+    classes through later prunes, merges, fixes and eliminations), and no class holding
+    memory is eliminated."""
+    fired = 0
+    for seed in range(30):
+        rng = np.random.default_rng(seed)
+        n = int(rng.integers(6, 11))
+        sizes = [int(rng.integers(1, 4)) for _ in range(n)]
+        cost = [rng.integers(0, 9, size=k) * 0.125 for k in sizes]
+        edges = {(i, i + 1): rng.integers(0, 9, size=(sizes[i], sizes[i + 1])) * 0.125
+                 for i in range(n - 1)}
+        if seed % 2:   # rungs between the two halves: a ladder
+            for i in range(0, n // 2 - 1, 2):
+                j = n - 1 - i
+                edges[(i, j)] = rng.integers(0, 9, size=(sizes[i], sizes[j])) * 0.125
+        mem = [np.zeros(k, dtype=np.int64) for k in sizes]
+        heavy = [int(i) for i in rng.choice(n, size=2, replace=False)] if seed % 3 == 0 else []
+        for i in heavy:
+            mem[i] = rng.integers(1, 5, size=sizes[i]) * MiB
+        budget = int(sum(int(mem[i].min()) for i in heavy) + MiB) if heavy else None
+        p = StrategyProblem(cost=cost, mem=mem, edges=edges, live=[set(range(n))],
+                            budget=budget)
+        best = brute_force(p)
+        for red in ({"series"}, ALL_REDUCTIONS):
+            r = reduce_problem(p, reductions=red)
+            fired += r.stats["series"]
+            gone = {i for _, _, _, members in r.series for i, _ in members if i < n}
+            assert not gone & set(heavy), (seed, red)
+            s = solve(p, reductions=red)
+            assert s.objective == pytest.approx(best.objective, abs=1e-12), (seed, red)
+            assert sum(p.evaluate(s.choice)[:2]) == pytest.approx(s.objective, abs=1e-12)
+            assert p.violations(s.choice) == []
+    assert fired >= 30
 
 
 def test_reduced_problem_has_the_same_optimum_by_enumeration():
@@ -388,7 +427,7 @@ def test_ties_share_variables_and_keep_cross_block_edges():
                 edges[(i - 1, i)] = metric(3) * (1 + (k == 0))
     ties = [[b * nb + k for b in range(blocks)] for k in range(nb)]
     p = StrategyProblem(cost=cost, edges=edges, ties=ties, names=names)
-    s = solve(p, reductions=ALL_REDUCTIONS - {"merge", "prune"})
+    s = solve(p, reductions=ALL_REDUCTIONS - {"merge", "prune", "series"})
     assert s.stats["classes"] == nb
     assert s.objective == pytest.approx(brute_force(p).objective)
     assert all(s.choice[g[0]] == s.choice[i] for g in ties for i in g)

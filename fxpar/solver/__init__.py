@@ -59,6 +59,13 @@ strategy as ``f_i(x_c)``. Class costs, edges and memory are sums over members.
     variants are cheaper does not (switching layout there can pay). A leaf (one neighbour,
     no memory trade-off) always passes: on a tree without memory the reductions alone are
     dynamic programming.
+``series``
+    A class ``j`` with two neighbours ``a``, ``b`` and no memory, that neither pruning nor
+    merging removed, is eliminated: the edge ``(a, b)`` gains
+    ``M_uw = min_v (R^aj_uv + c_v + R^jb_vw)`` and ``x_j = argmin_v`` of that, read back from
+    the values ``a`` and ``b`` end with (``Reduced.series``; a *probe* member of each
+    follows it through the later reductions). Exact, as one step of bucket elimination: the
+    unrolled loops of recurrent layers are long chains of such classes.
 ``points``
     A point whose worst case fits the budget cannot bind; a point whose live set is a
     subset of another's with no larger constant, or (over classes) is termwise ≤ another,

@@ -294,10 +294,10 @@ def _encode(red: Reduced, choice: Sequence[int]) -> list[int] | None:
     """Class values that decode to ``choice`` (``None`` if the reduced problem lost it)."""
     members: dict[int, list[tuple[int, np.ndarray]]] = {}
     for i, (c, f) in enumerate(red.node_map):
-        if c < 0:
+        if c == -1:
             if int(f[0]) != int(choice[i]):
                 return None
-        else:
+        elif c >= 0:
             members.setdefault(c, []).append((i, f))
     x = [0] * len(red.dom)
     for c, ms in members.items():
@@ -307,6 +307,9 @@ def _encode(red: Reduced, choice: Sequence[int]) -> list[int] | None:
         if not ok.any():
             return None
         x[c] = int(np.argmax(ok))
+    # a series-eliminated node takes its best value given its neighbours: another is lost
+    if red.series and red.decode(x) != tuple(int(k) for k in choice):
+        return None
     return x
 
 

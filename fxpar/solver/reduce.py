@@ -22,8 +22,13 @@ from fxpar.solver.problem import StrategyProblem
 __all__ = ["Reduced", "Removal", "reduce_problem", "ALL_REDUCTIONS", "choose_scale"]
 
 #: names accepted by ``reductions=``: tie variables, dominance pruning (dead-end elimination),
-#: follower merging, edge reparametrisation (drops separable edges), liveness-point pruning
-ALL_REDUCTIONS = frozenset({"ties", "prune", "merge", "edges", "points"})
+#: follower merging, edge reparametrisation (drops separable edges), liveness-point pruning,
+#: series elimination of memory-free classes with two neighbours
+ALL_REDUCTIONS = frozenset({"ties", "prune", "merge", "edges", "points", "series"})
+
+#: series elimination of class ``j`` between ``a`` and ``b`` builds a ``|D_a|·|D_j|·|D_b|``
+#: array: a class above this is left to the other reductions and the solver
+SERIES_WORK_LIMIT = 1 << 22
 
 #: slack of the dominance tests, relative to the objective upper bound U: float round-off
 #: (a shortest-path resharding metric has AR = RS + AG only in exact arithmetic); each applied
@@ -95,8 +100,15 @@ class Reduced:
     ``const + Σ_(c,vec) vec[x_c] ≤ budget``, and ``x_c == x_d`` for ``(c, d)`` in ``equal``.
     ``A`` has a zero in every row and column (reparametrised), ``vec`` has min 0.
     ``node_map[i] = (c, f)`` decodes node ``i``'s strategy as ``f[x_c]`` (``c = -1``: fixed,
-    ``f`` has one entry). ``removed[i][k]``: the :class:`Removal` of strategy ``k`` of node
-    ``i`` (recorded with ``explain=True``; empty otherwise).
+    ``f`` has one entry; ``c = -2``: set by a series elimination, ``f`` its map).
+    ``series``: the series eliminations in order, each ``(a, b, V, members)``: the class
+    eliminated took value ``V[y_a, y_b]`` where ``y_a``, ``y_b`` are the values of slots
+    ``a`` and ``b``, and gives slot ``i`` of ``members`` the value ``f[V[y_a, y_b]]``. Slots
+    below the node count are nodes; the others are *probes* (``probe_map``, read as
+    ``node_map``): a probe records a neighbour's value position at the time of the
+    elimination and follows that neighbour through the later reductions like a member.
+    ``removed[i][k]``: the :class:`Removal` of strategy ``k`` of node ``i`` (recorded with
+    ``explain=True``; empty otherwise).
     """
 
     scale: float
@@ -110,10 +122,19 @@ class Reduced:
     node_map: list[tuple[int, np.ndarray]]
     stats: dict = field(default_factory=dict)
     removed: dict[int, dict[int, Removal]] = field(default_factory=dict)
+    series: list[tuple[int, int, np.ndarray, list[tuple[int, np.ndarray]]]] = field(default_factory=list)
+    probe_map: list[tuple[int, np.ndarray]] = field(default_factory=list)
 
     def decode(self, x: list[int]) -> tuple[int, ...]:
-        """Node strategy indices from class values ``x``."""
-        return tuple(int(f[0] if c < 0 else f[x[c]]) for c, f in self.node_map)
+        """Node strategy indices from class values ``x`` (series eliminations undone last
+        first: each reads slots set by the classes left or by later eliminations)."""
+        vals = [None if c == -2 else int(f[0] if c < 0 else f[x[c]])
+                for c, f in self.node_map + self.probe_map]
+        for a, b, V, members in reversed(self.series):
+            v = V[vals[a], vals[b]]
+            for i, f in members:
+                vals[i] = int(f[v])
+        return tuple(vals[:len(self.node_map)])
 
     def value(self, x: list[int]) -> int:
         """Objective in integer units of class values ``x``, without the offset."""
@@ -240,9 +261,11 @@ class _Reducer:
         self._flat: dict[tuple[int, int], np.ndarray] = {}
         self.offset = 0.0
         self.fixed: dict[int, int] = {}
+        self.series: list[tuple[int, int, np.ndarray, list[tuple[int, np.ndarray]]]] = []
+        self._probes = p.n   # the next probe's slot
         self.stats = {"nodes": p.n, "strategies": int(sum(c.size for c in p.cost)),
                       "edges": len(p.edges), "points": len(p.live), "merged": 0, "pruned": 0,
-                      "fixed": 0, "separable_edges": 0,
+                      "fixed": 0, "separable_edges": 0, "series": 0,
                       "tied": p.n - len(self.members) if "ties" in use else 0,
                       "points_kept": len(self.points)}
 
@@ -265,6 +288,8 @@ class _Reducer:
         """Record, for each member ``i`` of class ``c``, the strategies that leave its image
         when its map ``f`` becomes ``image(f)``: ``removal(f, k)`` says why."""
         for i, f in self.members[c].items():
+            if i >= self.p.n:   # a probe, not a node
+                continue
             gone = set(f.tolist()) - set(image(f).tolist())
             for k in sorted(gone):
                 self.removed.setdefault(i, {})[k] = removal(f, k)
@@ -468,6 +493,34 @@ class _Reducer:
             return p
         return None
 
+    def _series(self, j: int) -> bool:
+        """Eliminate class ``j`` with exactly two neighbours ``a``, ``b`` and no memory: the
+        edge ``(a, b)`` gains ``M[u, w] = min_v (A[u, v] + c_v + B[v, w])`` and ``j`` takes
+        the minimizing ``v``, read back through a probe of ``a`` and of ``b`` (exact: for any
+        values of ``a`` and ``b`` the best ``v`` is that one, and ``j`` touches nothing else)."""
+        if len(self.adj[j]) != 2 or self.cmem[j]:
+            return False
+        a, b = sorted(self.adj[j])
+        A, B = self.adj[a][j], self.adj[j][b]                         # [u, v], [v, w]
+        if A.size * B.shape[1] > SERIES_WORK_LIMIT:
+            return False
+        T = A[:, :, None] + (self.cost[j][:, None] + B)[None, :, :]  # [u, v, w]
+        V = T.argmin(axis=1)
+        M = np.take_along_axis(T, V[:, None, :], axis=1)[:, 0, :]
+        probes = []
+        for c in (a, b):
+            self.members[c][self._probes] = np.arange(self.cost[c].size)
+            probes.append(self._probes)
+            self._probes += 1
+        self.series.append((probes[0], probes[1], V, list(self.members[j].items())))
+        self._del_edge(j, a)
+        self._del_edge(j, b)
+        self._add_edge(a, b, M)
+        for dct in (self.members, self.cost, self.adj, self.cmem):
+            del dct[j]
+        self.stats["series"] += 1
+        return True
+
     def run(self) -> None:
         queue = deque(sorted(self.members))
         queued = set(queue)
@@ -500,6 +553,11 @@ class _Reducer:
                 p = self._merge(c)
                 if p is not None:
                     push([p, *nb])
+                    continue
+            if "series" in self.use:
+                nb = list(self.adj[c])
+                if self._series(c):
+                    push(nb)
 
     def finish(self, scale: float) -> Reduced:
         p = self.p
@@ -518,18 +576,22 @@ class _Reducer:
             cost.append(np.rint((self.cost[c] - m) * scale).astype(np.int64))
         edges = [(new[c], new[d], np.rint(a * scale).astype(np.int64)) for c in active
                  for d, a in sorted(self.adj[c].items()) if new[c] < new[d]]
-        node_map: list[tuple[int, np.ndarray]] = [(-1, np.zeros(1, np.int64))] * p.n
+        slots: list[tuple[int, np.ndarray]] = [(-1, np.zeros(1, np.int64))] * self._probes
+        for _, _, _, members in self.series:
+            for i, f in members:
+                slots[i] = (-2, f)
         for c in active:
             for i, f in self.members[c].items():
-                node_map[i] = (new[c], f)
+                slots[i] = (new[c], f)
         for i, k in self.fixed.items():
-            node_map[i] = (-1, np.array([k], dtype=np.int64))
+            slots[i] = (-1, np.array([k], dtype=np.int64))
+        node_map, probe_map = slots[:p.n], slots[p.n:]
         points = self._final_points(active, new)
         equal = [(new[a], new[b]) for a, b in self.equal if a in new and b in new]
         stats = dict(self.stats, classes=len(active), values=int(sum(x.size for x in cost)),
                      class_edges=len(edges), class_points=len(points), scale=scale)
         return Reduced(scale, self.budget, offset, [x.size for x in cost], cost, edges, points,
-                       equal, node_map, stats, self.removed or {})
+                       equal, node_map, stats, self.removed or {}, self.series, probe_map)
 
     def _final_points(self, active, new):
         by_point: dict[int, list[tuple[int, np.ndarray]]] = {t: [] for t in self.points}
