@@ -198,8 +198,7 @@ def solve(problem: StrategyProblem, *, time_limit: float | None = 60.0,
                               det_time_limit=det_time_limit, workers=workers, seed=seed,
                               reductions=reductions, edge_encoding=edge_encoding, scale=scale,
                               log=log, hint=hint, params=params, dp=dp, filter_gap=filter_gap,
-                              max_table=max_table,
-                              dual_next=dual and dp and not red.points and not red.equal)
+                              max_table=max_table)
         if got is not None:
             return got
     if red.dom and exact is None and dual and dp and not red.points and not red.equal:
@@ -334,7 +333,7 @@ def class_problem(red: Reduced, keep: Sequence[np.ndarray]) -> StrategyProblem:
 
 
 def _filtered_solve(problem: StrategyProblem, red: Reduced, t0: float, stats: dict, *,
-                    time_limit, filter_gap, dual_next: bool = False, **kw) -> Solution | None:
+                    time_limit, filter_gap, **kw) -> Solution | None:
     """Bound filtering (:func:`fxpar.solver.bounds.bound_and_filter`) then :func:`solve` on
     the problem restricted to the surviving values; ``None`` when nothing was filtered."""
     t1 = time.perf_counter()
@@ -343,10 +342,7 @@ def _filtered_solve(problem: StrategyProblem, red: Reduced, t0: float, stats: di
     info = {"values": int(sum(red.dom)), "kept": kept, "rounds": f.rounds,
             "lower_s": red.offset + f.lower / red.scale,
             "upper_s": None if f.upper is None else red.offset + f.upper / red.scale}
-    # a filter that drops little is not worth reducing again for when the dual's route takes
-    # the unfiltered problem next (no points, no equalities)
-    little = FILTER_MIN_DROP if dual_next else 1.0
-    if f.upper is None or kept >= little * sum(red.dom):
+    if f.upper is None or kept == sum(red.dom):
         info["s"] = time.perf_counter() - t1
         stats["filter"] = info
         return None
@@ -406,11 +402,6 @@ def _filtered_solve(problem: StrategyProblem, red: Reduced, t0: float, stats: di
 #: search found nothing past its hint in two minutes; the dual's own assignment and gap are
 #: the answer there
 DUAL_CPSAT_MAX_BOOLEANS = 50_000
-
-#: the bound filter's result is used only if it keeps less than this share of the values when
-#: the dual's route could take the unfiltered problem (measured on qwen4_exp: 96% kept, the
-#: second reduction cost more than the dual saved on the smaller problem)
-FILTER_MIN_DROP = 0.9
 
 
 def _restricted_optimum(red: Reduced, keep: list[np.ndarray], *,

@@ -382,13 +382,6 @@ class _Reducer:
                 if a is not old:
                     self.adj[c][d], self.adj[d][c] = a, a.T
                 self._flat[c, d], self._flat[d, c] = a, self.adj[d][c]
-                # min_w (a_uw - r_u - a_vw + r_v) = D_uv - r_u + r_v: the cached deltas move
-                # with the shifts instead of being recomputed
-                for key, m, shift in (((c, d), old, rmin), ((d, c), old.T, cmin)):
-                    got = self._dl.get(key)
-                    if got is not None and got[0] is m:
-                        self._dl[key] = (self.adj[key[0]][key[1]],
-                                         got[1] - shift[:, None] + shift[None, :])
 
     def _fix(self, c: int) -> None:
         """Fold a single-valued class into the constant, its neighbours and point constants."""
