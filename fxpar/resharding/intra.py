@@ -45,7 +45,11 @@ step costs are computed for all edges at once (per-state local sizes, one
 :func:`~fxpar.cost.reshard.step_time` per distinct ``(kind, bytes, axis)``); then all
 sources are relaxed at once with numpy (Bellman-Ford, ``D[v] = min(D[v], D[u] + t_uv)`` to
 the fixed point, each round only from the states that improved); the rows are kept per
-``(mesh, shape, dtype, reduce ops)``, so later tables from the same sources are lookups. The costs are bit-identical to :func:`reshard_plan`'s: both are the
+``(mesh, shape, dtype, reduce ops)``, so later tables from the same sources are lookups.
+:func:`reshard_cost_tables` answers many tables at once: the sources of every shape of one
+state topology are relaxed together, as columns with their own step costs (a model has
+hundreds of small shapes). :func:`reshard_plan`'s search reads the same topology and step
+costs and makes :class:`ReshardStep` objects for its path only. The costs are bit-identical to :func:`reshard_plan`'s: both are the
 minimum over paths of the left-to-right float sum of step times (times are ``>= 0`` and float
 addition is monotone, so any label-correcting fixed point and Dijkstra's settled labels agree,
 and the tie-breaking, which only chooses among equal-cost paths, never changes the cost).
@@ -600,8 +604,9 @@ def _topology(ndim: int, naxes: int, ops: tuple[str, ...]) -> _Topology:
 
 class _Graph:
     """The state graph of one ``(mesh, shape, dtype, reduce ops)``: the shared
-    :class:`_Topology` with this tensor's step costs (all of them at once for :meth:`table`,
-    for :meth:`table` and for :func:`reshard_plan`'s search; steps are made for a plan's path)."""
+    :class:`_Topology` with this tensor's step costs, all at once (:meth:`weights`), for
+    :func:`_relax` and for :func:`reshard_plan`'s search (steps are made for a plan's path
+    only), and the minimum-time rows found from each source so far (``_rows``)."""
 
     def __init__(self, mesh, shape: tuple[int, ...], dtype: torch.dtype, ops: tuple[str, ...]):
         self.mesh, self.shape, self.dtype, self.ops = mesh, shape, dtype, ops
@@ -609,7 +614,7 @@ class _Graph:
         self.ids, self.names, self.specs = self.topo.ids, self.topo.names, self.topo.specs
         self._weights: tuple[int, np.ndarray] | None = None   # (edges, W)
         self._wlist: list[float] = []                          # W as Python floats
-        self._rows: dict[int, np.ndarray] = {}  # source -> min time to every state
+        self._rows: dict[int, np.ndarray] = {}  # source -> min time to every state (_relax)
 
     def id(self, spec: Spec) -> int:
         return self.topo.id(spec)
@@ -649,15 +654,6 @@ class _Graph:
         self._wlist = W.tolist()
         self._rows.clear()   # the graph grew (never in practice): rows are recomputed
         return W
-
-    def table(self, starts: Sequence[int]) -> dict[int, np.ndarray]:
-        """Minimum time from each of ``starts`` to every state (rows over state ids, kept):
-        :func:`_relax` of the sources not asked for before."""
-        self.weights()
-        need = sorted({i for i in starts if i not in self._rows})
-        if need:
-            _relax(self.topo, [(self, i) for i in need])
-        return {i: self._rows[i] for i in starts}
 
 
 #: entries of the gathered ``D[u] + w`` block of one relaxation round: 32 sources of the
