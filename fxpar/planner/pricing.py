@@ -431,7 +431,7 @@ class EdgePricer:
     def matrices(self, edges: Sequence[tuple]) -> list[np.ndarray | None]:
         """``[self.matrix(*e) for e in edges]``, with every reshard table they read computed
         in one batch (:func:`reshard_cost_tables`: the many shapes of a model share rounds)."""
-        keys, todo = [], {}
+        keys, todo, reqs = [], {}, []
         for si, o, sj, p, shape, dtype, needs_grad, is_param in edges:
             src, gt = self._src_ids(si, o)
             dst, gin = self._dst_ids(sj, p, needs_grad)
@@ -444,20 +444,16 @@ class EdgePricer:
             us, si_ = np.unique(src[rows], return_inverse=True)
             ud, dj = np.unique(dst[cols], return_inverse=True)
             grad = None
+            if len(us) and len(ud):
+                reqs.append((us, ud, shape, dtype, False))
             if needs_grad:
                 ug, gj = np.unique(gin[cols], return_inverse=True)
                 ugo, gk = np.unique(gt[rows], return_inverse=True)   # per row: its target
                 grad = (ug, gj, ugo, gk)
+                if len(us) and len(ud):
+                    reqs += [(ug, ugo, shape, dtype, free) for free in (False, True)[:1 + is_param]]
             todo[key] = (len(si), len(sj), rows, cols, us, si_, ud, dj, grad, shape, dtype,
                          is_param)
-        reqs = []
-        for _, _, _, _, us, _, ud, _, grad, shape, dtype, is_param in todo.values():
-            if len(us) and len(ud):
-                reqs.append((us, ud, shape, dtype, False))
-                if grad is not None:
-                    reqs.append((grad[0], grad[2], shape, dtype, False))
-                    if is_param:
-                        reqs.append((grad[0], grad[2], shape, dtype, True))
         self._tables(reqs)
         for key, (ni, nj, rows, cols, us, si_, ud, dj, grad, shape, dtype, is_param) in todo.items():
             R = np.zeros((ni, nj))

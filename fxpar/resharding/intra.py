@@ -49,8 +49,8 @@ the fixed point, each round only from the states that improved); the rows are ke
 :func:`reshard_cost_tables` answers many tables at once: the sources of every shape of one
 state topology are relaxed together, as columns with their own step costs (a model has
 hundreds of small shapes). :func:`reshard_plan`'s search reads the same topology and step
-costs and makes :class:`ReshardStep` objects for its path only. The costs are bit-identical to :func:`reshard_plan`'s: both are the
-minimum over paths of the left-to-right float sum of step times (times are ``>= 0`` and float
+costs and makes :class:`ReshardStep` objects for its path only. The costs are bit-identical
+to :func:`reshard_plan`'s: both are the minimum over paths of the left-to-right float sum of step times (times are ``>= 0`` and float
 addition is monotone, so any label-correcting fixed point and Dijkstra's settled labels agree,
 and the tie-breaking, which only chooses among equal-cost paths, never changes the cost).
 
@@ -715,7 +715,7 @@ def _plan(src: Spec, dst: Spec, mesh, shape: tuple[int, ...], dtype: torch.dtype
     g = _graph(mesh, shape, dtype, ops)
     start, goal = g.id(src), g.id(dst)
     names = g.names
-    # Heap entries: (cost, n_steps, path as spec strings, state, steps). The key
+    # Heap entries: (cost, n_steps, path as spec strings, state, edge indices). The key
     # (cost, n_steps, path) is unique per path and only grows along a path, so Dijkstra settles
     # each state with its smallest key: the same plan on every rank.
     g.weights()
