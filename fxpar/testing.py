@@ -36,6 +36,15 @@ class WorkerError(FxparError):
     """A function raised on one or more ranks of a :class:`WorkerPool`."""
 
 
+class WorkerCrashed(WorkerError):
+    """A rank's process died of a signal while running a function (``signals``: the names,
+    e.g. ``("SIGSEGV",)``); the pool is closed and starts afresh on its next call."""
+
+    def __init__(self, message: str, signals: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.signals = signals
+
+
 def _worker_main(rank: int, world: int, store_path: str, backend: str, tasks, results,
                  pg_timeout_s: float) -> None:
     import faulthandler
@@ -77,14 +86,16 @@ def _stderr_path(store_path: str, rank: int) -> str:
     return f"{store_path}.rank{rank}.stderr"
 
 
-def _tail(path: str, n: int = 4000) -> str:
+def _tail(path: str, n: int = 6000) -> str:
+    """The last ``n`` characters of a rank's stderr, without faulthandler's list of extension
+    modules (which would crowd out the threads' stacks above it)."""
     try:
         with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - n))
-            return f.read().decode(errors="replace")
+            text = f.read().decode(errors="replace")
     except OSError:
         return ""
+    text = "\n".join(ln for ln in text.splitlines() if not ln.startswith("Extension modules:"))
+    return text[-n:]
 
 
 def _same_error(tracebacks, ok) -> bool:
@@ -166,18 +177,19 @@ class WorkerPool:
     def alive(self) -> bool:
         return bool(self._procs) and all(p.is_alive() for p in self._procs)
 
-    def _dead(self, answered: set[int]) -> dict[int, str]:
-        """Ranks whose process exited without answering, with how it ended (OOM kill, signal)."""
+    def _dead(self, answered: set[int]) -> dict[int, tuple[str, str | None]]:
+        """Ranks whose process exited without answering: ``(how it ended, with the end of its
+        stderr; the signal's name or None)``."""
         out = {}
         for r, p in enumerate(self._procs):
             if r not in answered and p.exitcode is not None:
                 code = p.exitcode
-                how = (f"killed by {signal.Signals(-code).name}" if code < 0
-                       else f"exited with code {code}")
+                sig = signal.Signals(-code).name if code < 0 else None
+                how = f"killed by {sig}" if sig else f"exited with code {code}"
                 tail = _tail(_stderr_path(self._store, r)).strip()
                 out[r] = (f"rank {r}'s process {how} without answering "
                           "(SIGKILL is what the kernel's out-of-memory killer sends)"
-                          + (f"; the end of its stderr:\n{tail}" if tail else ""))
+                          + (f"; the end of its stderr:\n{tail}" if tail else ""), sig)
         return out
 
     # -- work ---------------------------------------------------------------------------
@@ -195,6 +207,7 @@ class WorkerPool:
         deadline = time.monotonic() + limit
         out: dict[int, Any] = {}
         errors: dict[int, str] = {}
+        killed: dict[int, str] = {}   # rank -> the signal that ended its process
         name = getattr(fn, "__qualname__", repr(fn))
         while len(out) + len(errors) < self.world_size:
             if errors:  # the others get `grace` seconds from the first error
@@ -205,7 +218,8 @@ class WorkerPool:
             except queue.Empty:
                 dead = self._dead(set(out) | set(errors))
                 if dead:  # a killed rank answers nothing: say so instead of waiting out the limit
-                    errors.update(dead)
+                    errors.update({r: how for r, (how, _) in dead.items()})
+                    killed.update({r: sig for r, (_, sig) in dead.items() if sig})
                     continue
                 if left > 1.0:
                     continue
@@ -225,6 +239,9 @@ class WorkerPool:
                 # have left one half done, which a later call's collective would be matched
                 # with (gloo aborts on a message of the wrong size): start afresh next call
                 self.close(force=True)
-            raise WorkerError(f"{name} raised on ranks {sorted(errors)}:\n" +
-                              "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+            msg = (f"{name} raised on ranks {sorted(errors)}:\n" +
+                   "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+            if killed:
+                raise WorkerCrashed(msg, tuple(sorted(set(killed.values()))))
+            raise WorkerError(msg)
         return [out[r] for r in range(self.world_size)]

@@ -10,11 +10,31 @@ starting a :class:`WorkerPool` from a test that lacks it.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
-from fxpar.testing import WorkerPool
+from fxpar.testing import WorkerCrashed, WorkerPool
 
 _MARK_HELP = "mark it @pytest.mark.dist (or pytestmark = pytest.mark.dist for the whole file)"
+
+
+class _RetryCrashPool(WorkerPool):
+    """A pool whose call is run once more when a rank's process died of a memory fault in C++
+    (SIGSEGV, SIGBUS): gloo's transport crashed so once in about 40 suite runs (rank 0 in a
+    functional collective's wait, the other ranks then 'connection closed by peer'), never
+    twice. The crash is still reported (a warning with its stacks); a second one fails the
+    test. Python errors, OOM kills (SIGKILL) and aborts are not retried."""
+
+    def run(self, fn, *args, **kwargs):
+        try:
+            return super().run(fn, *args, **kwargs)
+        except WorkerCrashed as e:
+            if not set(e.signals) <= {"SIGSEGV", "SIGBUS"}:
+                raise
+            warnings.warn(f"a rank crashed ({', '.join(e.signals)}); the call runs once more:\n{e}",
+                          stacklevel=2)
+            return super().run(fn, *args, **kwargs)
 
 
 @pytest.fixture(scope="session")
@@ -24,7 +44,7 @@ def pools():
 
     def get(n: int) -> WorkerPool:
         if n not in started:
-            started[n] = WorkerPool(n, timeout=120)
+            started[n] = _RetryCrashPool(n, timeout=120)
             started[n].start()
         return started[n]
 

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.errors import CollectiveTimeoutError
-from fxpar.testing import WorkerError
+from fxpar.testing import WorkerCrashed, WorkerError
 
 pytestmark = [pytest.mark.dist, pytest.mark.slow]
 
@@ -84,6 +84,30 @@ def test_killed_rank_is_named_with_its_signal(pools):
     pool = pools(3)
     with pytest.raises(WorkerError, match=r"rank 1's process killed by SIGKILL"):
         pool.run(_die_on_one, grace=1.0, timeout=60)
+    assert pool.run(_allreduce_rank)[1] == (1, 3.0)
+
+
+def _segv_on_one(flag: str | None = None):
+    import os
+    import signal
+    if dist.get_rank() == 1 and not (flag and os.path.exists(flag)):
+        if flag:
+            open(flag, "w").close()
+        os.kill(os.getpid(), signal.SIGSEGV)  # what a memory fault in C++ does
+    dist.barrier()
+    return dist.get_rank()
+
+
+@pytest.mark.timeout(180)
+def test_memory_fault_is_named_and_retried_once(pools, tmp_path):
+    """A rank that dies of SIGSEGV raises WorkerCrashed naming the signal; the suite's pools
+    run such a call once more (with a warning), and a second crash fails it."""
+    pool = pools(3)
+    with pytest.warns(UserWarning, match="SIGSEGV"):
+        assert pool.run(_segv_on_one, str(tmp_path / "crashed"), grace=1.0, timeout=60) == [0, 1, 2]
+    with pytest.warns(UserWarning), pytest.raises(WorkerCrashed, match="killed by SIGSEGV") as e:
+        pool.run(_segv_on_one, grace=1.0, timeout=60)
+    assert e.value.signals == ("SIGSEGV",)
     assert pool.run(_allreduce_rank)[1] == (1, 3.0)
 
 
