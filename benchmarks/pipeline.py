@@ -45,9 +45,9 @@ medians of each side's fastest third of steps.
 
 **(b) simulator vs measured.** fxpar schedules × ``m`` (``pp=2``: m ∈ {1, 2, 4, 8}; ``pp=4``:
 m ∈ {4, 8}; interleaved only where ``m`` is a multiple of ``pp``). Each fxpar runner is timed
-from outside: its ``_forward``/``_backward``/``_weight``/``_recv``/``optimizer_step`` methods are
-wrapped on the instance (the interpreter is not edited; a wrapper costs two ``perf_counter``
-calls). Predicted step times:
+from outside: its ``_forward``/``_backward``/``_weight``/``_recv``/``optimizer_step`` methods
+(and its optimizer's per-bucket ``step_bucket``) are wrapped on the instance (the interpreter
+is not edited; a wrapper costs two ``perf_counter`` calls). Predicted step times:
 
 * ``sim·own``: :func:`fxpar.sim.simulate` of the schedule with per-chunk forward, backward and
   (zb-h1) weight-gradient times = the medians of that very side's ``F``/``B``-or-``I``/``W``
@@ -304,6 +304,9 @@ def run_group(spec: dict) -> dict:
                 for name, tag in (("_forward", "F"), ("_backward", "B"), ("_weight", "W"),
                                   ("_recv", "RECV"), ("optimizer_step", "OPT")):
                     _wrap(runner, name, log, tag)
+                # runner.step steps the optimizer bucket by bucket inside the schedule's end
+                # (ModelStates.finish_backward_and_step): those calls are the OPT time
+                _wrap(runner.states._opt, "step_bucket", log, "OPT")
                 step = runner.step
             else:
                 info["torch_class"] = TORCH_SCHEDULES[sched]

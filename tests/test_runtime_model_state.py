@@ -185,6 +185,14 @@ def _flat_steps():
         states.append(ModelStates(named, {k: rg for k in named}, opt, bucket_bytes=96,
                                   param_groups=_grouped))
     flat, ref = states
+    # a third steps each bucket as its reduction is waited (finish_backward_and_step)
+    models.append(_model())
+    named_f = dict(models[-1].named_parameters())
+    fused = ModelStates(named_f, {k: rg for k in named_f},
+                        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                        bucket_bytes=96, param_groups=_grouped)
+    calls = []
+    fused.optimizer.register_step_post_hook(lambda *a: calls.append(1))
     named = dict(models[0].named_parameters())
     out = {"tensors": len([t for g in flat.optimizer.param_groups for t in g["params"]]),
            "ref_tensors": len([t for g in ref.optimizer.param_groups for t in g["params"]]),
@@ -195,19 +203,27 @@ def _flat_steps():
         len({p.tensor.untyped_storage().data_ptr() for p in bk.params}) == 1
         and [p.tensor.data_ptr() for p in bk.params]
         == [bk.params[0].tensor.data_ptr() + 4 * p.off for p in bk.params] for bk in flat._buckets)
+    out["fused_calls"], out["fused_same"] = [], []
     for step in range(4):
         x, y = _batch(step, 0)
         n = B // WORLD
-        for m, ms in zip(models, states):
+        for m, ms in zip(models, [*states, fused]):
             m.zero_grad(set_to_none=True)
             _loss(m, x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]).backward()
             for k, p in m.named_parameters():
                 ms.add_grad(k, p.grad)
-            ms.finish_backward()
-            ms.step()
+            if ms is fused:
+                calls.clear()
+                ms.finish_backward_and_step()
+                out["fused_calls"].append(len(calls))
+            else:
+                ms.finish_backward()
+                ms.step()
             ms.zero_grad()
         out["same"].append(all(torch.equal(a, b) for a, b in zip(models[0].parameters(),
                                                                  models[1].parameters())))
+        out["fused_same"].append(all(torch.equal(a, b) for a, b in zip(models[0].parameters(),
+                                                                       models[2].parameters())))
         out["params"].append({k: p.detach().clone() for k, p in named.items()})
     (fs, fg), (rs, rgps) = flat.optimizer_state(), ref.optimizer_state()
     out["state_same"] = fs.keys() == rs.keys() and all(
@@ -453,12 +469,16 @@ def test_the_planner_prices_the_runtime_bucket_size():
 def test_flat_masters_match_per_parameter_masters(pools):
     """AdamW (element-wise): one optimizer tensor per (bucket, param group), each bucket's
     parameters views of one storage; 4 steps give bitwise what per-parameter masters give, and
-    the per-FQN optimizer state is the same and survives a save/load round trip."""
+    so does stepping each bucket as its reduction is waited (finish_backward_and_step: one
+    optimizer call per bucket); the per-FQN optimizer state is the same and survives a
+    save/load round trip."""
     for res in pools(WORLD).run(_flat_steps):
         assert res["buckets"] > 1 and res["segments"] > res["buckets"]  # both groups in a bucket
         assert res["tensors"] == res["segments"] < res["ref_tensors"] == 5
         assert res["one_storage"]
         assert res["same"] == [True] * 4 and res["state_same"]
+        # stepped bucket by bucket (one optimizer call each), bitwise the same
+        assert res["fused_calls"] == [res["buckets"]] * 4 and res["fused_same"] == [True] * 4
         assert res["groups"] == res["ref_groups"] and len(res["groups"]) == 2
         assert res["round_trip"]
     # and the training is right: a single process with the same param groups

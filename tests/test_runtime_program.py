@@ -510,9 +510,9 @@ def off_critical_path_worker(local_batch: bool, steps: int = 2):
         log.append(("finish", getattr(p, "edge_names", None)))
         return finish(p)
 
-    def spy_fb(self):
+    def spy_fb(self, *a, **kw):
         log.append(("backward done", None))
-        return fb(self)
+        return fb(self, *a, **kw)
 
     rt.start, rt.finish, ModelStates.finish_backward = spy_start, spy_finish, spy_fb
     ropt = _opt(ref.parameters())

@@ -523,14 +523,17 @@ class PipelineRunner(RankRunner):
         step; the loss reaches the other stages while the optimizer steps (a rank that
         finished early does not wait for the last stage first). Returns the detached loss
         (the same on every rank)."""
-        loss, work = self._schedule(args, kwargs)
-        self.optimizer_step()
+        loss, work = self._schedule(args, kwargs, step=not self._guarded)
+        if self._guarded:  # a failed guard drops the step's gradients before any is applied
+            self.states.step()
+        self.states.zero_grad()
         work.wait()
         return loss
 
-    def _schedule(self, args, kwargs):
-        """The action list, gradients finished; ``(loss, work)`` of the loss's broadcast from
-        the last stage, in flight."""
+    def _schedule(self, args, kwargs, step: bool = False):
+        """The action list, gradients finished (with ``step``: and the optimizer stepped,
+        each bucket as its reduction is waited, :meth:`ModelStates.finish_backward_and_step`);
+        ``(loss, work)`` of the loss's broadcast from the last stage, in flight."""
         if self.states is None:
             raise FxparError("training steps need a program compiled with training=True")
         batch = self.program.flat_batch(args, kwargs)
@@ -550,7 +553,10 @@ class PipelineRunner(RankRunner):
         for w, _ in self._sends:
             w.wait()
         self._sends.clear()
-        self.states.finish_backward()
+        if step:
+            self.states.finish_backward_and_step()
+        else:
+            self.states.finish_backward()
         self.tracker.next_step()
         self._raise_guard_failures()
         loss = torch.stack(self._losses).mean() if self._losses else torch.zeros(())

@@ -196,6 +196,16 @@ class Runner(RankRunner):
     def forward_backward(self, *args, **kwargs) -> torch.Tensor:
         """Forward and backward on the batch, gradients reduced (``states.grads()`` shows
         them); no optimizer step. Calls accumulate gradients until :meth:`optimizer_step`."""
+        return self._forward_backward(args, kwargs, step=False)
+
+    def step(self, *args, **kwargs) -> torch.Tensor:
+        """One training step (as :meth:`RankRunner.step`), its optimizer step overlapped with
+        the last gradient reductions (:meth:`ModelStates.finish_backward_and_step`)."""
+        loss = self._forward_backward(args, kwargs, step=True)
+        self.states.zero_grad()
+        return loss
+
+    def _forward_backward(self, args, kwargs, step: bool) -> torch.Tensor:
         if self.states is None:
             raise FxparError("training steps need a program compiled with training=True")
         from fxpar.runtime.comm import Regather
@@ -218,7 +228,10 @@ class Runner(RankRunner):
             self.states.begin_backward()
             loss.backward()
         self.regathers = rg.count if rg is not None else 0
-        self.states.finish_backward()
+        if step:
+            self.states.finish_backward_and_step()
+        else:
+            self.states.finish_backward()
         for pending in deferred:   # the loss's all-reduce (rt.in_flight): now its value is read
             finish(pending)
         self.tracker.next_step()

@@ -120,6 +120,19 @@ class ModelStates(GradientBuckets):
             raise FxparError("step() called before finish_backward()")
         self._opt.step()
 
+    def finish_backward_and_step(self) -> None:
+        """:meth:`finish_backward` then :meth:`step`, overlapped where that is exact (an
+        element-wise optimizer on flat fp32 buckets, ``s_os = 1``): each bucket's tensors
+        are stepped as soon as its reduction is waited, while the later buckets' reductions
+        are in flight (what an eager DDP/FSDP loop cannot do: its ``optimizer.step()``
+        starts after the whole backward)."""
+        if not self._opt.steps_per_bucket():
+            self.finish_backward()
+            self.step()
+            return
+        self.finish_backward(on_reduced=self._opt.step_bucket)
+        self._opt.clear_grads()
+
     def zero_grad(self) -> None:
         """Drop the reduced gradients (and wait for any reduction still in flight)."""
         self.drop_grads()

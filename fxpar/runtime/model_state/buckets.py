@@ -374,9 +374,11 @@ class GradientBuckets:
         bk.work = dist.all_reduce(bk.out, group=bk.lay.cross_pg, async_op=True)
         bk.stage2 = False
 
-    def finish_backward(self) -> None:
+    def finish_backward(self, on_reduced: Callable[[Bucket], None] | None = None) -> None:
         """Finish the planned contributions (:meth:`add_planned_grad`), then launch every bucket
-        not launched yet (in bucket order) and wait for all of them."""
+        not launched yet (in bucket order) and wait for all of them, in that order;
+        ``on_reduced(bucket)`` runs as soon as a bucket's gradient is reduced, while the
+        later buckets' reductions are still in flight."""
         self._finish_planned()
         while self._next < len(self._buckets):
             self._launch_next()
@@ -390,6 +392,8 @@ class GradientBuckets:
                 bk.reduced.add_(bk.out)
                 if bk.lay.s_g == 1:
                     bk.spare = bk.out     # (it is the buffer) added: free
+            if on_reduced is not None:
+                on_reduced(bk)
         self._reset_round()
 
     def _reset_round(self) -> None:

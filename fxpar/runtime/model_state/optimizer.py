@@ -200,6 +200,28 @@ class ShardedOptimizer:
                     p.version = p.tensor._version
         self.clear_grads()
 
+    def steps_per_bucket(self) -> bool:
+        """Whether :meth:`step_bucket` can replace :meth:`step`: an element-wise optimizer
+        whose every tensor is a flat bucket segment (fp32, ``s_os = 1``: nothing to gather
+        after the step, no master to copy back)."""
+        return (self.optimizer is not None and type(self.optimizer) in ELEMENTWISE
+                and all(bk is not None and bk.flat for _, bk, _ in self._masters))
+
+    def step_bucket(self, bk: Bucket) -> None:
+        """The optimizer step of the tensors whose gradients ``bk`` holds (reduced), the
+        others left alone (a ``torch.optim`` optimizer skips a tensor without ``.grad``).
+        Called once per bucket, each tensor is stepped once with its own state, as by
+        :meth:`step`: element-wise, so the result is the same, bit for bit (tested); the
+        earlier buckets' steps run while the later ones are still being reduced."""
+        mine = [(m, lo) for m, b, lo in self._masters if b is bk]
+        if not mine or bk.reduced is None:
+            return
+        for m, lo in mine:
+            m.grad = bk.reduced[lo:lo + m.numel()]
+        self.optimizer.step()
+        for m, _ in mine:
+            m.grad = None
+
     def clear_grads(self) -> None:
         """Drop the masters' gradients (views of the buckets' reduced gradients)."""
         for master, _, _ in self._masters:
