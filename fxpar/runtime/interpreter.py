@@ -520,9 +520,9 @@ class PipelineRunner(RankRunner):
 
     def step(self, *args, **kwargs) -> torch.Tensor:
         """One training step on the global batch: the schedule, gradient reduction, optimizer
-        step; the loss reaches the other stages while the optimizer steps (a rank that
-        finished early does not wait for the last stage first). Returns the detached loss
-        (the same on every rank)."""
+        step (each bucket's as its reduction is waited; after the guards' check where the
+        program has guards); the loss's broadcast from the last stage is waited last. Returns
+        the detached loss (the same on every rank)."""
         loss, work = self._schedule(args, kwargs, step=not self._guarded)
         if self._guarded:  # a failed guard drops the step's gradients before any is applied
             self.states.step()
