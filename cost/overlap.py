@@ -24,7 +24,6 @@ exposed unless the channel was already busy: it then waits for that, too.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -182,6 +181,7 @@ def plan_overlap(plan, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
 def _optimizer_time(plan, bucket_bytes: int, first_bucket_bytes: int) -> float:
     """Seconds of the optimizer step (:meth:`overlap`), 0 without a measured price."""
     from fxpar.cost.memory import _PREC_ALIASES, model_state_bytes
+    from fxpar.cost.step import optimizer_time
 
     prof = (plan.mesh.get("cluster") or {}).get("compute") or {}
     if not prof.get("optimizer"):
@@ -194,11 +194,9 @@ def _optimizer_time(plan, bucket_bytes: int, first_bucket_bytes: int) -> float:
     s_os = plan.config.s_os // plan.config.s_p if plan.config is not None else 1
     # a parameter's memory is its model states (fxpar.planner.pricing.node_memory)
     n = [x.memory / per_param / s_os for x in plan.nodes if x.param]
-    if s_os == 1 and _PREC_ALIASES.get(precision.lower()) == "fp32" and n:
-        # ModelStates' flat step: one tensor per gradient bucket (a first small one)
-        rest = max(0.0, 4 * sum(n) - first_bucket_bytes)
-        return (1 + math.ceil(rest / bucket_bytes)) * per_tensor + per_element * sum(n)
-    return sum(per_tensor + per_element * k for k in n)
+    flat = s_os == 1 and _PREC_ALIASES.get(precision.lower()) == "fp32"
+    return optimizer_time(sum(n), len(n), (per_tensor, per_element), flat,
+                          bucket=bucket_bytes, first=first_bucket_bytes)
 
 def _pricer(plan):
     """``price(kind, axis, steps)``: seconds of ``steps`` coalesced into one collective on

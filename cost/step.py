@@ -33,10 +33,13 @@ backward ends, so only what outlasts the last microbatch's backward is ``REDUCE_
 cluster's ``comm_interference`` slows compute by that fraction of the communication it hides::
 
     F_k, B_k, R_k = overlapped_chunk(chunk k, T_p/2m, T_g + T_os0)
-    step = sim(F, B, x, REDUCE_GRAD = R) + T_os1
+    step = max_r(end_r + O_r) + T_os1
+
+with ``end_r`` rank ``r``'s last event in ``sim(F, B, x, REDUCE_GRAD = R)`` and ``O_r`` its
+optimizer step (:func:`optimizer_time`; 0 where the cluster does not price it).
 
 For one SPMD step (one chunk, one microbatch) with nothing to hide behind (one unit) this is
-``F + B + reductions + T_p + T_os1``; ``summed`` adds every cost with no overlap.
+``F + B + reductions + T_p + O + T_os1``; ``summed`` adds every cost with no overlap.
 
 **Memory** (:func:`rank_memory`, Megatron-LM §2.2/§3.5, AMSP §IV-D), pipeline rank ``r``
 with ``f_r`` microbatches in flight::
@@ -58,15 +61,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from fxpar.defaults import BUCKET_BYTES
+from fxpar.defaults import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
 __all__ = ["UnitCost", "ChunkCost", "DpTerms", "StepTime", "chunk_costs", "dp_terms",
-           "microbatch_overhead",
-           "rank_memory", "step_time", "unit_overlap", "overlapped_chunk", "overlapped_chunks",
-           "BUCKET"]
+           "microbatch_overhead", "optimizer_time", "rank_memory", "step_time", "unit_overlap",
+           "overlapped_chunk", "overlapped_chunks", "BUCKET"]
 
 #: gradient bucket of the data-parallel reduction (AMSP's ``U``), bytes
 BUCKET = BUCKET_BYTES
@@ -99,6 +102,8 @@ class UnitCost:
     #: :func:`fxpar.cost.compute.op_overheads`)
     fwd_lat: float = 0.0
     bwd_lat: float = 0.0
+    #: parameter tensors counted in ``params`` (what an optimizer steps one by one)
+    tensors: int = 0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reused", tuple(tuple(x) for x in self.reused))
@@ -135,6 +140,8 @@ class ChunkCost:
     unit_bwd: tuple[float, ...] = ()
     unit_reduce: tuple[float, ...] = ()
     unit_params: tuple[float, ...] = ()
+    #: parameter tensors (its units' ``tensors``, with reused copies)
+    tensors: int = 0
 
 
 def chunk_costs(units: Sequence[UnitCost], starts: Sequence[int], scale: float = 1.0,
@@ -166,7 +173,8 @@ def chunk_costs(units: Sequence[UnitCost], starts: Sequence[int], scale: float =
             out=us[-1].out * scale, max_params=max(u.params for u in us),
             max_act=max(u.act for u in us) * scale, unit_fwd=ufwd, unit_bwd=ubwd,
             unit_reduce=tuple(u.bwd_fixed for u in us),
-            unit_params=tuple(float(u.params) for u in us)))
+            unit_params=tuple(float(u.params) for u in us),
+            tensors=sum(u.tensors for u in us) + len(copies)))
     return out
 
 
@@ -175,6 +183,31 @@ def microbatch_overhead(cluster) -> float:
     0 without physics): :func:`chunk_costs`' ``overhead``."""
     ph = getattr(cluster, "physics", None)
     return ph.microbatch_overhead if ph is not None else 0.0
+
+
+def optimizer_time(elements: float, tensors: int, price: Sequence[float], flat: bool = False, *,
+                   bucket: float = BUCKET, first: float = FIRST_BUCKET_BYTES) -> float:
+    """Seconds of an element-wise optimizer's step over ``elements`` local elements in
+    ``tensors`` parameter tensors at ``price = (per_tensor, per_element)``
+    (:attr:`fxpar.cluster.ComputeProfile.optimizer`)::
+
+        O = per_tensor·T + per_element·elements
+
+    ``T = tensors``, or with ``flat`` (fp32 parameters, unsharded states: the runtime steps one
+    flat segment per gradient bucket, :mod:`fxpar.runtime.model_state.optimizer`) the buckets'
+    count ``1 + ⌈(4·elements − first)/bucket⌉``.
+
+    >>> optimizer_time(1000, 4, (1e-5, 1e-8)) * 1e6      # 4 tensors, 1000 elements
+    50.0
+    >>> optimizer_time(1000, 4, (1e-5, 1e-8), flat=True) * 1e6   # one bucket
+    20.0
+    """
+    if not price or elements <= 0:
+        return 0.0
+    per_tensor, per_element = price
+    if flat:
+        tensors = 1 + math.ceil(max(0.0, 4 * elements - first) / bucket)
+    return tensors * per_tensor + per_element * elements
 
 
 def unit_overlap(compute: Sequence[float], gather: Sequence[float],
@@ -329,11 +362,20 @@ class StepTime:
 
 def step_time(schedule, chunks: Sequence[ChunkCost], xfer: Callable[[int], tuple[float, float]],
               dp: Sequence[DpTerms], *, act_bytes: Sequence[float] | None = None,
-              static_bytes: Sequence[float] | None = None, interference: float = 0.0) -> StepTime:
+              static_bytes: Sequence[float] | None = None, interference: float = 0.0,
+              optimizer: Sequence[float] | None = None) -> StepTime:
     """The step of ``schedule`` (a :class:`fxpar.schedule.Schedule`) over ``chunks`` (module
     docstring). ``xfer(k)``: seconds of chunk ``k``'s boundary transfer to ``k+1`` and of its
-    gradient back; ``dp[r]``: pipeline rank ``r``'s :class:`DpTerms`."""
-    from fxpar.sim import simulate
+    gradient back; ``dp[r]``: pipeline rank ``r``'s :class:`DpTerms`; ``optimizer[r]``: its
+    optimizer step's seconds (an ``OPTIMIZER`` event on its compute lane after its last one).
+
+    >>> from fxpar.schedule import Schedule
+    >>> c = chunk_costs([UnitCost("l", "x", 1.0, 2.0, 0.0, 0.0, 0.0, 1.0, 0.0)], (0,))
+    >>> step_time(Schedule.build("1f1b", stages=1, microbatches=1), c, lambda k: (0, 0),
+    ...           [DpTerms()], optimizer=[0.5]).step
+    3.5
+    """
+    from fxpar.sim import SimEvent, simulate
 
     p, m, n = schedule.stages, schedule.microbatches, len(chunks)
     fwd, bwd, red = overlapped_chunks(chunks, p, m, dp, interference)
@@ -350,10 +392,16 @@ def step_time(schedule, chunks: Sequence[ChunkCost], xfer: Callable[[int], tuple
     if act_bytes is not None:
         kw.update(act_bytes=list(act_bytes), static_bytes=list(static_bytes or [0.0] * p))
     res = simulate(schedule, fwd=fwd, bwd=bwd, comm=comm, reduce=lambda a: red[a.stage], **kw)
+    opt = [float(x) for x in optimizer] if optimizer is not None else [0.0] * p
+    ends = [max((e.end for e in res.events if e.rank == r), default=0.0) for r in range(p)]
+    steps = [SimEvent(r, "compute", "OPTIMIZER", ends[r], ends[r] + opt[r])
+             for r in range(p) if opt[r] > 0]
+    done = max([float(res.step_time)] + [e.end for e in steps])
     tail = max(d.t_os1 for d in dp)
     f0, b0, r0 = overlapped_chunks(chunks, p, m, dp, overlap=False)
-    summed = m * sum(f0) + m * sum(b0) + sum(r0) + m * sum(a + b for a, b in xs) + tail
+    summed = (m * sum(f0) + m * sum(b0) + sum(r0) + m * sum(a + b for a, b in xs) + tail
+              + sum(opt))
     # the simulator's result with the step the model predicts (T_os1 after the last rank)
-    return StepTime(float(res.step_time) + tail, float(res.step_time), max(d.total for d in dp),
+    return StepTime(done + tail, done, max(d.total for d in dp),
                     float(res.bubble_fraction), float(summed),
-                    dataclasses.replace(res, step_time=float(res.step_time) + tail))
+                    dataclasses.replace(res, step_time=done + tail, events=res.events + tuple(steps)))

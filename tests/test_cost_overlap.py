@@ -105,11 +105,13 @@ def test_optimizer_step_is_priced_per_local_parameter(kind, shards, precision, t
     optimizer over each rank's parameter elements: an MLP 64-128-64 has 4 tensors and
     8192 + 128 + 8192 + 64 = 16576 elements, all of them on each dp rank, half under ZeRO-3
     on 2 ranks (each tensor is sharded on dim 0). fp32 parameters with unsharded states are
-    stepped flat, one tensor per gradient bucket (here all in the first 1 MiB one)."""
+    stepped flat, one tensor per gradient bucket (here all in the first 1 MiB one). The one
+    step model (``Plan.time``) adds the same seconds after the step's last event."""
     import dataclasses
 
     from examples.models import MLP
     from fxpar.cluster import ComputeProfile
+    from fxpar.planner.price import price_plan
 
     prof = ComputeProfile(gemm=((1e3, 1e10), (1e9, 1e10)), memory=((1e3, 1e10), (1e9, 1e10)),
                           op_overhead=0.0, bwd_op_overhead=0.0, optimizer=(1e-5, 1e-9))
@@ -118,9 +120,10 @@ def test_optimizer_step_is_priced_per_local_parameter(kind, shards, precision, t
                    options=fxpar.planner.PlannerOptions(precision=precision)).plan
     unpriced = dict(p.mesh, cluster={**p.mesh["cluster"],
                                      "compute": {**p.mesh["cluster"]["compute"], "optimizer": []}})
-    base = dataclasses.replace(p, mesh=unpriced).overlap().step
-    assert p.overlap().step - base == pytest.approx(tensors * 1e-5 + 16576 / shards * 1e-9,
-                                                    rel=1e-9)
+    base = dataclasses.replace(p, mesh=unpriced)
+    want = tensors * 1e-5 + 16576 / shards * 1e-9
+    assert p.overlap().step - base.overlap().step == pytest.approx(want, rel=1e-9)
+    assert p.time - price_plan(base)[0].step == pytest.approx(want, rel=1e-9)
 
 
 def test_a_shared_reshard_is_issued_after_its_producer():

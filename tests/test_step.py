@@ -53,6 +53,18 @@ def test_one_spmd_step_is_the_sum():
     assert st.summed == pytest.approx(st.step) and st.dp_comm == pytest.approx(dp.total)
 
 
+def test_each_rank_steps_its_optimizer_after_its_last_event():
+    """1F1B, 2 stages, one microbatch, F = 1, B = 2: rank 1 ends at 4 (F 1..2, B 2..4), rank 0 at
+    6 (B 4..6); the step ends with the later of ``end_r + O_r``."""
+    c = ChunkCost(fwd=1.0, bwd=2.0, reduce=0.0, params=1, act=0, rebuilt=0, out=0)
+    sched = Schedule.build("1f1b", stages=2, microbatches=1)
+    run = lambda opt: step_time(sched, [c, c], lambda k: (0, 0), [DpTerms()] * 2, optimizer=opt)
+    assert run(None).step == 6.0
+    assert run([0.5, 1.0]).step == 6.5 and run([0.5, 3.0]).step == 7.0
+    opt = [(e.rank, e.start, e.end) for e in run([0.5, 3.0]).sim.events if e.name == "OPTIMIZER"]
+    assert sorted(opt) == [(0, 6.0, 6.5), (1, 4.0, 7.0)]
+
+
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8)])
 def test_pipeline_step_is_megatrons_closed_form(p, m):
     """Equal stages, no transfers: ``(m + p − 1)(F + B)``; rank 0 finishes last, so its

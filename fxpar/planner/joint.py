@@ -76,7 +76,7 @@ from fxpar.cost.step import (BUCKET, UnitCost, chunk_costs, dp_terms, microbatch
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.planner.intra_op import PlannerOptions, plan_and_keep
-from fxpar.planner.price import MEM_KEY, price_config, replica_allreduce, state_bytes
+from fxpar.planner.price import MEM_KEY, optimizer_seconds, price_config, replica_allreduce, state_bytes
 from fxpar.spec import Spec
 from fxpar.split import units
 
@@ -420,7 +420,8 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                    microbatches=microbatches, cps=cps)
     table, layouts, plan_s = _cost_tables(gm, cluster, space.keys, opts)
     pricing = _Pricing(table, state_bytes(opts), budget, cluster,
-                       space.n_units, "recompute" not in space.only and True in space.recompute)
+                       space.n_units, "recompute" not in space.only and True in space.recompute,
+                       opts.precision)
     cands, tried, over, smallest = _price_all(_configurations(space, table, cluster), pricing)
     _raise_if_nothing(space, cands, tried, smallest[None], budget)
     t2 = time.perf_counter()
@@ -682,6 +683,7 @@ class _Pricing:
     cluster: object
     n_units: int
     partial: bool
+    precision: str = "mixed"
 
     @functools.cached_property
     def recomputable(self) -> dict[tuple[int, int], frozenset[int]]:
@@ -749,7 +751,9 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
             F, B, R = overlapped_chunks(ch, p, s.m, dpr, pricing.cluster.comm_interference)
             Wo = [sum(F[k] + B[k] for k in range(r, n, p)) for r in range(p)]
             est_o = s.m * max(Wo) + (sum(Wo) - max(Wo)) / s.v + xfer
-            tail = max(sum(R[r::p]) for r in range(p)) + max(d.t_os1 for d in dpr)
+            opt = optimizer_seconds(ch, p, (s_p, s_g, s_os), pricing.cluster, pricing.precision)
+            tail = (max(sum(R[r::p]) for r in range(p)) + max(opt)
+                    + max(d.t_os1 for d in dpr))
             c = Candidate(p, s.d, s.t, s.b, s.m, s.schedule, s.v, rc, s_g, s_os, est_o + tail,
                           max(mems), est_o, dpt, s.starts, s_p=s_p, cp=s.c)
             some = None

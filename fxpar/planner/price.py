@@ -40,11 +40,12 @@ from fxpar.cost.compute import op_overheads
 from fxpar.cost.memory import STATE_BYTES_PER_PARAM
 from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import (BUCKET, DpTerms, StepTime, UnitCost, chunk_costs, dp_terms,
-                             microbatch_overhead, rank_memory, step_time)
+                             microbatch_overhead, optimizer_time, rank_memory, step_time)
 from fxpar.spec import Spec
 from fxpar.split import units
 
 __all__ = ["REPLICA_AXES", "schedule_of", "unit_table", "replica_grid", "price_config", "price_plan",
+           "optimizer_seconds",
            "recomputed_units"]
 
 #: mesh axes whose devices hold replicas of the batch split (data parallelism)
@@ -77,7 +78,7 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
                 if a.name in unit_of:
                     last_use[a.name] = max(last_use.get(a.name, -1), i)
     acc = [dict(fwd=0.0, bwd=0.0, fwd_fixed=0.0, bwd_fixed=0.0, act=0.0, params=0.0, out=0.0,
-                fwd_lat=0.0, bwd_lat=0.0) for _ in us]
+                fwd_lat=0.0, bwd_lat=0.0, tensors=0) for _ in us]
     users: dict[str, set[int]] = {}
     for i, (_, unodes) in enumerate(us):
         for nd in unodes:
@@ -92,6 +93,7 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
             k = Spec.parse(n.outputs[0]).local_numel(tuple(val.shape), own)
             f = first_use[n.name]
             acc[f]["params"] += k
+            acc[f]["tensors"] += 1
             for u in sorted(users[n.name] - {f}):
                 reused[u].append((n.name, f, float(k)))
         elif n.name in unit_of:
@@ -245,8 +247,26 @@ def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequenc
         kw = dict(act_bytes=[c.act for c in chunks],
                   static_bytes=[per * sum(c.params for c in chunks[r::p]) for r in range(p)])
     st = step_time(sched, chunks, xfer or (lambda k: (0.0, 0.0)), dp,
-                   interference=cluster.comm_interference, **kw)
+                   interference=cluster.comm_interference,
+                   optimizer=optimizer_seconds(chunks, p, config.state, cluster, prec), **kw)
     return st, mem
+
+
+def optimizer_seconds(chunks, p: int, state: tuple[int, int, int], cluster, precision: str
+                      ) -> list[float]:
+    """Per pipeline rank (chunk ``k`` on rank ``k % p``), the seconds of its optimizer step
+    (:func:`fxpar.cost.step.optimizer_time` over its chunks' local parameters, states sharded
+    ``s_os`` ways, ``state = (s_p, s_g, s_os)``) on a cluster whose measured compute prices
+    it (:attr:`fxpar.cluster.ComputeProfile.optimizer`), else zeros."""
+    from fxpar.cost.memory import _PREC_ALIASES
+
+    s_p, _, s_os = state
+    price = cluster.compute.optimizer if getattr(cluster, "compute", None) is not None else ()
+    # parameters sharded by their layouts (s_p) are local tensors to the runtime's optimizer:
+    # stepped flat unless it shards their states further (ZeRO-1/2)
+    flat = s_os == s_p and _PREC_ALIASES.get(precision.lower()) == "fp32"
+    return [optimizer_time(sum(c.params for c in chunks[r::p]) / s_os,
+                           sum(c.tensors for c in chunks[r::p]), price, flat) for r in range(p)]
 
 
 def schedule_of(plan):
