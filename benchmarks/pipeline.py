@@ -63,6 +63,13 @@ is not edited; a wrapper costs two ``perf_counter`` calls). Predicted step times
   overheads, which are paid once per microbatch, and collectives), what a user who calibrates
   sees; ``--nominal``: ``Cluster.local``'s roofline, judged by rank order only.
 
+* ``plan·ref``: the closed loop (issue #24 item 6): after the measured steps,
+  ``runner.profile()`` of 1F1B at the smallest and at the largest ``m`` on every rank,
+  ``cluster.refine(*profiles)`` (compute scale and the seconds each action pays whatever its
+  size, fitted over both microbatch sizes), every fxpar side planned again on the refined
+  cluster: its ``prog.simulate().step_time``. Two of the points calibrate, the rest are
+  predicted.
+
 Every column twice: from all measured steps (medians), and ``q_`` from each side's quiet steps
 only (the fastest third by step time; action medians over those steps) — on a machine shared
 with other jobs about half the steps are slowed 2–4× by load bursts, which medians of 15 steps
@@ -274,6 +281,13 @@ def run_group(spec: dict) -> dict:
     out["cluster"] = dict(name=cluster.name, calibration_s=time.perf_counter() - t0)
     sides, logs = {}, {}
 
+    def build(cl, sched, m):
+        v = _chunks(sched)
+        return fxpar.compile(copy.deepcopy(init), cl, (batches[0][0],), loss_fn=_ce,
+                             example_targets=(batches[0][1],), optimizer=_adamw,
+                             mesh={"pp": pp}, schedule=sched, microbatches=m, chunks=v,
+                             split_points=[f"model.blocks.{x}" for x in _starts(pp * v)])
+
     def agree(err) -> bool:
         ok = torch.tensor([0 if err else 1])
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
@@ -287,11 +301,7 @@ def run_group(spec: dict) -> dict:
         try:
             if lib == "fxpar":
                 t0 = time.perf_counter()
-                prog = fxpar.compile(copy.deepcopy(init), cluster,
-                                     (batches[0][0],), loss_fn=_ce,
-                                     example_targets=(batches[0][1],), optimizer=_adamw,
-                                     mesh={"pp": pp}, schedule=sched, microbatches=m, chunks=v,
-                                     split_points=[f"model.blocks.{x}" for x in _starts(pp * v)])
+                prog = build(cluster, sched, m)
                 info["compile_s"] = time.perf_counter() - t0
                 t0 = time.perf_counter()
                 runner = prog.runner()
@@ -366,6 +376,23 @@ def run_group(spec: dict) -> dict:
         st.sort_stats("cumulative").print_stats(35)
         st.sort_stats("tottime").print_stats(25)
         out["sides"][k]["profile_rank0"] = buf.getvalue()
+    # (c) the closed loop: runner.profile() of 1F1B at the smallest and the largest m (every
+    # rank's profiles of both, gathered), cluster.refine(...) on them, every fxpar side
+    # planned again on the refined cluster: its plan's step beside the measured one
+    ms = sorted({m for lib, _, m in spec["sides"] if lib == "fxpar"})
+    cal = [f"fxpar:1f1b:m{m}" for m in (ms[0], ms[-1])] if ms else []
+    if spec.get("calibrate") and len(set(cal)) == 2 and all(k in sides for k in cal):
+        mine = [sides[k].__self__.profile(*batches[0], steps=3).to_dict() for k in cal]
+        every: list = [None] * pp
+        dist.all_gather_object(every, mine)
+        profiles = [fxpar.Profile.from_dict(d) for r in every for d in r]
+        refined = cluster.refine(*profiles)
+        out["refined"] = dict(calibration=cal, scales=profiles[0].scales(*profiles[1:]),
+                              microbatch_overhead_s=(refined.physics.microbatch_overhead
+                                                     if refined.physics else 0.0))
+        for key, info in out["sides"].items():
+            if info["lib"] == "fxpar" and "error" not in info:
+                info["plan_refined_s"] = build(refined, info["schedule"], info["m"]).simulate().step_time
     dist.barrier()
     return out
 
@@ -486,6 +513,8 @@ def _predict(groups: dict) -> list[dict]:
                        plan_bubble=row["plan_bubble"], p2p_ms=1e3 * p2p)
             if cal is not None:
                 rec["calibration"] = f"gpipe m={cal['m']}"
+            if "plan_refined_s" in row:
+                rec["plan_ref_ms"] = 1e3 * row["plan_refined_s"]
             for pre, src in (("", ""), ("q_", "quiet_")):
                 am = row[src + "action_median_ms"]
                 fwd = [am.get(f"F{k}", 0.0) / 1e3 for k in range(n)]
@@ -517,7 +546,7 @@ def _corr_summary(pred: list[dict]) -> dict:
         d: dict = dict(points=len(rs))
         for pre in ("", "q_"):
             meas = [r[pre + "measured_ms"] for r in rs]
-            for col in (pre + "sim_own_ms", pre + "sim_cal_ms", "plan_ms"):
+            for col in (pre + "sim_own_ms", pre + "sim_cal_ms", "plan_ms", "plan_ref_ms"):
                 if not all(col in r for r in rs):
                     continue
                 p = [r[col] for r in rs]
@@ -589,7 +618,8 @@ def main() -> None:
         with WorkerPool(pp, timeout=900, start_timeout=300) as pool:
             res = pool.run(run_group, g, timeout=3600)
         rows = _merge(res, g["warmup"])
-        groups[f"pp{pp}"] = dict(pp=pp, rows=rows, wall_s=time.perf_counter() - t0)
+        groups[f"pp{pp}"] = dict(pp=pp, rows=rows, wall_s=time.perf_counter() - t0,
+                                 refined=res[0].get("refined"))
         print(f"[pp={pp}] {time.perf_counter() - t0:.0f} s", flush=True)
 
     # ---- (a) fxpar vs torch ---------------------------------------------------------------
@@ -672,15 +702,18 @@ def main() -> None:
           "its optimizer step; sim·cal: the same with chunk times from ONE gpipe side at the "
           "smallest m of this pp, scaled linearly to the microbatch size; plan: "
           "prog.simulate() from the plan's cost model on a cluster calibrated on these ranks "
-          "(--nominal: Cluster.local's roofline, judge it by rank). q_: the same from the quiet "
+          "(--nominal: Cluster.local's roofline, judge it by rank); plan·ref: the same plans on "
+          "that cluster refined by cluster.refine() on runner.profile() of 1f1b at the smallest "
+          "and the largest m (2 of the points). q_: the same from the quiet "
           "steps only (fastest third "
           "of each side's steps).")
     print(f"{'pp':>2} {'m':>2} {'schedule':<12} {'measured':>9} {'sim·own':>8} {'sim·cal':>8} "
-          f"{'plan':>8} {'bubble':>6} | {'q_meas':>7} {'q_own':>7} {'q_cal':>7}")
+          f"{'plan':>8} {'plan·ref':>8} {'bubble':>6} | {'q_meas':>7} {'q_own':>7} {'q_cal':>7}")
     for r in pred:
         print(f"{r['pp']:>2} {r['m']:>2} {r['schedule']:<12} {r['measured_ms']:>9.1f} "
               f"{r['sim_own_ms']:>8.1f} {r.get('sim_cal_ms', float('nan')):>8.1f} "
-              f"{r['plan_ms']:>8.1f} {r['plan_bubble']:>6.2f} | {r['q_measured_ms']:>7.1f} "
+              f"{r['plan_ms']:>8.1f} {r.get('plan_ref_ms', float('nan')):>8.1f} "
+              f"{r['plan_bubble']:>6.2f} | {r['q_measured_ms']:>7.1f} "
               f"{r['q_sim_own_ms']:>7.1f} {r.get('q_sim_cal_ms', float('nan')):>7.1f}")
     for pp, d in corr.items():
         print(f"pp={pp} ({d['points']} points):")

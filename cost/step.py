@@ -363,11 +363,16 @@ class StepTime:
 def step_time(schedule, chunks: Sequence[ChunkCost], xfer: Callable[[int], tuple[float, float]],
               dp: Sequence[DpTerms], *, act_bytes: Sequence[float] | None = None,
               static_bytes: Sequence[float] | None = None, interference: float = 0.0,
-              optimizer: Sequence[float] | None = None) -> StepTime:
+              optimizer: Sequence[float] | None = None, overhead: float = 0.0) -> StepTime:
     """The step of ``schedule`` (a :class:`fxpar.schedule.Schedule`) over ``chunks`` (module
     docstring). ``xfer(k)``: seconds of chunk ``k``'s boundary transfer to ``k+1`` and of its
     gradient back; ``dp[r]``: pipeline rank ``r``'s :class:`DpTerms`; ``optimizer[r]``: its
     optimizer step's seconds (an ``OPTIMIZER`` event on its compute lane after its last one).
+
+    A backward split into ``I`` and ``W`` (zero-bubble schedules) runs as the runtime runs it:
+    chunk 0 has no input gradient to hurry, so its ``I`` is the whole backward and its ``W``
+    empty; another chunk's ``I`` and ``W`` are half its backward each, and ``W``, a second
+    action, pays the per-action ``overhead`` (:func:`microbatch_overhead`) again.
 
     >>> from fxpar.schedule import Schedule
     >>> c = chunk_costs([UnitCost("l", "x", 1.0, 2.0, 0.0, 0.0, 0.0, 1.0, 0.0)], (0,))
@@ -391,7 +396,17 @@ def step_time(schedule, chunks: Sequence[ChunkCost], xfer: Callable[[int], tuple
     kw = {}
     if act_bytes is not None:
         kw.update(act_bytes=list(act_bytes), static_bytes=list(static_bytes or [0.0] * p))
-    res = simulate(schedule, fwd=fwd, bwd=bwd, comm=comm, reduce=lambda a: red[a.stage], **kw)
+    split = {(a.stage, a.microbatch) for row in schedule.actions.values() for a in row
+             if a.kind.name == "I"}
+
+    def b_time(k: int, i: int) -> float:
+        return bwd[k] + (overhead if k and (k, i) in split else 0.0)
+
+    def w_time(k: int, i: int) -> float:
+        return b_time(k, i) / 2 if k else 0.0
+
+    res = simulate(schedule, fwd=fwd, bwd=b_time, wgrad=w_time if split else None, comm=comm,
+                   reduce=lambda a: red[a.stage], **kw)
     opt = [float(x) for x in optimizer] if optimizer is not None else [0.0] * p
     ends = [max((e.end for e in res.events if e.rank == r), default=0.0) for r in range(p)]
     steps = [SimEvent(r, "compute", "OPTIMIZER", ends[r], ends[r] + opt[r])

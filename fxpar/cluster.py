@@ -253,6 +253,21 @@ class Physics:
             if not getattr(self, f) >= 0:
                 raise ClusterError(f"Physics.{f} must be >= 0 seconds, got {getattr(self, f)!r}")
 
+    @classmethod
+    def nominal(cls) -> Physics:
+        """The physics that prices as a cluster without one does (the roofline at 50% of peak
+        FLOPs and 80% of memory bandwidth, :func:`fxpar.cost.compute.roofline_time`; links at
+        their nominal figures): one-column GEMM tiles waste nothing, no fixed costs.
+
+        >>> from fxpar.cost.compute import OpCost, op_time
+        >>> c = Cluster.preset("dgx-a100", physics=None)
+        >>> op = OpCost(2e12, 4e12, 1e9, 2e9, "matmul", gemm=(1, 4096, 4096, 4096))
+        >>> op_time(op, c) == op_time(op, dataclasses.replace(c, physics=Physics.nominal()))
+        True
+        """
+        return cls(gemm_tile=(1, 1), gemm_efficiency=0.5, attention_efficiency=0.5,
+                   memory_efficiency=0.8, intra_comm_efficiency=1.0, inter_comm_efficiency=1.0)
+
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["gemm_tile"] = list(self.gemm_tile)
@@ -511,15 +526,19 @@ class Cluster:
             raise ClusterError(f"device {device} not in cluster {self.name} "
                                f"(devices 0..{self.num_devices - 1})")
 
-    def refine(self, profile) -> Cluster:
+    def refine(self, profile, *more) -> Cluster:
         """This cluster with its rates re-fit to a measured :class:`fxpar.Profile` (from
-        ``runner.profile()``): with ``s = measured / predicted`` over the profiled nodes
+        ``runner.profile()``; ``more``: profiles of other plans priced on this cluster): with
+        ``s = measured / predicted`` over the profiled nodes and actions
         (:meth:`fxpar.Profile.scales`), compute runs at ``1/s_compute`` of the rates it
         was priced at (the measured GEMM, memory, vector and attention curves, or the
         nominal ``peak_flops``/``memory_bandwidth``; per-op overheads times ``s_compute``)
         and collectives at ``1/s_comm`` of the bandwidths with ``s_comm`` times the
-        latencies (links and measured α/β entries alike). A kind the profile did not
-        measure is left as it is. The profile must come from a plan priced on this cluster.
+        latencies (links and measured α/β entries alike). Pipeline profiles of two or more
+        microbatch counts also fit the seconds each pipeline action pays whatever its size
+        (``physics.microbatch_overhead``; a cluster without physics gets
+        :meth:`Physics.nominal`'s, which prices as it did). A kind the profiles did not
+        measure is left as it is. The profiles must come from plans priced on this cluster.
 
         >>> from fxpar.runtime.profile import NodeTime, Profile
         >>> p = Profile((NodeTime("mm", "fc", "compute", None, 2e-3, 4e-3, 1e-3, 2e-3),), 0.01, 3)
@@ -527,9 +546,13 @@ class Cluster:
         >>> c.refine(p).peak_flops == c.peak_flops / 2
         True
         """
-        s = profile.scales()
+        s = profile.scales(*more)
         out = self
         sc, sm = s.get("compute"), s.get("comm")
+        if "overhead" in s:
+            ph = dataclasses.replace(self.physics or Physics.nominal(),
+                                     microbatch_overhead=s["overhead"])
+            out = dataclasses.replace(out, physics=ph)
         if sc:
             if self.compute is not None:
                 cp = self.compute

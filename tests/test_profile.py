@@ -114,6 +114,49 @@ def test_pipeline_profile_per_action(pools):
         assert (("SEND_F", 0) in kinds) if rank == 0 else (("RECV_F", 1) in kinds), kinds
         compute = [a for a in p.actions if a.kind in ("F", "B", "I", "W")]
         assert all(a.measured > 0 and a.predicted > 0 for a in compute if a.kind != "W"), compute
-        assert {a.microbatch for a in compute} == {0, 1}
+        assert {a.microbatch for a in compute} == {0, 1} and p.microbatches == 2
         assert "pipeline actions" in text and "compute" in p.scales()
         assert sum(a.measured for a in p.actions) <= p.step
+
+
+def _pipe_profile(m, f, slope=2.0, fixed=3e-3):
+    """A pipeline rank's profile at ``m`` microbatches whose forward was predicted ``f`` s
+    and backward ``2f``, measured ``slope·pred + fixed``."""
+    from fxpar.runtime.profile import ActionTime, Profile
+
+    acts = tuple(ActionTime(k, 0, i, slope * pred + fixed, pred)
+                 for i in range(m) for k, pred in (("F", f), ("B", 2 * f)))
+    return Profile((), 0.1, 3, actions=acts + (ActionTime("RECV_B", 0, 0, 0.01, 0.0),),
+                   microbatches=m)
+
+
+def test_refine_fits_the_per_action_overhead_from_two_microbatch_counts():
+    """Actions measured at ``2·predicted + 3 ms``: from two microbatch counts the refined
+    cluster computes at half the rate and charges 3 ms per action; from one the fixed part
+    cannot be told apart and the ratio of sums is kept (no overhead)."""
+    import fxpar
+
+    c = fxpar.Cluster.local(2)
+    r = c.refine(_pipe_profile(2, 0.02), _pipe_profile(8, 0.005))
+    assert r.peak_flops == pytest.approx(c.peak_flops / 2)
+    assert r.physics.microbatch_overhead == pytest.approx(3e-3)
+    one = c.refine(_pipe_profile(2, 0.02))
+    assert one.physics is None and one.peak_flops == pytest.approx(c.peak_flops / (2 + 3e-3 / 0.03))
+    # no per-action cost to find: nothing but the rate changes
+    flat = c.refine(_pipe_profile(2, 0.02, fixed=0.0), _pipe_profile(8, 0.005, fixed=0.0))
+    assert flat.physics is None and flat.peak_flops == pytest.approx(c.peak_flops / 2)
+
+
+def test_nominal_physics_prices_as_no_physics():
+    """``Physics.nominal()`` (what a refined cluster without physics gets) changes no price:
+    the same plan's step on a preset without physics and with it."""
+    import dataclasses
+
+    import fxpar
+    from examples.models import GPT
+
+    c = fxpar.Cluster.preset("dgx-a100", physics=None)
+    x = torch.randint(0, 64, (4, 16))
+    times = [fxpar.plan(GPT(64, 32, 2, 2, 16), cl, (x,), mesh={"dp": 2, "tp": 4}).plan.time
+             for cl in (c, dataclasses.replace(c, physics=fxpar.cluster.Physics.nominal()))]
+    assert times[0] == times[1]

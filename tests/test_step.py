@@ -65,6 +65,19 @@ def test_each_rank_steps_its_optimizer_after_its_last_event():
     assert sorted(opt) == [(0, 6.0, 6.5), (1, 4.0, 7.0)]
 
 
+def test_split_backward_runs_as_the_runtime_runs_it():
+    """ZB-H1, 2 stages, one microbatch, F = 1, B = 2, 0.5 s per action: rank 1 runs F 1..2,
+    I 2..3.25 and W 3.25..4.5 (halves of B + 0.5: W is an action of its own); rank 0's I is
+    its whole backward (chunk 0 has no input gradient), 3.25..5.25, and its W is empty."""
+    c = ChunkCost(fwd=1.0, bwd=2.0, reduce=0.0, params=1, act=0, rebuilt=0, out=0)
+    st = step_time(Schedule.build("zb-h1", stages=2, microbatches=1), [c, c], lambda k: (0, 0),
+                   [DpTerms()] * 2, overhead=0.5)
+    ev = {(e.rank, e.name): (e.start, e.end) for e in st.sim.events if e.lane == "compute"}
+    assert ev[1, "1I0"] == (2.0, 3.25) and ev[1, "1W0"] == (3.25, 4.5)
+    assert ev[0, "0I0"] == (3.25, 5.25) and ev[0, "0W0"][1] - ev[0, "0W0"][0] == 0.0
+    assert st.step == 5.25
+
+
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8)])
 def test_pipeline_step_is_megatrons_closed_form(p, m):
     """Equal stages, no transfers: ``(m + p − 1)(F + B)``; rank 0 finishes last, so its

@@ -248,7 +248,8 @@ def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequenc
                   static_bytes=[per * sum(c.params for c in chunks[r::p]) for r in range(p)])
     st = step_time(sched, chunks, xfer or (lambda k: (0.0, 0.0)), dp,
                    interference=cluster.comm_interference,
-                   optimizer=optimizer_seconds(chunks, p, config.state, cluster, prec), **kw)
+                   optimizer=optimizer_seconds(chunks, p, config.state, cluster, prec),
+                   overhead=microbatch_overhead(cluster), **kw)
     return st, mem
 
 

@@ -89,6 +89,8 @@ class Profile:
     predicted_step: float = 0.0
     #: a pipeline rank's actions (``()`` for an SPMD runner)
     actions: tuple[ActionTime, ...] = ()
+    #: a pipeline profile's microbatches per step (0 for an SPMD runner)
+    microbatches: int = 0
 
     def layers(self) -> dict[str, dict[str, float]]:
         """``{layer: {fwd, bwd, comm, pred_fwd, pred_bwd, pred_comm}}`` seconds, compute and
@@ -114,21 +116,42 @@ class Profile:
                 out[n.edge]["predicted"] += n.pred_fwd + n.pred_bwd
         return dict(out)
 
-    def scales(self) -> dict[str, float]:
-        """``{"compute": Σ measured / Σ predicted, "comm": ...}`` over the nodes the plan
-        priced (a kind with nothing predicted is left out): what :meth:`fxpar.Cluster.refine`
-        divides the rates by."""
+    def scales(self, *others: Profile) -> dict[str, float]:
+        """``{"compute": Σ measured / Σ predicted, "comm": ...}`` over the nodes and pipeline
+        actions the plan priced in this profile and ``others`` (a kind with nothing predicted
+        is left out): what :meth:`fxpar.Cluster.refine` divides the rates by.
+
+        Pipeline profiles of two or more microbatch counts also give ``"overhead"``, the
+        seconds every action pays whatever its size (``Physics.microbatch_overhead``): a
+        least-squares fit of ``measured = s·predicted + overhead`` over their ``F`` and ``B``
+        actions (and ``measured = s·predicted`` over the nodes), ``s`` then the compute
+        scale; at one microbatch count the fixed part cannot be told from the rate, and a fit
+        with a negative overhead keeps the ratio.
+
+        >>> def pipe(m, f):   # forward predicted f seconds, measured 2·f + 3 ms
+        ...     return Profile((), 0.1, 3, actions=(ActionTime("F", 0, 0, 2 * f + 3e-3, f),
+        ...                                         ActionTime("B", 0, 0, 4 * f + 3e-3, 2 * f)),
+        ...                    microbatches=m)
+        >>> {k: round(v, 6) for k, v in pipe(2, 0.01).scales(pipe(4, 0.005)).items()}
+        {'compute': 2.0, 'overhead': 0.003}
+        """
+        profiles = (self, *others)
         out = {}
         for kind in ("compute", "comm"):
-            pred = sum(n.pred_fwd + n.pred_bwd for n in self.nodes if n.kind == kind)
-            meas = sum(n.fwd + n.bwd for n in self.nodes
-                       if n.kind == kind and n.pred_fwd + n.pred_bwd > 0)
-            acts = [a for a in self.actions if a.predicted > 0 and
-                    (a.kind.startswith("SEND") if kind == "comm" else a.kind in ("F", "B", "I", "W"))]
-            pred += sum(a.predicted for a in acts)
-            meas += sum(a.measured for a in acts)
+            pred = meas = 0.0
+            for pr in profiles:
+                pred += sum(n.pred_fwd + n.pred_bwd for n in pr.nodes if n.kind == kind)
+                meas += sum(n.fwd + n.bwd for n in pr.nodes
+                            if n.kind == kind and n.pred_fwd + n.pred_bwd > 0)
+                acts = [a for a in pr.actions if a.predicted > 0 and
+                        (a.kind.startswith("SEND") if kind == "comm" else a.kind in ("F", "B", "I", "W"))]
+                pred += sum(a.predicted for a in acts)
+                meas += sum(a.measured for a in acts)
             if pred > 0 and meas > 0:
                 out[kind] = meas / pred
+        fit = _fit_overhead(profiles)
+        if fit is not None:
+            out["compute"], out["overhead"] = fit
         return out
 
     def compare(self, plan=None, trace: str | os.PathLike | None = "fxpar_profile_trace.json") -> str:
@@ -193,13 +216,32 @@ class Profile:
     def to_dict(self) -> dict:
         return dict(nodes=[asdict(n) for n in self.nodes], step=self.step, steps=self.steps,
                     optimizer=self.optimizer, predicted_step=self.predicted_step,
-                    actions=[asdict(a) for a in self.actions])
+                    actions=[asdict(a) for a in self.actions], microbatches=self.microbatches)
 
     @classmethod
     def from_dict(cls, d: dict) -> Profile:
         return cls(tuple(NodeTime(**n) for n in d["nodes"]), d["step"], d["steps"],
                    d.get("optimizer", 0.0), d.get("predicted_step", 0.0),
-                   tuple(ActionTime(**a) for a in d.get("actions", ())))
+                   tuple(ActionTime(**a) for a in d.get("actions", ())), d.get("microbatches", 0))
+
+
+def _fit_overhead(profiles) -> tuple[float, float] | None:
+    """``(s, overhead)`` of :meth:`Profile.scales`, ``None`` without pipeline profiles of two
+    microbatch counts or where the fit's overhead is not positive."""
+    import numpy as np
+
+    if len({p.microbatches for p in profiles if p.actions}) < 2:
+        return None
+    rows = [(a.predicted, 1.0, a.measured) for p in profiles for a in p.actions
+            if a.kind in ("F", "B") and a.predicted > 0]
+    for p in profiles:   # an SPMD profile's compute: no per-action part
+        pred = sum(n.pred_fwd + n.pred_bwd for n in p.nodes if n.kind == "compute")
+        if pred > 0:
+            rows.append((pred, 0.0, sum(n.fwd + n.bwd for n in p.nodes
+                                        if n.kind == "compute" and n.pred_fwd + n.pred_bwd > 0)))
+    a = np.asarray(rows)
+    (s, o), *_ = np.linalg.lstsq(a[:, :2], a[:, 2], rcond=None)
+    return (float(s), float(o)) if s > 0 and o > 0 else None
 
 
 def _per_rank(path: str) -> str:
@@ -461,4 +503,5 @@ def profile_pipeline(runner, args, kwargs, steps: int = 3) -> Profile:
             pred[st.index]["SEND_B"] = plan.stages[st.index - 1].back_time
     acts = tuple(ActionTime(kind, st, mb, _median(ts), pred.get(st, {}).get(kind, 0.0))
                  for (kind, st, mb), ts in sorted(times.items()))
-    return Profile((), statistics.median(walls), steps, statistics.median(opts), plan.time, acts)
+    return Profile((), statistics.median(walls), steps, statistics.median(opts), plan.time, acts,
+                   plan.schedule["microbatches"])
