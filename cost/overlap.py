@@ -32,7 +32,7 @@ import numpy as np
 from fxpar.defaults import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from fxpar.errors import PlanError
 
-__all__ = ["Comm", "Overlap", "overlap", "plan_overlap"]
+__all__ = ["Comm", "Overlap", "overlap", "plan_overlap", "coalesced_pricer"]
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def plan_overlap(plan, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
         raise PlanError("overlap() replays one SPMD step: a pipeline plan's step is its "
                         "schedule's (Program.simulate()); call it on a stage's plan "
                         "(plan.stages[k].plan)")
-    price = _pricer(plan)
+    price = coalesced_pricer(plan)
     ops = [n for n in plan.nodes if n.op != "placeholder"]
     held = {n.name for n in plan.nodes if n.op == "placeholder"}
     F = len(ops)
@@ -198,7 +198,7 @@ def _optimizer_time(plan, bucket_bytes: int, first_bucket_bytes: int) -> float:
     return optimizer_time(sum(n), len(n), (per_tensor, per_element), flat,
                           bucket=bucket_bytes, first=first_bucket_bytes)
 
-def _pricer(plan):
+def coalesced_pricer(plan):
     """``price(kind, axis, steps)``: seconds of ``steps`` coalesced into one collective on
     the plan's own mesh and cluster (the planner's :func:`fxpar.cost.comm.collective_time`),
     or their sum where the plan does not carry them."""

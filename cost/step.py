@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from fxpar.defaults import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
 __all__ = ["UnitCost", "ChunkCost", "DpTerms", "StepTime", "chunk_costs", "dp_terms",
-           "microbatch_overhead", "optimizer_time", "rank_memory", "step_time", "unit_overlap",
+           "microbatch_overhead", "optimizer_time", "param_units", "rank_memory", "step_time", "unit_overlap",
            "overlapped_chunk", "overlapped_chunks", "BUCKET"]
 
 #: gradient bucket of the data-parallel reduction (AMSP's ``U``), bytes
@@ -176,6 +176,18 @@ def chunk_costs(units: Sequence[UnitCost], starts: Sequence[int], scale: float =
             unit_params=tuple(float(u.params) for u in us),
             tensors=sum(u.tensors for u in us) + len(copies)))
     return out
+
+
+def param_units(chunks: Sequence[ChunkCost], p: int) -> list[int]:
+    """Per pipeline rank (chunk ``k`` on rank ``k % p``), how many of its units hold
+    parameters, at least 1: AMSP's module count ``L`` (:func:`dp_terms`), for the runtime
+    gathers and reduces each such unit's parameters together.
+
+    >>> c = ChunkCost(0, 0, 0, 3, 0, 0, 0, unit_params=(0.0, 2.0, 1.0))
+    >>> param_units([c, c, c], 2)
+    [4, 2]
+    """
+    return [max(1, sum(1 for c in chunks[r::p] for x in c.unit_params if x > 0)) for r in range(p)]
 
 
 def microbatch_overhead(cluster) -> float:
@@ -310,11 +322,20 @@ def dp_terms(phi: float, layers: int, m: int, d0: int, d1: int, s_p: int, s_g: i
              cluster, precision: str = "mixed") -> DpTerms:
     """AMSP's ``T_p, T_g, T_os0, T_os1`` (:func:`fxpar.cost.amsp.evaluate`) for ``phi`` local
     parameters in ``layers`` equal modules over ``d0 × d1`` replicas (inside × across nodes),
-    ``m`` microbatches; each factor split inside the node first (AMSP eq. 7)."""
+    ``m`` microbatches; each factor split inside the node first (AMSP eq. 7). Two departures,
+    both the runtime's: AMSP counts 2 bytes a value (bf16), ``fp32`` training moves 4; and the
+    gradients of a P shard (``B = 2Φ/s_p`` bytes) go out in whole buckets, a first small one
+    then ``BUCKET`` each (``n = 1 + ⌈(B − FIRST)/BUCKET⌉`` of ``U = B/n``), where AMSP's
+    ``B/U`` may count a fraction of one bucket's latency."""
     from fxpar.cost.amsp import Sharding, evaluate
+    from fxpar.cost.memory import _PREC_ALIASES
 
     if d0 * d1 == 1 or phi <= 0:
         return DpTerms()
+    if _PREC_ALIASES.get(precision.lower()) == "fp32":
+        phi *= 2.0
+    grads = 2 * phi / s_p
+    bucket = grads / (1 + math.ceil(max(0.0, grads - FIRST_BUCKET_BYTES) / BUCKET))
     # priced on the d1 nodes one stage's replicas span (AMSP tiles its grid over the cluster)
     if cluster.nodes != d1:
         cluster = dataclasses.replace(cluster, nodes=d1)
@@ -323,7 +344,7 @@ def dp_terms(phi: float, layers: int, m: int, d0: int, d1: int, s_p: int, s_g: i
         return (s, 1) if s <= d0 else (d0, s // d0)
 
     r = evaluate(Sharding(split(s_p), split(s_g), split(s_os)), phi=phi,
-                 module_params=[phi / max(1, layers)], L=max(1, layers), M=m, U=BUCKET,
+                 module_params=[phi / max(1, layers)], L=max(1, layers), M=m, U=bucket,
                  cluster=cluster, dp=(d0, d1), precision=precision)
     return DpTerms(r.t_p, r.t_g, r.t_os0, r.t_os1)
 

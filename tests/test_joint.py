@@ -2,6 +2,7 @@
 tuples, budgets named when nothing fits, and fxpar.plan's multi-node path end to end."""
 
 import itertools
+import math
 import random
 
 import pytest
@@ -156,6 +157,14 @@ def test_joint_plan_trains_like_one_process_on_8_ranks(pools):
     assert all(r == results[0] for r in results), results
 
 
+def _bucket(P: int, s_p: int) -> float:
+    """The step model's AMSP bucket ``U`` (:func:`fxpar.cost.step.dp_terms`): a P shard's
+    ``2P/s_p`` gradient bytes in whole buckets (a first of 1 MiB, then 25 MiB each), equal-sized.
+"""
+    grads = 2 * P / s_p
+    return grads / (1 + math.ceil(max(0, grads - 2**20) / (25 * 2**20)))
+
+
 def test_zero3_is_searched_for_one_spmd_step_and_priced_by_amsp(gpt):
     """``(s_p, s_g, s_os) = (d, d, d)`` is a candidate only without a pipeline or microbatches;
     its memory is the states of ``Φ/d`` parameters each (AMSP §IV-D) plus the activations and
@@ -181,7 +190,8 @@ def test_zero3_is_searched_for_one_spmd_step_and_priced_by_amsp(gpt):
     gathered = 2 * 2 * max(u.params for u in us)  # two bf16 copies of the largest unit
     want = model_state_bytes(phi, s_p=16, s_g=16, s_os=16).total + act + tmp + gathered
     assert z3.memory == pytest.approx(want, rel=1e-9)
-    L, sh, P, U = len(us), amsp.Sharding((8, 2), (8, 2), (8, 2)), round(phi), 25 * 2**20
+    L, sh, P = sum(u.params > 0 for u in us), amsp.Sharding((8, 2), (8, 2), (8, 2)), round(phi)
+    U = _bucket(P, 16)
     t_p = amsp.t_p(sh, [P / L], L, 1, cl, dp=(8, 2))
     terms = (t_p, amsp.t_g(sh, P, 1, U, cl, dp=(8, 2)), amsp.t_os0(sh, P, U, cl, dp=(8, 2)),
              amsp.t_os1(sh, P, cl, dp=(8, 2)))
@@ -192,7 +202,7 @@ def test_zero3_is_searched_for_one_spmd_step_and_priced_by_amsp(gpt):
     am = next(c for c in res.ranked if (c.s_p, c.s_g, c.s_os) == (4, 4, 8) and not c.recompute)
     assert am.memory == pytest.approx(model_state_bytes(phi, s_p=4, s_g=4, s_os=8).total
                                       + act + tmp + gathered, rel=1e-9)
-    sh = amsp.Sharding((4, 1), (4, 1), (8, 1))
+    sh, U = amsp.Sharding((4, 1), (4, 1), (8, 1)), _bucket(P, 4)
     terms = (amsp.t_p(sh, [P / L], L, 1, cl, dp=(8, 2)), amsp.t_g(sh, P, 1, U, cl, dp=(8, 2)),
              amsp.t_os0(sh, P, U, cl, dp=(8, 2)), amsp.t_os1(sh, P, cl, dp=(8, 2)))
     assert am.dp_comm == pytest.approx(sum(terms), rel=1e-9)
@@ -473,7 +483,8 @@ def test_partial_sharding_inside_a_node_is_amsp_priced(gpt):
     tmp = 2 * 25 * 2**20 + max(u.act for u in us)
     assert c.memory == pytest.approx(model_state_bytes(phi, s_os=8).total + tmp
                                      + sum(u.act for u in us), rel=1e-9)
-    L, P, U, kw = len(us), round(phi), 25 * 2**20, dict(dp=(8, 2))
+    L, P, kw = sum(u.params > 0 for u in us), round(phi), dict(dp=(8, 2))
+    U = _bucket(P, 1)
     sh = amsp.Sharding((1, 1), (1, 1), (8, 1))
     want = (amsp.t_p(sh, [P / L], L, 1, cl, **kw) + amsp.t_g(sh, P, 1, U, cl, **kw)
             + amsp.t_os0(sh, P, U, cl, **kw) + amsp.t_os1(sh, P, cl, **kw))

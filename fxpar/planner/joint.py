@@ -72,7 +72,7 @@ from fxpar import ir
 from fxpar.config import ParallelConfig, is_layer
 from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import (BUCKET, UnitCost, chunk_costs, dp_terms, microbatch_overhead,
-                             overlapped_chunks, rank_memory)
+                             overlapped_chunks, param_units, rank_memory)
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.planner.intra_op import PlannerOptions, plan_and_keep
@@ -735,7 +735,7 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
     xfer = 2 * sum(_xfer(ccs[False][k].out, k, p, s.replicas, s.t, pricing.cluster)
                    for k in range(n - 1))
     fl = [in_flight_microbatches(MEM_KEY[s.schedule], r, p, s.m, s.v) for r in range(p)]
-    layers_r = max(1, math.ceil(pricing.n_units / p))
+    layers = param_units(ccs[False], p)
     part = None  # partial recomputation tables, built when first needed
     for rc in s.recompute:
         ch = ccs[rc]
@@ -743,7 +743,7 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
         red = [sum(ch[k].reduce for k in range(r, n, p)) for r in range(p)]
         for s_p, s_g, s_os in s.states:
             mems = rank_memory(ch, p, fl, pricing.state_bytes, (s_p, s_g, s_os), tmp)
-            dpr = [dp_terms(round(phi[r]), layers_r, s.m, s.d0, s.replicas // s.d0, s_p, s_g, s_os,
+            dpr = [dp_terms(round(phi[r]), layers[r], s.m, s.d0, s.replicas // s.d0, s_p, s_g, s_os,
                             pricing.cluster) for r in range(p)]
             dpt = max(red[r] + dpr[r].total for r in range(p))
             # the estimate overlaps as the step model does (cost.step.overlapped_chunks): the

@@ -38,9 +38,11 @@ from fxpar import ir
 from fxpar.config import ParallelConfig
 from fxpar.cost.compute import op_overheads
 from fxpar.cost.memory import STATE_BYTES_PER_PARAM
+from fxpar.cost.overlap import coalesced_pricer
 from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import (BUCKET, DpTerms, StepTime, UnitCost, chunk_costs, dp_terms,
-                             microbatch_overhead, optimizer_time, rank_memory, step_time)
+                             microbatch_overhead, optimizer_time, param_units, rank_memory,
+                             step_time)
 from fxpar.spec import Spec
 from fxpar.split import units
 
@@ -121,15 +123,24 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
                 grads[unit_of[c.name]].append(float(nb))
     last = len(us) - 1
     lat = _latency(plan, cl)
+    # a unit's parameter collectives of one kind and axis run as one (the runtime gathers a
+    # layer's parameters together and reduces its gradients in buckets): priced coalesced
+    coalesced: dict[tuple, list] = {}
     for e in plan.edges:
         fixed = e.producer in params
         keep_replica = not fixed and (e.direction == "fwd" or (e.producer, e.consumer) not in sync)
         steps = [s for s in e.steps if keep_replica or s.axis not in PARAM_REPLICA_AXES]
         d = "fwd" if e.direction == "fwd" else "bwd"
-        a = acc[unit_of.get(e.consumer, last)]
-        a[d + ("_fixed" if fixed else "")] += sum(s.time for s in steps)
-        if not fixed:
-            a[d + "_lat"] += sum(min(lat(s), s.time) for s in steps)
+        u = unit_of.get(e.consumer, last)
+        if fixed:
+            for s in steps:
+                coalesced.setdefault((u, d, s.kind, s.axis), []).append(s)
+            continue
+        acc[u][d] += sum(s.time for s in steps)
+        acc[u][d + "_lat"] += sum(min(lat(s), s.time) for s in steps)
+    price = coalesced_pricer(plan)
+    for (u, d, kind, axis), steps in coalesced.items():
+        acc[u][d + "_fixed"] += price(kind, axis, steps)
     for name, j in last_use.items():
         i, val = unit_of[name], nodes[name].meta.get(ir.VAL)
         if j <= i or not isinstance(val, torch.Tensor):
@@ -232,9 +243,9 @@ def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequenc
                          microbatch_overhead(cluster))
     sched = schedule or Schedule.build(str(config.schedule), stages=p, microbatches=m, chunks=v)
     d0, d1 = replica_grid(config.replicas, p, config.tp, cluster)
-    layers = max(1, math.ceil(len(us) / p))
+    layers = param_units(chunks, p)
     prec = options.precision
-    dp = [dp_terms(round(sum(c.params for c in chunks[r::p])), layers, m, d0, d1, *config.state,
+    dp = [dp_terms(round(sum(c.params for c in chunks[r::p])), layers[r], m, d0, d1, *config.state,
                    cluster, prec) if config.replicas > 1 else DpTerms() for r in range(p)]
     fl = [in_flight_microbatches(MEM_KEY.get(str(config.schedule), "gpipe"), r, p, m, v)
           for r in range(p)]
