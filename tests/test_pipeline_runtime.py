@@ -281,3 +281,25 @@ def test_dropout_is_schedule_invariant(pools):
     for s in runs:
         (a, b) = runs[s][1][2][0]
         assert abs(a - b) > 1e-4 * abs(a), (s, a, b)
+
+
+def test_split_backward_takes_an_output_that_is_a_view():
+    """A last chunk whose loss comes back from a collective's wait as a view: ``I`` (torch's
+    ``stage_backward_input``, which detaches the outputs in place) refused it ("Can't detach
+    views in-place"; a pp2 x dp2 zb-h1 plan that all-reduces its loss failed at its first
+    step). The input gradient is computed, the weight gradient left for ``W``."""
+    from torch.distributed.pipelining._backward import stage_backward_weight
+
+    from fxpar.runtime.interpreter import PipelineRunner
+
+    x = torch.randn(3, 4, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(4, 2))
+    loss = torch.tanh(x @ w).sum().view(())
+    assert loss._is_view()
+    groups = PipelineRunner._split_input([loss], None, [x], [w])
+    assert groups is not None and w.grad is None
+    ref_x, ref_w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    torch.tanh(ref_x @ ref_w).sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad)
+    stage_backward_weight(iter([w]), groups)
+    torch.testing.assert_close(w.grad, ref_w.grad)

@@ -187,3 +187,26 @@ def test_reductions_that_outlast_the_backward_are_exposed():
 
     assert unit_overlap([2.0, 2.0], [0.0, 0.0], [3.0, 3.0]) == (4.0, 4.0)   # 2..5, 5..8
     assert unit_overlap([2.0, 2.0], [0.0, 0.0], [1.0, 1.0]) == (4.0, 1.0)   # 2..3, 4..5
+
+
+def test_a_units_parameter_collectives_are_priced_as_one_per_kind_and_axis():
+    """ZeRO-3 over dp x tp: a block's parameters are gathered over ``tp`` (its own axis) as one
+    all-gather per pass, as the runtime gathers a layer together: the unit's ``fwd_fixed`` is
+    one collective of all their bytes (one latency), less than one per parameter."""
+    from examples.models import GPT
+    from fxpar.cost.comm import collective_time
+    from fxpar.mesh import Mesh
+
+    cl = fxpar.Cluster.preset("dgx-a100")
+    x = torch.randint(0, 64, (4, 16))
+    p = fxpar.plan(GPT(64, 32, 2, 2, 16), cl, (x,), plan="zero3", mesh={"dp": 2, "tp": 2}).plan
+    groups = Mesh(cl, {"dp": 2, "tp": 2}).groups("tp")
+    params = {n.name for n in p.nodes if n.param}
+    unit = next(u for u in p.units if u.layer == "blocks.0")
+    steps = [s for e in p.edges if e.producer in params and e.direction == "fwd"
+             and e.consumer in {n.name for n in p.nodes if n.layer == "blocks.0"}
+             for s in e.steps if s.axis == "tp"]
+    assert len(steps) > 2 and {s.kind for s in steps} == {"all_gather"}
+    one = collective_time("all_gather", sum(s.nbytes for s in steps), groups[0], cl, concurrent=groups)
+    assert unit.fwd_fixed == pytest.approx(one, rel=1e-9)
+    assert unit.fwd_fixed < sum(s.time for s in steps)

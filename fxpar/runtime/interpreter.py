@@ -413,6 +413,9 @@ class PipelineRunner(RankRunner):
                                                             stage_backward_input)
         from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc as node_of
 
+        # torch detaches the outputs in place afterwards, which a view refuses (a loss that
+        # came back from a collective's wait): a copy of a view goes in its place
+        tensors = [t.clone() if t._is_view() else t for t in tensors]
         outs = [n for n in map(node_of, tensors) if n is not None]
         rev = construct_reverse_graph(outs)
         wnodes = [n for n in map(node_of, weights) if n is not None]
