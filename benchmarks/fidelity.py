@@ -12,7 +12,18 @@ gradient sync, AdamW step) is compared with two predictions of the same plan:
   (collectives α/β AND compute: GEMM rate by size, elementwise bandwidth by size, per-op
   forward/backward overheads, all measured with the 4 ranks running at once);
 * ``overlap``: the calibrated plan's :meth:`fxpar.Plan.overlap` step (communication the
-  runtime runs under compute not counted).
+  runtime runs under compute not counted);
+* ``refined``: the closed loop (issue #24 item 6): after the measured rounds,
+  ``runner.profile()`` of three plans (:data:`REFINE_ON`: ``dp`` and one pipeline at two
+  microbatch counts, which fit the per-action fixed cost) on the 4 ranks,
+  ``Cluster.refine`` of the calibrated cluster on them, and every plan's same choice priced
+  again on the refined cluster (those three in-sample, the others predicted).
+
+Besides the SPMD plans, six pipelines (issue #24 item 5: schedules x microbatch counts on
+``pp=2 x dp=2`` and ``pp=4``), planned by ``fxpar.plan`` with that mesh, schedule and
+microbatch count; their ``local`` prediction is the same configuration planned on
+``Cluster.local(4)``, their ``overlap`` prediction their ``Plan.time`` (the step model
+overlaps already; ``Plan.overlap`` replays SPMD steps only).
 
 Plans are made with the calibrated cluster (what a user who calibrates runs; ``auto`` picks
 its strategies under it) in this process, then the same choice of strategies is repriced on
@@ -87,13 +98,27 @@ PLANS = (
     ("axonn y2x2", "axonn", {"data": 1, "z": 1, "y": 2, "x": 2}),
     ("axonn z2x2", "axonn", {"data": 1, "z": 2, "y": 1, "x": 2}),
 )
-QUICK = ("dp", "zero3", "megatron tp4", "auto dp2xtp2", "axonn")
+#: pipelines (issue #24 item 5): (label, mesh, schedule, microbatches), the global batch cut
+#: into that many microbatches; planned by fxpar.plan on the calibrated cluster
+PIPES = (
+    ("pp2xdp2 gpipe m2", {"pp": 2, "dp": 2}, "gpipe", 2),
+    ("pp2xdp2 1f1b m4", {"pp": 2, "dp": 2}, "1f1b", 4),
+    ("pp2xdp2 zb-h1 m2", {"pp": 2, "dp": 2}, "zb-h1", 2),
+    ("pp2xdp2 1f1b m8", {"pp": 2, "dp": 2}, "1f1b", 8),
+    ("pp4 1f1b m4", {"pp": 4}, "1f1b", 4),
+    ("pp4 gpipe m8", {"pp": 4}, "gpipe", 8),
+)
+QUICK = ("dp", "zero3", "megatron tp4", "auto dp2xtp2", "axonn", "pp2xdp2 1f1b m4")
 DUP = "dp#2"  # the noise probe: a second, independent runner of the dp plan
 #: the runners' parameter-gather window (fxpar.compile's default), for the overlapped prediction
 PREFETCH = 1
 #: predictions compared: Plan.time on the shipped and the calibrated cluster, and the
 #: calibrated plan's step as the runtime orders it (Plan.overlap: hidden communication off)
-PREDICTIONS = ("local", "cal", "overlap")
+PREDICTIONS = ("local", "cal", "overlap", "refined")
+#: the plans whose runner.profile() (every rank's) refines the calibrated cluster
+#: (Cluster.refine): one SPMD plan and one pipeline at two microbatch counts (the per-action
+#: fixed cost is fitted from them); the other plans are predicted
+REFINE_ON = ("dp", "pp2xdp2 1f1b m4", "pp2xdp2 1f1b m8")
 
 
 def _adamw(params):
@@ -124,8 +149,11 @@ def calibrate_ranks(iters: int) -> str:
     return Cluster.calibrate(iters=iters).to_json()
 
 
-def measure_ranks(plans: dict[str, str], warmup: int, rounds: int, steps: int) -> dict:
-    """Build every plan's runner, then step them interleaved; rank 0 returns the samples."""
+def measure_ranks(plans: dict[str, str], warmup: int, rounds: int, steps: int,
+                  profile: tuple[str, ...] = ()) -> dict:
+    """Build every plan's runner, then step them interleaved; rank 0 returns the samples (and
+    every rank's ``runner.profile()`` of the plans labelled in ``profile``, after the
+    measured steps)."""
     import torch.distributed as dist
 
     import fxpar
@@ -165,21 +193,26 @@ def measure_ranks(plans: dict[str, str], warmup: int, rounds: int, steps: int) -
         order = labels[r % len(labels):] + labels[:r % len(labels)] if labels else []
         for lab in order:
             samples[lab].append([one(lab) for _ in range(steps)])
-    return dict(samples=samples, errors=errors) if rank == 0 else {}
+    mine = [runners[lab].profile(idx, tgt, steps=3).to_dict() for lab in profile if lab in runners]
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    profs = [d for r in every for d in r]
+    return dict(samples=samples, errors=errors, profiles=profs) if rank == 0 else {}
 
 
 # ---------------------------------------------------------------------------------------------
 # planning and statistics (this process)
 # ---------------------------------------------------------------------------------------------
-def plan_all(cal, chosen) -> dict:
-    """Plan every chosen row on ``cal``; price the same choice on ``Cluster.local``."""
+def plan_all(cal, chosen) -> tuple[dict, dict]:
+    """Plan every chosen row on ``cal``; price the same choice on ``Cluster.local``. Also
+    returns, per row, ``cluster -> Plan.time`` of the same choice on another cluster."""
     import fxpar
     from fxpar.planner import build_problem, solution_to_plan
     from fxpar.planner.baselines import baseline_pins
 
     local = fxpar.Cluster.local(WORLD)
     idx, tgt = _batch()
-    out = {}
+    out, again = {}, {}
     for label, kind, mesh in PLANS:
         if label not in chosen:
             continue
@@ -190,12 +223,16 @@ def plan_all(cal, chosen) -> dict:
                                  options=fxpar.planner.PlannerOptions(precision="fp32"))
             p = planned.plan
             shape = dict(zip(p.mesh["axis_names"], p.mesh["shape"]))
-            lmesh = fxpar.Mesh(local, shape)
-            pins = dict(baseline_pins(kind, planned.graph, lmesh)) if kind != "auto" else {}
-            bp = build_problem(planned.graph, lmesh, pins=pins)
             choice = [n.index for n in p.nodes]
-            assert [n.name for n in bp.nodes] == [n.name for n in p.nodes]
-            lp = solution_to_plan(bp, choice, kind=kind)
+
+            def same(cl, graph=planned.graph, kind=kind, shape=shape, choice=choice, p=p):
+                msh = fxpar.Mesh(cl, shape)
+                pins = dict(baseline_pins(kind, graph, msh)) if kind != "auto" else {}
+                bp = build_problem(graph, msh, pins=pins)
+                assert [n.name for n in bp.nodes] == [n.name for n in p.nodes]
+                return solution_to_plan(bp, choice, kind=kind)
+            lp = same(local)
+            again[label] = lambda cl, same=same: same(cl).time
             out[label] = dict(kind=kind, mesh=shape, plan_json=p.to_json(),
                               pred_cal_ms=p.time * 1e3, pred_local_ms=lp.time * 1e3,
                               pred_overlap_ms=p.overlap(PREFETCH).step * 1e3,
@@ -204,10 +241,33 @@ def plan_all(cal, chosen) -> dict:
                               plan_s=time.perf_counter() - t0)
         except Exception as e:  # noqa: BLE001
             out[label] = dict(kind=kind, mesh=mesh, error=f"{type(e).__name__}: {e}")
-        print(f"  planned {label:<18} " + (f"cal {out[label]['pred_cal_ms']:.1f} ms, local "
-              f"{out[label]['pred_local_ms']:.1f} ms" if "error" not in out[label]
-              else out[label]["error"][:200]), flush=True)
-    return out
+        _said(label, out[label])
+    for label, mesh, sched, m in PIPES:
+        if label not in chosen:
+            continue
+        t0 = time.perf_counter()
+        kw = dict(mesh=mesh, schedule=sched, microbatches=m, time_limit=30,
+                  options=fxpar.planner.PlannerOptions(precision="fp32"))
+        try:
+            # Cluster.local's prediction: the same configuration planned on it (the stage
+            # plans are small enough to pick the same layouts); the step model overlaps
+            # already, so the overlapped prediction is Plan.time
+            p = fxpar.plan(_model(), cal, (idx, tgt), **kw).plan
+            lp = fxpar.plan(_model(), local, (idx, tgt), **kw).plan
+            again[label] = lambda cl, kw=kw: fxpar.plan(_model(), cl, (idx, tgt), **kw).plan.time
+            out[label] = dict(kind="pipeline", mesh=mesh, schedule=sched, microbatches=m,
+                              plan_json=p.to_json(), pred_cal_ms=p.time * 1e3,
+                              pred_local_ms=lp.time * 1e3, pred_overlap_ms=p.time * 1e3,
+                              plan_s=time.perf_counter() - t0)
+        except Exception as e:  # noqa: BLE001
+            out[label] = dict(kind="pipeline", mesh=mesh, error=f"{type(e).__name__}: {e}")
+        _said(label, out[label])
+    return out, again
+
+
+def _said(label: str, row: dict) -> None:
+    print(f"  planned {label:<18} " + (f"cal {row['pred_cal_ms']:.1f} ms, local "
+          f"{row['pred_local_ms']:.1f} ms" if "error" not in row else row["error"][:200]), flush=True)
 
 
 def _ranks(xs: list[float]) -> list[float]:
@@ -305,13 +365,15 @@ def analyze(rows: dict) -> dict:
         if best_auto:
             summary["auto_over_fastest"] = rows[best_auto]["measured_ms"] / rows[fastest]["measured_ms"]
             summary["auto_within_noise_of_fastest"] = summary["auto_over_fastest"] <= 1 + summary["noise_range"]
-    for pk, key in (("cal", "targets"), ("overlap", "targets_overlap")):
+    for pk, key in (("cal", "targets"), ("overlap", "targets_overlap"),
+                    ("refined", "targets_refined")):
         if pk in preds:
             err = summary.get(f"median_rel_err_{pk}")
             summary[key] = {
                 **{f"spearman_resolved_{k}_ge_{t}": (summary[f"spearman_{pk}_resolved_{k}"] or -1) >= t
                    for k in ("range", "se") for t in (0.8, 0.9)},
-                "median_rel_err_le_25pct": err is not None and err <= 0.25}
+                "median_rel_err_le_25pct": err is not None and err <= 0.25,
+                "median_rel_err_le_20pct": err is not None and err <= 0.20}
     return summary
 
 
@@ -321,7 +383,7 @@ def report(rows: dict, summary: dict, args) -> None:
           f"{os.cpu_count()} cores; medians over {args.rounds} rounds x {args.steps} steps "
           f"after {args.warmup} warm-up, plans interleaved")
     print(f"{'plan':<18} {'mesh':<26} {'measured':>9} {'range':>6} {'2SE':>6} {'pred cal':>9} "
-          f"{'cal/meas':>9} {'pred local':>11} {'local/meas':>11}")
+          f"{'cal/meas':>9} {'pred local':>11} {'local/meas':>11} {'refined':>8} {'ref/meas':>8}")
     for lab, r in sorted(rows.items(), key=lambda kv: kv[1].get("measured_ms", float("inf"))):
         mesh = ",".join(f"{a}={s}" for a, s in (r.get("mesh") or {}).items())
         if "measured_ms" in r:
@@ -333,8 +395,10 @@ def report(rows: dict, summary: dict, args) -> None:
             why = r.get("error") or r.get("run_error") or "not measured"
             print(f"{lab:<18} {mesh:<26} {why.splitlines()[0][:120]}")
             continue
+        ref = r.get("pred_refined_ms", float("nan"))
         print(f"{head} {r['pred_cal_ms']:>9.1f} {r['pred_cal_ms'] / r['measured_ms']:>9.2f} "
-              f"{r['pred_local_ms']:>11.1f} {r['pred_local_ms'] / r['measured_ms']:>11.2f}")
+              f"{r['pred_local_ms']:>11.1f} {r['pred_local_ms'] / r['measured_ms']:>11.2f} "
+              f"{ref:>8.1f} {ref / r['measured_ms']:>8.2f}")
     print(f"(ms per step; range = (max-min)/median of a plan's per-round medians, 2SE = twice "
           f"their standard error of the mean; {DUP} is a second runner of the dp plan)")
 
@@ -350,7 +414,7 @@ def report(rows: dict, summary: dict, args) -> None:
               f"calibrated {f(summary[f'spearman_cal_resolved_{key}'])}, overlapped "
               f"{f(summary.get(f'spearman_overlap_resolved_{key}'))}")
     for pk, name in (("local", "Cluster.local (shipped)"), ("cal", "Cluster.calibrate()"),
-                     ("overlap", "calibrated, overlapped")):
+                     ("overlap", "calibrated, overlapped"), ("refined", "refined on 3 plans")):
         if f"spearman_{pk}_all" not in summary:
             continue
         print(f"{name:<24} Spearman over all plans {f(summary[f'spearman_{pk}_all'])}; median rel. "
@@ -363,6 +427,8 @@ def report(rows: dict, summary: dict, args) -> None:
     print(f"targets (calibrated): {summary['targets']}")
     if "targets_overlap" in summary:
         print(f"targets (calibrated, overlapped): {summary['targets_overlap']}")
+    if "targets_refined" in summary:
+        print(f"targets (refined on {', '.join(REFINE_ON)}): {summary['targets_refined']}")
 
 
 def main() -> None:
@@ -386,7 +452,7 @@ def main() -> None:
         return
     if args.quick:
         args.rounds, args.steps, args.warmup, args.cal_iters = 3, 2, 1, 3
-    chosen = QUICK if args.quick else tuple(p[0] for p in PLANS)
+    chosen = QUICK if args.quick else tuple(p[0] for p in PLANS + PIPES)
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
@@ -400,7 +466,7 @@ def main() -> None:
         t_cal = time.perf_counter() - t0
         print(f"calibrated in {t_cal:.0f} s: {cal.describe()}", flush=True)
         print("planning (calibrated cluster; the same choice repriced on Cluster.local):", flush=True)
-        rows = plan_all(cal, chosen)
+        rows, again = plan_all(cal, chosen)
         runnable = {lab: r["plan_json"] for lab, r in rows.items() if "plan_json" in r}
         if "dp" in runnable:
             runnable[DUP] = runnable["dp"]
@@ -409,7 +475,7 @@ def main() -> None:
               "interleaved ...", flush=True)
         t0 = time.perf_counter()
         meas = pool.run(measure_ranks, runnable, args.warmup, args.rounds, args.steps,
-                        timeout=3600)[0]
+                        REFINE_ON, timeout=3600)[0]
         t_meas = time.perf_counter() - t0
 
     for lab, per_round in meas["samples"].items():
@@ -417,6 +483,17 @@ def main() -> None:
         r["samples_ms"] = [[x * 1e3 for x in rr] for rr in per_round]
     for lab, err in meas["errors"].items():
         rows[lab]["run_error"] = err
+    refine = None
+    if meas.get("profiles"):
+        profs = [fxpar.Profile.from_dict(d) for d in meas["profiles"]]
+        refined = cal.refine(*profs)
+        refine = dict(on=REFINE_ON, scales=profs[0].scales(*profs[1:]),
+                      cluster=json.loads(refined.to_json()))
+        print(f"refined on the profiles of {', '.join(REFINE_ON)}: {refined.describe()}; per pass "
+              f"{1e3 * (refined.physics.microbatch_overhead if refined.physics else 0):.2f} ms",
+              flush=True)
+        for lab, time_on in again.items():
+            rows[lab]["pred_refined_ms"] = time_on(refined) * 1e3
     summary = analyze(rows)
     report(rows, summary, args)
 
@@ -427,7 +504,7 @@ def main() -> None:
         world=WORLD, model=MODEL, batch=BATCH, rounds=args.rounds, steps=args.steps,
         warmup=args.warmup, calibration_s=t_cal, measure_s=t_meas,
         wall_s=time.perf_counter() - t_start, cluster=json.loads(cal.to_json()),
-        summary=summary,
+        summary=summary, refine=refine,
         rows={lab: {k: v for k, v in r.items() if k != "plan_json"} for lab, r in rows.items()})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -68,8 +68,8 @@ from dataclasses import dataclass
 from fxpar.defaults import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
 __all__ = ["UnitCost", "ChunkCost", "DpTerms", "StepTime", "chunk_costs", "dp_terms",
-           "microbatch_overhead", "optimizer_time", "param_units", "rank_memory", "step_time", "unit_overlap",
-           "overlapped_chunk", "overlapped_chunks", "BUCKET"]
+           "microbatch_overhead", "optimizer_time", "param_units", "rank_memory", "step_time",
+           "unit_overlap", "overlapped_chunk", "overlapped_chunks", "BUCKET"]
 
 #: gradient bucket of the data-parallel reduction (AMSP's ``U``), bytes
 BUCKET = BUCKET_BYTES
@@ -191,7 +191,8 @@ def param_units(chunks: Sequence[ChunkCost], p: int) -> list[int]:
 
 
 def microbatch_overhead(cluster) -> float:
-    """Seconds each pipeline action pays whatever its size (``cluster.physics.microbatch_overhead``;
+    """Seconds each forward or backward pass of a microbatch pays whatever its size (a pipeline
+    action, an SPMD step's two passes: ``cluster.physics.microbatch_overhead``;
     0 without physics): :func:`chunk_costs`' ``overhead``."""
     ph = getattr(cluster, "physics", None)
     return ph.microbatch_overhead if ph is not None else 0.0

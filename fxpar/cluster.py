@@ -222,8 +222,9 @@ class Physics:
       through the latency term, network level through ``α`` and ``eff`` of its level.
     * **fixed costs**: ``kernel_overhead`` seconds per kernel that does work (forward, and
       backward where there is one: launch gaps a kernel's size does not change), paid once
-      per microbatch; ``microbatch_overhead`` seconds per pipeline action (a chunk's forward
-      or backward of one microbatch: scheduling, the point-to-point handshake, the loss).
+      per microbatch; ``microbatch_overhead`` seconds per forward or backward pass of one
+      microbatch (a pipeline action, or an SPMD step's forward and its backward: scheduling,
+      the autograd engine's start, the point-to-point handshake, the loss).
 
     >>> ph = Physics(gemm_efficiency=0.7)
     >>> ph.gemm_tile, ph == Physics.from_dict(ph.to_dict())
@@ -535,8 +536,8 @@ class Cluster:
         nominal ``peak_flops``/``memory_bandwidth``; per-op overheads times ``s_compute``)
         and collectives at ``1/s_comm`` of the bandwidths with ``s_comm`` times the
         latencies (links and measured α/β entries alike). Pipeline profiles of two or more
-        microbatch counts also fit the seconds each pipeline action pays whatever its size
-        (``physics.microbatch_overhead``; a cluster without physics gets
+        microbatch counts also fit the seconds each forward or backward pass pays whatever its
+        size (``physics.microbatch_overhead``; a cluster without physics gets
         :meth:`Physics.nominal`'s, which prices as it did). A kind the profiles did not
         measure is left as it is. The profiles must come from plans priced on this cluster.
 

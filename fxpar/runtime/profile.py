@@ -16,7 +16,9 @@ an edge's ``EdgePlan.time`` for the collective node that runs it). From it:
 * :meth:`Profile.compare` prints predicted against measured per layer and per collective and
   writes a Chrome trace (``chrome://tracing``, Perfetto) with a measured and a predicted lane;
 * :meth:`Profile.scales` gives ``measured / predicted`` of compute and of communication (ratios
-  of sums), which :meth:`fxpar.Cluster.refine` applies to the cluster's rates.
+  of sums), and from pipeline profiles the fixed seconds of an action, which
+  :meth:`fxpar.Cluster.refine` applies to the cluster's rates and its
+  ``physics.microbatch_overhead``.
 
 >>> from fxpar.runtime.profile import NodeTime, Profile
 >>> p = Profile((NodeTime("mm", "fc", "compute", None, 2e-3, 4e-3, 1e-3, 2e-3),
@@ -124,9 +126,9 @@ class Profile:
         Pipeline profiles of two or more microbatch counts also give ``"overhead"``, the
         seconds every action pays whatever its size (``Physics.microbatch_overhead``): a
         least-squares fit of ``measured = s·predicted + overhead`` over their ``F`` and ``B``
-        actions (and ``measured = s·predicted`` over the nodes), ``s`` then the compute
-        scale; at one microbatch count the fixed part cannot be told from the rate, and a fit
-        with a negative overhead keeps the ratio.
+        actions (and ``measured = s·predicted`` over the SPMD profiles' nodes), ``s`` then
+        the compute scale; at one microbatch count the fixed part cannot be told from the
+        rate, and a fit with a negative overhead keeps the ratio.
 
         >>> def pipe(m, f):   # forward predicted f seconds, measured 2·f + 3 ms
         ...     return Profile((), 0.1, 3, actions=(ActionTime("F", 0, 0, 2 * f + 3e-3, f),
