@@ -420,8 +420,7 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                    microbatches=microbatches, cps=cps)
     table, layouts, plan_s = _cost_tables(gm, cluster, space.keys, opts)
     pricing = _Pricing(table, state_bytes(opts), budget, cluster,
-                       space.n_units, "recompute" not in space.only and True in space.recompute,
-                       opts.precision)
+                       "recompute" not in space.only and True in space.recompute, opts.precision)
     cands, tried, over, smallest = _price_all(_configurations(space, table, cluster), pricing)
     _raise_if_nothing(space, cands, tried, smallest[None], budget)
     t2 = time.perf_counter()
@@ -674,14 +673,14 @@ def _chunk_counts(n_units: int, p: int) -> list[int]:
 class _Pricing:
     """What pricing needs besides a :class:`_Shape`: the unit table per ``tp`` degree, the
     bytes per parameter of each model state ``(k_p, k_g, k_os)``, the ``budget`` (bytes per
-    device), the cluster, the model's ``n_units`` and whether over-budget configurations try
-    recomputing some units (``partial``: recomputation is searched, not fixed by the user)."""
+    device), the cluster, whether over-budget configurations try recomputing some units
+    (``partial``: recomputation is searched, not fixed by the user) and the training
+    ``precision`` (the bytes a value moves, the optimizer's flat step)."""
 
     table: Mapping[int, Sequence[UnitCost]]
     state_bytes: tuple[float, float, float]
     budget: float
     cluster: object
-    n_units: int
     partial: bool
     precision: str = "mixed"
 
@@ -744,7 +743,7 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
         for s_p, s_g, s_os in s.states:
             mems = rank_memory(ch, p, fl, pricing.state_bytes, (s_p, s_g, s_os), tmp)
             dpr = [dp_terms(round(phi[r]), layers[r], s.m, s.d0, s.replicas // s.d0, s_p, s_g, s_os,
-                            pricing.cluster) for r in range(p)]
+                            pricing.cluster, pricing.precision) for r in range(p)]
             dpt = max(red[r] + dpr[r].total for r in range(p))
             # the estimate overlaps as the step model does (cost.step.overlapped_chunks): the
             # gathers per pass and microbatch, what the reductions leave exposed once
