@@ -296,6 +296,7 @@ def test_split_backward_takes_an_output_that_is_a_view():
     w = torch.nn.Parameter(torch.randn(4, 2))
     loss = torch.tanh(x @ w).sum().view(())
     assert loss._is_view()
+    assert PipelineRunner._splittable([loss], [x], [w])
     groups = PipelineRunner._split_input([loss], None, [x], [w])
     assert groups is not None and w.grad is None
     ref_x, ref_w = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()

@@ -111,6 +111,9 @@ class _Chunk:
     run: object = None
     # whether its forward gathers a parameter (then it runs under Regather)
     gathers: bool = False
+    # whether I can leave its weight gradients to W (_splittable; None: not yet known). Its
+    # autograd graph has the same shape every microbatch: found once, not walked per action
+    splittable: bool | None = None
 
 
 class PipelineRunner(RankRunner):
@@ -388,8 +391,11 @@ class PipelineRunner(RankRunner):
             pairs = [(o, g) for o, g in zip(out, got) if isinstance(o, torch.Tensor) and o.requires_grad]
             tensors, grads = [o for o, _ in pairs], [g for _, g in pairs]
         weights = [self.state[f] for f in dict.fromkeys(c.order) if self.state[f].requires_grad]
+        if split and leaves and c.splittable is None:
+            c.splittable = self._splittable(tensors, leaves, weights)
         with bind(c.bindings):
-            groups = self._split_input(tensors, grads, leaves, weights) if split and leaves else None
+            groups = (self._split_input(tensors, grads, leaves, weights)
+                      if split and leaves and c.splittable else None)
             if groups is None and tensors:
                 torch.autograd.backward(tensors, grads)
         c.pending_w[i] = (groups, weights, rg) if groups is not None else None
@@ -405,25 +411,27 @@ class PipelineRunner(RankRunner):
             self._bwd_out[(k, i)] = gs
 
     @staticmethod
-    def _split_input(tensors, grads, leaves, weights):
-        """Input gradients now (into ``leaves[j].grad``); the weight groups for ``W``, or
-        ``None`` (nothing done) when some weight's path never joins the input path."""
-        from torch.distributed.pipelining._backward import (construct_reverse_graph,
-                                                            get_param_groups,
-                                                            stage_backward_input)
+    def _splittable(tensors, leaves, weights) -> bool:
+        """Whether every weight the outputs reach joins the input path, so that ``I`` can
+        leave its gradient to ``W`` (else ``I`` runs the whole backward)."""
+        from torch.distributed.pipelining._backward import construct_reverse_graph, get_param_groups
         from torch.distributed.pipelining._backward import _get_grad_fn_or_grad_acc as node_of
+
+        rev = construct_reverse_graph([n for n in map(node_of, tensors) if n is not None])
+        wnodes = [n for n in map(node_of, weights) if n is not None]
+        covered = set().union(*(g["params"] for g in get_param_groups(
+            [n for n in map(node_of, leaves) if n is not None], wnodes, rev))) if wnodes else set()
+        return not {w for w in wnodes if w in rev} - covered
+
+    @staticmethod
+    def _split_input(tensors, grads, leaves, weights):
+        """Input gradients now (into ``leaves[j].grad``); returns the weight groups for ``W``
+        (the chunk must be :meth:`_splittable`)."""
+        from torch.distributed.pipelining._backward import stage_backward_input
 
         # torch detaches the outputs in place afterwards, which a view refuses (a loss that
         # came back from a collective's wait): a copy of a view goes in its place
         tensors = [t.clone() if t._is_view() else t for t in tensors]
-        outs = [n for n in map(node_of, tensors) if n is not None]
-        rev = construct_reverse_graph(outs)
-        wnodes = [n for n in map(node_of, weights) if n is not None]
-        covered = set().union(*(g["params"] for g in get_param_groups(
-            [n for n in map(node_of, leaves) if n is not None], wnodes, rev))) if wnodes else set()
-        reached = {w for w in wnodes if w in rev}
-        if reached - covered:
-            return None
         _, groups = stage_backward_input(tensors, grads, leaves, iter(weights))
         return groups
 
