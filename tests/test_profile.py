@@ -160,3 +160,16 @@ def test_nominal_physics_prices_as_no_physics():
     times = [fxpar.plan(GPT(64, 32, 2, 2, 16), cl, (x,), mesh={"dp": 2, "tp": 4}).plan.time
              for cl in (c, dataclasses.replace(c, physics=fxpar.cluster.Physics.nominal()))]
     assert times[0] == times[1]
+
+
+def test_the_gradient_sync_wait_does_not_scale_communication():
+    """The gradient sync measures the wait its buckets left exposed after the backward, not
+    their duration (what the plan predicts for it): refine's communication scale comes from
+    the collectives that ran as nodes only."""
+    from fxpar.runtime.profile import NodeTime, Profile
+
+    mm = NodeTime("mm", "fc", "compute", None, 2e-3, 4e-3, 1e-3, 2e-3)
+    ar = NodeTime("ar", "fc", "comm", "mm->add", 3e-3, 0.0, 1e-3, 0.0)
+    sync = NodeTime("(gradient sync)", "(params)", "comm", "(gradient sync)", 0.0, 0.05, 0.0, 0.01)
+    assert Profile((mm, ar, sync), 0.1, 3).scales() == {"compute": 2.0, "comm": 3.0}
+    assert "comm" not in Profile((mm, sync), 0.1, 3).scales()

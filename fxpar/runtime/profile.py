@@ -121,7 +121,9 @@ class Profile:
     def scales(self, *others: Profile) -> dict[str, float]:
         """``{"compute": Σ measured / Σ predicted, "comm": ...}`` over the nodes and pipeline
         actions the plan priced in this profile and ``others`` (a kind with nothing predicted
-        is left out): what :meth:`fxpar.Cluster.refine` divides the rates by.
+        is left out): what :meth:`fxpar.Cluster.refine` divides the rates by. The gradient
+        sync is left out: what it measured is the wait the bucketed reductions left exposed
+        after the backward, not their duration, which is what the plan predicts.
 
         Pipeline profiles of two or more microbatch counts also give ``"overhead"``, the
         seconds every action pays whatever its size (``Physics.microbatch_overhead``): a
@@ -142,9 +144,9 @@ class Profile:
         for kind in ("compute", "comm"):
             pred = meas = 0.0
             for pr in profiles:
-                pred += sum(n.pred_fwd + n.pred_bwd for n in pr.nodes if n.kind == kind)
-                meas += sum(n.fwd + n.bwd for n in pr.nodes
-                            if n.kind == kind and n.pred_fwd + n.pred_bwd > 0)
+                nodes = [n for n in pr.nodes if n.kind == kind and n.edge != _SYNC]
+                pred += sum(n.pred_fwd + n.pred_bwd for n in nodes)
+                meas += sum(n.fwd + n.bwd for n in nodes if n.pred_fwd + n.pred_bwd > 0)
                 acts = [a for a in pr.actions if a.predicted > 0 and
                         (a.kind.startswith("SEND") if kind == "comm" else a.kind in ("F", "B", "I", "W"))]
                 pred += sum(a.predicted for a in acts)
