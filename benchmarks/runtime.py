@@ -131,7 +131,7 @@ class TorchSide:
     with the LM head column-parallel too and the loss under ``loss_parallel``)."""
 
     def __init__(self, strategy: str, model: torch.nn.Module, rank: int,
-                 vocab_parallel: bool = False) -> None:
+                 vocab_parallel: bool = False, compiled: bool = False) -> None:
         import contextlib
 
         import torch.distributed as dist
@@ -178,6 +178,8 @@ class TorchSide:
         else:
             raise ValueError(strategy)
         self.opt = _adamw(self.model.parameters())
+        if compiled:   # the wrapped model under torch.compile (inductor), as torchtitan does
+            self.model = torch.compile(self.model)
         self.split = strategy in ("dp", "zero3")
         self.dist = dist
 
@@ -262,6 +264,8 @@ def _bench_plan(shape: str, strategy: str, rank: int, args, batches) -> dict:
     sides = {k: v.step for k, v in tsides.items()}
     if fx_step is not None:
         sides = {"fxpar": fx_step, **sides}
+    if args.compile:   # compiled twins: fxpar's rank graph and the torch side under inductor
+        sides.update(_compiled_sides(strategy, ref0, rank, batches, row, tsides))
     order = list(sides)
     times: dict = {k: [] for k in sides}
     losses: dict = {k: [] for k in sides}
@@ -323,6 +327,13 @@ def _bench_plan(shape: str, strategy: str, rank: int, args, batches) -> dict:
                 loss_max_abs_diff=diff("torch_vp"))
     elif "torch_vp" in out:
         row["vocab_parallel"] = dict(torch_median_ms=out["torch_vp"]["median_ms"])
+    for k in ("fxpar_c", "torch_c"):
+        if k in out:
+            row[f"{k}_median_ms"] = out[k]["median_ms"]
+    if "fxpar_c" in out and "fxpar" in out:
+        row["compiled_over_eager"] = out["fxpar_c"]["median_ms"] / out["fxpar"]["median_ms"]
+    if "fxpar_c" in out and "torch_c" in out:
+        row["compiled_ratio"] = out["fxpar_c"]["median_ms"] / out["torch_c"]["median_ms"]
     row["samples"] = out
     for k, prof in profs.items():
         s = io.StringIO()
@@ -331,6 +342,44 @@ def _bench_plan(shape: str, strategy: str, rank: int, args, batches) -> dict:
         st.sort_stats("tottime").print_stats(20)
         row.setdefault("profile_rank0", {})[k] = s.getvalue()
     return row
+
+
+def _compiled_sides(strategy, ref0, rank, batches, row, tsides) -> dict:
+    """``prog.runner(compile=True)`` and the torch side under ``torch.compile``, each stepped
+    once here (the compilation, timed) and kept only if every rank compiled it."""
+    import torch.distributed as dist
+
+    import fxpar
+
+    out = {}
+
+    def fx_side():
+        prog = fxpar.compile(copy.deepcopy(ref0), fxpar.Cluster.local(WORLD), batches[0],
+                             plan=strategy, mesh=MESHES[strategy], optimizer=_adamw)
+        return prog.runner(compile=True).step
+
+    def torch_side():
+        tsides["torch_c"] = TorchSide(strategy, copy.deepcopy(ref0), rank, compiled=True)
+        return tsides["torch_c"].step
+
+    for key, make in (("fxpar_c", fx_side), ("torch_c", torch_side)):
+        err = None
+        try:
+            t0 = time.perf_counter()
+            step = make()
+            step(*batches[0])
+            row[f"{key}_compile_s"] = time.perf_counter() - t0
+        except Exception as e:   # noqa: BLE001 — recorded, the benchmark goes on
+            err = dict(type=type(e).__name__, message=str(e)[:2000],
+                       traceback=traceback.format_exc()[-3000:])
+        ok = torch.tensor([0 if err else 1])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        if err is None and ok.item():
+            out[key] = step
+        else:
+            row[f"{key}_error"] = err or dict(type="PeerError", message="failed on another rank")
+            tsides.pop(key, None)
+    return out
 
 
 def _worker(rank: int, store_path: str, out_path: str, args) -> None:
@@ -370,6 +419,8 @@ def main() -> None:
     ap.add_argument("--plans", nargs="+", default=list(PLANS), choices=PLANS)
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--profile", action="store_true", help="cProfile fxpar's steps on rank 0")
+    ap.add_argument("--compile", action="store_true",
+                    help="also step prog.runner(compile=True) and the torch side under torch.compile")
     ap.add_argument("--timeout", type=float, default=300.0, help="process-group timeout, s")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "runtime.json"))
     args = ap.parse_args()
@@ -402,6 +453,15 @@ def main() -> None:
                   f"{v['loss_max_abs_diff']:>11.2e}   {v['torch_side']}")
     print("fxpar/torch: ratio of medians; paired: median of per-step ratios (same step index); "
           "mins: ratio of the fastest steps")
+    for r in rows:
+        if any(k.startswith(("fxpar_c", "torch_c")) for k in r):
+            def ms(k):
+                return f"{r[k]:.2f} ms" if k in r else f"error: {r.get(k.replace('median_ms', 'error'), {}).get('message', '?')[:200]}"
+            print(f"compiled {r['model']} {r['strategy']}: fxpar {ms('fxpar_c_median_ms')} "
+                  f"(compile {r.get('fxpar_c_compile_s', float('nan')):.0f} s), torch "
+                  f"{ms('torch_c_median_ms')} (compile {r.get('torch_c_compile_s', float('nan')):.0f} s); "
+                  f"compiled/eager fxpar {r.get('compiled_over_eager', float('nan')):.3f}, "
+                  f"compiled fxpar/torch {r.get('compiled_ratio', float('nan')):.3f}")
     for r in rows:
         if "fxpar_comm" in r:
             c = r["fxpar_comm"]
