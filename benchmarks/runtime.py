@@ -42,6 +42,13 @@ the PyTorch side is still measured alone.
 
     python benchmarks/runtime.py            # writes benchmarks/results/runtime.json
     python benchmarks/runtime.py --steps 30 --plans dp megatron --profile
+    python benchmarks/runtime.py --compile --out benchmarks/results/runtime_compiled.json
+
+``--compile`` adds two sides per strategy, stepped in the same interleaved rounds:
+``prog.runner(compile=True)`` (every rank graph under inductor) and the torch side with its
+wrapped model under ``torch.compile``; each is compiled by one step first (timed, not
+measured), and the rows get ``compiled_over_eager`` (compiled / eager fxpar, issue #26 aims
+≤ 0.9) and ``compiled_ratio`` (compiled fxpar / compiled torch, aim ≤ 1.0).
 
 The JSON holds, per strategy, every sample and loss of every side, fxpar's compile and
 runner-construction times, and ``fxpar_comm``: the communicating edges of fxpar's rank-0
