@@ -107,6 +107,11 @@ def emit_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         t = _text(n, ctx.coord)
         if t is not None:
             n.meta[ir.SPEC_TEXT] = t
+        # export leaves some nodes with stack_trace=None, which torch.compile's AOT autograd
+        # joins into a string (inductor: "expected str instance, NoneType found"): no stack
+        # trace is said by leaving the key out
+        if "stack_trace" in n.meta and n.meta["stack_trace"] is None:
+            del n.meta["stack_trace"]
     gm.recompile()
     _check(gm)
     out = RankGraphModule(gm, gm.graph, class_name=f"Rank{'_'.join(map(str, ctx.coord or ()))}")

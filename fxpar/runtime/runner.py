@@ -76,12 +76,6 @@ def compiled(gm: fx.GraphModule, compile, recompute: frozenset[str]):
 
         raise RecomputeError(f"compile={compile!r} with recomputed layers {sorted(recompute)[:4]}: "
                              "not supported; pass recompute=False (or compile=False)")
-    # a node whose meta says stack_trace=None (export leaves some) makes AOT autograd's
-    # backward stack-trace hooks join a None (inductor: "sequence item 0: expected str
-    # instance, NoneType found"): no stack trace is said by leaving the key out
-    for n in gm.graph.nodes:
-        if "stack_trace" in n.meta and n.meta["stack_trace"] is None:
-            del n.meta["stack_trace"]
     return torch.compile(gm, backend="inductor" if compile is True else compile, dynamic=False)
 
 

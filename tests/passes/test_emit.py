@@ -33,6 +33,17 @@ def test_readable_specs():
     assert "# fxpar_spec: S(0)" in text
 
 
+def test_no_node_says_its_stack_trace_is_none():
+    """A node whose meta says ``stack_trace=None`` (export leaves some) broke torch.compile
+    (inductor) of the rank graph; emitted nodes leave the key out, and a real trace stays."""
+    gm = _graph([8, 4, 4])
+    x, v = [n for n in gm.graph.nodes if n.op != "output"]
+    x.meta["stack_trace"], v.meta["stack_trace"] = None, "File model.py, line 3"
+    out = run_passes(gm, PassContext(mesh=mesh(dp=2), coord=(0,)), [localize_pass, emit_pass])
+    traces = {n.name: n.meta.get("stack_trace", "absent") for n in out.graph.nodes}
+    assert traces["x"] == "absent" and traces["view"] == "File model.py, line 3"
+
+
 def test_wrong_local_shape_is_a_plan_error_naming_the_node():
     """A size argument that does not match the spec's local shape (localize skipped)."""
     gm = _graph([8, 4, 4])
