@@ -56,6 +56,7 @@ __all__ = [
     "ModelStateBytes",
     "STATE_BYTES_PER_PARAM",
     "model_state_bytes",
+    "is_fp32",
     "ActivationMemory",
     "activation_memory",
     "saved_storage",
@@ -109,6 +110,15 @@ _OPT_ALIASES = {"adamw": "adam", "adam": "adam", "sgd": "sgd", "momentum": "sgd_
                 "sgd_momentum": "sgd_momentum"}
 _PREC_ALIASES = {"mixed": "mixed", "bf16": "mixed", "fp16": "mixed", "amp": "mixed",
                  "fp32": "fp32", "float32": "fp32"}
+
+
+def is_fp32(precision: str) -> bool:
+    """Whether ``precision`` names fp32 training (4-byte parameters, gradients and values moved).
+
+    >>> is_fp32("float32"), is_fp32("bf16")
+    (True, False)
+    """
+    return _PREC_ALIASES.get(precision.lower()) == "fp32"
 
 
 @dataclass(frozen=True)

@@ -180,7 +180,7 @@ def plan_overlap(plan, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
 
 def _optimizer_time(plan, bucket_bytes: int, first_bucket_bytes: int) -> float:
     """Seconds of the optimizer step (:meth:`overlap`), 0 without a measured price."""
-    from fxpar.cost.memory import _PREC_ALIASES, model_state_bytes
+    from fxpar.cost.memory import is_fp32, model_state_bytes
     from fxpar.cost.step import optimizer_time
 
     prof = (plan.mesh.get("cluster") or {}).get("compute") or {}
@@ -194,7 +194,7 @@ def _optimizer_time(plan, bucket_bytes: int, first_bucket_bytes: int) -> float:
     s_os = plan.config.s_os // plan.config.s_p if plan.config is not None else 1
     # a parameter's memory is its model states (fxpar.planner.pricing.node_memory)
     n = [x.memory / per_param / s_os for x in plan.nodes if x.param]
-    flat = s_os == 1 and _PREC_ALIASES.get(precision.lower()) == "fp32"
+    flat = s_os == 1 and is_fp32(precision)
     return optimizer_time(sum(n), len(n), (per_tensor, per_element), flat,
                           bucket=bucket_bytes, first=first_bucket_bytes)
 

@@ -329,11 +329,11 @@ def dp_terms(phi: float, layers: int, m: int, d0: int, d1: int, s_p: int, s_g: i
     then ``BUCKET`` each (``n = 1 + ⌈(B − FIRST)/BUCKET⌉`` of ``U = B/n``), where AMSP's
     ``B/U`` may count a fraction of one bucket's latency."""
     from fxpar.cost.amsp import Sharding, evaluate
-    from fxpar.cost.memory import _PREC_ALIASES
+    from fxpar.cost.memory import is_fp32
 
     if d0 * d1 == 1 or phi <= 0:
         return DpTerms()
-    if _PREC_ALIASES.get(precision.lower()) == "fp32":
+    if is_fp32(precision):
         phi *= 2.0
     grads = 2 * phi / s_p
     bucket = grads / (1 + math.ceil(max(0.0, grads - FIRST_BUCKET_BYTES) / BUCKET))

@@ -270,13 +270,13 @@ def optimizer_seconds(chunks, p: int, state: tuple[int, int, int], cluster, prec
     (:func:`fxpar.cost.step.optimizer_time` over its chunks' local parameters, states sharded
     ``s_os`` ways, ``state = (s_p, s_g, s_os)``) on a cluster whose measured compute prices
     it (:attr:`fxpar.cluster.ComputeProfile.optimizer`), else zeros."""
-    from fxpar.cost.memory import _PREC_ALIASES
+    from fxpar.cost.memory import is_fp32
 
     s_p, _, s_os = state
     price = cluster.compute.optimizer if getattr(cluster, "compute", None) is not None else ()
     # parameters sharded by their layouts (s_p) are local tensors to the runtime's optimizer:
     # stepped flat unless it shards their states further (ZeRO-1/2)
-    flat = s_os == s_p and _PREC_ALIASES.get(precision.lower()) == "fp32"
+    flat = s_os == s_p and is_fp32(precision)
     return [optimizer_time(sum(c.params for c in chunks[r::p]) / s_os,
                            sum(c.tensors for c in chunks[r::p]), price, flat) for r in range(p)]
 
