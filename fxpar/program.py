@@ -223,8 +223,9 @@ class Program:
         ``s_g``/``s_os``/``recompute`` left out: what the plan chose (``plan.config``'s state
         factors and recomputed layers), else 1, 1 and none. ``compile``: the rank graph (a
         pipeline: each stage chunk's) through ``torch.compile``, ``True`` for inductor or a
-        backend's name (:func:`fxpar.runtime.runner.compiled`; not with recomputed layers).
-        Under ``compile``, ``regather`` gives the same results (tested) but what memory it
+        backend's name (:func:`fxpar.runtime.runner.compiled`; not with recomputed layers),
+        and the optimizer step with it (a built-in element-wise optimizer:
+        ``ModelStates.compile_step``, one fused kernel per flat segment). Under ``compile``, ``regather`` gives the same results (tested) but what memory it
         frees has not been measured.
         """
         cfg = self.plan.config

@@ -521,3 +521,54 @@ def test_leaves_accumulate_in_the_bucket_buffer(pools, s_os):
         order = list(range(res["buckets"]))   # then _train's own finish_backward: all again
         assert v["launches"] == (order + ["finish"] + order + ["finish"] + order) * STEPS
         assert v["grad_after"] == [[]] * (2 * STEPS)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_compiled_optimizer_step_matches_eager():
+    """``ModelStates.compile_step`` (what ``runner(compile=True)`` does): the flat AdamW step
+    under ``torch.compile`` (inductor) trains like the eager one (float rounding of the fused
+    kernels aside) over two param groups, several buckets and an LR scheduler; it steps once
+    after every bucket is reduced (not per bucket: one compiled variant), compiles a bounded
+    number of graphs (the first step, then the scheduler's first change makes the rate
+    dynamic), never again in steady state; an optimizer outside ELEMENTWISE stays eager."""
+    graphs = []
+
+    def counting(gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    models, states, scheds = [], [], []
+    for compiled in (False, True):
+        models.append(_model())
+        named = dict(models[-1].named_parameters())
+        ms = ModelStates(named, dict.fromkeys(named), _adamw, bucket_bytes=96,
+                         param_groups=_grouped)
+        if compiled:
+            assert ms.compile_step(counting)
+        states.append(ms)
+        scheds.append(torch.optim.lr_scheduler.LambdaLR(ms.optimizer, lambda s: 1 / (1 + s)))
+    eager, comp = states
+    assert eager.num_buckets > 1
+    assert eager._opt.steps_per_bucket() and not comp._opt.steps_per_bucket()
+    seen = []
+    for step in range(6):
+        x, y = _batch(step, 0)
+        for m, ms, sched in zip(models, states, scheds):
+            m.zero_grad(set_to_none=True)
+            _loss(m, x, y).backward()
+            for k, p in m.named_parameters():
+                ms.add_grad(k, p.grad)
+            ms.finish_backward_and_step()
+            ms.zero_grad()
+            sched.step()
+        seen.append(len(graphs))
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    assert models[0][0].weight.abs().sum() != _model()[0].weight.abs().sum()   # it trains
+    assert 1 <= seen[0] and seen[2:] == [seen[2]] * 4 and seen[-1] <= 3, seen
+    per_param = ModelStates(dict(_model().named_parameters()), dict.fromkeys(named),
+                            lambda ps: _PerParamAdamW(ps, lr=1e-2), bucket_bytes=96)
+    assert per_param.compile_step(counting) is False and per_param._opt.compiled_step is None

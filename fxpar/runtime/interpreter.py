@@ -205,7 +205,7 @@ class PipelineRunner(RankRunner):
         # chunk, handed to the model states once, with the last (``RankRunner._direct``).
         direct = self._init_model_states(params, groups, [(c.gm, self.m) for c in self.chunks.values()],
                                          s_g=s_g, s_os=s_os, bucket_bytes=bucket_bytes,
-                                         grad_scale=scale)
+                                         grad_scale=scale, compile=compile)
         for c, fqns in zip(self.chunks.values(), direct):
             c.direct = fqns
 

@@ -244,15 +244,20 @@ class RankRunner:
     def _init_model_states(self, params: Mapping[str, torch.Tensor], groups: Mapping,
                            graphs: Sequence[tuple[fx.GraphModule, int]], *, s_g: int = 1,
                            s_os: int = 1, bucket_bytes: int = BUCKET_BYTES,
-                           grad_scale: Mapping[str, float] | None = None) -> list[list[str]]:
+                           grad_scale: Mapping[str, float] | None = None,
+                           compile: bool | str = False) -> list[list[str]]:
         """``self.states`` over ``params`` (their replica ``groups``), and every gradient
         contribution of a step declared: ``graphs`` lists each rank graph with how many times
-        a step runs it (a pipeline chunk: once per microbatch). Returns, per graph, the
-        parameters it uses directly (their leaf hook counts its runs: :meth:`_direct`)."""
+        a step runs it (a pipeline chunk: once per microbatch). ``compile`` (the runner's):
+        the optimizer step goes through ``torch.compile`` too (``ModelStates.compile_step``).
+        Returns, per graph, the parameters it uses directly (their leaf hook counts its runs:
+        :meth:`_direct`)."""
         from fxpar.runtime.model_state import ModelStates
 
         self.states = ModelStates(params, groups, self.program.optimizer, s_g=s_g, s_os=s_os,
                                   bucket_bytes=bucket_bytes, grad_scale=grad_scale)
+        if compile:
+            self.states.compile_step("inductor" if compile is True else compile)
         uses = dict.fromkeys(params, 0)
         #: per parameter: direct-use backward passes per step, and how many ran this step
         self._direct_n: dict[str, int] = {}

@@ -146,7 +146,7 @@ class Runner(RankRunner):
             # A use through a communication op sends its gradient to the sink; the other
             # uses accumulate on the leaf, whose post-accumulate hook sends the sum (once).
             self._init_model_states(params, groups, [(gm, 1)], s_g=s_g, s_os=s_os,
-                                    bucket_bytes=bucket_bytes)
+                                    bucket_bytes=bucket_bytes, compile=compile)
 
     @property
     def recomputed(self) -> int:

@@ -120,6 +120,11 @@ class ModelStates(GradientBuckets):
             raise FxparError("step() called before finish_backward()")
         self._opt.step()
 
+    def compile_step(self, backend="inductor") -> bool:
+        """Step the optimizer under ``torch.compile`` from now on
+        (:meth:`ShardedOptimizer.compile`); returns whether it is compiled."""
+        return self._opt.compile(backend)
+
     def finish_backward_and_step(self) -> None:
         """:meth:`finish_backward` then :meth:`step`, overlapped where that is exact (an
         element-wise optimizer on flat fp32 buckets, ``s_os = 1``): each bucket's tensors

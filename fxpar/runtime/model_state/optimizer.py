@@ -101,6 +101,37 @@ class ShardedOptimizer:
             # it may couple the elements of a tensor: one master per parameter, as it expects
             self._make_masters(flat=False)
             self.optimizer = self._make_optimizer(optimizer, grouped)
+        #: ``None``: ``optimizer.step()`` runs eagerly; else its compiled twin (:meth:`compile`)
+        self.compiled_step: Callable[[], object] | None = None
+
+    def compile(self, backend="inductor") -> bool:
+        """Run the optimizer's ``step()`` under ``torch.compile`` from now on (``backend``: a
+        backend name or callable), as PyTorch's compiled-optimizer recipe does: one fused
+        kernel per flat segment instead of one per operation, for the built-in element-wise
+        optimizers (:data:`ELEMENTWISE`; any other stays eager; returns whether it is
+        compiled). The step then runs once per step, after every bucket is reduced
+        (:meth:`steps_per_bucket` is false): stepping bucket by bucket would compile one
+        variant per bucket. A float learning rate a scheduler changes becomes a dynamic input
+        at its first change (dynamo's ``specialize_float=False``): one recompilation, not one
+        per step."""
+        if self.optimizer is None or type(self.optimizer) not in ELEMENTWISE:
+            return False
+        step = torch.compile(self._eager_step, backend=backend)
+
+        def run() -> None:
+            # dynamo's recompile limit counts the variants of every optimizer of this type
+            # in the process (each instance compiles its own): room for a few runners
+            with torch._dynamo.config.patch(
+                    recompile_limit=max(torch._dynamo.config.recompile_limit, 64)):
+                step()
+        self.compiled_step = run
+        return True
+
+    def _eager_step(self) -> None:
+        self.optimizer.step()   # looked up per call: an LR scheduler's wrapper is seen
+
+    def _step(self) -> None:
+        (self.compiled_step or self.optimizer.step)()
 
     # -- construction ------------------------------------------------------------------------
     def _make_masters(self, flat: bool) -> None:
@@ -173,7 +204,7 @@ class ShardedOptimizer:
                 g = g.float()
             master.grad = g
         if self.optimizer is not None:
-            self.optimizer.step()
+            self._step()
         gathers = []
         for bk in self._buckets:
             lay = bk.lay
@@ -203,8 +234,9 @@ class ShardedOptimizer:
     def steps_per_bucket(self) -> bool:
         """Whether :meth:`step_bucket` can replace :meth:`step`: an element-wise optimizer
         whose every tensor is a flat bucket segment (fp32, ``s_os = 1``: nothing to gather
-        after the step, no master to copy back)."""
+        after the step, no master to copy back), stepped eagerly (:meth:`compile`)."""
         return (self.optimizer is not None and type(self.optimizer) in ELEMENTWISE
+                and self.compiled_step is None
                 and all(bk is not None and bk.flat for _, bk, _ in self._masters))
 
     def step_bucket(self, bk: Bucket) -> None:
