@@ -61,9 +61,10 @@ def _reduce(ts, op):
 
 
 def _vocab_outputs(node, strat, mesh_shape, coords, local_in):
-    """``{coord: output}`` of a vocabulary-parallel loss (its local program all-reduces over the
-    axes splitting the classes: :mod:`fxpar.runtime.vocab`), one thread per device and the
-    all-reduces emulated in memory (a barrier per round), or ``None`` for another strategy."""
+    """``{coord: output}`` of a vocabulary-parallel loss (its local program all-gathers or
+    all-reduces over the axes splitting the classes: :mod:`fxpar.runtime.vocab`), one thread per
+    device and the collectives emulated in memory (a barrier per round), or ``None`` for
+    another strategy."""
     import threading
     from unittest import mock
 
@@ -75,22 +76,28 @@ def _vocab_outputs(node, strat, mesh_shape, coords, local_in):
         return None
     barrier, slots, coord_of, out = threading.Barrier(len(coords)), {}, {}, {}
 
-    def all_reduce(t, op, axes):
+    def collective(t, axes, combine):
         c = coord_of[threading.get_ident()]
         for a in axes:
             group = c[:a] + c[a + 1:]
             slots[a, group, c[a]] = t
             barrier.wait()
-            t = _reduce([slots[a, group, i] for i in range(mesh_shape[a])], op)
+            t = combine([slots[a, group, i] for i in range(mesh_shape[a])])
             barrier.wait()   # every member has read this round before the next one writes
         return t
+
+    def all_reduce(t, op, axes):
+        return collective(t, axes, lambda ts: _reduce(ts, op))
+
+    def gather(t, axes):   # all_gather_into_tensor: the group's inputs along dim 0, in order
+        return collective(t.unsqueeze(0), axes, lambda ts: torch.cat(ts, 0))
 
     def run(c):
         coord_of[threading.get_ident()] = c
         fn, margs = calls[c]
         out[c] = fn(*fx.node.map_arg(margs, lambda n: local_in[(n, c)]))
 
-    with mock.patch.object(V, "_all_reduce", all_reduce):
+    with mock.patch.object(V, "_all_reduce", all_reduce), mock.patch.object(V, "_gather", gather):
         threads = [threading.Thread(target=run, args=(c,)) for c in coords]
         for t in threads:
             t.start()

@@ -10,11 +10,13 @@ and label smoothing ``ε`` is::
     loss = lse − (1 − ε)·x_t − (ε / C)·Σ_c x_c    (0 where t == ignore_index)
 
 (``torch.nn.functional.cross_entropy``'s formula). Megatron's vocabulary-parallel
-cross-entropy computes it without gathering the logits: the local max, one all-reduce
-(``max``) of N numbers; then the local sums of ``exp(x − m)``, the target logit from the
-shard that holds ``t`` (0 elsewhere) and, with ``ε > 0``, the local ``Σ x``, all-reduced
-(``sum``) in ONE collective of 2N (3N) numbers: Megatron's two sum all-reduces, coalesced
-(the same bytes, one latency less). Reductions as ATen encodes them (0 ``none``: the loss per
+cross-entropy computes it without gathering the logits, in three all-reduces (the max, the
+sum of ``exp(x − m)``, the target logit). Here each rank computes, per row, its shard's own
+``lse_r = logsumexp`` over its classes, the target logit if its shard holds ``t`` (0
+elsewhere) and, with ``ε > 0``, its ``Σ x``, and ONE all-gather of those 2N (3N) numbers
+per rank over the axes gives ``lse = logsumexp_r lse_r`` (as stable as the global max
+shift) and the sums: one collective's latency instead of three, which is what a loss of a
+few thousand rows costs. Reductions as ATen encodes them (0 ``none``: the loss per
 row, replicated; 1 ``mean``: summed over rows whose target is not ``ignore_index``, divided by
 their count; 2 ``sum``). The process group of each axis is the bound
 :class:`~fxpar.runtime.bindings.Bindings`' ``device_mesh.get_group(axis)``: the graph holds
@@ -62,14 +64,32 @@ def _all_reduce(t: torch.Tensor, op: str, axes) -> torch.Tensor:
     and sum are associative, so nested axes reduce to the whole class dim)."""
     if not axes:
         return t
-    import torch.distributed  # noqa: F401  (registers the _c10d_functional ops)
-
-    f = torch.ops._c10d_functional
+    f = _functional()
     dm = current().device_mesh
     t = t.contiguous()
     for a in axes:
         t = f.wait_tensor(f.all_reduce(t, op, dm.get_group(a).group_name))
     return t
+
+
+def _gather(t: torch.Tensor, axes) -> torch.Tensor:
+    """``t`` of every rank of this rank's groups of mesh ``axes``, stacked: ``[G, *t.shape]``
+    (nested axes gathered one after the other; ``G = 1`` without axes)."""
+    t = t.unsqueeze(0).contiguous()
+    if not axes:
+        return t
+    f = _functional()
+    dm = current().device_mesh
+    for a in axes:
+        g = dm.get_group(a)
+        t = f.wait_tensor(f.all_gather_into_tensor(t, g.size(), g.group_name))
+    return t
+
+
+def _functional():
+    import torch.distributed  # noqa: F401  (registers the _c10d_functional ops)
+
+    return torch.ops._c10d_functional
 
 
 def _check_reduction(reduction: int, op: str = "vocab_parallel_cross_entropy") -> None:
@@ -101,18 +121,17 @@ def _forward(x, target, start, classes, axes, reduction, ignore_index, eps):
     """``(loss, lse)``: the module docstring's forward (``lse`` per row, in :func:`_acc`)."""
     _check_reduction(reduction)
     xl = _rows(x)
-    m = _all_reduce(xl.amax(-1), "max", axes)
-    m = torch.where(torch.isinf(m), 0.0, m)  # rows of -inf: as torch.logsumexp, no inf - inf
     idx, inside, keep = _target_at(xl, target, start, ignore_index)
-    parts = [torch.exp(xl - m.unsqueeze(-1)).sum(-1),
+    parts = [torch.logsumexp(xl, -1),
              torch.where(inside, xl.gather(-1, idx.unsqueeze(-1)).squeeze(-1), 0.0)]
     if eps:
         parts.append(xl.sum(-1))
-    s = _all_reduce(torch.stack(parts), "sum", axes)  # one collective for the sums
-    lse = m + torch.log(s[0])
-    loss = lse - (1.0 - eps) * s[1]
+    g = _gather(torch.stack(parts), axes)   # one collective: [ranks, parts, rows..]
+    lse = torch.logsumexp(g[:, 0], 0)
+    s = g[:, 1:].sum(0)
+    loss = lse - (1.0 - eps) * s[0]
     if eps:
-        loss = loss - (eps / classes) * s[2]
+        loss = loss - (eps / classes) * s[1]
     loss = torch.where(keep, loss, 0.0)
     if reduction == _SUM:
         loss = loss.sum()
@@ -199,9 +218,7 @@ def vocab_parallel_mean_loss(x, target, bounds, start, classes, axes, ignore_ind
 def _log_softmax(x, dim, axes, dtype=None):
     """``(out, lse)``: ``x − logsumexp(x, dim)`` over the WHOLE dim split over ``axes``."""
     xa = x.to(_acc(x.dtype))
-    m = _all_reduce(xa.amax(dim, keepdim=True), "max", axes)
-    m = torch.where(torch.isinf(m), 0.0, m)
-    lse = m + torch.log(_all_reduce(torch.exp(xa - m).sum(dim, keepdim=True), "sum", axes))
+    lse = torch.logsumexp(_gather(torch.logsumexp(xa, dim, keepdim=True), axes), 0)
     return (xa - lse).to(dtype if dtype is not None else x.dtype)
 
 
@@ -244,9 +261,9 @@ class _VocabParallelLogSoftmax(torch.autograd.Function):
 
 _LIB.impl("vocab_parallel_log_softmax", _VocabParallelLogSoftmax.apply, "Autograd")
 #: ``fxpar::vocab_parallel_log_softmax(x, dim, axes, dtype=None)``: ``log_softmax(x, dim)``
-#: with ``dim`` split over mesh ``axes`` (Megatron's vocabulary-parallel softmax): an all-reduce
-#: (max) and one (sum) of one number per row in forward; backward ``g − softmax·Σ_dim g``,
-#: one all-reduce (sum) of one number per row.
+#: with ``dim`` split over mesh ``axes`` (Megatron's vocabulary-parallel softmax): one
+#: all-gather of each shard's ``logsumexp`` per row in forward (``lse = logsumexp_r lse_r``);
+#: backward ``g − softmax·Σ_dim g``, one all-reduce (sum) of one number per row.
 VOCAB_PARALLEL_LOG_SOFTMAX = torch.ops.fxpar.vocab_parallel_log_softmax.default
 
 

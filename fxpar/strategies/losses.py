@@ -18,12 +18,12 @@ input and target:
 class weights may take its input split along the class dim C (``S(1)``) with the target whole
 on that axis; the loss comes out replicated there (``R``, for every reduction). Not the ATen op
 on local shapes: the local rewrite (:func:`vocab_local`) calls
-``torch.ops.fxpar.vocab_parallel_cross_entropy`` (:mod:`fxpar.runtime.vocab`: global max and
-sum of exponentials and the target logit from the shard holding it, by all-reduces over the
-axes splitting C; exact local backward) with this rank's first class; with the rows also split
+``torch.ops.fxpar.vocab_parallel_cross_entropy`` (:mod:`fxpar.runtime.vocab`: each shard's
+``logsumexp`` and the target logit from the shard holding it, one all-gather over the axes
+splitting C; exact local backward) with this rank's first class; with the rows also split
 (``dp``) and ``reduction="mean"`` it sums its rows and divides by the non-ignored count of the
-whole target, as above. The planner adds those all-reduces to the node's time
-(:func:`vocab_comm`, :func:`fxpar.cost.losses.vocab_ce_time`): ``rows`` + ``2·rows`` numbers
+whole target, as above. The planner adds that all-gather to the node's time
+(:func:`vocab_comm`, :func:`fxpar.cost.losses.vocab_ce_time`): ``2·rows`` numbers per device
 (``3·rows`` with label smoothing) per axis, against an all-gather of the logits before a
 replicated loss. ``cross_entropy_loss(x[64, 96], t[64])`` on one axis::
 
@@ -36,8 +36,8 @@ input (log-probabilities) split along C too, target and class weights whole ther
 adds ``−w[t]·x[t]`` of the targets it holds, so the loss is ``P(sum)`` (``total_weight`` ``R``)
 with no communication inside (:func:`fxpar.runtime.vocab.vocab_parallel_nll`). With
 ``log_softmax`` over a split dim (:mod:`.reductions`'s ``vocab``: Megatron's vocabulary-parallel
-softmax, :data:`fxpar.runtime.vocab.VOCAB_PARALLEL_LOG_SOFTMAX`, two all-reduces of one
-number per row forward, one backward) ``nll_loss(log_softmax(x))`` runs without gathering
+softmax, :data:`fxpar.runtime.vocab.VOCAB_PARALLEL_LOG_SOFTMAX`, one all-gather of one
+number per row forward, one all-reduce backward) ``nll_loss(log_softmax(x))`` runs without gathering
 ``x`` either. Other losses have no sharding rule (replicated); all are priced like a softmax.
 """
 
@@ -206,7 +206,7 @@ def vocab_local(node: fx.Node, lctx: LocalContext) -> None:
 
 
 def vocab_comm(node: fx.Node, strat, mesh) -> tuple[float, float]:
-    """``(t_fwd, t_bwd)`` of the all-reduces inside a vocabulary-parallel cross-entropy (the
+    """``(t_fwd, t_bwd)`` of the collectives inside a vocabulary-parallel cross-entropy (the
     backward is local) or ``log_softmax`` under ``strat`` on ``mesh``
     (:mod:`fxpar.cost.losses`, on this rank's rows); ``(0, 0)`` for any other strategy and
     for the nll losses (no communication inside)."""
