@@ -569,6 +569,50 @@ def test_compiled_optimizer_step_matches_eager():
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     assert models[0][0].weight.abs().sum() != _model()[0].weight.abs().sum()   # it trains
     assert 1 <= seen[0] and seen[2:] == [seen[2]] * 4 and seen[-1] <= 3, seen
+    # a checkpoint's state loaded into the compiled one (new state tensors) is what its next
+    # step uses: both sides load the same (doubled) state of the eager side, step once
+    state, groups = eager.optimizer_state()
+    start = [p.detach().clone() for p in models[0].parameters()]
+    for m, ms in zip(models, states):
+        with torch.no_grad():
+            for a, b in zip(m.parameters(), start):
+                a.copy_(b)
+        ms.load_optimizer_state({k: {n: v * 2 if torch.is_tensor(v) and v.ndim else v
+                                     for n, v in st.items()} for k, st in state.items()}, groups)
+        x, y = _batch(9, 0)
+        m.zero_grad(set_to_none=True)
+        _loss(m, x, y).backward()
+        for k, p in m.named_parameters():
+            ms.add_grad(k, p.grad)
+        ms.finish_backward_and_step()
+        ms.zero_grad()
+    for a, b in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     per_param = ModelStates(dict(_model().named_parameters()), dict.fromkeys(named),
                             lambda ps: _PerParamAdamW(ps, lr=1e-2), bucket_bytes=96)
     assert per_param.compile_step(counting) is False and per_param._opt.compiled_step is None
+
+
+def test_loaded_optimizer_state_is_copied():
+    """``load_optimizer_state`` copies what it is given: one saved state loaded into two
+    optimizers (or loaded, then kept by the caller) is not shared, so stepping one does not
+    advance the other's step count (Adam's ``step`` tensor is incremented in place)."""
+    models, states = [], []
+    for _ in range(2):
+        models.append(_model())
+        named = dict(models[-1].named_parameters())
+        states.append(ModelStates(named, dict.fromkeys(named), _adamw, bucket_bytes=96))
+    saved = None
+    for step in range(3):
+        for m, ms in zip(models, states):
+            if step == 2:
+                saved = saved or ms.optimizer_state()
+                ms.load_optimizer_state(*saved)
+            m.zero_grad(set_to_none=True)
+            _loss(m, *_batch(step, 0)).backward()
+            for k, p in m.named_parameters():
+                ms.add_grad(k, p.grad)
+            ms.finish_backward_and_step()
+            ms.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
+    assert float(saved[0]["0.weight"]["step"]) == 2.0

@@ -307,8 +307,8 @@ class ShardedOptimizer:
                         chunk[k] = torch.zeros(m.numel(), dtype=v.dtype, device=m.device)
                     lo = p.lay.k * p.cos
                     chunk[k][p.moff:p.moff + p.real].copy_(v.reshape(-1)[lo:lo + p.real])
-                else:
-                    chunk[k] = v.to(m.device) if torch.is_tensor(v) else v
+                else:   # a copy: the caller's tensor must not become this state (stepped in place)
+                    chunk[k] = v.to(m.device, copy=True) if torch.is_tensor(v) else v
             self.optimizer.state[m] = chunk
         if groups and self.optimizer is not None:
             saved = {f: g for g in groups for f in g["params"]}
