@@ -60,7 +60,9 @@ def refine_worker(trace: str, attempts: int = 3):
                 coll=prof_mt.collectives(), measured=prof_mt.step, optimizer=prof_mt.optimizer,
                 nominal=plan_mt.time, refined=plan_mt2.time, compute=sum(
                     n.fwd + n.bwd for n in prof_mt.nodes if n.kind == "compute"),
-                nodes=len(prof_mt.nodes), profile=prof_dp.to_dict(), attempts=attempt + 1)
+                nodes=len(prof_mt.nodes), profile=prof_dp.to_dict(), attempts=attempt + 1,
+                blocking={k: {n.edge: n.blocking for n in p.nodes if n.kind == "comm"}
+                          for k, p in (("dp", prof_dp), ("megatron", prof_mt))})
 
 
 @pytest.mark.timeout(300)
@@ -76,6 +78,12 @@ def test_profile_compare_and_refine(pools, tmp_path):
     assert all(v["fwd"] > 0 and v["bwd"] > 0 for k, v in r["layers"].items() if k.startswith("blocks."))
     # megatron's collectives were measured, each mapped to a planned edge with a prediction
     assert r["coll"] and all(v["measured"] > 0 and v["predicted"] > 0 for v in r["coll"].values()), r["coll"]
+    # megatron's all-reduces are waited where launched (their measured time is their
+    # duration); dp's gather of the targets is launched first and waited at the loss
+    # (overlapped), so it is not what refine scales communication by
+    assert all(r["blocking"]["megatron"][e] for e in r["coll"] if "output" not in e), r["blocking"]
+    early = [b for e, b in r["blocking"]["dp"].items() if e.startswith("targets->")]
+    assert early == [False], r["blocking"]["dp"]
     # the measured parts add up to at most the measured step (forward, backward, optimizer)
     assert 0 < r["compute"] + sum(v["measured"] for v in r["coll"].values()) + r["optimizer"] <= r["measured"]
     # a Chrome trace with a measured and a predicted lane
@@ -164,12 +172,17 @@ def test_nominal_physics_prices_as_no_physics():
 
 def test_the_gradient_sync_wait_does_not_scale_communication():
     """The gradient sync measures the wait its buckets left exposed after the backward, not
-    their duration (what the plan predicts for it): refine's communication scale comes from
-    the collectives that ran as nodes only."""
-    from fxpar.runtime.profile import NodeTime, Profile
+    their duration (what the plan predicts for it), an overlapped collective its launch and
+    exposed wait, a pipeline send its launch: refine's communication scale comes from the
+    blocking collectives only."""
+    from fxpar.runtime.profile import ActionTime, NodeTime, Profile
 
     mm = NodeTime("mm", "fc", "compute", None, 2e-3, 4e-3, 1e-3, 2e-3)
     ar = NodeTime("ar", "fc", "comm", "mm->add", 3e-3, 0.0, 1e-3, 0.0)
     sync = NodeTime("(gradient sync)", "(params)", "comm", "(gradient sync)", 0.0, 0.05, 0.0, 0.01)
     assert Profile((mm, ar, sync), 0.1, 3).scales() == {"compute": 2.0, "comm": 3.0}
     assert "comm" not in Profile((mm, sync), 0.1, 3).scales()
+    early = NodeTime("ag", "fc", "comm", "x->mm", 1e-4, 0.0, 1e-3, 0.0, blocking=False)
+    assert Profile((mm, ar, early), 0.1, 3).scales() == {"compute": 2.0, "comm": 3.0}
+    send = ActionTime("SEND_F", 0, 0, 1e-5, 1e-3)
+    assert "comm" not in Profile((mm,), 0.1, 3, actions=(send,)).scales()

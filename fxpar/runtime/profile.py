@@ -34,6 +34,7 @@ import os
 import statistics
 import time
 from collections import defaultdict
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import torch
@@ -50,7 +51,10 @@ __all__ = ["ActionTime", "NodeTime", "Profile", "profile_runner", "profile_pipel
 class NodeTime:
     """One node of the rank graph: its layer, ``kind`` (``"compute"``, or ``"comm"`` for a
     node that runs a planned edge's collectives, ``edge`` naming it), measured forward and
-    backward seconds (medians over the steps) and the plan's predicted ones."""
+    backward seconds (medians over the steps) and the plan's predicted ones. ``blocking``
+    (communication): the edge's launch and wait are adjacent in the graph, so the two nodes'
+    times are the collective's duration; an overlapped edge (prefetched, or the loss's
+    all-reduce waited after the backward) measures its launch and the wait it left exposed."""
 
     name: str
     layer: str
@@ -60,6 +64,7 @@ class NodeTime:
     bwd: float
     pred_fwd: float
     pred_bwd: float
+    blocking: bool = True
 
 
 @dataclass(frozen=True)
@@ -68,8 +73,8 @@ class ActionTime:
     over the steps): measured seconds and the chunk plan's prediction for it (``F``: the
     chunk's forward compute and forward collectives; ``B``: backward; ``I``/``W``: half the
     backward compute each, ``I`` with the backward collectives; ``SEND_F``/``SEND_B``: the
-    boundary transfer; a receive is waiting for a peer, predicted 0 and left out of
-    :meth:`Profile.scales`)."""
+    boundary transfer, measured: its launch; a receive is waiting for a peer, predicted 0;
+    only ``F``/``B``/``I``/``W`` count in :meth:`Profile.scales`)."""
 
     kind: str
     stage: int
@@ -121,9 +126,11 @@ class Profile:
     def scales(self, *others: Profile) -> dict[str, float]:
         """``{"compute": Σ measured / Σ predicted, "comm": ...}`` over the nodes and pipeline
         actions the plan priced in this profile and ``others`` (a kind with nothing predicted
-        is left out): what :meth:`fxpar.Cluster.refine` divides the rates by. The gradient
-        sync is left out: what it measured is the wait the bucketed reductions left exposed
-        after the backward, not their duration, which is what the plan predicts.
+        is left out): what :meth:`fxpar.Cluster.refine` divides the rates by. Communication
+        counts only where the measurement is a collective's duration, which is what the plan
+        predicts: blocking edges (:class:`NodeTime`); not an overlapped edge, not the
+        gradient sync (the wait the bucketed reductions left exposed after the backward), not
+        a pipeline's sends (their launch: the wait for them comes at the end of the step).
 
         Pipeline profiles of two or more microbatch counts also give ``"overhead"``, the
         seconds every action pays whatever its size (``Physics.microbatch_overhead``): a
@@ -144,11 +151,11 @@ class Profile:
         for kind in ("compute", "comm"):
             pred = meas = 0.0
             for pr in profiles:
-                nodes = [n for n in pr.nodes if n.kind == kind and n.edge != _SYNC]
+                nodes = [n for n in pr.nodes if n.kind == kind and n.edge != _SYNC and n.blocking]
                 pred += sum(n.pred_fwd + n.pred_bwd for n in nodes)
                 meas += sum(n.fwd + n.bwd for n in nodes if n.pred_fwd + n.pred_bwd > 0)
-                acts = [a for a in pr.actions if a.predicted > 0 and
-                        (a.kind.startswith("SEND") if kind == "comm" else a.kind in ("F", "B", "I", "W"))]
+                acts = [a for a in pr.actions if a.predicted > 0 and kind == "compute"
+                        and a.kind in ("F", "B", "I", "W")]
                 pred += sum(a.predicted for a in acts)
                 meas += sum(a.measured for a in acts)
             if pred > 0 and meas > 0:
@@ -327,11 +334,17 @@ def _instrumented(gm: fx.GraphModule) -> tuple[fx.GraphModule, list[fx.Node]]:
     return out, stamped
 
 
-def _comm_edge(n: fx.Node, edges) -> str | None:
-    """The planned edge a collective node of the rank graph runs (its edge-name argument)."""
+def _comm_edges(n: fx.Node, edges) -> list[str]:
+    """The planned edges a collective node of the rank graph runs (its edge-name arguments: a
+    wait names one, a launch lists the edges it starts together)."""
     if getattr(n.target, "namespace", None) != "fxpar":
-        return None
-    return next((a for a in n.args if isinstance(a, str) and a in edges), None)
+        return []
+    names = [x for a in n.args for x in (a if isinstance(a, (list, tuple)) else (a,))]
+    return [x for x in names if isinstance(x, str) and x in edges]
+
+
+def _comm_edge(n: fx.Node, edges) -> str | None:
+    return next(iter(_comm_edges(n, edges)), None)
 
 
 def _synthetic_batch(runner):
@@ -420,7 +433,10 @@ def profile_runner(runner, args, kwargs, steps: int = 3) -> Profile:
             bwd[i].append(sum(b - a for a, b in spans if b >= a > 0))
     edges = gm.meta.get(ir.EDGES, {})
     out = []
+    at: dict[str, list[int]] = defaultdict(list)   # edge -> positions of its nodes
     for i, n in enumerate(stamped):
+        for e in _comm_edges(n, edges):
+            at[e].append(i)
         edge = _comm_edge(n, edges)
         out.append(NodeTime(n.name, layer_of(n), "comm" if edge else "compute", edge,
                             _median(fwd.get(i, [])), _median(bwd.get(i, [])), 0.0, 0.0))
@@ -428,7 +444,16 @@ def profile_runner(runner, args, kwargs, steps: int = 3) -> Profile:
     # not as graph nodes: their exposed wait after the backward
     out.append(NodeTime(_SYNC, "(params)", "comm", _SYNC, 0.0, _median([r.sync for r in runs]), 0.0, 0.0))
     plan = runner.program.plan
-    nodes = tuple(n for n in _predicted(out, plan) if n.edge != _SYNC or n.pred_bwd > 0)  # none planned
+    out = list(_predicted(out, plan))
+    for e, ix in at.items():
+        # overlapped: computation the plan prices between launch and wait, or the output's
+        # edge (the runner waits for the loss's all-reduce after the backward)
+        hidden = edges[e].consumer == "output" or any(
+            out[i].kind == "compute" and out[i].pred_fwd > 0 for i in range(ix[0], ix[-1]))
+        for i in ix:
+            if hidden and out[i].edge == e:
+                out[i] = dataclasses.replace(out[i], blocking=False)
+    nodes = tuple(n for n in out if n.edge != _SYNC or n.pred_bwd > 0)  # none planned
     return Profile(nodes, statistics.median(walls), steps, statistics.median(opts), plan.time)
 
 
@@ -445,17 +470,20 @@ def _predicted(nodes, plan) -> tuple[NodeTime, ...]:
         by_edge[f"{e.producer}->{e.consumer}", e.direction] += e.time
     ran = {n.edge for n in nodes if n.kind == "comm"}
     params = {n.name for n in plan.nodes if n.param}
+    # an edge runs as a launch and a wait node: its time is predicted once, on the last one
+    last = {n.edge: i for i, n in enumerate(nodes) if n.kind == "comm"}
     out = []
-    for n in nodes:
+    for i, n in enumerate(nodes):
         if n.edge == _SYNC:
             pf, pb = 0.0, sum(t for (e, d), t in by_edge.items()
                               if d == "bwd" and e not in ran and e.split("->")[0] in params)
         elif n.kind == "comm":
-            pf, pb = by_edge.get((n.edge, "fwd"), 0.0), by_edge.get((n.edge, "bwd"), 0.0)
+            pf, pb = ((by_edge.get((n.edge, "fwd"), 0.0), by_edge.get((n.edge, "bwd"), 0.0))
+                      if last[n.edge] == i else (0.0, 0.0))
         else:
             p = by_node.get(n.name)
             pf, pb = (p.fwd_time, p.bwd_time) if p is not None else (0.0, 0.0)
-        out.append(NodeTime(n.name, n.layer, n.kind, n.edge, n.fwd, n.bwd, pf, pb))
+        out.append(dataclasses.replace(n, pred_fwd=pf, pred_bwd=pb))
     return tuple(out)
 
 
