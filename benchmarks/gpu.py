@@ -300,7 +300,7 @@ def sec_speed(args) -> dict:
         _sync()
         if torch.cuda.is_available():
             peak[k] = (torch.cuda.max_memory_allocated() - before) / 2**30
-    del model
+    model = None   # freed: the sides hold their own copies (the makers ran above)
     runner, ref = built["runner"], built["ref"]
     samples = _interleave(sides, steps, losses)
     args.speed_state, args.speed_runner = (prog, ref, opt_fn, idd), runner
