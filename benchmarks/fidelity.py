@@ -209,6 +209,7 @@ def plan_all(cal, chosen) -> tuple[dict, dict]:
     import fxpar
     from fxpar.planner import build_problem, solution_to_plan
     from fxpar.planner.baselines import baseline_pins
+    from fxpar.planner.intra_op import priced
 
     local = fxpar.Cluster.local(WORLD)
     idx, tgt = _batch()
@@ -219,18 +220,22 @@ def plan_all(cal, chosen) -> tuple[dict, dict]:
         t0 = time.perf_counter()
         try:
             # the runners train fp32 parameters with AdamW (fp32 model states, stepped flat)
+            opts = fxpar.planner.PlannerOptions(precision="fp32")
             planned = fxpar.plan(_model(), cal, (idx, tgt), mesh=mesh, plan=kind, time_limit=30,
-                                 options=fxpar.planner.PlannerOptions(precision="fp32"))
+                                 options=opts)
             p = planned.plan
             shape = dict(zip(p.mesh["axis_names"], p.mesh["shape"]))
             choice = [n.index for n in p.nodes]
 
-            def same(cl, graph=planned.graph, kind=kind, shape=shape, choice=choice, p=p):
+            def same(cl, graph=planned.graph, kind=kind, shape=shape, choice=choice, p=p,
+                     opts=opts):
+                # priced as fxpar.plan prices its plan (the step model: priced), same options
                 msh = fxpar.Mesh(cl, shape)
                 pins = dict(baseline_pins(kind, graph, msh)) if kind != "auto" else {}
-                bp = build_problem(graph, msh, pins=pins)
+                bp = build_problem(graph, msh, pins=pins, options=opts)
                 assert [n.name for n in bp.nodes] == [n.name for n in p.nodes]
-                return solution_to_plan(bp, choice, kind=kind)
+                return priced(solution_to_plan(bp, choice, kind=kind), graph)
+            assert abs(same(cal).time - p.time) <= 1e-6 * p.time, (same(cal).time, p.time)
             lp = same(local)
             again[label] = lambda cl, same=same: same(cl).time
             out[label] = dict(kind=kind, mesh=shape, plan_json=p.to_json(),
