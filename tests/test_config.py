@@ -114,3 +114,19 @@ def test_infeasible_configurations_name_the_rule_and_what_works():
     assert near.startswith("plan=dict(pp=1, tp=4, dp=2)") and "a batch that dp=8 divides (e.g. 8)" in near
     got = fxpar.plan(model, cl, (x, x), plan=dict(pp=1, tp=4, dp=2)).plan.config
     assert (got.pp, got.tp, got.dp) == (1, 4, 2)
+
+
+def test_plan_config_counts_gathered_storage_only():
+    """An SPMD plan's state factors (``mesh_config``): a parameter stored sharded over ``dp``
+    and gathered for its use is ZeRO-3 storage (``s_p = 2``); one its use reads sharded there
+    (a column-parallel linear on ``dp``) is tensor parallelism, not sharded storage, and must
+    not make the step model price (and the runner run) the whole model as ZeRO-3."""
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16, bias=False))
+    x = torch.randn(4, 8)
+    c = fxpar.Cluster.local(2)
+    col = fxpar.plan(m, c, (x,), mesh={"dp": 2}, pins={"0.weight": "S(0)", "linear": "S(1)"}).plan
+    gathered = fxpar.plan(m, c, (x,), mesh={"dp": 2},
+                          pins={"0.weight": "S(0)", "linear": "R", "input": "R"}).plan
+    assert col.node("p_0_weight").outputs == gathered.node("p_0_weight").outputs == ("S(0)",)
+    assert (col.config.s_p, gathered.config.s_p) == (1, 2)
+    assert fxpar.plan(m, c, (x,), plan="zero3", mesh={"dp": 2}).plan.config.s_p == 2

@@ -294,15 +294,18 @@ def schedule_of(plan):
 def mesh_config(plan) -> ParallelConfig:
     """The configuration an SPMD ``plan`` realizes, read off its mesh (``dp``·``dp_shard``
     replicas, ``tp``, other axes as ``extra``) and its parameters' layouts (``s_p``: the
-    replica axes that shard any parameter; gradients and optimizer states sharded with them,
-    as the runner does by default)."""
+    replica axes on which some parameter is stored sharded and gathered for its use, ZeRO-3 /
+    FSDP style; gradients and optimizer states sharded with them, as the runner does by
+    default). A parameter its use reads sharded on the axis (a column-parallel lookup on
+    ``dp``, say) is tensor parallelism there, not sharded storage: it does not count."""
     deg = dict(zip(plan.mesh["axis_names"], plan.mesh["shape"]))
+    params = {n.name for n in plan.nodes if n.param}
+    gathered = {st.axis for e in plan.edges if e.direction == "fwd" and e.producer in params
+                for st in e.steps if st.kind in ("all_gather", "all_to_all")}
     s_p = 1
     for a in REPLICA_AXES:
-        if a in deg and deg[a] > 1:
-            k = list(deg).index(a)
-            if any(n.param and Spec.parse(n.outputs[0]).placements[k].is_shard() for n in plan.nodes):
-                s_p *= deg[a]
+        if a in deg and deg[a] > 1 and a in gathered:
+            s_p *= deg[a]
     extra = tuple((a, k) for a, k in deg.items() if a not in (*REPLICA_AXES, "tp", "pp"))
     return ParallelConfig(dp=deg.get("dp", 1) * deg.get("dp_shard", 1), tp=deg.get("tp", 1),
                           extra=extra, s_p=s_p, s_g=s_p, s_os=s_p)
