@@ -383,7 +383,8 @@ def profile_runner(runner, args, kwargs, steps: int = 3) -> Profile:
     if not args and not kwargs:
         args, kwargs = _synthetic_batch(runner)
     gm = runner.gm
-    prof_gm, stamped = _instrumented(gm)
+    # a split compiled runner (fxpar.runtime.runner.compiled) is profiled on its rank graph
+    prof_gm, stamped = _instrumented(gm.meta.get("fxpar_source", gm))
     runs, walls, opts = [], [], []
     runner.gm = prof_gm
     try:

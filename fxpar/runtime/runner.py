@@ -32,12 +32,12 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from fxpar import ir
-from fxpar.defaults import BUCKET_BYTES
+from fxpar.defaults import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from fxpar.errors import FxparError
 from fxpar.mesh import Mesh
 from fxpar.runtime.bindings import Bindings, bind
 from fxpar.runtime.comm import gathers_params
-from fxpar.runtime.rank import (RankRunner, check_world, clip_grad_norm, loss_prefix,
+from fxpar.runtime.rank import (RankRunner, check_world, clip_grad_norm, loss_prefix, param_uses,
                                 param_layouts)
 from fxpar.runtime.recompute import Recompute, known_layers, resolve
 
@@ -63,12 +63,19 @@ def replica_group(mesh: Mesh, axes: Sequence[str], rank: int):
     return ReplicaGroup("+".join(axes), mine, all_)
 
 
-def compiled(gm: fx.GraphModule, compile, recompute: frozenset[str]):
+def compiled(gm: fx.GraphModule, compile, recompute: frozenset[str], split: bool = False):
     """``gm`` through ``torch.compile`` (``compile=True``: inductor; a string: that backend;
     static shapes, as the plan fixes them), or ``gm`` itself for ``compile=False``.
     Communication ops stay opaque calls (``torch.ops.fxpar.*``) the compiler schedules around.
     Recomputed layers run their pieces under autograd's checkpoint, which the compiled graph
-    cannot: that combination is refused (``recompute=False``, or compile without it)."""
+    cannot: that combination is refused (``recompute=False``, or compile without it).
+
+    ``split``: one compiled piece per gradient bucket's worth of layers (:func:`_bucket_pieces`;
+    ``torch.fx``'s ``split_module``, the returned module calls them in order, ``meta[SOURCE]``
+    is ``gm``), as ``torch.compile`` of DDP splits at its buckets: a whole-graph compiled
+    backward is ONE autograd node, so every parameter's gradient reaches its leaf (and its
+    bucket's all-reduce starts) only after the whole backward; per piece, the last layers'
+    buckets reduce while the first layers' backward runs."""
     if not compile:
         return gm
     if recompute:
@@ -76,7 +83,57 @@ def compiled(gm: fx.GraphModule, compile, recompute: frozenset[str]):
 
         raise RecomputeError(f"compile={compile!r} with recomputed layers {sorted(recompute)[:4]}: "
                              "not supported; pass recompute=False (or compile=False)")
-    return torch.compile(gm, backend="inductor" if compile is True else compile, dynamic=False)
+    backend = "inductor" if compile is True else compile
+    parts = _bucket_pieces(gm) if split else {}
+    if len(set(parts.values())) < 2:
+        return torch.compile(gm, backend=backend, dynamic=False)
+    from torch.fx.passes.split_module import split_module
+
+    out = split_module(gm, gm, lambda n: parts[n], keep_original_order=True)
+    for name, sub in list(out.named_children()):
+        setattr(out, name, torch.compile(sub, backend=backend, dynamic=False))
+    out.meta = {**gm.meta, SOURCE: gm}
+    return out
+
+
+#: ``meta`` key of a split compiled rank graph (:func:`compiled`): the rank graph it runs
+SOURCE = "fxpar_source"
+
+
+def _bucket_pieces(gm: fx.GraphModule, first: int = FIRST_BUCKET_BYTES,
+                   size: int = BUCKET_BYTES) -> dict[fx.Node, int]:
+    """Each computing node's piece: layers (in graph order) cut where their parameters, counted
+    from the last layer back, fill a gradient bucket (``first`` bytes, then ``size``: the
+    runtime's buckets, where ``torch.compile`` of DDP splits too); nodes of no named layer
+    (``"(top)"``: the loss, collectives) stay in the piece they are found in."""
+    from fxpar.layers import layer_of
+
+    order: list[str] = []
+    nbytes: dict[str, int] = {}
+    for n in gm.graph.nodes:
+        lay = layer_of(n)
+        if n.op == "placeholder":
+            if ir.PARAM in n.meta:
+                v = n.meta[ir.VAL]
+                nbytes[lay] = nbytes.get(lay, 0) + v.numel() * v.element_size()
+        elif n.op != "output" and lay != "(top)" and lay not in order:
+            order.append(lay)
+    starts, acc, cap = set(), 0, first
+    for lay in reversed(order[1:]):
+        acc += nbytes.get(lay, 0)
+        if acc >= cap:
+            starts.add(lay)
+            acc, cap = 0, size
+    out, k = {}, 0
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output"):
+            continue
+        lay = layer_of(n)
+        if lay in starts:
+            starts.discard(lay)
+            k += 1
+        out[n] = k
+    return out
 
 
 def recompute_layers(program, recompute, known) -> frozenset[str]:
@@ -127,7 +184,9 @@ class Runner(RankRunner):
         #: the layers whose forward is recomputed in backward (:mod:`fxpar.runtime.recompute`)
         self.recompute = recompute_layers(program, recompute, known_layers(gm))
         self._rc = None
-        self.gm = compiled(gm, compile, self.recompute)
+        # split per layer where leaves take gradients (their bucket hooks fire per piece)
+        self.gm = compiled(gm, compile, self.recompute,
+                           split=bool(program.training and param_uses(gm, self._order)[1]))
         edges = gm.meta.get(ir.EDGES, {})
         #: whether a training step enters Regather's saved-tensor hooks (only if it gathers
         #: a parameter: the hooks cost a Python call per saved tensor)
