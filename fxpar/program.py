@@ -225,8 +225,9 @@ class Program:
         pipeline: each stage chunk's) through ``torch.compile``, ``True`` for inductor or a
         backend's name (:func:`fxpar.runtime.runner.compiled`; not with recomputed layers),
         and the optimizer step with it (a built-in element-wise optimizer:
-        ``ModelStates.compile_step``, one fused kernel per flat segment). Under ``compile``, ``regather`` gives the same results (tested) but what memory it
-        frees has not been measured.
+        ``ModelStates.compile_step``, one fused kernel per flat segment). Under ``compile``,
+        ``regather`` gives the same results (tested) but what memory it frees has not been
+        measured.
         """
         cfg = self.plan.config
         # the plan's factors are over dp; the runner's are inside each parameter's replica

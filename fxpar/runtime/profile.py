@@ -34,8 +34,7 @@ import os
 import statistics
 import time
 from collections import defaultdict
-import dataclasses
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.fx as fx
@@ -52,9 +51,10 @@ class NodeTime:
     """One node of the rank graph: its layer, ``kind`` (``"compute"``, or ``"comm"`` for a
     node that runs a planned edge's collectives, ``edge`` naming it), measured forward and
     backward seconds (medians over the steps) and the plan's predicted ones. ``blocking``
-    (communication): the edge's launch and wait are adjacent in the graph, so the two nodes'
-    times are the collective's duration; an overlapped edge (prefetched, or the loss's
-    all-reduce waited after the backward) measures its launch and the wait it left exposed."""
+    (communication): no computation the plan prices runs between the edge's launch and its
+    wait, so its nodes' times are the collective's duration; an overlapped edge (prefetched,
+    or the loss's all-reduce waited after the backward) measures its launch and the wait it
+    left exposed."""
 
     name: str
     layer: str
@@ -382,9 +382,11 @@ def profile_runner(runner, args, kwargs, steps: int = 3) -> Profile:
     sync = _sync_for(runner, steps)
     if not args and not kwargs:
         args, kwargs = _synthetic_batch(runner)
+    from fxpar.runtime.runner import SOURCE
+
     gm = runner.gm
     # a split compiled runner (fxpar.runtime.runner.compiled) is profiled on its rank graph
-    prof_gm, stamped = _instrumented(gm.meta.get("fxpar_source", gm))
+    prof_gm, stamped = _instrumented(gm.meta.get(SOURCE, gm))
     runs, walls, opts = [], [], []
     runner.gm = prof_gm
     try:
@@ -453,7 +455,7 @@ def profile_runner(runner, args, kwargs, steps: int = 3) -> Profile:
             out[i].kind == "compute" and out[i].pred_fwd > 0 for i in range(ix[0], ix[-1]))
         for i in ix:
             if hidden and out[i].edge == e:
-                out[i] = dataclasses.replace(out[i], blocking=False)
+                out[i] = replace(out[i], blocking=False)
     nodes = tuple(n for n in out if n.edge != _SYNC or n.pred_bwd > 0)  # none planned
     return Profile(nodes, statistics.median(walls), steps, statistics.median(opts), plan.time)
 
@@ -484,7 +486,7 @@ def _predicted(nodes, plan) -> tuple[NodeTime, ...]:
         else:
             p = by_node.get(n.name)
             pf, pb = (p.fwd_time, p.bwd_time) if p is not None else (0.0, 0.0)
-        out.append(dataclasses.replace(n, pred_fwd=pf, pred_bwd=pb))
+        out.append(replace(n, pred_fwd=pf, pred_bwd=pb))
     return tuple(out)
 
 

@@ -184,7 +184,7 @@ class Runner(RankRunner):
         #: the layers whose forward is recomputed in backward (:mod:`fxpar.runtime.recompute`)
         self.recompute = recompute_layers(program, recompute, known_layers(gm))
         self._rc = None
-        # split per layer where leaves take gradients (their bucket hooks fire per piece)
+        # in pieces at bucket boundaries where leaves take gradients (hooks fire per piece)
         self.gm = compiled(gm, compile, self.recompute,
                            split=bool(program.training and param_uses(gm, self._order)[1]))
         edges = gm.meta.get(ir.EDGES, {})

@@ -130,9 +130,6 @@ class ShardedOptimizer:
     def _eager_step(self) -> None:
         self.optimizer.step()   # looked up per call: an LR scheduler's wrapper is seen
 
-    def _step(self) -> None:
-        (self.compiled_step or self.optimizer.step)()
-
     # -- construction ------------------------------------------------------------------------
     def _make_masters(self, flat: bool) -> None:
         """The optimizer's tensors: with ``flat``, one per (bucket, param group) segment of
@@ -204,7 +201,7 @@ class ShardedOptimizer:
                 g = g.float()
             master.grad = g
         if self.optimizer is not None:
-            self._step()
+            (self.compiled_step or self.optimizer.step)()
         gathers = []
         for bk in self._buckets:
             lay = bk.lay
