@@ -73,6 +73,9 @@ Graph-module keys (``gm.meta[...]``)
 ``EDGES``       ``"fxpar_edges"``: ``{edge name: Edge}`` of every communication node of the graph
                 (frozen plan data; the ops ``torch.ops.fxpar.*`` name their edge, the runtime
                 looks it up at call time in :class:`fxpar.runtime.bindings.Bindings`).
+``SOURCE``      ``"fxpar_source"``: on a rank graph compiled in pieces
+                (:func:`fxpar.runtime.runner.compiled`), the rank graph it runs (what
+                ``runner.profile()`` instruments).
 ==============  ================================================================================
 
 >>> import torch, fxpar.ir as ir
@@ -118,6 +121,7 @@ __all__ = [
     "OUTPUT_TREE",
     "FRONTEND",
     "REPLICA_AXES",
+    "SOURCE",
     "GLOBAL_VAL",
     "GRAD_SPEC",
     "GRAD_ACC",
@@ -176,6 +180,7 @@ FRONTEND = "fxpar_frontend"
 REPLICA_AXES = "fxpar_replica_axes"
 EDGES = "fxpar_edges"
 READS = "fxpar_reads"
+SOURCE = "fxpar_source"
 
 
 class _Sized:

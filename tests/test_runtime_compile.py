@@ -36,7 +36,7 @@ def _steps(plan, mesh, vocab=64, d_model=32, seq_len=16, **kw):
     gm = comp.gm if hasattr(comp, "gm") else next(iter(comp.chunks.values())).run
     # a graph whose leaves take gradients is compiled per layer (its buckets reduce during
     # the backward): every piece compiled
-    pieces = [type(m).__name__ for _, m in gm.named_children()] if "fxpar_source" in gm.meta else []
+    pieces = [type(m).__name__ for _, m in gm.named_children()] if fxpar.ir.SOURCE in gm.meta else []
     return losses, (pieces and set(pieces) == {"OptimizedModule"} and len(pieces) > 1) or type(gm).__name__
 
 

@@ -382,11 +382,9 @@ def profile_runner(runner, args, kwargs, steps: int = 3) -> Profile:
     sync = _sync_for(runner, steps)
     if not args and not kwargs:
         args, kwargs = _synthetic_batch(runner)
-    from fxpar.runtime.runner import SOURCE
-
     gm = runner.gm
     # a split compiled runner (fxpar.runtime.runner.compiled) is profiled on its rank graph
-    prof_gm, stamped = _instrumented(gm.meta.get(SOURCE, gm))
+    prof_gm, stamped = _instrumented(gm.meta.get(ir.SOURCE, gm))
     runs, walls, opts = [], [], []
     runner.gm = prof_gm
     try:

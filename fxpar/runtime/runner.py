@@ -71,7 +71,7 @@ def compiled(gm: fx.GraphModule, compile, recompute: frozenset[str], split: bool
     cannot: that combination is refused (``recompute=False``, or compile without it).
 
     ``split``: one compiled piece per gradient bucket's worth of layers (:func:`_bucket_pieces`;
-    ``torch.fx``'s ``split_module``, the returned module calls them in order, ``meta[SOURCE]``
+    ``torch.fx``'s ``split_module``, the returned module calls them in order, ``meta[ir.SOURCE]``
     is ``gm``), as ``torch.compile`` of DDP splits at its buckets: a whole-graph compiled
     backward is ONE autograd node, so every parameter's gradient reaches its leaf (and its
     bucket's all-reduce starts) only after the whole backward; per piece, the last layers'
@@ -92,12 +92,8 @@ def compiled(gm: fx.GraphModule, compile, recompute: frozenset[str], split: bool
     out = split_module(gm, gm, lambda n: parts[n], keep_original_order=True)
     for name, sub in list(out.named_children()):
         setattr(out, name, torch.compile(sub, backend=backend, dynamic=False))
-    out.meta = {**gm.meta, SOURCE: gm}
+    out.meta = {**gm.meta, ir.SOURCE: gm}
     return out
-
-
-#: ``meta`` key of a split compiled rank graph (:func:`compiled`): the rank graph it runs
-SOURCE = "fxpar_source"
 
 
 def _bucket_pieces(gm: fx.GraphModule, first: int = FIRST_BUCKET_BYTES,
