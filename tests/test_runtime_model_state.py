@@ -523,6 +523,16 @@ def test_leaves_accumulate_in_the_bucket_buffer(pools, s_os):
         assert v["grad_after"] == [[]] * (2 * STEPS)
 
 
+def _train_step(m, ms, x, y) -> None:
+    """One single-process step of ``m`` through ModelStates ``ms`` (gradients fed, stepped)."""
+    m.zero_grad(set_to_none=True)
+    _loss(m, x, y).backward()
+    for k, p in m.named_parameters():
+        ms.add_grad(k, p.grad)
+    ms.finish_backward_and_step()
+    ms.zero_grad()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_compiled_optimizer_step_matches_eager():
@@ -557,12 +567,7 @@ def test_compiled_optimizer_step_matches_eager():
     for step in range(6):
         x, y = _batch(step, 0)
         for m, ms, sched in zip(models, states, scheds):
-            m.zero_grad(set_to_none=True)
-            _loss(m, x, y).backward()
-            for k, p in m.named_parameters():
-                ms.add_grad(k, p.grad)
-            ms.finish_backward_and_step()
-            ms.zero_grad()
+            _train_step(m, ms, x, y)
             sched.step()
         seen.append(len(graphs))
         for a, b in zip(models[0].parameters(), models[1].parameters()):
@@ -579,13 +584,7 @@ def test_compiled_optimizer_step_matches_eager():
                 a.copy_(b)
         ms.load_optimizer_state({k: {n: v * 2 if torch.is_tensor(v) and v.ndim else v
                                      for n, v in st.items()} for k, st in state.items()}, groups)
-        x, y = _batch(9, 0)
-        m.zero_grad(set_to_none=True)
-        _loss(m, x, y).backward()
-        for k, p in m.named_parameters():
-            ms.add_grad(k, p.grad)
-        ms.finish_backward_and_step()
-        ms.zero_grad()
+        _train_step(m, ms, *_batch(9, 0))
     for a, b in zip(models[0].parameters(), models[1].parameters()):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
     per_param = ModelStates(dict(_model().named_parameters()), dict.fromkeys(named),
@@ -608,11 +607,6 @@ def test_loaded_optimizer_state_is_copied():
             if step == 2:
                 saved = saved or ms.optimizer_state()
                 ms.load_optimizer_state(*saved)
-            m.zero_grad(set_to_none=True)
-            _loss(m, *_batch(step, 0)).backward()
-            for k, p in m.named_parameters():
-                ms.add_grad(k, p.grad)
-            ms.finish_backward_and_step()
-            ms.zero_grad()
+            _train_step(m, ms, *_batch(step, 0))
     assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
     assert float(saved[0]["0.weight"]["step"]) == 2.0
