@@ -13,7 +13,8 @@ joint search as Alpa runs it: placement-agnostic communication costs, replicated
 states; its choice priced on the real cluster), all scored by the one cost model of
 :mod:`fxpar.planner`. ``axonn`` without a mesh tries AxoNN's ranked grids in
 order and keeps the first that plans; ``auto`` keeps the fastest of all meshes tried (by
-``Plan.time``, the one step model of :mod:`fxpar.cost.step`).
+``Plan.time``, the one step model of :mod:`fxpar.cost.step`), and of the ``dp``, ``zero3``
+and ``megatron`` layouts (:func:`_seeds`: the solver minimizes a summed time, not the step).
 
 >>> import torch, fxpar
 >>> from examples.models import MLP
@@ -155,37 +156,49 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
         meshes = [m] if m is not None else (
             candidate_meshes(gm, cluster) if plan == "auto" else
             axonn_meshes(gm, cluster) if first_fit else [baseline_mesh(plan, gm, cluster)])
-        best, kept, tried, errors, best_key = None, None, [], [], None
-        for msh in meshes:
+        trials = [(msh, plan) for msh in meshes]
+        if plan == "auto" and not pins:
+            trials += _seeds(gm, cluster, m)
+        best, kept, tried, errors, best_key, best_seed, failed = None, None, [], [], None, None, None
+        for msh, kind in trials:
             if first_fit and best is not None:
                 break
-            all_pins = dict(baseline_pins(plan, gm, msh, sequence_parallel=opts.sequence_parallel)
-                            ) if plan != "auto" else {}
-            all_pins.update(cp_pins(gm, msh))   # a "cp" axis splits the sequence
-            all_pins.update(pins or {})
+            seed = kind != plan
+            label = f"{msh!r} [{kind} layout]" if seed else repr(msh)
             try:
+                all_pins = dict(baseline_pins(kind, gm, msh, sequence_parallel=opts.sequence_parallel)
+                                ) if kind != "auto" else {}
+                all_pins.update(cp_pins(gm, msh))   # a "cp" axis splits the sequence
+                all_pins.update(pins or {})
                 p, bp, sol = plan_and_keep(gm, msh, pins=all_pins, options=opts,
                                            strategies=strategies, kind=plan)
             except PlanError as e:
                 if progress is not None:
-                    progress(f"{msh!r}: no plan ({str(e).splitlines()[0][:120]})")
-                if len(meshes) == 1:
-                    raise
-                errors.append(f"{msh!r}: {e}")
+                    progress(f"{label}: no plan ({str(e).splitlines()[0][:120]})")
+                if not seed:   # a baseline's layout that cannot plan is no error of auto's
+                    errors.append(f"{msh!r}: {e}")
+                    failed = failed or e
                 continue
             # meshes are compared by the one step model (Plan.time), as the joint search ranks
             # its configurations; on one mesh the solver minimizes the summed time
             step = p.time
             if progress is not None:
-                progress(f"{msh!r}: build {p.stats.get('build_s', 0):.2f} s, solve "
+                progress(f"{label}: build {p.stats.get('build_s', 0):.2f} s, solve "
                          f"{p.stats.get('solve_s', 0):.2f} s ({p.stats.get('strategies', '?')} "
                          f"strategies), predicted step {step * 1e3:.4g} ms")
-            tried.append((repr(msh), step))
+            tried.append((label, step))
             if best is None or (step, p.summed_time) < best_key:
                 best, best_mesh, kept, best_key = p, msh, (bp, sol), (step, p.summed_time)
+                best_seed = kind if seed else None
         if best is None:
+            if len(meshes) == 1 and failed is not None:
+                raise failed
             raise PlanError(f"no {plan} plan on any candidate mesh: " + "; ".join(errors))
         notes = baseline_notes(plan, gm, best_mesh)
+        if best_seed is not None:
+            notes = notes + (f"auto: the {best_seed} baseline's layout on {best_mesh!r} is priced "
+                             "faster by the step model than the solver's own choice (the solver "
+                             "minimizes the summed time, the step model overlaps), so it is kept",)
         if notes:
             best = dataclasses.replace(best, notes=notes)
         return Planned(best, gm, tuple(tried), *kept)
@@ -194,6 +207,26 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
                     plan_of=_plan_of, extra_of=_tried_of, enabled=broadcast,
                     prepare=lambda: graph if graph is not None else
                     capture(model, example_inputs, example_kwargs), signature=graph_signature)
+
+
+#: baselines whose layouts ``plan="auto"`` also prices (:func:`_seeds`)
+SEED_BASELINES = ("dp", "zero3", "megatron")
+
+
+def _seeds(gm: fx.GraphModule, cluster, mesh: Mesh | None) -> list[tuple[Mesh, str]]:
+    """``(mesh, baseline)`` pairs ``plan="auto"`` prices besides its own solves: each of
+    :data:`SEED_BASELINES` on the given ``mesh`` (else on its default mesh). The solver
+    minimizes the summed time of a mesh's ops and collectives, while plans are ranked by the
+    step model (overlap, buckets, the optimizer), so on one mesh the solver's optimum can price
+    a few percent slower than a baseline's layout; with these seeds ``auto`` is never slower
+    than a baseline by its own step model."""
+    out = []
+    for kind in SEED_BASELINES:
+        try:
+            out.append((mesh if mesh is not None else baseline_mesh(kind, gm, cluster), kind))
+        except PlanError:
+            continue
+    return out
 
 
 @_gc_paused

@@ -82,6 +82,33 @@ def test_auto_mesh_choice_and_default_meshes(a100):
     assert plan(None, a100, graph=gm, plan="megatron", strategies=toy_strategies).plan.mesh["axis_names"] == ("dp", "tp")
 
 
+def test_auto_is_never_slower_than_a_baseline():
+    """On one mesh the solver minimizes the summed time while plans are ranked by the step
+    model (overlap, buckets): for this GPT on one Perlmutter node the solver's best priced
+    0.2999 ms against dp's 0.2931 ms. ``auto`` also prices the baselines' layouts and keeps
+    the fastest, saying so in a note."""
+    from examples.models import GPT
+
+    cl = fxpar.Cluster.preset("perlmutter", nodes=1)
+    gm = fxpar.capture(GPT(vocab=1024, d_model=256, n_heads=8, n_layers=2, seq_len=128),
+                       (torch.randint(0, 1024, (16, 128)),))
+    auto = plan(None, cl, graph=gm)
+    base = {k: plan(None, cl, graph=gm, plan=k).plan.time for k in ("dp", "zero3", "megatron")}
+    assert auto.plan.time <= min(base.values()) * (1 + 1e-9)
+    assert auto.plan.kind == "auto"
+    assert any("[dp layout]" in label for label, _ in auto.tried)
+    if auto.plan.time == base["dp"]:
+        assert any("dp baseline's layout" in n for n in auto.plan.notes)
+
+
+def test_baseline_on_an_empty_batch_names_it(a100):
+    """A baseline splitting a batch of 0 samples raises naming it (it raised StopIteration)."""
+    from examples.models import MLP
+
+    with pytest.raises(PlanError, match="empty batch"):
+        plan(MLP(8, 16, 4), a100, (torch.randn(0, 8),), mesh={"dp": 2}, plan="dp")
+
+
 def test_compile_emit_false_and_unknown_plan(a100):
     from examples.models import MLP
 

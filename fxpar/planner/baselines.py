@@ -149,8 +149,9 @@ def candidate_meshes(gm: fx.GraphModule, cluster) -> list[Mesh]:
     """Meshes tried by ``plan="auto"`` without ``mesh=``: 1D dp, (dp, tp) with tp a power of
     two ≤ devices per node, and the grid of the ``axonn`` baseline (:func:`baseline_mesh`)
     unless it equals one of those once its size-1 axes are dropped (same devices in the same
-    order). So every baseline's default mesh is searched: ``auto`` is never worse than a
-    baseline. Order fixed."""
+    order). So every baseline's default mesh is searched; ``fxpar.plan`` also prices the
+    baselines' own layouts (``fxpar.api.SEED_BASELINES``), so ``auto`` is never slower than
+    a baseline by the step model. Order fixed."""
     n = cluster.num_devices
     out = [Mesh(cluster, dp=n)]
     for t in _pow2_upto(min(cluster.devices_per_node, n)):
@@ -408,6 +409,9 @@ def _check_batch(kind: str, gm: fx.GraphModule, mesh: Mesh, dp_axes) -> None:
     if d <= 1 or not sizes or all(no_empty_shard(b, (d,)) for b in sizes):
         return
     b = min(sizes)
+    if b == 0:   # an empty batch: no degree gives every device a sample
+        raise PlanError(f"plan={kind!r} splits the batch over {d} data-parallel devices "
+                        f"({'×'.join(dp_axes)}), but an input has an empty batch (dim 0 of size 0)")
     fits = next(k for k in range(d, 0, -1) if no_empty_shard(b, (k,)) and d % k == 0)
     shape = dict(zip(mesh.axis_names, mesh.shape))
     # the same mesh with the first data-parallel axis at `fits` and the others at 1
