@@ -69,6 +69,7 @@ from fxpar.defaults import BUCKET_BYTES, FIRST_BUCKET_BYTES
 
 __all__ = ["UnitCost", "ChunkCost", "DpTerms", "StepTime", "chunk_costs", "dp_terms",
            "microbatch_overhead", "optimizer_time", "param_units", "rank_memory", "step_time",
+           "ZERO_STYLES", "zero_units",
            "unit_overlap", "overlapped_chunk", "overlapped_chunks", "BUCKET"]
 
 #: gradient bucket of the data-parallel reduction (AMSP's ``U``), bytes
@@ -271,10 +272,13 @@ def overlapped_chunks(chunks: Sequence[ChunkCost], p: int, m: int, dp: Sequence[
     out: tuple[list[float], list[float], list[float]] = ([], [], [])
     for k, c in enumerate(chunks):
         d, share = dp[k % p], c.params / max(phi[k % p], 1e-30)
-        g, r = d.t_p / (2 * m) * share, (d.t_g + d.t_os0) * share
-        fbr = (overlapped_chunk(c, g, r, interference) if overlap
-               else (c.fwd + g, c.bwd + g, c.reduce + r))
-        for acc, v in zip(out, fbr):
+        # per microbatch: T_p/m, of which a third is the reduce-scatter (ring RS and AG of the
+        # same bytes cost the same), exposed in the backward when the runtime does not overlap it
+        rs = d.t_p / (3 * m) * share if d.rs_exposed else 0.0
+        g, r = (d.t_p / m * share - rs) / 2, (d.t_g + d.t_os0) * share
+        f, b, red = (overlapped_chunk(c, g, r, interference) if overlap
+                     else (c.fwd + g, c.bwd + g, c.reduce + r))
+        for acc, v in zip(out, (f, b + rs, red)):
             acc.append(v)
     return out
 
@@ -306,21 +310,51 @@ def overlapped_chunk(c: ChunkCost, gather: float, reduce: float, interference: f
 
 @dataclass(frozen=True)
 class DpTerms:
-    """AMSP's per-step data-parallel seconds for one pipeline rank's parameters."""
+    """AMSP's per-step data-parallel seconds for one pipeline rank's parameters;
+    ``rs_exposed``: the reduce-scatters in ``t_p`` are not overlapped with the backward
+    (:data:`ZERO_STYLES` ``"deepspeed"``)."""
 
     t_p: float = 0.0
     t_g: float = 0.0
     t_os0: float = 0.0
     t_os1: float = 0.0
+    rs_exposed: bool = False
 
     @property
     def total(self) -> float:
         return self.t_p + self.t_g + self.t_os0 + self.t_os1
 
 
+#: How a runtime issues ZeRO-3's collectives (``PlannerOptions.zero_style``):
+#:
+#: * ``"flat"``: one all-gather (forward, again in backward) and one reduce-scatter per unit's
+#:   parameters together, gathers prefetched a unit ahead, reduce-scatters behind the
+#:   backward: fxpar's runtime, FSDP, AMSP;
+#: * ``"deepspeed"``: DeepSpeed's ZeRO-3 as the seeds measured it: one ``all_gather`` per
+#:   parameter tensor (``partition_parameters._allgather_param``), so a unit pays its ring
+#:   latency once per tensor, and reduce-scatters that do not overlap the backward (AMSP §VI,
+#:   Fig. 14: "fails to effectively overlap ReduceScatter with computation").
+ZERO_STYLES = ("flat", "deepspeed")
+
+
+def zero_units(chunks: Sequence[ChunkCost], p: int, style: str = "flat") -> list[int]:
+    """AMSP's ``L`` per pipeline rank under ``style`` (:data:`ZERO_STYLES`): units holding
+    parameters (:func:`param_units`) or, ``"deepspeed"``, parameter tensors.
+
+    >>> c = ChunkCost(0, 0, 0, 3, 0, 0, 0, unit_params=(0.0, 2.0, 1.0), tensors=5)
+    >>> zero_units([c, c, c], 2), zero_units([c, c, c], 2, "deepspeed")
+    ([4, 2], [10, 5])
+    """
+    if style not in ZERO_STYLES:
+        raise ValueError(f"zero_style {style!r}: one of {ZERO_STYLES}")
+    if style == "flat":
+        return param_units(chunks, p)
+    return [max(1, sum(c.tensors for c in chunks[r::p])) for r in range(p)]
+
+
 @functools.lru_cache(maxsize=8192)
 def dp_terms(phi: float, layers: int, m: int, d0: int, d1: int, s_p: int, s_g: int, s_os: int,
-             cluster, precision: str = "mixed") -> DpTerms:
+             cluster, precision: str = "mixed", style: str = "flat") -> DpTerms:
     """AMSP's ``T_p, T_g, T_os0, T_os1`` (:func:`fxpar.cost.amsp.evaluate`) for ``phi`` local
     parameters in ``layers`` equal modules over ``d0 × d1`` replicas (inside × across nodes),
     ``m`` microbatches; each factor split inside the node first (AMSP eq. 7). Two departures,
@@ -347,7 +381,7 @@ def dp_terms(phi: float, layers: int, m: int, d0: int, d1: int, s_p: int, s_g: i
     r = evaluate(Sharding(split(s_p), split(s_g), split(s_os)), phi=phi,
                  module_params=[phi / max(1, layers)], L=max(1, layers), M=m, U=bucket,
                  cluster=cluster, dp=(d0, d1), precision=precision)
-    return DpTerms(r.t_p, r.t_g, r.t_os0, r.t_os1)
+    return DpTerms(r.t_p, r.t_g, r.t_os0, r.t_os1, rs_exposed=style == "deepspeed")
 
 
 def rank_memory(chunks: Sequence[ChunkCost], p: int, in_flight: Sequence[float],

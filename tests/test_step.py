@@ -181,6 +181,39 @@ def test_spmd_step_overlaps_gathers_and_reductions_by_unit():
     assert slow.step == pytest.approx(st.step + 0.2 * 1.5)
 
 
+def test_deepspeed_style_reduce_scatters_are_exposed():
+    """``zero_style="deepspeed"`` (``DpTerms.rs_exposed``): of ``T_p`` per microbatch, the
+    third that is reduce-scatter is paid in the backward, not hidden; the gathers (1 s per
+    pass, 0.5 s per unit) overlap as before. Flat: 1.5 s of gathers per pass, 0.75 per unit."""
+    us = [_unit(f"l{i}", 1.0, 2.0, 0.0, 1.0, 0.0) for i in range(2)]
+    chunks = chunk_costs(us, (0,))
+    sched = Schedule.build("1f1b", stages=1, microbatches=1)
+    ds = step_time(sched, chunks, lambda k: (0, 0), [DpTerms(t_p=3.0, rs_exposed=True)])
+    flat = step_time(sched, chunks, lambda k: (0, 0), [DpTerms(t_p=3.0)])
+    assert ds.step == pytest.approx((0.5 + 2) + (0.5 + 4 + 1))
+    assert flat.step == pytest.approx((0.75 + 2) + (0.75 + 4))
+
+
+def test_deepspeed_style_prices_a_collective_per_parameter_tensor(gpt):
+    """The joint search under ``PlannerOptions(zero_style="deepspeed")``: ZeRO-3 pays each
+    parameter tensor's ring latency and its exposed reduce-scatters, so on 16 nodes it prices
+    slower than fxpar's flat ZeRO-3; data parallelism without ZeRO-3 is priced the same."""
+    from fxpar.planner.joint import search
+    from fxpar.planner import PlannerOptions
+
+    cl = fxpar.Cluster.preset("dgx-a100", nodes=16)
+    gm = fxpar.capture(gpt, (X[:1],))
+    ds = PlannerOptions(zero_style="deepspeed")
+    z3 = dict(pp=1, tp=1, dp=128, s_p=128, s_g=128, s_os=128)
+    assert search(gm, cl, batch=128, only=z3, options=ds).best.step > \
+        search(gm, cl, batch=128, only=z3).best.step
+    ddp = dict(pp=1, tp=1, dp=128, s_p=1, s_g=1, s_os=1)
+    assert search(gm, cl, batch=128, only=ddp, options=ds).best.step == \
+        search(gm, cl, batch=128, only=ddp).best.step
+    with pytest.raises(fxpar.PlanError, match="zero_style"):
+        PlannerOptions(zero_style="fsdp1")
+
+
 def test_reductions_that_outlast_the_backward_are_exposed():
     """Reductions longer than the backward they hide behind: the lane runs on after it."""
     from fxpar.cost.step import unit_overlap

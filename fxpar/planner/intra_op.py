@@ -97,10 +97,24 @@ class PlannerOptions:
     fan_out: bool = True
     #: ``plan="megatron"``: sequence parallelism (:func:`fxpar.planner.baselines.baseline_pins`)
     sequence_parallel: bool = False
+    #: how the priced runtime issues ZeRO-3's collectives (:data:`fxpar.cost.step.ZERO_STYLES`):
+    #: ``"flat"`` (fxpar's own, FSDP's: a unit's parameters in one collective) or
+    #: ``"deepspeed"`` (one per parameter tensor, reduce-scatters not overlapped), to price
+    #: what another system measured
+    zero_style: str = "flat"
+
+    def __post_init__(self) -> None:
+        from fxpar.cost.step import ZERO_STYLES
+
+        if self.zero_style not in ZERO_STYLES:
+            raise PlanError(f"PlannerOptions.zero_style={self.zero_style!r}: one of {ZERO_STYLES}")
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in ("optimizer", "precision", "efficiency",
-                                                "memory_efficiency", "tie_layers")}
+        out = {k: getattr(self, k) for k in ("optimizer", "precision", "efficiency",
+                                             "memory_efficiency", "tie_layers")}
+        if self.zero_style != "flat":   # plans priced as fxpar runs them keep their hash
+            out["zero_style"] = self.zero_style
+        return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -72,7 +72,7 @@ from fxpar import ir
 from fxpar.config import ParallelConfig, is_layer
 from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import (BUCKET, UnitCost, chunk_costs, dp_terms, microbatch_overhead,
-                             overlapped_chunks, param_units, rank_memory)
+                             overlapped_chunks, rank_memory, zero_units)
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.planner.intra_op import PlannerOptions, plan_and_keep
@@ -420,7 +420,8 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
                    microbatches=microbatches, cps=cps)
     table, layouts, plan_s = _cost_tables(gm, cluster, space.keys, opts)
     pricing = _Pricing(table, state_bytes(opts), budget, cluster,
-                       "recompute" not in space.only and True in space.recompute, opts.precision)
+                       "recompute" not in space.only and True in space.recompute, opts.precision,
+                       opts.zero_style)
     cands, tried, over, smallest = _price_all(_configurations(space, table, cluster), pricing)
     _raise_if_nothing(space, cands, tried, smallest[None], budget)
     t2 = time.perf_counter()
@@ -674,8 +675,9 @@ class _Pricing:
     """What pricing needs besides a :class:`_Shape`: the unit table per ``tp`` degree, the
     bytes per parameter of each model state ``(k_p, k_g, k_os)``, the ``budget`` (bytes per
     device), the cluster, whether over-budget configurations try recomputing some units
-    (``partial``: recomputation is searched, not fixed by the user) and the training
-    ``precision`` (the bytes a value moves, the optimizer's flat step)."""
+    (``partial``: recomputation is searched, not fixed by the user), the training
+    ``precision`` (the bytes a value moves, the optimizer's flat step) and how the runtime
+    issues ZeRO-3's collectives (``zero_style``, :data:`fxpar.cost.step.ZERO_STYLES`)."""
 
     table: Mapping[int, Sequence[UnitCost]]
     state_bytes: tuple[float, float, float]
@@ -683,6 +685,7 @@ class _Pricing:
     cluster: object
     partial: bool
     precision: str = "mixed"
+    zero_style: str = "flat"
 
     @functools.cached_property
     def recomputable(self) -> dict[tuple[int, int], frozenset[int]]:
@@ -734,7 +737,7 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
     xfer = 2 * sum(_xfer(ccs[False][k].out, k, p, s.replicas, s.t, pricing.cluster)
                    for k in range(n - 1))
     fl = [in_flight_microbatches(MEM_KEY[s.schedule], r, p, s.m, s.v) for r in range(p)]
-    layers = param_units(ccs[False], p)
+    layers = zero_units(ccs[False], p, pricing.zero_style)
     part = None  # partial recomputation tables, built when first needed
     for rc in s.recompute:
         ch = ccs[rc]
@@ -743,7 +746,7 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
         for s_p, s_g, s_os in s.states:
             mems = rank_memory(ch, p, fl, pricing.state_bytes, (s_p, s_g, s_os), tmp)
             dpr = [dp_terms(round(phi[r]), layers[r], s.m, s.d0, s.replicas // s.d0, s_p, s_g, s_os,
-                            pricing.cluster, pricing.precision) for r in range(p)]
+                            pricing.cluster, pricing.precision, pricing.zero_style) for r in range(p)]
             dpt = max(red[r] + dpr[r].total for r in range(p))
             # the estimate overlaps as the step model does (cost.step.overlapped_chunks): the
             # gathers per pass and microbatch, what the reductions leave exposed once

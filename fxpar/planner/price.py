@@ -41,8 +41,8 @@ from fxpar.cost.memory import STATE_BYTES_PER_PARAM
 from fxpar.cost.overlap import coalesced_pricer
 from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import (BUCKET, DpTerms, StepTime, UnitCost, chunk_costs, dp_terms,
-                             microbatch_overhead, optimizer_time, param_units, rank_memory,
-                             step_time)
+                             microbatch_overhead, optimizer_time, rank_memory,
+                             step_time, zero_units)
 from fxpar.spec import Spec
 from fxpar.split import units
 
@@ -243,10 +243,11 @@ def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequenc
                          microbatch_overhead(cluster))
     sched = schedule or Schedule.build(str(config.schedule), stages=p, microbatches=m, chunks=v)
     d0, d1 = replica_grid(config.replicas, p, config.tp, cluster)
-    layers = param_units(chunks, p)
+    style = getattr(options, "zero_style", "flat")
+    layers = zero_units(chunks, p, style)
     prec = options.precision
     dp = [dp_terms(round(sum(c.params for c in chunks[r::p])), layers[r], m, d0, d1, *config.state,
-                   cluster, prec) if config.replicas > 1 else DpTerms() for r in range(p)]
+                   cluster, prec, style) if config.replicas > 1 else DpTerms() for r in range(p)]
     fl = [in_flight_microbatches(MEM_KEY.get(str(config.schedule), "gpipe"), r, p, m, v)
           for r in range(p)]
     tmp = 2 * BUCKET + max(c.max_act for c in chunks)
@@ -319,7 +320,8 @@ def price_plan(plan, config: ParallelConfig | None = None, *, memory: bool = Fal
     over its rank's model states), as :meth:`fxpar.program.Program.simulate` shows."""
     config = config or plan.config
     opts = SimpleNamespace(optimizer=plan.options.get("optimizer", "adam"),
-                           precision=plan.options.get("precision", "mixed"))
+                           precision=plan.options.get("precision", "mixed"),
+                           zero_style=plan.options.get("zero_style", "flat"))
     tables = [st.plan.units for st in plan.stages] if plan.stages else [plan.units]
     us = [u for t in tables for u in t]
     starts = [0]
