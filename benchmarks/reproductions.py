@@ -342,14 +342,17 @@ def axonn_step(heads: int, h: int, l: int, G: tuple[int, int, int, int], cluster
       + recomputation: forward compute and forward activation communication again, the joint
       search's ``B += F``; AxoNN caches the gathered weights under recomputation, §IV);
     * once: every parameter's gradient reduction (``bwd`` edges out of a parameter: the ``z``
-      reduce-scatter and the ``data`` all-reduce), not overlapped (as the joint search's
-      data-parallel term; AxoNN overlaps them, §IV: an upper bound);
+      reduce-scatter and the ``data`` all-reduce), issued layer by layer behind the last
+      microbatch's backward as AxoNN does (§IV: asynchronous reductions, waits deferred), the
+      step model's overlap (:func:`fxpar.cost.step.unit_overlap`): only what outlasts the
+      backward is exposed (``grad_exposed_s``);
     * memory with checkpointing: model states + each block's input (``b × s × h`` bf16, kept
       whole: an upper bound) + the largest block's saved activations (the joint search's
       ``states + I + max A``), against 40 GiB.
     """
     from examples.models import GPT
     from fxpar import ir
+    from fxpar.cost.step import unit_overlap
     from fxpar.planner import PlannerOptions
     from fxpar.planner.intra_op import plan_and_keep
 
@@ -375,9 +378,13 @@ def axonn_step(heads: int, h: int, l: int, G: tuple[int, int, int, int], cluster
     act_max = max(r["memory"] for r in blocks) if blocks else 0
     memory = states + l * b * S * h * 2 + act_max
     comm = plan.comm_by()
+    bwd = plan.compute_bwd + plan.compute_fwd + fwd_act   # the backward with its recomputation
+    done, tail = unit_overlap([bwd / l] * l, [0.0] * l, [grad / l] * l, cluster.comm_interference)
+    exposed = done + tail - bwd
     return {"grid": {"data": gd, "z": gz, "y": gy, "x": gx}, "microbatch": b, "microbatches": m,
-            "step_s": m * per_mb + grad, "memory_gib": memory / 2**30,
+            "step_s": m * per_mb + exposed, "memory_gib": memory / 2**30,
             "fits": memory <= cluster.device_memory, "grad_reduce_s": grad,
+            "grad_exposed_s": exposed,
             "per_microbatch_s": per_mb, "recompute_s": plan.compute_fwd + fwd_act,
             "comm_by_axis_s": {a: sum(t for (_, ax), t in comm.items() if ax == a)
                                for a in sorted({ax for _, ax in comm})},
