@@ -299,7 +299,7 @@ class _ClassOrInstanceMethod:
 # gemm/attention efficiency: fitted by benchmarks/published.py (8 of 37 published rows;
 # results/published.json); below cuBLAS's ~0.8 on large GEMMs: the fit also absorbs what the
 # model does not price (unfused elementwise kernels' launch gaps, the optimizer step)
-_A100 = dict(gemm_tile=(256, 128), gemm_efficiency=0.611, attention_efficiency=0.524,
+_A100 = dict(gemm_tile=(256, 128), gemm_efficiency=0.626, attention_efficiency=0.626,
              memory_efficiency=0.85, intra_comm_efficiency=0.77, inter_comm_efficiency=0.92,
              kernel_overhead=3e-6, microbatch_overhead=0.0)
 _PRESETS: dict[str, dict] = {
@@ -354,9 +354,9 @@ _PRESETS: dict[str, dict] = {
 PHYSICS_SOURCES: dict[str, str] = {
     "dgx-a100": (
         "gemm_tile 256x128 and tile quantization: NVIDIA, Matrix Multiplication Background "
-        "User's Guide (its A100 examples). gemm_efficiency 0.611, attention_efficiency 0.524: "
+        "User's Guide (its A100 examples). gemm_efficiency 0.626, attention_efficiency 0.626: "
         "fitted to 8 of 37 published A100 training rows of the four seeds "
-        "(benchmarks/published.py; held-out median error 6.8%); microbatch_overhead 0: not "
+        "(benchmarks/published.py; held-out median error 6.2%); microbatch_overhead 0: not "
         "fitted (no published figure isolates it). memory_efficiency 0.85: STREAM-type kernels reach "
         "85-90% of A100 HBM bandwidth. intra_comm_efficiency 0.77: nccl-tests all-reduce bus "
         "bandwidth ~230 GB/s of NVLink3's 300 GB/s per direction on DGX A100; "
