@@ -445,22 +445,19 @@ def pairs_time(nbytes: float, pairs: Sequence[tuple[int, int]], cluster) -> floa
     if not nbytes or not pairs:
         return 0.0
     links = _pairs_links(tuple(tuple(int(x) for x in pr) for pr in pairs), cluster)
-    return max(latency + factor * nbytes / beta if factor else 0.0 for latency, factor, beta in links)
+    return max((latency + factor * nbytes / beta for latency, beta, factor in links), default=0.0)
 
 
 @functools.lru_cache(maxsize=4096)
 def _pairs_links(pairs: tuple[tuple[int, ...], ...], cluster) -> tuple[tuple[float, float, float], ...]:
-    """The distinct ``(latency, factor, β)`` of :func:`pairs_time`'s pairs (all at once),
+    """The distinct ``(latency, β, factor)`` of :func:`pairs_time`'s pairs (all at once),
     independent of the bytes: cached, as the joint search prices one boundary at many sizes
     (sharing the links among the pairs is what costs)."""
     out = set()
     for pr in pairs:
         steps, factor = ring_steps_and_factor("send_recv", len(pr))
-        if steps:
-            latency, beta = _link("send_recv", pr, cluster, pairs, True)
-            out.add((latency, factor, beta))
-        else:
-            out.add((0.0, 0.0, 1.0))
+        if steps:   # a one-device "pair" moves nothing
+            out.add((*_link("send_recv", pr, cluster, pairs, True), factor))
     return tuple(sorted(out))
 
 

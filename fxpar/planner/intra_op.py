@@ -46,6 +46,7 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.cost.compute import cost_rule, op_name
+from fxpar.cost.step import ZERO_STYLES
 from fxpar.errors import MemoryBudgetError, PlanError
 from fxpar.ir import grad_flags
 from fxpar.layers import layer_of, repeated_copies
@@ -104,8 +105,6 @@ class PlannerOptions:
     zero_style: str = "flat"
 
     def __post_init__(self) -> None:
-        from fxpar.cost.step import ZERO_STYLES
-
         if self.zero_style not in ZERO_STYLES:
             raise PlanError(f"PlannerOptions.zero_style={self.zero_style!r}: one of {ZERO_STYLES}")
 

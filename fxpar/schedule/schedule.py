@@ -83,16 +83,7 @@ class Schedule:
         if key != "interleaved" and chunks != 1:
             raise ScheduleError(f"chunks={chunks}: schedule {key!r} runs one chunk per rank; "
                                 "use 'interleaved' for several")
-        if cls is not Schedule:
-            return cls._generate(key, stages, microbatches, chunks)
         return _built(key, stages, microbatches, chunks)
-
-    @classmethod
-    def _generate(cls, key: str, stages: int, microbatches: int, chunks: int) -> Schedule:
-        compute = GENERATORS[key](stages, microbatches, chunks)
-        sched = cls(key, stages, microbatches, chunks, lower(compute, stages, microbatches, chunks))
-        sched.validate()
-        return sched
 
     @classmethod
     def from_actions(cls, actions_by_rank, *, microbatches: int | None = None,
@@ -243,4 +234,7 @@ def _built(key: str, stages: int, microbatches: int, chunks: int) -> Schedule:
     """:meth:`Schedule.build`'s generated, lowered and validated schedule, once per shape: a
     schedule is immutable, and the joint search prices its finalists' schedules again (a
     validation of 12 stages × 384 microbatches × 8 chunks takes ~1.4 s)."""
-    return Schedule._generate(key, stages, microbatches, chunks)
+    compute = GENERATORS[key](stages, microbatches, chunks)
+    sched = Schedule(key, stages, microbatches, chunks, lower(compute, stages, microbatches, chunks))
+    sched.validate()
+    return sched
