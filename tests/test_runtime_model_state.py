@@ -169,10 +169,11 @@ class _PerParamAdamW(torch.optim.AdamW):
     parameter (the reference the flat masters must match)."""
 
 
-def _flat_steps():
+def _flat_steps(piece=None):
     """DDP factors, two param groups (biases without weight decay), small buckets: the flat
-    layout against the per-parameter one fed the same gradients, 4 steps, and the optimizer
-    state saved by one and loaded into a third."""
+    layout (its segments stepped in tensors of at most ``piece`` elements) against the
+    per-parameter one fed the same gradients, 4 steps, and the optimizer state saved by one
+    and loaded into a third (same pieces) and a fourth (whole segments)."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -183,18 +184,19 @@ def _flat_steps():
         models.append(_model())
         named = dict(models[-1].named_parameters())
         states.append(ModelStates(named, {k: rg for k in named}, opt, bucket_bytes=96,
-                                  param_groups=_grouped))
+                                  param_groups=_grouped, step_piece=piece))
     flat, ref = states
     # a third steps each bucket as its reduction is waited (finish_backward_and_step)
     models.append(_model())
     named_f = dict(models[-1].named_parameters())
     fused = ModelStates(named_f, {k: rg for k in named_f},
                         lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-                        bucket_bytes=96, param_groups=_grouped)
+                        bucket_bytes=96, param_groups=_grouped, step_piece=piece)
     calls = []
     fused.optimizer.register_step_post_hook(lambda *a: calls.append(1))
     named = dict(models[0].named_parameters())
     out = {"tensors": len([t for g in flat.optimizer.param_groups for t in g["params"]]),
+           "largest": max(t.numel() for g in flat.optimizer.param_groups for t in g["params"]),
            "ref_tensors": len([t for g in ref.optimizer.param_groups for t in g["params"]]),
            "segments": sum(len({_grouped(p.fqn) is None for p in bk.params}) for bk in flat._buckets),
            "buckets": flat.num_buckets, "params": [], "same": []}
@@ -230,16 +232,25 @@ def _flat_steps():
         fs[f].keys() == rs[f].keys() and all(torch.equal(fs[f][k], rs[f][k]) for k in fs[f])
         for f in fs)
     out["groups"], out["ref_groups"] = fg, rgps
-    # a third ModelStates loads the flat one's state: the same state comes back
-    m3 = _model()
-    named3 = dict(m3.named_parameters())
-    ms3 = ModelStates(named3, {k: rg for k in named3},
-                      lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-                      bucket_bytes=96, param_groups=_grouped)
-    ms3.load_optimizer_state(fs, fg)
-    s3, g3 = ms3.optimizer_state()
-    out["round_trip"] = g3 == fg and all(
-        torch.equal(s3[f][k], fs[f][k]) for f in fs for k in fs[f])
+    # a third and a fourth ModelStates load the flat one's state: the same state comes back
+    out["round_trip"] = []
+    for p3 in (piece, None):
+        named3 = dict(_model().named_parameters())
+        ms3 = ModelStates(named3, {k: rg for k in named3},
+                          lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                          bucket_bytes=96, param_groups=_grouped, step_piece=p3)
+        ms3.load_optimizer_state(fs, fg)
+        s3, g3 = ms3.optimizer_state()
+        same = g3 == fg and all(torch.equal(s3[f][k], fs[f][k]) for f in fs for k in fs[f])
+        # a step after the load counts one step on every parameter (each piece stepped its
+        # own copy of the loaded step count, none shared)
+        for k, p in named3.items():
+            ms3.add_grad(k, torch.ones_like(p))
+        ms3.finish_backward()
+        ms3.step()
+        s4, _ = ms3.optimizer_state()
+        out["round_trip"].append(same and all(int(s4[f]["step"]) == int(fs[f]["step"]) + 1
+                                              for f in fs))
     return out
 
 
@@ -466,21 +477,27 @@ def test_the_planner_prices_the_runtime_bucket_size():
 
 @pytest.mark.dist
 @pytest.mark.timeout(120)
-def test_flat_masters_match_per_parameter_masters(pools):
-    """AdamW (element-wise): one optimizer tensor per (bucket, param group), each bucket's
-    parameters views of one storage; 4 steps give bitwise what per-parameter masters give, and
-    so does stepping each bucket as its reduction is waited (finish_backward_and_step: one
-    optimizer call per bucket); the per-FQN optimizer state is the same and survives a
-    save/load round trip."""
-    for res in pools(WORLD).run(_flat_steps):
+@pytest.mark.parametrize("piece", [None, 5])
+def test_flat_masters_match_per_parameter_masters(pools, piece):
+    """AdamW (element-wise): one optimizer tensor per (bucket, param group) — or, with
+    ``piece``, per piece of at most that many elements, cut across parameters (the layer
+    sizes 42, 7, 35, 5, 15 are not multiples of 5) — each bucket's parameters views of one
+    storage; 4 steps give bitwise what per-parameter masters give, and so does stepping each
+    bucket as its reduction is waited (finish_backward_and_step: one optimizer call per
+    bucket); the per-FQN optimizer state is the same and survives a save/load round trip,
+    into pieces and into whole segments."""
+    for res in pools(WORLD).run(_flat_steps, piece):
         assert res["buckets"] > 1 and res["segments"] > res["buckets"]  # both groups in a bucket
-        assert res["tensors"] == res["segments"] < res["ref_tensors"] == 5
+        if piece is None:   # the CPU default piece holds a whole segment of this model
+            assert res["tensors"] == res["segments"] < res["ref_tensors"] == 5
+        else:
+            assert res["tensors"] > res["ref_tensors"] == 5 and res["largest"] == piece
         assert res["one_storage"]
         assert res["same"] == [True] * 4 and res["state_same"]
         # stepped bucket by bucket (one optimizer call each), bitwise the same
         assert res["fused_calls"] == [res["buckets"]] * 4 and res["fused_same"] == [True] * 4
         assert res["groups"] == res["ref_groups"] and len(res["groups"]) == 2
-        assert res["round_trip"]
+        assert res["round_trip"] == [True, True]
     # and the training is right: a single process with the same param groups
     m = _model()
     opt = torch.optim.AdamW([{"params": [p for k, p in m.named_parameters() if _grouped(k)],

@@ -47,6 +47,7 @@ the sink:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
@@ -254,8 +255,10 @@ class RankRunner:
         :meth:`_direct`)."""
         from fxpar.runtime.model_state import ModelStates
 
+        # a compiled step is one fused loop per tensor, no temporaries: whole flat segments
         self.states = ModelStates(params, groups, self.program.optimizer, s_g=s_g, s_os=s_os,
-                                  bucket_bytes=bucket_bytes, grad_scale=grad_scale)
+                                  bucket_bytes=bucket_bytes, grad_scale=grad_scale,
+                                  step_piece=sys.maxsize if compile else None)
         if compile:
             self.states.compile_step("inductor" if compile is True else compile)
         uses = dict.fromkeys(params, 0)

@@ -72,6 +72,8 @@ class ModelStates(GradientBuckets):
     param groups. ``reduce_dtype`` reduces gradients in another dtype than the parameters'.
     ``grad_scale``: a factor per parameter applied to each contribution before it is summed
     (a pipeline rank whose copy of a tied parameter is complete where its group sums).
+    ``step_piece``: the most elements of one optimizer tensor cut from a flat bucket segment
+    (:class:`~fxpar.runtime.model_state.optimizer.ShardedOptimizer`'s ``piece``).
     Parameters of flat buckets are moved into one storage per bucket
     (:mod:`~fxpar.runtime.model_state.buckets`).
 
@@ -94,7 +96,8 @@ class ModelStates(GradientBuckets):
                  factors: Mapping[str, tuple[int, int]] | None = None,
                  param_groups: Callable[[str], Mapping] | None = None,
                  reduce_dtype: torch.dtype | None = None,
-                 grad_scale: Mapping[str, float] | None = None) -> None:
+                 grad_scale: Mapping[str, float] | None = None,
+                 step_piece: int | None = None) -> None:
         missing = [f for f in params if f not in groups]
         if missing:
             raise FxparError(f"ModelStates: no replica group given for {missing[:5]} "
@@ -105,7 +108,7 @@ class ModelStates(GradientBuckets):
         super().__init__(shards, bucket_bytes=bucket_bytes, first_bucket_bytes=first_bucket_bytes,
                          segment=keys, reduce_dtype=reduce_dtype, grad_scale=grad_scale)
         self._opt = ShardedOptimizer(self._params, self._buckets, optimizer, opts, keys,
-                                     grouped=param_groups is not None)
+                                     grouped=param_groups is not None, piece=step_piece)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:

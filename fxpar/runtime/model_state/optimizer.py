@@ -22,7 +22,10 @@ Flat step. If the optimizer is one of :data:`ELEMENTWISE`, it steps one tensor p
 bucket, param group) — a view of the bucket's storage, the parameters of a param group
 contiguous in the bucket — whose gradient is a slice of the bucket's reduced buffer (no
 copy): one kernel per operation instead of one per parameter, and per element the
-per-parameter update (bitwise for AdamW on CPU, tested). Its states are per segment;
+per-parameter update (bitwise for AdamW on CPU, tested). On a CPU the segment is stepped in
+pieces of at most :data:`fxpar.defaults.CPU_STEP_PIECE` elements (cut anywhere, across
+parameters too: element-wise, so the same bits), whose temporaries stay below the
+allocator's fresh-page threshold. Its states are per piece;
 :meth:`ShardedOptimizer.optimizer_state` still gives them per parameter. Other optimizers
 (built first over the segments, then again) get a master per parameter, as above.
 
@@ -55,6 +58,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from fxpar import defaults
 from fxpar.runtime.model_state.buckets import Bucket
 from fxpar.runtime.model_state.layout import ParamShard, lookup
 
@@ -83,15 +87,18 @@ class ShardedOptimizer:
     """``optimizer(params_or_groups)`` over this rank's optimizer chunks of ``params``
     (:class:`ParamShard`, already in ``buckets``); ``options``/``keys``: per-parameter
     optimizer options and their hashable keys (:func:`param_options`; the keys the buckets'
-    segments were made with), which become param groups when ``grouped``. ``self.optimizer``
-    is ``None`` when there are no parameters."""
+    segments were made with), which become param groups when ``grouped``. ``piece``: the most
+    elements of one optimizer tensor cut from a flat segment (``None``: the device's default,
+    :data:`~fxpar.defaults.CPU_STEP_PIECE` on a CPU, whole segments elsewhere).
+    ``self.optimizer`` is ``None`` when there are no parameters."""
 
     def __init__(self, params: Mapping[str, ParamShard], buckets: Sequence[Bucket],
                  optimizer: Callable[[list], torch.optim.Optimizer],
                  options: Mapping[str, dict] | None = None, keys: Mapping[str, tuple] | None = None,
-                 grouped: bool = False) -> None:
+                 grouped: bool = False, piece: int | None = None) -> None:
         self._params = params
         self._buckets = buckets
+        self._piece = piece
         if options is None or keys is None:
             options, keys = param_options(params, None)
         self._opts, self._okey = options, keys
@@ -132,10 +139,13 @@ class ShardedOptimizer:
 
     # -- construction ------------------------------------------------------------------------
     def _make_masters(self, flat: bool) -> None:
-        """The optimizer's tensors: with ``flat``, one per (bucket, param group) segment of
-        each flat bucket (a view of its storage); the others one per parameter. ``_masters``
-        lists ``(tensor, bucket, start)``: its gradient is ``bucket.reduced[start:start + n]``."""
+        """The optimizer's tensors: with ``flat``, the pieces of each (bucket, param group)
+        segment of each flat bucket (views of its storage; a parameter's ``master`` is its
+        whole segment); the others one per parameter. ``_masters`` lists ``(tensor, bucket,
+        start)``: its gradient is ``bucket.reduced[start:start + n]``; ``_pieces``: a
+        segment's id -> ``(piece, offset in the segment)``, for segments cut in pieces."""
         self._masters: list[tuple[torch.Tensor, Bucket | None, int]] = []
+        self._pieces: dict[int, list[tuple[torch.Tensor, int]]] = {}
         for bk in self._buckets:
             if not (flat and bk.flat):
                 continue
@@ -145,7 +155,13 @@ class ShardedOptimizer:
             for ps in segs.values():
                 lo = ps[0].off
                 master = bk.store[lo:ps[-1].off + ps[-1].numel]
-                self._masters.append((master, bk, lo))
+                piece = self._piece or (defaults.CPU_STEP_PIECE if master.device.type == "cpu"
+                                        else master.numel())
+                if master.numel() > piece:
+                    self._pieces[id(master)] = [(master[a:a + piece], a)
+                                                for a in range(0, master.numel(), piece)]
+                for t, a in self._pieces.get(id(master), [(master, 0)]):
+                    self._masters.append((t, bk, lo + a))
                 for p in ps:
                     p.master, p.moff, p.master_is_view = master, p.off - lo, True
         for p in self._params.values():
@@ -180,12 +196,40 @@ class ShardedOptimizer:
             return None
         masters = {id(p.master): p for p in self._params.values()}  # first member of each
         if not grouped:
-            return optimizer([p.master for p in masters.values()])
+            return optimizer([t for p in masters.values() for t in self._tensors(p.master)])
         groups: dict[tuple, dict] = {}
         for p in masters.values():
             key = self._okey[p.fqn]
-            groups.setdefault(key, {**self._opts[p.fqn], "params": []})["params"].append(p.master)
+            groups.setdefault(key, {**self._opts[p.fqn], "params": []})["params"].extend(
+                self._tensors(p.master))
         return optimizer(list(groups.values()))
+
+    def _tensors(self, master: torch.Tensor) -> list[torch.Tensor]:
+        """The optimizer's tensors of ``master``: its pieces, or itself."""
+        return [t for t, _ in self._pieces.get(id(master), [(master, 0)])]
+
+    def _state(self, master: torch.Tensor) -> dict:
+        """The optimizer state of ``master`` as one tensor's: its pieces' per-element states
+        concatenated, the scalars (Adam's ``step``, equal on every piece) of the first."""
+        pieces = self._pieces.get(id(master))
+        if pieces is None:
+            return self.optimizer.state.get(master, {})
+        sts = [self.optimizer.state.get(t, {}) for t, _ in pieces]
+        first = pieces[0][0]
+        return {k: torch.cat([st[k] for st in sts]) if _per_element(v, first) else v
+                for k, v in sts[0].items()}
+
+    def _set_state(self, master: torch.Tensor, state: dict) -> None:
+        """Inverse of :meth:`_state`: each piece gets its slice of the per-element states and
+        its own copy of the scalars (they are stepped in place)."""
+        pieces = self._pieces.get(id(master))
+        if pieces is None:
+            self.optimizer.state[master] = state
+            return
+        for t, a in pieces:
+            self.optimizer.state[t] = {
+                k: (v[a:a + t.numel()].clone() if _per_element(v, master)
+                    else v.clone() if torch.is_tensor(v) else v) for k, v in state.items()}
 
     # -- step ------------------------------------------------------------------------------
     def step(self) -> None:
@@ -265,15 +309,19 @@ class ShardedOptimizer:
         subgroups; for checkpoints, not the hot path."""
         out: dict[str, dict[str, torch.Tensor]] = {}
         members: dict[int, list[str]] = {}
+        states: dict[int, dict] = {}
         for p in self._params.values():
             members.setdefault(id(p.master), []).append(p.fqn)
-            st = self.optimizer.state.get(p.master, {})
-            n = p.master.numel()
-            out[p.fqn] = {k: (self._whole(p, v[p.moff:p.moff + p.cos]) if v.ndim and v.numel() == n
-                              else v.clone()) if torch.is_tensor(v) else v for k, v in st.items()}
+            if id(p.master) not in states:
+                states[id(p.master)] = self._state(p.master)
+            out[p.fqn] = {k: (self._whole(p, v[p.moff:p.moff + p.cos]) if _per_element(v, p.master)
+                              else v.clone()) if torch.is_tensor(v) else v
+                          for k, v in states[id(p.master)].items()}
         order = {f: i for i, f in enumerate(self._params)}
+        owner = {id(t): m for m, pieces in self._pieces.items() for t, _ in pieces}
         groups = [{**{k: v for k, v in g.items() if k != "params"},
-                   "params": sorted((f for t in g["params"] for f in members[id(t)]), key=order.get)}
+                   "params": sorted({f for t in g["params"] for f in members[owner.get(id(t), id(t))]},
+                                    key=order.get)}
                   for g in (self.optimizer.param_groups if self.optimizer is not None else ())]
         return out, groups
 
@@ -293,11 +341,11 @@ class ShardedOptimizer:
         hyperparameters are taken from the saved group that held its first parameter. The
         states of a flat segment are rebuilt from its parameters' (one missing from ``state``
         gets zeros there)."""
-        new: dict[int, dict] = {}
+        new: dict[int, tuple[torch.Tensor, dict]] = {}
         for fqn, st in state.items():
             p = lookup(self._params, fqn)
             m = p.master
-            chunk = new.setdefault(id(m), {})
+            chunk = new.setdefault(id(m), (m, {}))[1]
             for k, v in st.items():
                 if torch.is_tensor(v) and v.ndim and v.numel() == p.numel:
                     if k not in chunk:
@@ -306,10 +354,12 @@ class ShardedOptimizer:
                     chunk[k][p.moff:p.moff + p.real].copy_(v.reshape(-1)[lo:lo + p.real])
                 else:   # a copy: the caller's tensor must not become this state (stepped in place)
                     chunk[k] = v.to(m.device, copy=True) if torch.is_tensor(v) else v
-            self.optimizer.state[m] = chunk
+        for m, chunk in new.values():
+            self._set_state(m, chunk)
         if groups and self.optimizer is not None:
             saved = {f: g for g in groups for f in g["params"]}
-            fqn_of = {id(p.master): p.fqn for p in reversed(self._params.values())}
+            fqn_of = {id(t): p.fqn for p in reversed(self._params.values())
+                      for t in self._tensors(p.master)}
             for g in self.optimizer.param_groups:
                 src = saved.get(fqn_of[id(g["params"][0])]) if g["params"] else None
                 if src is not None:
@@ -324,6 +374,12 @@ class ShardedOptimizer:
                 if torch.is_tensor(v) and v.dim() > 0:
                     states += v.numel() * v.element_size()
         return {"master": master, "optimizer": states}
+
+
+def _per_element(v, master: torch.Tensor) -> bool:
+    """Whether the optimizer state ``v`` of ``master`` holds one value per element (Adam's
+    ``exp_avg``), not a scalar (its ``step``)."""
+    return torch.is_tensor(v) and v.ndim > 0 and v.numel() == master.numel()
 
 
 # -- norms and clipping --------------------------------------------------------------------------
