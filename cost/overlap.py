@@ -89,6 +89,7 @@ def plan_overlap(plan, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
     edge's collectives summed; this replays one forward then one backward:
 
     * an activation's collective starts after its producer, is waited before its consumer;
+      a program input's (layer ``(inputs)``) starts at the top;
     * parameter gathers of one layer coalesce into one collective per kind and axis,
       started ``prefetch`` layers ahead of use (:mod:`fxpar.passes.prefetch`; 0: right
       before it);
@@ -113,7 +114,8 @@ def plan_overlap(plan, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
                         "(plan.stages[k].plan)")
     price = coalesced_pricer(plan)
     ops = [n for n in plan.nodes if n.op != "placeholder"]
-    held = {n.name for n in plan.nodes if n.op == "placeholder"}
+    inputs = {n.name for n in plan.nodes if n.op == "placeholder" and n.layer == "(inputs)"}
+    held = {n.name for n in plan.nodes if n.op == "placeholder"} - inputs
     F = len(ops)
     fi = {n.name: i for i, n in enumerate(ops)}
     bi = {n.name: 2 * F - 1 - i for i, n in enumerate(ops)}  # backward runs them in reverse
@@ -138,6 +140,8 @@ def plan_overlap(plan, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
             for st in e.steps:
                 gathers.setdefault((min(issue, first[e.layer]), first[e.layer], st.kind, st.axis),
                                    []).append(st)
+        elif e.direction == "fwd" and e.producer in inputs:   # gathered from the top
+            comms.append(Comm(e.time, 0, use))
         elif e.direction == "fwd":
             # a shared reshard (Strategy.shared: its consumer is the producer itself) runs
             # once after the producer, needed by the first consumer, the next op at the latest

@@ -10,7 +10,11 @@ order of their first wait. The starts of one unit become ONE ``fxpar.start`` of 
 edges (their collectives coalesce, as FSDP gathers a block's flat parameter), placed right
 after the first wait of unit ``k - W`` with ``W = ctx.prefetch`` (the first ``W`` units at the
 top of the program): at most ``W`` units are gathered ahead of use, which bounds the extra
-memory. The unit's parameter gradients form one backward bucket (``Edge.bucket``, set on the
+memory. A gather of a program input (a placeholder that is no parameter or buffer: the
+targets a mean loss reads whole, say) is no unit: it starts at the top, hidden behind
+everything before its use, rather than one unit ahead of it, where nothing hides it (an input
+is used where it is used, often at the end; its gathered size is the batch's, not a layer's
+weights). The unit's parameter gradients form one backward bucket (``Edge.bucket``, set on the
 copies in ``gm.meta[EDGES]``): their
 collectives are launched together once all have arrived. Only start nodes move or merge, so results never change; ``W = 0`` leaves the graph
 as is.
@@ -45,20 +49,27 @@ def prefetch_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     nodes = list(graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     units: dict[str, list[tuple[fx.Node, fx.Node]]] = {}
+    inputs: list[fx.Node] = []
     for n in graph.find_nodes(op="call_function", target=_START):
         xs, _ = n.args
         if len(xs) == 1 and xs[0].op == "placeholder":
+            if layer_of(xs[0]) == "(inputs)":
+                inputs.append(n)
+                continue
             waits = [u for u in n.users if u.target is _WAIT]
             if len(waits) == 1:
                 user = min(waits[0].users, key=pos.get, default=waits[0])
                 layer = layer_of(user)  # "(top)" etc.: no module info, the user is its unit
                 units.setdefault(user.name if layer.startswith("(") else layer, []).append((n, waits[0]))
+    anchor = [n for n in nodes if n.op == "placeholder"][-1]
+    for n in inputs:
+        anchor.append(n)
+        anchor = n
     if not units:
-        return PassResult(gm, False)
+        return PassResult(gm, bool(inputs))
     edges = dict(gm.meta[ir.EDGES])  # a copy: other graphs may share the dict
     order = sorted(units.values(), key=lambda u: min(pos[w] for _, w in u))
     first_wait = [min((w for _, w in u), key=pos.get) for u in order]
-    anchor = [n for n in nodes if n.op == "placeholder"][-1]
     for k, unit in enumerate(order):
         unit.sort(key=lambda sw: pos[sw[1]])
         where = anchor if k < W else first_wait[k - W]

@@ -144,3 +144,23 @@ def test_a_shared_reshard_is_issued_after_its_producer():
     compute = sum(n.fwd_time + n.bwd_time for n in p.nodes)
     assert w.exposed >= sum(e.time for e in shared) - 1e-15
     assert w.step >= compute + sum(e.time for e in shared) - 1e-12
+
+
+def test_an_inputs_gather_is_issued_at_the_top():
+    """The targets a mean loss reads whole are gathered from the top of the program, as
+    passes/prefetch.py starts them: hidden behind the whole forward, though the unit before
+    their use (the LM head) is too short to hide them; the replay's exposed time is the
+    same as without that gather."""
+    import dataclasses
+
+    from examples.models import GPT
+
+    cl = fxpar.Cluster.local(2, peak_flops=1e10, memory_bandwidth=1e10)
+    x = torch.randint(0, 64, (4, 16))
+    p = fxpar.plan(GPT(64, 32, 2, 2, 16), cl, (x, x), plan="dp", mesh={"dp": 2}).plan
+    gather = next(e for e in p.edges if e.producer == "targets" and e.direction == "fwd")
+    head = sum(n.fwd_time for n in p.nodes if n.layer == "head")
+    forward = sum(n.fwd_time for n in p.nodes)
+    assert head < gather.time < forward
+    without = dataclasses.replace(p, edges=tuple(e for e in p.edges if e is not gather))
+    assert p.overlap(1).exposed == pytest.approx(without.overlap(1).exposed, rel=1e-12)

@@ -243,3 +243,37 @@ def test_a_units_parameter_collectives_are_priced_as_one_per_kind_and_axis():
     one = collective_time("all_gather", sum(s.nbytes for s in steps), groups[0], cl, concurrent=groups)
     assert unit.fwd_fixed == pytest.approx(one, rel=1e-9)
     assert unit.fwd_fixed < sum(s.time for s in steps)
+
+
+@pytest.mark.parametrize("peak", [1e9, 1e18])
+def test_an_inputs_gather_is_hidden_behind_the_units_before_its_use(peak):
+    """The targets a mean loss reads whole are gathered from the top of the program
+    (passes/prefetch.py): the loss's unit is charged only what outlasts the forward of the
+    units before it — nothing on slow compute (1 GFLOP/s), almost all of the gather on
+    compute that is nearly free."""
+    from examples.models import GPT
+
+    cl = fxpar.Cluster.local(2, peak_flops=peak, memory_bandwidth=peak)
+    x = torch.randint(0, 64, (4, 16))
+    p = fxpar.plan(GPT(64, 32, 2, 2, 16), cl, (x, x), plan="dp", mesh={"dp": 2}).plan
+    gather = [e for e in p.edges if e.producer == "targets" and e.direction == "fwd"]
+    assert len(gather) == 1 and gather[0].time > 0
+    # the units are runs of op nodes in graph order, each named by its first node
+    ops = [n.name for n in p.nodes if n.op != "placeholder"]
+    starts = [ops.index(u.start) for u in p.units] + [len(ops)]
+    members = [set(ops[a:b]) for a, b in zip(starts, starts[1:])]
+    k = next(i for i, m in enumerate(members) if gather[0].consumer in m)
+    assert k > 0
+    before = sum(u.fwd for u in p.units[:k])
+    unit, names = p.units[k], members[k]
+    params = {n.name for n in p.nodes if n.param}
+    if k == len(p.units) - 1:   # the loss's all-reduce to the output is the last unit's
+        names |= {e.consumer for e in p.edges if e.consumer not in ops}
+    own = sum(n.fwd_time for n in p.nodes if n.name in names) + sum(
+        e.time for e in p.edges if e.direction == "fwd" and e.consumer in names
+        and e.producer != "targets" and e.producer not in params)
+    assert unit.fwd == pytest.approx(own + max(0.0, gather[0].time - before), rel=1e-9, abs=1e-15)
+    if peak == 1e9:
+        assert before > gather[0].time
+    else:
+        assert before < 0.1 * gather[0].time

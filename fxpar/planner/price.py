@@ -36,6 +36,7 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.config import ParallelConfig
+from fxpar.layers import layer_of
 from fxpar.cost.compute import op_overheads
 from fxpar.cost.memory import STATE_BYTES_PER_PARAM
 from fxpar.cost.overlap import coalesced_pricer
@@ -64,11 +65,16 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
     """``plan`` (of ``gm``) attributed to ``gm``'s units (module docstring): a node's compute
     and saved bytes to its unit, an edge's seconds to its consumer's unit (``fwd``/``bwd``, or
     ``*_fixed`` out of a parameter), a parameter's local elements (over the non-replica axes)
-    to the unit that first uses it, and each value's local bytes to every cut it crosses."""
+    to the unit that first uses it, and each value's local bytes to every cut it crosses. A
+    program input's collective (the targets a mean loss gathers) starts at the top
+    (:mod:`fxpar.passes.prefetch`): only what outlasts the forward of the units before its
+    consumer's is charged to that unit."""
     us = units(gm)
     unit_of = {nd.name: i for i, (_, nodes) in enumerate(us) for nd in nodes}
     nodes = {n.name: n for n in gm.graph.nodes}
     params = {n.name for n in gm.graph.nodes if n.op == "placeholder" and ir.is_trainable_param(n)}
+    inputs = {n.name for n in gm.graph.nodes if n.op == "placeholder" and layer_of(n) == "(inputs)"}
+    early: list[tuple[int, list]] = []  # (consumer's unit, steps) of the inputs' collectives
     names, shape = tuple(plan.mesh["axis_names"]), tuple(plan.mesh["shape"])
     own = tuple(1 if a in PARAM_REPLICA_AXES else s for a, s in zip(names, shape))
     first_use: dict[str, int] = {}
@@ -136,8 +142,15 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
             for s in steps:
                 coalesced.setdefault((u, d, s.kind, s.axis), []).append(s)
             continue
+        if d == "fwd" and e.producer in inputs:
+            early.append((u, steps))
+            continue
         acc[u][d] += sum(s.time for s in steps)
         acc[u][d + "_lat"] += sum(min(lat(s), s.time) for s in steps)
+    for u, steps in early:   # started at the top: hidden behind the units before its use
+        exposed = max(0.0, sum(s.time for s in steps) - sum(a["fwd"] for a in acc[:u]))
+        acc[u]["fwd"] += exposed
+        acc[u]["fwd_lat"] += min(exposed, sum(min(lat(s), s.time) for s in steps))
     price = coalesced_pricer(plan)
     for (u, d, kind, axis), steps in coalesced.items():
         acc[u][d + "_fixed"] += price(kind, axis, steps)

@@ -83,3 +83,39 @@ def test_one_layer_one_start_one_gradient_bucket():
     assert len(starts) == 1 and starts[0].args[1] == ["w->addmm", "b->addmm"]
     assert {e.bucket for e in res.meta[ir.EDGES].values()} == {("w->addmm", "b->addmm")}
     assert all(e.bucket == () for e in table.values())
+
+
+
+def _toy_with_input() -> fx.GraphModule:
+    """:func:`_toy` plus an input ``t`` (no parameter) gathered right before its one use,
+    an ``add`` at the end."""
+    gm = _toy()
+    g = gm.graph
+    with g.inserting_after(next(n for n in g.nodes if n.name == "w2")):
+        t = g.placeholder("t")
+    t.meta[ir.VAL] = torch.empty(4, 4, device="meta")
+    out = next(n for n in g.nodes if n.op == "output")
+    name = "t->add"
+    gm.meta[ir.EDGES][name] = Edge(name, "t", "add", reshard_plan("S(0)", "R", mesh(dp=2), (4, 4)),
+                                   None)
+    with g.inserting_before(out):
+        s = g.create_node("call_function", START, ([t], [name]), name="start_t")
+        w = g.create_node("call_function", WAIT, (s, t, name, [4, 4], "none"), name="wait_t")
+        out.args = (g.create_node("call_function", torch.ops.aten.add.Tensor, (out.args[0], w),
+                                  name="add"),)
+    gm.recompile()
+    return gm
+
+
+@pytest.mark.parametrize("window,first", [(1, ["start_t", "start0", "wait0", "start1"]),
+                                          (2, ["start_t", "start0", "start1", "wait0"]),
+                                          (0, ["start0", "wait0", "mm0", "relu_default"])])
+def test_an_inputs_gather_starts_at_the_top(window, first):
+    """A program input gathered for its last use (the targets of a mean loss) is no unit: its
+    start goes right after the placeholders, ahead of the parameter units, whatever the
+    window; its wait stays right before its use. ``W = 0`` leaves it where it was."""
+    res = run_passes(_toy_with_input(), PassContext(coord=(0,), prefetch=window), [prefetch_pass])
+    names = [n.name for n in res.graph.nodes if n.op not in ("placeholder", "output")]
+    assert names[:4] == first
+    assert names[-3:] == (["start_t", "wait_t", "add"] if window == 0 else
+                          ["relu_default_2", "wait_t", "add"])
