@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from fxpar.cost.reshard import LOCAL_KINDS
+from fxpar.cost.step import gather_groups
 from fxpar.defaults import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from fxpar.errors import PlanError
 
@@ -90,11 +92,12 @@ def plan_overlap(plan, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
 
     * an activation's collective starts after its producer, is waited before its consumer;
       a program input's (layer ``(inputs)``) starts at the top;
-    * parameter gathers of one layer coalesce into one collective per kind and axis,
-      started ``prefetch`` layers ahead of use (:mod:`fxpar.passes.prefetch`; 0: right
-      before it);
+    * parameter gathers of one layer coalesce into one collective per kind and axis (layers
+      grouped until a group moves :data:`~fxpar.defaults.TINY_GATHER_BYTES`:
+      :func:`~fxpar.cost.step.gather_groups`), started ``prefetch`` groups ahead of use
+      (:mod:`fxpar.passes.prefetch`; 0: right before it, ungrouped);
     * in backward, an activation's gradient reshard is synchronous; a freed parameter's
-      re-gather (ZeRO-3; one per layer) starts when the layer after it is gathered again
+      re-gather (ZeRO-3; one per group) starts when the layer after it is gathered again
       (backward prefetch; ``prefetch=0``: when needed); parameter gradients are reduced in
       buckets of ``bucket_bytes`` (the first of each kind and axis ``first_bucket_bytes``,
       as :class:`fxpar.runtime.model_state.ModelStates` makes them) in the order they
@@ -127,7 +130,14 @@ def plan_overlap(plan, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
         if e.producer in held:
             first[e.layer] = min(first.get(e.layer, F), fi[e.consumer])
     units = sorted(first, key=first.get)
-    unit_no = {u: k for k, u in enumerate(units)}
+    moved = dict.fromkeys(units, 0)
+    for e in edges:
+        if e.direction == "fwd" and e.producer in held:
+            moved[e.layer] += sum(st.nbytes for st in e.steps if st.kind not in LOCAL_KINDS)
+    # one coalesced collective per gather group, needed by the group's first use
+    groups = gather_groups([moved[u] for u in units]) if prefetch > 0 else [[k] for k in range(len(units))]
+    unit_no = {units[i]: k for k, g in enumerate(groups) for i in g}
+    need_at = [first[units[g[0]]] for g in groups]
     gathers: dict[tuple, list] = {}  # (issue, need, kind, axis) -> steps, coalesced
     grads: list[tuple] = []  # (ready at, reduction step)
     regathers: dict[tuple, list] = {}  # (layer, axis) -> [needed at, steps] in backward
@@ -136,9 +146,9 @@ def plan_overlap(plan, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
         use, back = fi[e.consumer], bi[e.consumer]
         if e.direction == "fwd" and e.producer in held:
             k = unit_no[e.layer]
-            issue = use if prefetch <= 0 else (first[units[k - prefetch]] if k >= prefetch else 0)
+            issue = use if prefetch <= 0 else (need_at[k - prefetch] if k >= prefetch else 0)
             for st in e.steps:
-                gathers.setdefault((min(issue, first[e.layer]), first[e.layer], st.kind, st.axis),
+                gathers.setdefault((min(issue, need_at[k]), need_at[k], st.kind, st.axis),
                                    []).append(st)
         elif e.direction == "fwd" and e.producer in inputs:   # gathered from the top
             comms.append(Comm(e.time, 0, use))
@@ -150,8 +160,8 @@ def plan_overlap(plan, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
         elif e.producer in held:
             last = 2 * F - 1 - first[e.layer]  # the layer's first use runs last in backward
             for st in e.steps:
-                if st.kind == "all_gather":  # re-gathered with its layer when first needed
-                    r = regathers.setdefault((e.layer, st.axis), [back, []])
+                if st.kind == "all_gather":  # re-gathered with its group when first needed
+                    r = regathers.setdefault((unit_no[e.layer], st.axis), [back, []])
                     r[0] = min(r[0], back)
                     r[1].append(st)
                 else:

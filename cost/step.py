@@ -65,7 +65,7 @@ import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from fxpar.defaults import BUCKET_BYTES, FIRST_BUCKET_BYTES
+from fxpar.defaults import BUCKET_BYTES, FIRST_BUCKET_BYTES, TINY_GATHER_BYTES
 
 __all__ = ["UnitCost", "ChunkCost", "DpTerms", "StepTime", "chunk_costs", "dp_terms",
            "microbatch_overhead", "optimizer_time", "param_units", "rank_memory", "step_time",
@@ -179,16 +179,58 @@ def chunk_costs(units: Sequence[UnitCost], starts: Sequence[int], scale: float =
     return out
 
 
-def param_units(chunks: Sequence[ChunkCost], p: int) -> list[int]:
-    """Per pipeline rank (chunk ``k`` on rank ``k % p``), how many of its units hold
-    parameters, at least 1: AMSP's module count ``L`` (:func:`dp_terms`), for the runtime
-    gathers and reduces each such unit's parameters together.
+def gather_groups(moved: Sequence[float], tiny: float = TINY_GATHER_BYTES) -> list[list[int]]:
+    """The runtime's parameter-gather groups (:mod:`fxpar.passes.prefetch`,
+    :func:`fxpar.cost.overlap.plan_overlap`) over units in order of first use, ``moved[u]``:
+    the bytes per device unit ``u``'s parameter collectives move. A group takes units until it
+    moves ``tiny`` (:data:`fxpar.defaults.TINY_GATHER_BYTES`) or more: a norm or a position
+    table rides with the unit after it, its own collective would be all latency; a unit of
+    ``tiny`` or more closes its group. A group moves less than ``tiny`` plus its last unit.
+
+    >>> gather_groups([4e6, 1e3, 4e6, 2e3, 1e5])
+    [[0], [1, 2], [3, 4]]
+    >>> gather_groups([1e4] * 10)     # ~64 KiB groups, never one of everything
+    [[0, 1, 2, 3, 4, 5, 6], [7, 8, 9]]
+    """
+    out: list[list[int]] = []
+    total = 0.0
+    for u, b in enumerate(moved):
+        if out and total < tiny:
+            out[-1].append(u)
+            total += b
+        else:
+            out.append([u])
+            total = b
+    return out
+
+
+def param_units(chunks: Sequence[ChunkCost], p: int, tiny: float = 0.0) -> list[int]:
+    """Per pipeline rank (chunk ``k`` on rank ``k % p``), how many gather groups its units
+    holding parameters make, at least 1: AMSP's module count ``L`` (:func:`dp_terms`), for the
+    runtime gathers and reduces each group's parameters together; a group takes units until
+    it holds ``tiny`` parameters (:func:`gather_groups`, :func:`tiny_params`).
 
     >>> c = ChunkCost(0, 0, 0, 3, 0, 0, 0, unit_params=(0.0, 2.0, 1.0))
-    >>> param_units([c, c, c], 2)
-    [4, 2]
+    >>> param_units([c, c, c], 2), param_units([c, c, c], 2, tiny=2.5)
+    ([4, 2], [2, 1])
     """
-    return [max(1, sum(1 for c in chunks[r::p] for x in c.unit_params if x > 0)) for r in range(p)]
+    return [max(1, sum(len(gather_groups([x for x in c.unit_params if x > 0], tiny))
+                       for c in chunks[r::p])) for r in range(p)]
+
+
+def tiny_params(s_p: int, precision: str = "mixed") -> float:
+    """Parameters under which a unit's ZeRO-3 gather over ``s_p`` ranks moves fewer than
+    :data:`~fxpar.defaults.TINY_GATHER_BYTES` per device (``(s_p − 1)/s_p`` of its bytes):
+    the runtime gathers such a unit with the one after it (0 without ZeRO-3 gathers).
+
+    >>> tiny_params(2), tiny_params(1)
+    (65536.0, 0.0)
+    """
+    from fxpar.cost.memory import is_fp32
+
+    if s_p <= 1:
+        return 0.0
+    return TINY_GATHER_BYTES / ((4 if is_fp32(precision) else 2) * (s_p - 1) / s_p)
 
 
 def microbatch_overhead(cluster) -> float:
@@ -337,9 +379,11 @@ class DpTerms:
 ZERO_STYLES = ("flat", "deepspeed")
 
 
-def zero_units(chunks: Sequence[ChunkCost], p: int, style: str = "flat") -> list[int]:
-    """AMSP's ``L`` per pipeline rank under ``style`` (:data:`ZERO_STYLES`): units holding
-    parameters (:func:`param_units`) or, ``"deepspeed"``, parameter tensors.
+def zero_units(chunks: Sequence[ChunkCost], p: int, style: str = "flat", tiny: float = 0.0
+               ) -> list[int]:
+    """AMSP's ``L`` per pipeline rank under ``style`` (:data:`ZERO_STYLES`): gather groups of
+    the units holding parameters (:func:`param_units`, ``tiny`` its threshold) or,
+    ``"deepspeed"``, parameter tensors.
 
     >>> c = ChunkCost(0, 0, 0, 3, 0, 0, 0, unit_params=(0.0, 2.0, 1.0), tensors=5)
     >>> zero_units([c, c, c], 2), zero_units([c, c, c], 2, "deepspeed")
@@ -348,7 +392,7 @@ def zero_units(chunks: Sequence[ChunkCost], p: int, style: str = "flat") -> list
     if style not in ZERO_STYLES:
         raise ValueError(f"zero_style {style!r}: one of {ZERO_STYLES}")
     if style == "flat":
-        return param_units(chunks, p)
+        return param_units(chunks, p, tiny)
     return [max(1, sum(c.tensors for c in chunks[r::p])) for r in range(p)]
 
 

@@ -8,6 +8,10 @@
 BUCKET_BYTES = 25 * 2**20
 #: the first bucket of each kind and axis, launched early (DDP's first bucket)
 FIRST_BUCKET_BYTES = 2**20
+#: parameter gathers are grouped until a group moves this many bytes per device (a norm, a
+#: position table rides with the unit after it: :func:`fxpar.cost.step.gather_groups`): 64 KiB
+#: take under 3 us at 25 GB/s, a collective's latency is 5 us or more (gloo's ~50 us)
+TINY_GATHER_BYTES = 64 * 2**10
 #: the most elements of one tensor the eager optimizer steps on a CPU (512 KiB fp32): a flat
 #: bucket segment is stepped in pieces of this size. Each of Adam's ~10 operations allocates a
 #: temporary the size of its tensor; above glibc's mmap threshold those come from fresh,

@@ -10,7 +10,10 @@ order of their first wait. The starts of one unit become ONE ``fxpar.start`` of 
 edges (their collectives coalesce, as FSDP gathers a block's flat parameter), placed right
 after the first wait of unit ``k - W`` with ``W = ctx.prefetch`` (the first ``W`` units at the
 top of the program): at most ``W`` units are gathered ahead of use, which bounds the extra
-memory. A gather of a program input (a placeholder that is no parameter or buffer: the
+memory. Units are grouped until a group's collectives move
+:data:`fxpar.defaults.TINY_GATHER_BYTES` per device (:func:`fxpar.cost.step.gather_groups`):
+a norm or a position table rides with the unit after it, one collective less, whose latency
+would be all its cost; a group is then one unit of this contract. A gather of a program input (a placeholder that is no parameter or buffer: the
 targets a mean loss reads whole, say) is no unit: it starts at the top, hidden behind
 everything before its use, rather than one unit ahead of it, where nothing hides it (an input
 is used where it is used, often at the end; its gathered size is the batch's, not a layer's
@@ -32,6 +35,7 @@ import dataclasses
 import torch.fx as fx
 
 from fxpar import ir
+from fxpar.cost.step import gather_groups
 from fxpar.layers import layer_of
 from fxpar.passes.checks import comm_ops_have_edges
 from fxpar.passes.infra import PassContext, PassResult, graph_pass
@@ -69,6 +73,9 @@ def prefetch_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         return PassResult(gm, bool(inputs))
     edges = dict(gm.meta[ir.EDGES])  # a copy: other graphs may share the dict
     order = sorted(units.values(), key=lambda u: min(pos[w] for _, w in u))
+    # latency-bound units (a norm's few parameters) ride with the unit after them
+    moved = [sum(edges[s.args[1][0]].fwd.nbytes for s, _ in u) for u in order]
+    order = [[sw for k in group for sw in order[k]] for group in gather_groups(moved)]
     first_wait = [min((w for _, w in u), key=pos.get) for u in order]
     for k, unit in enumerate(order):
         unit.sort(key=lambda sw: pos[sw[1]])

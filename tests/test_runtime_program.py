@@ -153,17 +153,22 @@ def test_local_shapes_gpt_megatron():
             assert v.device.type == "meta"
 
 
-def _seq(n_layers=4):
+def _seq(n_layers=4, width=32, out=8, d_in=16):
     torch.manual_seed(0)
-    layers = [nn.Linear(16, 32), nn.ReLU()]
+    layers = [nn.Linear(d_in, width), nn.ReLU()]
     for _ in range(n_layers - 2):
-        layers += [nn.Linear(32, 32), nn.ReLU()]
-    return nn.Sequential(*layers, nn.Linear(32, 8))
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, out))
+
+
+#: the zero3 MLP's width: a layer's gather moves 128 KiB per device over dp=2, so each is a
+#: gather group of its own (TINY_GATHER_BYTES)
+Z3 = 256
 
 
 def _zero3(prefetch):
-    return fxpar.compile(_seq(), fxpar.Cluster.local(2), (torch.randn(8, 16),),
-                         loss_fn=nn.functional.mse_loss, example_targets=(torch.randn(8, 8),),
+    return fxpar.compile(_seq(width=Z3, out=Z3, d_in=Z3), fxpar.Cluster.local(2),
+                         (torch.randn(8, Z3),), loss_fn=nn.functional.mse_loss, example_targets=(torch.randn(8, Z3),),
                          plan="zero3", mesh={"dp": 2}, time_limit=20, optimizer=_opt,
                          prefetch=prefetch)
 
@@ -561,7 +566,7 @@ def backward_prefetch_worker(steps: int = 2):
     and the losses and parameters against one process."""
     import fxpar.runtime.comm as comm
 
-    m = _seq()
+    m = _seq(width=Z3, out=Z3, d_in=Z3)
     ref = copy.deepcopy(m)
     runner = _zero3(1).runner()
     log = []
@@ -577,7 +582,7 @@ def backward_prefetch_worker(steps: int = 2):
     losses, ref_losses = [], []
     try:
         for _ in range(steps):
-            x, y = torch.randn(8, 16, generator=g), torch.randn(8, 8, generator=g)
+            x, y = torch.randn(8, Z3, generator=g), torch.randn(8, Z3, generator=g)
             losses.append(runner.step(x, y).item())
             rl = nn.functional.mse_loss(ref(x), y)
             rl.backward()

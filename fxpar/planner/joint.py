@@ -72,7 +72,7 @@ from fxpar import ir
 from fxpar.config import ParallelConfig, is_layer
 from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import (BUCKET, UnitCost, chunk_costs, dp_terms, microbatch_overhead,
-                             overlapped_chunks, rank_memory, zero_units)
+                             overlapped_chunks, rank_memory, tiny_params, zero_units)
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.planner.intra_op import PlannerOptions, plan_and_keep
@@ -737,13 +737,17 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
     xfer = 2 * sum(_xfer(ccs[False][k].out, k, p, s.replicas, s.t, pricing.cluster)
                    for k in range(n - 1))
     fl = [in_flight_microbatches(MEM_KEY[s.schedule], r, p, s.m, s.v) for r in range(p)]
-    layers = zero_units(ccs[False], p, pricing.zero_style)
+    layers_by = {}   # per s_p: its gather groups (tiny units ride with the one before)
     part = None  # partial recomputation tables, built when first needed
     for rc in s.recompute:
         ch = ccs[rc]
         phi = [sum(ch[k].params for k in range(r, n, p)) for r in range(p)]
         red = [sum(ch[k].reduce for k in range(r, n, p)) for r in range(p)]
         for s_p, s_g, s_os in s.states:
+            if s_p not in layers_by:
+                layers_by[s_p] = zero_units(ccs[False], p, pricing.zero_style,
+                                            tiny_params(s_p, pricing.precision))
+            layers = layers_by[s_p]
             mems = rank_memory(ch, p, fl, pricing.state_bytes, (s_p, s_g, s_os), tmp)
             dpr = [dp_terms(round(phi[r]), layers[r], s.m, s.d0, s.replicas // s.d0, s_p, s_g, s_os,
                             pricing.cluster, pricing.precision, pricing.zero_style) for r in range(p)]

@@ -43,7 +43,7 @@ from fxpar.cost.overlap import coalesced_pricer
 from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import (BUCKET, DpTerms, StepTime, UnitCost, chunk_costs, dp_terms,
                              microbatch_overhead, optimizer_time, rank_memory,
-                             step_time, zero_units)
+                             step_time, tiny_params, zero_units)
 from fxpar.spec import Spec
 from fxpar.split import units
 
@@ -257,8 +257,8 @@ def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequenc
     sched = schedule or Schedule.build(str(config.schedule), stages=p, microbatches=m, chunks=v)
     d0, d1 = replica_grid(config.replicas, p, config.tp, cluster)
     style = getattr(options, "zero_style", "flat")
-    layers = zero_units(chunks, p, style)
     prec = options.precision
+    layers = zero_units(chunks, p, style, tiny_params(config.state[0], prec))
     dp = [dp_terms(round(sum(c.params for c in chunks[r::p])), layers[r], m, d0, d1, *config.state,
                    cluster, prec, style) if config.replicas > 1 else DpTerms() for r in range(p)]
     fl = [in_flight_microbatches(MEM_KEY.get(str(config.schedule), "gpipe"), r, p, m, v)

@@ -17,22 +17,28 @@ from tests.passes.toy import mesh, module, placeholder
 START, WAIT = torch.ops.fxpar.start.default, torch.ops.fxpar.wait.default
 
 
-def _toy() -> fx.GraphModule:
+N = 256   # (N, N) fp32 weights: a unit's gather moves N·N·2 bytes per device, not a tiny one
+
+
+def _toy(tiny: int | None = None) -> fx.GraphModule:
     """x, w0..w2 -> (start_k; wait_k; mm_k) per layer, each start right before its wait;
-    the weights are dp-sharded parameters gathered before use."""
+    the weights are dp-sharded parameters gathered before use. ``tiny=k``: layer ``k`` adds
+    an (N,) bias instead (its gather moves 512 bytes: a tiny unit)."""
     m = mesh(dp=2)
     g = fx.Graph()
-    x = placeholder(g, "x", (4, 4))
-    ws = [placeholder(g, f"w{k}", (4, 4), param=f"l{k}.weight") for k in range(3)]
+    x = placeholder(g, "x", (4, N))
+    shapes = [(N,) if k == tiny else (N, N) for k in range(3)]
+    ws = [placeholder(g, f"w{k}", shapes[k], param=f"l{k}.weight") for k in range(3)]
     edges, h = {}, x
     for k, w in enumerate(ws):
         name = f"w{k}->mm{k}"
-        plan = reshard_plan("S(0)", "R", m, (4, 4), torch.float32)
-        edges[name] = Edge(name, w.name, f"mm{k}", plan, reshard_plan("P(sum)", "S(0)", m, (4, 4)),
+        plan = reshard_plan("S(0)", "R", m, shapes[k], torch.float32)
+        edges[name] = Edge(name, w.name, f"mm{k}", plan, reshard_plan("P(sum)", "S(0)", m, shapes[k]),
                            param=f"l{k}.weight")
         s = g.create_node("call_function", START, ([w], [name]), name=f"start{k}")
-        a = g.create_node("call_function", WAIT, (s, w, name, [4, 4], "sink"), name=f"wait{k}")
-        h = g.create_node("call_function", torch.ops.aten.mm.default, (h, a), name=f"mm{k}")
+        a = g.create_node("call_function", WAIT, (s, w, name, list(shapes[k]), "sink"), name=f"wait{k}")
+        op = torch.ops.aten.add.Tensor if k == tiny else torch.ops.aten.mm.default
+        h = g.create_node("call_function", op, (h, a), name=f"mm{k}")
         h = g.call_function(torch.ops.aten.relu.default, (h,))
     g.output(h)
     gm = module(g)
@@ -54,36 +60,24 @@ def test_window(window, order):
     assert [n.name for n in res.graph.nodes if n.name in order] == order
     assert {n.name: n.args for n in res.graph.nodes} == before
     # the rank graph still runs on meta tensors (shapes through the ops' fake kernels)
-    out = res(*[torch.empty(4, 4, device="meta") for _ in range(4)])
-    assert out.shape == (4, 4)
+    out = res(torch.empty(4, N, device="meta"), *[torch.empty(N, N, device="meta") for _ in range(3)])
+    assert out.shape == (4, N)
 
 
-def test_one_layer_one_start_one_gradient_bucket():
-    """Two parameters used by one node (a unit): their starts merge into ONE start of both
-    edges (coalesced), and their gradient edges form one bucket, on the graph's own copy of the
-    edge table (the input graph's table is not touched)."""
-    m = mesh(dp=2)
-    g = fx.Graph()
-    x = placeholder(g, "x", (4, 4))
-    w = placeholder(g, "w", (4, 4), param="fc.weight")
-    b = placeholder(g, "b", (4,), param="fc.bias")
-    edges, got = {}, []
-    for p, shape in ((w, (4, 4)), (b, (4,))):
-        name = f"{p.name}->addmm"
-        edges[name] = Edge(name, p.name, "addmm", reshard_plan("S(0)", "R", m, shape),
-                           reshard_plan("P(sum)", "S(0)", m, shape), param=p.meta[ir.PARAM].fqn)
-        s = g.create_node("call_function", START, ([p], [name]), name=f"start_{p.name}")
-        got.append(g.create_node("call_function", WAIT, (s, p, name, list(shape), "sink"), name=f"wait_{p.name}"))
-    y = g.create_node("call_function", torch.ops.aten.addmm.default, (got[1], x, got[0]), name="addmm")
-    g.output(y)
-    gm = module(g)
-    gm.meta[ir.EDGES] = table = dict(edges)
+def test_a_tiny_unit_rides_with_the_unit_after_it():
+    """Layer 1's gather moves 512 bytes (under TINY_GATHER_BYTES): its group takes layer 2 as
+    well (one start of both, one gradient bucket), prefetched one group ahead: after layer
+    0's wait. Only starts move and merge."""
+    gm = _toy(tiny=1)
+    before = {n.name: n.args for n in gm.graph.nodes if n.name not in ("start1", "start2")}
     res = run_passes(gm, PassContext(coord=(0,), prefetch=1), [prefetch_pass])
-    starts = list(res.graph.find_nodes(op="call_function", target=START))
-    assert len(starts) == 1 and starts[0].args[1] == ["w->addmm", "b->addmm"]
-    assert {e.bucket for e in res.meta[ir.EDGES].values()} == {("w->addmm", "b->addmm")}
-    assert all(e.bucket == () for e in table.values())
-
+    order = ["start0", "wait0", "start1", "mm0", "wait1", "mm1", "wait2", "mm2"]
+    assert [n.name for n in res.graph.nodes if n.name in order + ["start2"]] == order
+    start1 = next(n for n in res.graph.nodes if n.name == "start1")
+    assert start1.args[1] == ["w1->mm1", "w2->mm2"]
+    assert {e.bucket for e in res.meta[ir.EDGES].values()} == {("w1->mm1", "w2->mm2"), ()}
+    assert {n.name: n.args for n in res.graph.nodes if n.name != "start1"} == {
+        k: (v if k != "wait2" else (start1,) + v[1:]) for k, v in before.items()}
 
 
 def _toy_with_input() -> fx.GraphModule:
@@ -93,14 +87,14 @@ def _toy_with_input() -> fx.GraphModule:
     g = gm.graph
     with g.inserting_after(next(n for n in g.nodes if n.name == "w2")):
         t = g.placeholder("t")
-    t.meta[ir.VAL] = torch.empty(4, 4, device="meta")
+    t.meta[ir.VAL] = torch.empty(4, N, device="meta")
     out = next(n for n in g.nodes if n.op == "output")
     name = "t->add"
-    gm.meta[ir.EDGES][name] = Edge(name, "t", "add", reshard_plan("S(0)", "R", mesh(dp=2), (4, 4)),
+    gm.meta[ir.EDGES][name] = Edge(name, "t", "add", reshard_plan("S(0)", "R", mesh(dp=2), (4, N)),
                                    None)
     with g.inserting_before(out):
         s = g.create_node("call_function", START, ([t], [name]), name="start_t")
-        w = g.create_node("call_function", WAIT, (s, t, name, [4, 4], "none"), name="wait_t")
+        w = g.create_node("call_function", WAIT, (s, t, name, [4, N], "none"), name="wait_t")
         out.args = (g.create_node("call_function", torch.ops.aten.add.Tensor, (out.args[0], w),
                                   name="add"),)
     gm.recompile()
