@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fxpar.cost.reshard import LOCAL_KINDS
-from fxpar.cost.step import gather_groups
+from fxpar.cost.step import gather_groups, optimizer_time, step_piece
 from fxpar.defaults import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from fxpar.errors import PlanError
 
@@ -192,10 +192,10 @@ def plan_overlap(plan, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
         comms.append(Comm(price(kind, axis, steps), ready + 1, 2 * F))
     return overlap(compute, comms)
 
+
 def _optimizer_time(plan, bucket_bytes: int, first_bucket_bytes: int) -> float:
     """Seconds of the optimizer step (:meth:`overlap`), 0 without a measured price."""
     from fxpar.cost.memory import is_fp32, model_state_bytes
-    from fxpar.cost.step import optimizer_time
 
     prof = (plan.mesh.get("cluster") or {}).get("compute") or {}
     if not prof.get("optimizer"):
@@ -210,7 +210,8 @@ def _optimizer_time(plan, bucket_bytes: int, first_bucket_bytes: int) -> float:
     n = [x.memory / per_param / s_os for x in plan.nodes if x.param]
     flat = s_os == 1 and is_fp32(precision)
     return optimizer_time(sum(n), len(n), (per_tensor, per_element), flat,
-                          bucket=bucket_bytes, first=first_bucket_bytes)
+                          bucket=bucket_bytes, first=first_bucket_bytes,
+                          piece=step_piece((plan.mesh.get("cluster") or {}).get("device_type", "")))
 
 def coalesced_pricer(plan):
     """``price(kind, axis, steps)``: seconds of ``steps`` coalesced into one collective on

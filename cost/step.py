@@ -65,7 +65,7 @@ import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from fxpar.defaults import BUCKET_BYTES, FIRST_BUCKET_BYTES, TINY_GATHER_BYTES
+from fxpar.defaults import BUCKET_BYTES, CPU_STEP_PIECE, FIRST_BUCKET_BYTES, TINY_GATHER_BYTES
 
 __all__ = ["UnitCost", "ChunkCost", "DpTerms", "StepTime", "chunk_costs", "dp_terms",
            "microbatch_overhead", "optimizer_time", "param_units", "rank_memory", "step_time",
@@ -242,7 +242,8 @@ def microbatch_overhead(cluster) -> float:
 
 
 def optimizer_time(elements: float, tensors: int, price: Sequence[float], flat: bool = False, *,
-                   bucket: float = BUCKET, first: float = FIRST_BUCKET_BYTES) -> float:
+                   bucket: float = BUCKET, first: float = FIRST_BUCKET_BYTES,
+                   piece: float | None = None) -> float:
     """Seconds of an element-wise optimizer's step over ``elements`` local elements in
     ``tensors`` parameter tensors at ``price = (per_tensor, per_element)``
     (:attr:`fxpar.cluster.ComputeProfile.optimizer`)::
@@ -251,19 +252,36 @@ def optimizer_time(elements: float, tensors: int, price: Sequence[float], flat: 
 
     ``T = tensors``, or with ``flat`` (fp32 parameters, unsharded states: the runtime steps one
     flat segment per gradient bucket, :mod:`fxpar.runtime.model_state.optimizer`) the buckets'
-    count ``1 + ⌈(4·elements − first)/bucket⌉``.
+    count ``1 + ⌈(4·elements − first)/bucket⌉``, each bucket in pieces of ``piece`` elements
+    where the runtime cuts them (a CPU: :func:`step_piece`).
 
     >>> optimizer_time(1000, 4, (1e-5, 1e-8)) * 1e6      # 4 tensors, 1000 elements
     50.0
     >>> optimizer_time(1000, 4, (1e-5, 1e-8), flat=True) * 1e6   # one bucket
     20.0
+    >>> optimizer_time(1000, 4, (1e-5, 1e-8), flat=True, piece=400) * 1e6   # 3 pieces
+    40.0
     """
     if not price or elements <= 0:
         return 0.0
     per_tensor, per_element = price
     if flat:
-        tensors = 1 + math.ceil(max(0.0, 4 * elements - first) / bucket)
+        sizes = [min(elements, first / 4)]   # elements per bucket, the first one small
+        rest = elements - sizes[0]
+        n_full, tail = divmod(rest, bucket / 4) if rest > 0 else (0, 0.0)
+        sizes += [bucket / 4] * int(n_full) + ([tail] if tail > 0 else [])
+        tensors = sum(math.ceil(x / piece) if piece else 1 for x in sizes)
     return tensors * per_tensor + per_element * elements
+
+
+def step_piece(device_type: str) -> int | None:
+    """The elements of the pieces the runtime steps a flat segment in on ``device_type``
+    (:data:`fxpar.defaults.CPU_STEP_PIECE` on a CPU), ``None`` for whole segments.
+
+    >>> step_piece("cpu-process"), step_piece("A100-80GB")
+    (131072, None)
+    """
+    return CPU_STEP_PIECE if device_type.lower().startswith("cpu") else None
 
 
 def unit_overlap(compute: Sequence[float], gather: Sequence[float],

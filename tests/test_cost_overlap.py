@@ -164,3 +164,27 @@ def test_an_inputs_gather_is_issued_at_the_top():
     assert head < gather.time < forward
     without = dataclasses.replace(p, edges=tuple(e for e in p.edges if e is not gather))
     assert p.overlap(1).exposed == pytest.approx(without.overlap(1).exposed, rel=1e-12)
+
+
+def test_a_cpu_steps_flat_buckets_in_pieces():
+    """On a CPU the runtime steps each flat bucket in pieces of CPU_STEP_PIECE (2**17)
+    elements: an fp32 MLP 512-512-256 on dp=2 has 262144 + 512 + 131072 + 256 = 393 984
+    elements, a first 1 MiB bucket of 262 144 (two pieces) and the rest (two), so the step
+    pays four tensors' fixed seconds, not two buckets'; the replay and Plan.time agree."""
+    import dataclasses
+
+    from examples.models import MLP
+    from fxpar.cluster import ComputeProfile
+    from fxpar.planner.price import price_plan
+
+    prof = ComputeProfile(gemm=((1e3, 1e10), (1e9, 1e10)), memory=((1e3, 1e10), (1e9, 1e10)),
+                          op_overhead=0.0, bwd_op_overhead=0.0, optimizer=(1e-5, 1e-9))
+    cl = fxpar.Cluster.local(2, compute=prof)
+    p = fxpar.plan(MLP(512, 512, 256), cl, (torch.randn(8, 512),), plan="dp", mesh={"dp": 2},
+                   options=fxpar.planner.PlannerOptions(precision="fp32")).plan
+    unpriced = dict(p.mesh, cluster={**p.mesh["cluster"],
+                                     "compute": {**p.mesh["cluster"]["compute"], "optimizer": []}})
+    base = dataclasses.replace(p, mesh=unpriced)
+    want = 4 * 1e-5 + 393984 * 1e-9
+    assert p.overlap().step - base.overlap().step == pytest.approx(want, rel=1e-9)
+    assert p.time - price_plan(base)[0].step == pytest.approx(want, rel=1e-9)

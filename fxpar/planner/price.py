@@ -43,7 +43,7 @@ from fxpar.cost.overlap import coalesced_pricer
 from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import (BUCKET, DpTerms, StepTime, UnitCost, chunk_costs, dp_terms,
                              microbatch_overhead, optimizer_time, rank_memory,
-                             step_time, tiny_params, zero_units)
+                             step_piece, step_time, tiny_params, zero_units)
 from fxpar.spec import Spec
 from fxpar.split import units
 
@@ -291,8 +291,10 @@ def optimizer_seconds(chunks, p: int, state: tuple[int, int, int], cluster, prec
     # parameters sharded by their layouts (s_p) are local tensors to the runtime's optimizer:
     # stepped flat unless it shards their states further (ZeRO-1/2)
     flat = s_os == s_p and is_fp32(precision)
+    piece = step_piece(getattr(cluster, "device_type", ""))
     return [optimizer_time(sum(c.params for c in chunks[r::p]) / s_os,
-                           sum(c.tensors for c in chunks[r::p]), price, flat) for r in range(p)]
+                           sum(c.tensors for c in chunks[r::p]), price, flat, piece=piece)
+            for r in range(p)]
 
 
 def schedule_of(plan):
