@@ -65,6 +65,8 @@ def prefetch_pass(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 user = min(waits[0].users, key=pos.get, default=waits[0])
                 layer = layer_of(user)  # "(top)" etc.: no module info, the user is its unit
                 units.setdefault(user.name if layer.startswith("(") else layer, []).append((n, waits[0]))
+    if not units and not inputs:   # nothing gathered (a graph may have no placeholder)
+        return PassResult(gm, False)
     anchor = [n for n in nodes if n.op == "placeholder"][-1]
     for n in inputs:
         anchor.append(n)

@@ -80,6 +80,33 @@ def test_a_tiny_unit_rides_with_the_unit_after_it():
         k: (v if k != "wait2" else (start1,) + v[1:]) for k, v in before.items()}
 
 
+def test_one_layer_one_start_one_gradient_bucket():
+    """Two parameters used by one node (a unit): their starts merge into ONE start of both
+    edges (coalesced), and their gradient edges form one bucket, on the graph's own copy of the
+    edge table (the input graph's table is not touched)."""
+    m = mesh(dp=2)
+    g = fx.Graph()
+    x = placeholder(g, "x", (4, 4))
+    w = placeholder(g, "w", (4, 4), param="fc.weight")
+    b = placeholder(g, "b", (4,), param="fc.bias")
+    edges, got = {}, []
+    for p, shape in ((w, (4, 4)), (b, (4,))):
+        name = f"{p.name}->addmm"
+        edges[name] = Edge(name, p.name, "addmm", reshard_plan("S(0)", "R", m, shape),
+                           reshard_plan("P(sum)", "S(0)", m, shape), param=p.meta[ir.PARAM].fqn)
+        s = g.create_node("call_function", START, ([p], [name]), name=f"start_{p.name}")
+        got.append(g.create_node("call_function", WAIT, (s, p, name, list(shape), "sink"), name=f"wait_{p.name}"))
+    y = g.create_node("call_function", torch.ops.aten.addmm.default, (got[1], x, got[0]), name="addmm")
+    g.output(y)
+    gm = module(g)
+    gm.meta[ir.EDGES] = table = dict(edges)
+    res = run_passes(gm, PassContext(coord=(0,), prefetch=1), [prefetch_pass])
+    starts = list(res.graph.find_nodes(op="call_function", target=START))
+    assert len(starts) == 1 and starts[0].args[1] == ["w->addmm", "b->addmm"]
+    assert {e.bucket for e in res.meta[ir.EDGES].values()} == {("w->addmm", "b->addmm")}
+    assert all(e.bucket == () for e in table.values())
+
+
 def _toy_with_input() -> fx.GraphModule:
     """:func:`_toy` plus an input ``t`` (no parameter) gathered right before its one use,
     an ``add`` at the end."""
@@ -113,3 +140,11 @@ def test_an_inputs_gather_starts_at_the_top(window, first):
     assert names[:4] == first
     assert names[-3:] == (["start_t", "wait_t", "add"] if window == 0 else
                           ["relu_default_2", "wait_t", "add"])
+
+
+def test_a_graph_without_placeholders_is_left_alone():
+    """An op of no tensor input (``arange``): no placeholder, nothing to move."""
+    g = fx.Graph()
+    g.output(g.call_function(torch.ops.aten.arange.default, (4,)))
+    res = run_passes(module(g), PassContext(coord=(0,), prefetch=1), [prefetch_pass])
+    assert [n.op for n in res.graph.nodes] == ["call_function", "output"]
