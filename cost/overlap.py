@@ -98,7 +98,8 @@ def plan_overlap(plan, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
       (:mod:`fxpar.passes.prefetch`; 0: right before it, ungrouped);
     * in backward, an activation's gradient reshard is synchronous; a freed parameter's
       re-gather (ZeRO-3; one per group) starts when the layer after it is gathered again
-      (backward prefetch; ``prefetch=0``: when needed); parameter gradients are reduced in
+      (backward prefetch; ``prefetch=0``: when needed), but for the last group's, whose
+      forward gather is held for the backward (:class:`fxpar.runtime.comm.Regather`); parameter gradients are reduced in
       buckets of ``bucket_bytes`` (the first of each kind and axis ``first_bucket_bytes``,
       as :class:`fxpar.runtime.model_state.ModelStates` makes them) in the order they
       arrive, each launched when its last gradient is in, all waited at the end of the step;
@@ -175,7 +176,8 @@ def plan_overlap(plan, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
     for j, key in enumerate(order):
         need, steps = regathers[key]
         issue = regathers[order[j - 1]][0] if prefetch > 0 and j > 0 else need
-        comms.append(Comm(price("all_gather", key[1], steps), issue, need))
+        if key[0] != len(groups) - 1:   # the last group's forward gather is held for backward
+            comms.append(Comm(price("all_gather", key[1], steps), issue, need))
     open_: dict[tuple[str, str], list] = {}  # (kind, axis) -> [ready, steps, bytes]
     closed: set[tuple[str, str]] = set()      # (kind, axis) whose first bucket is full
     first_cap = min(first_bucket_bytes, bucket_bytes)

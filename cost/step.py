@@ -327,7 +327,9 @@ def overlapped_chunks(chunks: Sequence[ChunkCost], p: int, m: int, dp: Sequence[
     """Per chunk (chunk ``k`` on pipeline rank ``k % p``) ``(F, B, R)`` of
     :func:`overlapped_chunk` with its share by parameters of its rank's data-parallel terms
     ``dp``: ZeRO-3's gathers ``T_p/2m`` per pass and microbatch, reductions ``T_g + T_os0``
-    once; ``overlap=False``: every cost added (``c.fwd + gather``, ...)."""
+    once; ``overlap=False``: every cost added (``c.fwd + gather``, ...). Without a pipeline
+    (``p = 1``), the runtime holds the last unit's forward gather for the backward
+    (``held_last``), as fxpar's ZeRO-3 does (not DeepSpeed's style, ``rs_exposed``)."""
     phi = [sum(x.params for x in chunks[r::p]) for r in range(p)]
     out: tuple[list[float], list[float], list[float]] = ([], [], [])
     for k, c in enumerate(chunks):
@@ -336,25 +338,32 @@ def overlapped_chunks(chunks: Sequence[ChunkCost], p: int, m: int, dp: Sequence[
         # same bytes cost the same), exposed in the backward when the runtime does not overlap it
         rs = d.t_p / (3 * m) * share if d.rs_exposed else 0.0
         g, r = (d.t_p / m * share - rs) / 2, (d.t_g + d.t_os0) * share
-        f, b, red = (overlapped_chunk(c, g, r, interference) if overlap
+        f, b, red = (overlapped_chunk(c, g, r, interference,
+                                      held_last=p == 1 and not d.rs_exposed) if overlap
                      else (c.fwd + g, c.bwd + g, c.reduce + r))
         for acc, v in zip(out, (f, b + rs, red)):
             acc.append(v)
     return out
 
 
-def overlapped_chunk(c: ChunkCost, gather: float, reduce: float, interference: float = 0.0
-                     ) -> tuple[float, float, float]:
+def overlapped_chunk(c: ChunkCost, gather: float, reduce: float, interference: float = 0.0,
+                     held_last: bool = False) -> tuple[float, float, float]:
     """``(F, B, R)`` of chunk ``c`` with ``gather`` seconds of ZeRO-3 gathers per pass (forward
     and again backward) and ``reduce`` seconds of data-parallel reductions, both split over
     its units by parameters, as the runtime overlaps them (:func:`unit_overlap`): ``F`` and
     ``B`` one microbatch's passes with the gathers prefetched, ``R`` what the last
     microbatch's backward adds when its units' reductions (and ``c.reduce``, its own axes')
-    go out as each unit's backward ends: the exposed reduction time.
+    go out as each unit's backward ends: the exposed reduction time. ``held_last``: the last
+    unit holding parameters is not gathered again in backward (its forward gather is held:
+    :class:`fxpar.runtime.comm.Regather` ``keep_last``).
 
     >>> c = chunk_costs([UnitCost("l", "x", 1.0, 2.0, 0.0, 0.5, 0.0, 1.0, 0.0)] * 2, (0,))[0]
     >>> overlapped_chunk(c, gather=0.0, reduce=1.0)     # unit 1's 1 s behind unit 0's backward
     (2.0, 4.0, 1.0)
+    >>> overlapped_chunk(c, gather=1.0, reduce=0.0)     # the first gather of each pass exposed
+    (2.5, 4.5, 0.5)
+    >>> overlapped_chunk(c, gather=1.0, reduce=0.0, held_last=True)   # backward starts held
+    (2.5, 4.0, 0.5)
     """
     if not c.unit_fwd:   # no per-unit split: nothing overlaps
         return c.fwd + gather, c.bwd + gather, c.reduce + reduce
@@ -363,8 +372,13 @@ def overlapped_chunk(c: ChunkCost, gather: float, reduce: float, interference: f
     g = [gather * x for x in share]
     r = [own + reduce * x for own, x in zip(c.unit_reduce, share)]
     f, _ = unit_overlap(c.unit_fwd, g, None, interference)
-    b, _ = unit_overlap(c.unit_bwd[::-1], g[::-1], None, interference)
-    b_last, tail = unit_overlap(c.unit_bwd[::-1], g[::-1], r[::-1], interference)
+    gb = g[::-1]
+    if held_last:
+        held = next((i for i, x in enumerate(c.unit_params[::-1]) if x > 0), None)
+        if held is not None:
+            gb[held] = 0.0
+    b, _ = unit_overlap(c.unit_bwd[::-1], gb, None, interference)
+    b_last, tail = unit_overlap(c.unit_bwd[::-1], gb, r[::-1], interference)
     return f, b, b_last - b + tail
 
 

@@ -167,7 +167,13 @@ def run_parity(name: str, plan: str, mesh: dict, s_g: int = 1, s_os: int = 1, st
             edges = runner.gm.meta[ir.EDGES]
             n_gathers = sum(1 for n in runner.gm.graph.find_nodes(
                 op="call_function", target=torch.ops.fxpar.wait.default) if edges[n.args[2]].param)
-            assert runner.held_after_forward == 0 and 0 < runner.regathers <= n_gathers
+            starts = [n for n in runner.gm.graph.find_nodes(
+                op="call_function", target=torch.ops.fxpar.start.default)
+                if any(edges[e].param for e in n.args[1])]
+            # the last group is held for backward, which needs it first; the others are
+            # gathered again at most once (these small models are often one 64 KiB group)
+            assert 0 < runner.held_after_forward <= len(starts[-1].args[1])
+            assert runner.regathers < len(starts) <= n_gathers
         runner.optimizer_step()
         ropt.step()
         ropt.zero_grad()

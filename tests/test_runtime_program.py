@@ -591,22 +591,25 @@ def backward_prefetch_worker(steps: int = 2):
             ref_losses.append(rl.item())
     finally:
         comm.Regather._gather = gather
-    return log, losses, ref_losses
+    return log, losses, ref_losses, runner.regathers, runner.held_after_forward
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(120)
 def test_zero3_backward_prefetch(pools):
     """FSDP's backward prefetch: the layers' weights are gathered again in backward in reverse
-    layer order; only the first (the last layer) is gathered on demand, each other one was
-    started when the layer after it was gathered. Training still matches one process."""
-    for log, losses, ref_losses in pools(2).run(backward_prefetch_worker):
+    layer order; the first (the last layer) is not: its forward gather was held for backward
+    (torchtitan's ``reshard_after_forward=False`` on the last block), each other one was
+    started when the layer after it was reached. Training still matches one process."""
+    for log, losses, ref_losses, regathers, held in pools(2).run(backward_prefetch_worker):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
         per_step = len(log) // 2
         assert per_step >= 3 and log[:per_step] == log[per_step:]
         step = log[:per_step]
         assert [at for _, at in step] == sorted((at for _, at in step), reverse=True)
         assert [how for how, _ in step] == ["synchronous"] + ["prefetched"] * (per_step - 1)
+        # the first is served from the held gather: one collective fewer than groups
+        assert regathers == per_step - 1 and held > 0
 
 
 @pytest.mark.timeout(60)

@@ -169,6 +169,7 @@ class _Group:
         self.packs = [0] * len(self.plans)   # saved tensors per member (counted in forward)
         self.results: dict[int, torch.Tensor] | None = None   # gathered again, until unpacked
         self.pending = None                  # the re-gather, started ahead (prefetch)
+        self.kept: dict[int, torch.Tensor] = {}   # gathered in forward, held (Regather.keep_last)
 
 
 class Regather:
@@ -183,12 +184,20 @@ class Regather:
     unpacked. Backward prefetch (FSDP's ``BACKWARD_PRE``): when a group is gathered again, the
     group registered before it in forward (the layer backward reaches next) is started, so
     its gather runs under this layer's backward. Collective in backward: every rank unpacks
-    in the same (autograd) order, so every rank starts the same gathers in the same order."""
+    in the same (autograd) order, so every rank starts the same gathers in the same order.
 
-    def __init__(self) -> None:
+    ``keep_last``: the last group the forward gathers stays held for the backward, which needs
+    it first (torchtitan's ``reshard_after_forward=False`` on the last block: FSDP would gather
+    it again at once): a group's tensors are held until the next group is gathered, and once
+    :meth:`end_forward` is called the last one stays, served to backward without a collective.
+    For one forward per backward (an SPMD step), not for a pipeline's microbatches in flight."""
+
+    def __init__(self, keep_last: bool = False) -> None:
         self.full: dict[int, tuple] = {}
         self.groups: list[_Group] = []   # in forward (registration) order
         self.count = 0  # collective re-gathers in backward (for tests and stats)
+        self.keep_last = keep_last
+        self._last: _Group | None = None
 
     def register(self, full: torch.Tensor, edge: Edge, shard: torch.Tensor, device_mesh,
                  pending=None, index: int = 0) -> None:
@@ -202,6 +211,17 @@ class Regather:
                 group, index = _Group([edge.fwd], [shard], device_mesh, at), 0
             self.groups.append(group)
         self.full[id(base)] = (weakref.ref(base), group, index)
+        if self.keep_last:
+            if self._last is not group:
+                if self._last is not None:
+                    self._last.kept = {}   # the group before: freed after its last use
+                self._last = group
+            group.kept[index] = base
+
+    def end_forward(self) -> None:
+        """The forward is done: the group held now stays for backward; gathers after this
+        (a recomputed layer's) are not held."""
+        self.keep_last = False
 
     def alive(self) -> int:
         """How many gathered parameters are still held (after forward: 0 = all were freed)."""
@@ -216,11 +236,15 @@ class Regather:
         return (Regather, hit[1:], t.size(), t.stride(), t.storage_offset())
 
     def _gather(self, group: _Group) -> None:
-        self.count += 1
-        got = rt.finish(group.pending) if group.pending is not None else \
-            rt.execute_many(group.plans, group.shards, group.dm)
-        group.pending = None
-        group.results = {i: t for i, t in enumerate(got) if group.packs[i] > 0}
+        need = [i for i, k in enumerate(group.packs) if k > 0]
+        if group.pending is None and all(i in group.kept for i in need):   # held: no collective
+            group.results = {i: group.kept[i] for i in need}
+        else:
+            self.count += 1
+            got = rt.finish(group.pending) if group.pending is not None else \
+                rt.execute_many(group.plans, group.shards, group.dm)
+            group.results = {i: got[i] for i in need}
+        group.pending, group.kept = None, {}
         prev = self.groups[group.at - 1] if group.at > 0 else None
         if prev is not None and prev.results is None and prev.pending is None and any(prev.packs):
             prev.pending = rt.start(prev.plans, prev.shards, prev.dm)

@@ -156,8 +156,8 @@ class Runner(RankRunner):
         self.coord = mesh.coord(rank)
         self.local_batch = local_batch
         self.regather, self.regathers = regather, 0
-        #: gathered parameters still held between forward and backward (``regather``: 0;
-        #: ``None`` without regather)
+        #: gathered parameters still held between forward and backward (``regather``: those
+        #: of the last gathered group only, which backward needs first; ``None`` without)
         self.held_after_forward = 0 if regather else None
         gm = program.rank_graph(rank, self.device)
         #: the rank graph this runner calls (replaceable, e.g. by ``torch.compile(runner.gm)``:
@@ -268,12 +268,15 @@ class Runner(RankRunner):
 
         with bind(self.bindings):
             deferred = self.bindings.deferred = []
-            with Regather() if self._regather_on else contextlib.nullcontext() as rg:
+            # the last gathered group stays for the backward, which needs it first
+            with Regather(keep_last=True) if self._regather_on else contextlib.nullcontext() as rg:
                 self.bindings.regather = rg
                 try:
                     out = self.forward(*args, **kwargs)
                 finally:
                     self.bindings.regather = self.bindings.deferred = None
+                    if rg is not None:
+                        rg.end_forward()
             if rg is not None:
                 self.held_after_forward = rg.alive()
             loss = out[0] if isinstance(out, (tuple, list)) else out
