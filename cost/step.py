@@ -327,8 +327,8 @@ def overlapped_chunks(chunks: Sequence[ChunkCost], p: int, m: int, dp: Sequence[
     """Per chunk (chunk ``k`` on pipeline rank ``k % p``) ``(F, B, R)`` of
     :func:`overlapped_chunk` with its share by parameters of its rank's data-parallel terms
     ``dp``: ZeRO-3's gathers ``T_p/2m`` per pass and microbatch, reductions ``T_g + T_os0``
-    once; ``overlap=False``: every cost added (``c.fwd + gather``, ...). Without a pipeline
-    (``p = 1``), the runtime holds the last unit's forward gather for the backward
+    once; ``overlap=False``: every cost added (``c.fwd + gather``, ...). One SPMD step (``p =
+    m = 1``: the SPMD runner) holds the last unit's forward gather for the backward
     (``held_last``), as fxpar's ZeRO-3 does (not DeepSpeed's style, ``rs_exposed``)."""
     phi = [sum(x.params for x in chunks[r::p]) for r in range(p)]
     out: tuple[list[float], list[float], list[float]] = ([], [], [])
@@ -339,7 +339,7 @@ def overlapped_chunks(chunks: Sequence[ChunkCost], p: int, m: int, dp: Sequence[
         rs = d.t_p / (3 * m) * share if d.rs_exposed else 0.0
         g, r = (d.t_p / m * share - rs) / 2, (d.t_g + d.t_os0) * share
         f, b, red = (overlapped_chunk(c, g, r, interference,
-                                      held_last=p == 1 and not d.rs_exposed) if overlap
+                                      held_last=p == m == 1 and not d.rs_exposed) if overlap
                      else (c.fwd + g, c.bwd + g, c.reduce + r))
         for acc, v in zip(out, (f, b + rs, red)):
             acc.append(v)
