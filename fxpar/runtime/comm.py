@@ -224,7 +224,8 @@ class Regather:
         self.keep_last = False
 
     def alive(self) -> int:
-        """How many gathered parameters are still held (after forward: 0 = all were freed)."""
+        """How many gathered parameters are still held (after forward: those of the group
+        ``keep_last`` holds for backward, 0 without it)."""
         return sum(1 for entry in self.full.values() if entry[0]() is not None)
 
     def pack(self, t: torch.Tensor):
