@@ -99,10 +99,11 @@ def plan_overlap(plan, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
     * in backward, an activation's gradient reshard is synchronous; a freed parameter's
       re-gather (ZeRO-3; one per group) starts when the layer after it is gathered again
       (backward prefetch; ``prefetch=0``: when needed), but for the last group's, whose
-      forward gather is held for the backward (:class:`fxpar.runtime.comm.Regather`); parameter gradients are reduced in
-      buckets of ``bucket_bytes`` (the first of each kind and axis ``first_bucket_bytes``,
-      as :class:`fxpar.runtime.model_state.ModelStates` makes them) in the order they
-      arrive, each launched when its last gradient is in, all waited at the end of the step;
+      forward gather is held for the backward (:class:`fxpar.runtime.comm.Regather`);
+      parameter gradients are reduced in buckets of ``bucket_bytes`` (the first of each kind
+      and axis ``first_bucket_bytes``, as :class:`fxpar.runtime.model_state.ModelStates`
+      makes them) in the order they arrive, each launched when its last gradient is in,
+      all waited at the end of the step;
     * then the optimizer step, on a cluster whose compute profile prices it
       (:attr:`fxpar.cluster.ComputeProfile.optimizer`): ``per_tensor + per_element·n`` per
       tensor of ``n`` local elements (a parameter's state bytes over the optimizer's
@@ -136,7 +137,8 @@ def plan_overlap(plan, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
         if e.direction == "fwd" and e.producer in held:
             moved[e.layer] += sum(st.nbytes for st in e.steps if st.kind not in LOCAL_KINDS)
     # one coalesced collective per gather group, needed by the group's first use
-    groups = gather_groups([moved[u] for u in units]) if prefetch > 0 else [[k] for k in range(len(units))]
+    groups = (gather_groups([moved[u] for u in units]) if prefetch > 0
+              else [[k] for k in range(len(units))])
     unit_no = {units[i]: k for k, g in enumerate(groups) for i in g}
     need_at = [first[units[g[0]]] for g in groups]
     gathers: dict[tuple, list] = {}  # (issue, need, kind, axis) -> steps, coalesced

@@ -266,10 +266,9 @@ def optimizer_time(elements: float, tensors: int, price: Sequence[float], flat: 
         return 0.0
     per_tensor, per_element = price
     if flat:
-        sizes = [min(elements, first / 4)]   # elements per bucket, the first one small
-        rest = elements - sizes[0]
-        n_full, tail = divmod(rest, bucket / 4) if rest > 0 else (0, 0.0)
-        sizes += [bucket / 4] * int(n_full) + ([tail] if tail > 0 else [])
+        head = min(elements, first / 4)   # elements per bucket, the first one small
+        full, tail = divmod(elements - head, bucket / 4)
+        sizes = [head] + [bucket / 4] * int(full) + ([tail] if tail > 0 else [])
         tensors = sum(math.ceil(x / piece) if piece else 1 for x in sizes)
     return tensors * per_tensor + per_element * elements
 

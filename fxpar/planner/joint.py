@@ -737,7 +737,7 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
     xfer = 2 * sum(_xfer(ccs[False][k].out, k, p, s.replicas, s.t, pricing.cluster)
                    for k in range(n - 1))
     fl = [in_flight_microbatches(MEM_KEY[s.schedule], r, p, s.m, s.v) for r in range(p)]
-    layers_by = {}   # per s_p: its gather groups (tiny units ride with the one before)
+    layers_by = {}   # AMSP's L per s_p: the gather groups (a norm rides with the next unit)
     part = None  # partial recomputation tables, built when first needed
     for rc in s.recompute:
         ch = ccs[rc]
