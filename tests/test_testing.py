@@ -125,3 +125,16 @@ def test_ranks_that_ended_differently_get_a_fresh_pool(pools):
     with pytest.raises(WorkerError, match=r"ranks \[1\][\s\S]*stops before"):
         pool.run(_half_done, grace=1.0, timeout=60)
     assert pool.run(_allreduce_rank) == [(0, 3.0), (1, 3.0), (2, 3.0)]
+
+
+def test_heap_abort_counts_as_a_memory_fault():
+    """The suite's pools retry glibc's heap-corruption aborts like SIGSEGV, not other aborts
+    (an escaped C++ exception, an assertion) nor a mix with a Python error."""
+    from conftest import _memory_fault
+
+    heap = "rank 4's process killed by SIGABRT ...\nmalloc(): unaligned tcache chunk detected\n"
+    assert _memory_fault(WorkerCrashed("rank 1's process killed by SIGSEGV", ("SIGSEGV",)))
+    assert _memory_fault(WorkerCrashed(heap, ("SIGABRT",)))
+    assert _memory_fault(WorkerCrashed("free(): invalid pointer", ("SIGABRT", "SIGSEGV")))
+    assert not _memory_fault(WorkerCrashed("terminate called: a C++ enforce failed", ("SIGABRT",)))
+    assert not _memory_fault(WorkerCrashed(heap, ("SIGABRT", "SIGKILL")))
