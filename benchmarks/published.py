@@ -76,6 +76,11 @@ NO_OVERLAP = ("T1 ", "T2 ptdp", "AxoNN megatron", "AMSP zero1")
 #: and AMSP's traces. Megatron-LM's Table 2 and AxoNN's Table III compare with DeepSpeed's
 #: ZeRO-3, AMSP §VI runs DeepSpeed-ZeRO3.
 DEEPSPEED_ZERO3 = ("T2 zero3", "AMSP zero3", "AxoNN zero3")
+#: Of those, the rows measured with DeepSpeed ≤ 0.5 (Megatron-LM's paper, April 2021), whose
+#: collectives took and returned lists of the group's members
+#: (``zero_style="deepspeed-list"``: host work per member); DeepSpeed gathered into one flat
+#: tensor by the time of AMSP (2023) and AxoNN (2024).
+DEEPSPEED_LISTS = ("T2 zero3",)
 
 
 @dataclasses.dataclass
@@ -99,8 +104,10 @@ class Row:
     @property
     def options(self) -> fxpar.PlannerOptions | None:
         """How the measured runtime issues ZeRO-3's collectives (:data:`DEEPSPEED_ZERO3`)."""
-        return (fxpar.PlannerOptions(zero_style="deepspeed")
-                if self.name.startswith(DEEPSPEED_ZERO3) else None)
+        if not self.name.startswith(DEEPSPEED_ZERO3):
+            return None
+        return fxpar.PlannerOptions(zero_style="deepspeed-list" if self.name.startswith(DEEPSPEED_LISTS)
+                                    else "deepspeed")
 
     @property
     def overlap(self) -> bool:

@@ -69,7 +69,7 @@ from fxpar.defaults import BUCKET_BYTES, CPU_STEP_PIECE, FIRST_BUCKET_BYTES, TIN
 
 __all__ = ["UnitCost", "ChunkCost", "DpTerms", "StepTime", "chunk_costs", "dp_terms",
            "microbatch_overhead", "optimizer_time", "param_units", "rank_memory", "step_time",
-           "ZERO_STYLES", "zero_units",
+           "ZERO_STYLES", "LIST_MEMBER_OPS", "zero_units",
            "unit_overlap", "overlapped_chunk", "overlapped_chunks", "BUCKET"]
 
 #: gradient bucket of the data-parallel reduction (AMSP's ``U``), bytes
@@ -328,7 +328,9 @@ def overlapped_chunks(chunks: Sequence[ChunkCost], p: int, m: int, dp: Sequence[
     ``dp``: ZeRO-3's gathers ``T_p/2m`` per pass and microbatch, reductions ``T_g + T_os0``
     once; ``overlap=False``: every cost added (``c.fwd + gather``, ...). One SPMD step (``p =
     m = 1``: the SPMD runner) holds the last unit's forward gather for the backward
-    (``held_last``), as fxpar's ZeRO-3 does (not DeepSpeed's style, ``rs_exposed``)."""
+    (``held_last``), as fxpar's ZeRO-3 does (not DeepSpeed's style, ``rs_exposed``). Host
+    work (``DpTerms.host``) is added to the passes, ``host/3m`` to a microbatch's forward and
+    ``2·host/3m`` to its backward: it delays the compute issued after it."""
     phi = [sum(x.params for x in chunks[r::p]) for r in range(p)]
     out: tuple[list[float], list[float], list[float]] = ([], [], [])
     for k, c in enumerate(chunks):
@@ -337,10 +339,11 @@ def overlapped_chunks(chunks: Sequence[ChunkCost], p: int, m: int, dp: Sequence[
         # same bytes cost the same), exposed in the backward when the runtime does not overlap it
         rs = d.t_p / (3 * m) * share if d.rs_exposed else 0.0
         g, r = (d.t_p / m * share - rs) / 2, (d.t_g + d.t_os0) * share
+        h = d.host / (3 * m) * share
         f, b, red = (overlapped_chunk(c, g, r, interference,
                                       held_last=p == m == 1 and not d.rs_exposed) if overlap
                      else (c.fwd + g, c.bwd + g, c.reduce + r))
-        for acc, v in zip(out, (f, b + rs, red)):
+        for acc, v in zip(out, (f + h, b + rs + 2 * h, red)):
             acc.append(v)
     return out
 
@@ -385,13 +388,17 @@ def overlapped_chunk(c: ChunkCost, gather: float, reduce: float, interference: f
 class DpTerms:
     """AMSP's per-step data-parallel seconds for one pipeline rank's parameters;
     ``rs_exposed``: the reduce-scatters in ``t_p`` are not overlapped with the backward
-    (:data:`ZERO_STYLES` ``"deepspeed"``)."""
+    (:data:`ZERO_STYLES` ``"deepspeed"``, ``"deepspeed-list"``)."""
 
     t_p: float = 0.0
     t_g: float = 0.0
     t_os0: float = 0.0
     t_os1: float = 0.0
     rs_exposed: bool = False
+    #: seconds of host work per step that hold up the compute issued after it (list-based
+    #: collectives' per-member operations, ``"deepspeed-list"``): a third in the forward
+    #: (the gathers), two thirds in the backward (gathers again, reduce-scatters)
+    host: float = 0.0
 
     @property
     def total(self) -> float:
@@ -406,8 +413,20 @@ class DpTerms:
 #: * ``"deepspeed"``: DeepSpeed's ZeRO-3 as the seeds measured it: one ``all_gather`` per
 #:   parameter tensor (``partition_parameters._allgather_param``), so a unit pays its ring
 #:   latency once per tensor, and reduce-scatters that do not overlap the backward (AMSP §VI,
-#:   Fig. 14: "fails to effectively overlap ReduceScatter with computation").
-ZERO_STYLES = ("flat", "deepspeed")
+#:   Fig. 14: "fails to effectively overlap ReduceScatter with computation");
+#: * ``"deepspeed-list"``: ``"deepspeed"`` as DeepSpeed ≤ 0.5 ran it (2021: Megatron-LM's
+#:   Table 2), with list-based collectives: ``_allgather_param`` builds a list of the ``G``
+#:   members' ``narrow`` views in Python and ``torch.distributed.all_gather`` into a list copies
+#:   each member out of its flat buffer (``ProcessGroupNCCL``'s flatten/unflatten), the
+#:   reduce-scatter likewise; host work per collective grows with ``G``
+#:   (:data:`LIST_MEMBER_OPS`, ``DpTerms.host``). Later DeepSpeed gathers into one flat tensor
+#:   (``allgather_into_tensor``): ``"deepspeed"``.
+ZERO_STYLES = ("flat", "deepspeed", "deepspeed-list")
+
+#: host operations per member of a list-based collective (``"deepspeed-list"``): the member's
+#: ``narrow`` view that builds the list and the ``copy_`` between it and the flat buffer, each
+#: priced at the cluster's per-kernel fixed cost (``Physics.kernel_overhead``)
+LIST_MEMBER_OPS = 2
 
 
 def zero_units(chunks: Sequence[ChunkCost], p: int, style: str = "flat", tiny: float = 0.0
@@ -456,7 +475,11 @@ def dp_terms(phi: float, layers: int, m: int, d0: int, d1: int, s_p: int, s_g: i
     r = evaluate(Sharding(split(s_p), split(s_g), split(s_os)), phi=phi,
                  module_params=[phi / max(1, layers)], L=max(1, layers), M=m, U=bucket,
                  cluster=cluster, dp=(d0, d1), precision=precision)
-    return DpTerms(r.t_p, r.t_g, r.t_os0, r.t_os1, rs_exposed=style == "deepspeed")
+    # each of the L tensors' three list collectives per microbatch (two gathers, one
+    # reduce-scatter) walks its s_p members on the host
+    host = (m * max(1, layers) * 3 * s_p * LIST_MEMBER_OPS * cluster.physics.kernel_overhead
+            if style == "deepspeed-list" and s_p > 1 and cluster.physics is not None else 0.0)
+    return DpTerms(r.t_p, r.t_g, r.t_os0, r.t_os1, rs_exposed=style != "flat", host=host)
 
 
 def rank_memory(chunks: Sequence[ChunkCost], p: int, in_flight: Sequence[float],

@@ -196,6 +196,32 @@ def test_deepspeed_style_reduce_scatters_are_exposed():
     assert flat.step == pytest.approx((0.75 + 2) + 4)
 
 
+def test_list_collectives_cost_host_work_per_member():
+    """``zero_style="deepspeed-list"``: each of the ``L`` tensors' two gathers and one
+    reduce-scatter per microbatch walks its ``s_p`` members on the host, ``LIST_MEMBER_OPS``
+    operations of ``kernel_overhead`` each: ``host = m·L·3·s_p·2·k``, by hand; the
+    communication terms are ``"deepspeed"``'s. In the step the host work delays compute: a
+    third in the forward, two thirds in the backward (1 s and 2 s of 3 s here)."""
+    from fxpar.cost.step import dp_terms
+
+    cl = fxpar.Cluster.preset("dgx-a100", nodes=2)
+    k = cl.physics.kernel_overhead
+    args = (1e9, 10, 2, 8, 2, 16, 16, 16, cl, "mixed")
+    lst, ds = dp_terms(*args, "deepspeed-list"), dp_terms(*args, "deepspeed")
+    assert lst.host == pytest.approx(2 * 10 * 3 * 16 * 2 * k) and ds.host == 0.0
+    assert (lst.t_p, lst.t_g, lst.t_os0, lst.t_os1, lst.rs_exposed) == \
+        (ds.t_p, ds.t_g, ds.t_os0, ds.t_os1, True)
+    assert dp_terms(1e9, 10, 2, 8, 2, 1, 16, 16, cl, "mixed", "deepspeed-list").host == 0.0  # no gathers
+    us = [_unit(f"l{i}", 1.0, 2.0, 0.0, 1.0, 0.0) for i in range(2)]
+    chunks = chunk_costs(us, (0,))
+    sched = Schedule.build("1f1b", stages=1, microbatches=1)
+    base = step_time(sched, chunks, lambda k: (0, 0), [DpTerms(t_p=3.0, rs_exposed=True)])
+    host = step_time(sched, chunks, lambda k: (0, 0), [DpTerms(t_p=3.0, rs_exposed=True, host=3.0)])
+    assert host.step == pytest.approx(base.step + 3.0)
+    fwd = [next(e.end - e.start for e in r.sim.events if "F" in e.name) for r in (base, host)]
+    assert fwd[1] == pytest.approx(fwd[0] + 1.0)   # the forward's third
+
+
 def test_deepspeed_style_prices_a_collective_per_parameter_tensor(gpt):
     """The joint search under ``PlannerOptions(zero_style="deepspeed")``: ZeRO-3 pays each
     parameter tensor's ring latency and its exposed reduce-scatters, so on 16 nodes it prices
@@ -209,9 +235,13 @@ def test_deepspeed_style_prices_a_collective_per_parameter_tensor(gpt):
     z3 = dict(pp=1, tp=1, dp=128, s_p=128, s_g=128, s_os=128)
     assert search(gm, cl, batch=128, only=z3, options=ds).best.step > \
         search(gm, cl, batch=128, only=z3).best.step
+    lst = PlannerOptions(zero_style="deepspeed-list")
+    assert search(gm, cl, batch=128, only=z3, options=lst).best.step > \
+        search(gm, cl, batch=128, only=z3, options=ds).best.step
     ddp = dict(pp=1, tp=1, dp=128, s_p=1, s_g=1, s_os=1)
     assert search(gm, cl, batch=128, only=ddp, options=ds).best.step == \
-        search(gm, cl, batch=128, only=ddp).best.step
+        search(gm, cl, batch=128, only=ddp).best.step == \
+        search(gm, cl, batch=128, only=ddp, options=lst).best.step
     with pytest.raises(fxpar.PlanError, match="zero_style"):
         PlannerOptions(zero_style="fsdp1")
 

@@ -99,9 +99,10 @@ class PlannerOptions:
     #: ``plan="megatron"``: sequence parallelism (:func:`fxpar.planner.baselines.baseline_pins`)
     sequence_parallel: bool = False
     #: how the priced runtime issues ZeRO-3's collectives (:data:`fxpar.cost.step.ZERO_STYLES`):
-    #: ``"flat"`` (fxpar's own, FSDP's: a unit's parameters in one collective) or
-    #: ``"deepspeed"`` (one per parameter tensor, reduce-scatters not overlapped), to price
-    #: what another system measured
+    #: ``"flat"`` (fxpar's own, FSDP's: a unit's parameters in one collective),
+    #: ``"deepspeed"`` (one per parameter tensor, reduce-scatters not overlapped) or
+    #: ``"deepspeed-list"`` (DeepSpeed ≤ 0.5's list-based collectives: host work per member),
+    #: to price what another system measured
     zero_style: str = "flat"
 
     def __post_init__(self) -> None:
