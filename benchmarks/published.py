@@ -78,8 +78,10 @@ NO_OVERLAP = ("T1 ", "T2 ptdp", "AxoNN megatron", "AMSP zero1")
 DEEPSPEED_ZERO3 = ("T2 zero3", "AMSP zero3", "AxoNN zero3")
 #: Of those, the rows measured with DeepSpeed ≤ 0.5 (Megatron-LM's paper, April 2021), whose
 #: collectives took and returned lists of the group's members
-#: (``zero_style="deepspeed-list"``: host work per member); DeepSpeed gathered into one flat
-#: tensor by the time of AMSP (2023) and AxoNN (2024).
+#: (``zero_style="deepspeed-list"``: host work per member). By AMSP's (2023) and AxoNN's
+#: (2024) runs DeepSpeed gathered into one flat tensor; its ``reduce_scatter_coalesced`` still
+#: slices every tensor per member in Python, which is not priced: their ZeRO-3 rows at 1024
+#: GPUs stay over-predicted (``published.json``).
 DEEPSPEED_LISTS = ("T2 zero3",)
 
 
