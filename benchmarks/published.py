@@ -83,6 +83,11 @@ DEEPSPEED_ZERO3 = ("T2 zero3", "AMSP zero3", "AxoNN zero3")
 #: slices every tensor per member in Python, which is not priced: their ZeRO-3 rows at 1024
 #: GPUs stay over-predicted (``published.json``).
 DEEPSPEED_LISTS = ("T2 zero3",)
+#: How the rows' systems gather the updated parameters after the step (``T_os1``,
+#: :data:`fxpar.cost.step.ZERO_STYLES`): AMSP broadcasts them from each optimizer-state owner
+#: (AMSP §IV-C2: ``"amsp"``), DeepSpeed's ZeRO-1 all-gathers them in ``allgather_bucket_size``
+#: pieces (``"deepspeed"``); the other rows shard no optimizer state beyond their parameters.
+STYLES = {"AMSP amsp": "amsp", "AMSP zero1": "deepspeed"}
 
 
 @dataclasses.dataclass
@@ -105,11 +110,12 @@ class Row:
 
     @property
     def options(self) -> fxpar.PlannerOptions | None:
-        """How the measured runtime issues ZeRO-3's collectives (:data:`DEEPSPEED_ZERO3`)."""
-        if not self.name.startswith(DEEPSPEED_ZERO3):
-            return None
-        return fxpar.PlannerOptions(zero_style="deepspeed-list" if self.name.startswith(DEEPSPEED_LISTS)
-                                    else "deepspeed")
+        """How the measured runtime issues ZeRO's collectives (:data:`DEEPSPEED_ZERO3`,
+        :data:`STYLES`)."""
+        style = next((v for k, v in STYLES.items() if self.name.startswith(k)), None)
+        if self.name.startswith(DEEPSPEED_ZERO3):
+            style = "deepspeed-list" if self.name.startswith(DEEPSPEED_LISTS) else "deepspeed"
+        return fxpar.PlannerOptions(zero_style=style) if style else None
 
     @property
     def overlap(self) -> bool:

@@ -69,7 +69,8 @@ from fxpar.defaults import BUCKET_BYTES, CPU_STEP_PIECE, FIRST_BUCKET_BYTES, TIN
 
 __all__ = ["UnitCost", "ChunkCost", "DpTerms", "StepTime", "chunk_costs", "dp_terms",
            "microbatch_overhead", "optimizer_time", "param_units", "rank_memory", "step_time",
-           "ZERO_STYLES", "LIST_MEMBER_OPS", "zero_units",
+           "ZERO_STYLES", "LIST_MEMBER_OPS", "DEEPSPEED_ALLGATHER_ELEMENTS", "os_gather_time",
+           "zero_units",
            "unit_overlap", "overlapped_chunk", "overlapped_chunks", "BUCKET"]
 
 #: gradient bucket of the data-parallel reduction (AMSP's ``U``), bytes
@@ -405,11 +406,14 @@ class DpTerms:
         return self.t_p + self.t_g + self.t_os0 + self.t_os1
 
 
-#: How a runtime issues ZeRO-3's collectives (``PlannerOptions.zero_style``):
+#: How a runtime issues ZeRO's collectives (``PlannerOptions.zero_style``):
 #:
 #: * ``"flat"``: one all-gather (forward, again in backward) and one reduce-scatter per unit's
 #:   parameters together, gathers prefetched a unit ahead, reduce-scatters behind the
-#:   backward: fxpar's runtime, FSDP, AMSP;
+#:   backward, as FSDP; after the optimizer step, the updated chunks of every bucket in one
+#:   all-gather over the ``s_os/s_p`` group (``T_os1``, :func:`os_gather_time`): fxpar's runtime;
+#: * ``"amsp"``: ``"flat"``'s ZeRO-3 with AMSP's ``T_os1``: each optimizer-state owner
+#:   broadcasts its updated parameters (AMSP §IV-C2, ``s_os/s_p`` broadcasts);
 #: * ``"deepspeed"``: DeepSpeed's ZeRO-3 as the seeds measured it: one ``all_gather`` per
 #:   parameter tensor (``partition_parameters._allgather_param``), so a unit pays its ring
 #:   latency once per tensor, and reduce-scatters that do not overlap the backward (AMSP §VI,
@@ -421,7 +425,14 @@ class DpTerms:
 #:   reduce-scatter likewise; host work per collective grows with ``G``
 #:   (:data:`LIST_MEMBER_OPS`, ``DpTerms.host``). Later DeepSpeed gathers into one flat tensor
 #:   (``allgather_into_tensor``): ``"deepspeed"``.
-ZERO_STYLES = ("flat", "deepspeed", "deepspeed-list")
+#:
+#: Both DeepSpeed styles gather the updated parameters after the step as ZeRO-1/2's
+#: ``all_gather_dp_groups`` does: in :data:`DEEPSPEED_ALLGATHER_ELEMENTS` pieces.
+ZERO_STYLES = ("flat", "deepspeed", "deepspeed-list", "amsp")
+
+#: DeepSpeed's default ``allgather_bucket_size`` (elements): ZeRO-1/2 gather the updated
+#: parameters in ``max(1, ⌊Φ/5e8⌋)`` all-gathers
+DEEPSPEED_ALLGATHER_ELEMENTS = 5e8
 
 #: host operations per member of a list-based collective (``"deepspeed-list"``): the member's
 #: ``narrow`` view that builds the list and the ``copy_`` between it and the flat buffer, each
@@ -441,7 +452,7 @@ def zero_units(chunks: Sequence[ChunkCost], p: int, style: str = "flat", tiny: f
     """
     if style not in ZERO_STYLES:
         raise ValueError(f"zero_style {style!r}: one of {ZERO_STYLES}")
-    if style == "flat":
+    if style in ("flat", "amsp"):
         return param_units(chunks, p, tiny)
     return [max(1, sum(c.tensors for c in chunks[r::p])) for r in range(p)]
 
@@ -451,16 +462,19 @@ def dp_terms(phi: float, layers: int, m: int, d0: int, d1: int, s_p: int, s_g: i
              cluster, precision: str = "mixed", style: str = "flat") -> DpTerms:
     """AMSP's ``T_p, T_g, T_os0, T_os1`` (:func:`fxpar.cost.amsp.evaluate`) for ``phi`` local
     parameters in ``layers`` equal modules over ``d0 × d1`` replicas (inside × across nodes),
-    ``m`` microbatches; each factor split inside the node first (AMSP eq. 7). Two departures,
-    both the runtime's: AMSP counts 2 bytes a value (bf16), ``fp32`` training moves 4; and the
-    gradients of a P shard (``B = 2Φ/s_p`` bytes) go out in whole buckets, a first small one
-    then ``BUCKET`` each (``n = 1 + ⌈(B − FIRST)/BUCKET⌉`` of ``U = B/n``), where AMSP's
-    ``B/U`` may count a fraction of one bucket's latency."""
+    ``m`` microbatches; each factor split inside the node first (AMSP eq. 7). Three
+    departures, all the runtime's: AMSP counts 2 bytes a value (bf16), ``fp32`` training moves
+    4; the gradients of a P shard (``B = 2Φ/s_p`` bytes) go out in whole buckets, a first
+    small one then ``BUCKET`` each (``n = 1 + ⌈(B − FIRST)/BUCKET⌉`` of ``U = B/n``), where
+    AMSP's ``B/U`` may count a fraction of one bucket's latency; and ``T_os1`` is the
+    all-gather the runtime issues after the step (:func:`os_gather_time`; AMSP's broadcasts
+    under ``style="amsp"``, :data:`ZERO_STYLES`)."""
     from fxpar.cost.amsp import Sharding, evaluate
     from fxpar.cost.memory import is_fp32
 
     if d0 * d1 == 1 or phi <= 0:
         return DpTerms()
+    elements = phi
     if is_fp32(precision):
         phi *= 2.0
     grads = 2 * phi / s_p
@@ -479,7 +493,31 @@ def dp_terms(phi: float, layers: int, m: int, d0: int, d1: int, s_p: int, s_g: i
     # reduce-scatter) walks its s_p members on the host
     host = (m * max(1, layers) * 3 * s_p * LIST_MEMBER_OPS * cluster.physics.kernel_overhead
             if style == "deepspeed-list" and s_p > 1 and cluster.physics is not None else 0.0)
-    return DpTerms(r.t_p, r.t_g, r.t_os0, r.t_os1, rs_exposed=style != "flat", host=host)
+    t_os1 = r.t_os1
+    if style != "amsp" and s_os > s_p:
+        pieces = 1 if style == "flat" else max(1, math.floor(elements / DEEPSPEED_ALLGATHER_ELEMENTS))
+        t_os1 = os_gather_time(2 * phi / s_p, pieces, split(s_p), split(s_os), cluster, (d0, d1))
+    return DpTerms(r.t_p, r.t_g, r.t_os0, t_os1, rs_exposed=style not in ("flat", "amsp"),
+                   host=host)
+
+
+def os_gather_time(nbytes: float, pieces: int, p: tuple[int, int], os: tuple[int, int], cluster,
+                   dp: tuple[int, int]) -> float:
+    """``T_os1`` as an all-gather runtime pays it: the ``nbytes`` of updated parameters of a P
+    shard (``2Φ/s_p``), gathered over the ``s_os/s_p`` group in ``pieces`` equal all-gathers
+    (``pieces·t(AG, nbytes/pieces, s_os/s_p)``, AMSP's ``t`` on the same ratio groups as its
+    broadcast term): the latency once per piece where AMSP's ``s_os/s_p`` broadcasts pay it
+    once per owner.
+
+    >>> from fxpar import Cluster
+    >>> from fxpar.cost.amsp import amsp_time
+    >>> c = Cluster.preset("a800", physics=None, nodes=2)
+    >>> os_gather_time(8e9, 2, (1, 1), (8, 1), c, (8, 2)) == 2 * amsp_time("AG", 4e9, (8, 1), c, dp=(8, 2))
+    True
+    """
+    from fxpar.cost.amsp import amsp_time
+
+    return pieces * amsp_time("AG", nbytes / pieces, os, cluster, b=p, dp=dp)
 
 
 def rank_memory(chunks: Sequence[ChunkCost], p: int, in_flight: Sequence[float],

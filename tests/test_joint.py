@@ -165,6 +165,16 @@ def _bucket(P: int, s_p: int) -> float:
     return grads / (1 + math.ceil(max(0, grads - 2**20) / (25 * 2**20)))
 
 
+def _os_gather(sh, P: float, cl, dp) -> float:
+    """``T_os1`` as fxpar's runtime pays it (:data:`fxpar.cost.step.ZERO_STYLES` ``"flat"``):
+    one all-gather of a P shard's ``2P/s_p`` updated bytes over the ``s_os/s_p`` ratio groups
+    (AMSP's ``t`` of an all-gather, where AMSP's own term broadcasts from each owner)."""
+    from fxpar.cost import amsp
+
+    return (amsp.amsp_time("AG", 2 * P / sh.s_p, sh.os, cl, b=sh.p, dp=dp)
+            if sh.s_os > sh.s_p else 0.0)
+
+
 def test_zero3_is_searched_for_one_spmd_step_and_priced_by_amsp(gpt):
     """``(s_p, s_g, s_os) = (d, d, d)`` is a candidate only without a pipeline or microbatches;
     its memory is the states of ``Φ/d`` parameters each (AMSP §IV-D) plus the activations and
@@ -200,7 +210,7 @@ def test_zero3_is_searched_for_one_spmd_step_and_priced_by_amsp(gpt):
     U = _bucket(P, 16)
     t_p = amsp.t_p(sh, [P / L], L, 1, cl, dp=(8, 2))
     terms = (t_p, amsp.t_g(sh, P, 1, U, cl, dp=(8, 2)), amsp.t_os0(sh, P, U, cl, dp=(8, 2)),
-             amsp.t_os1(sh, P, cl, dp=(8, 2)))
+             _os_gather(sh, P, cl, dp=(8, 2)))
     assert t_p > 0 and z3.dp_comm == pytest.approx(sum(terms), rel=1e-9)
     # AMSP's LLaMA-13B sharding (4, 4, 8): parameters and gradients over 4 GPUs of a node,
     # optimizer states over its 8, priced by the same terms on the (8, 2) grid
@@ -209,7 +219,7 @@ def test_zero3_is_searched_for_one_spmd_step_and_priced_by_amsp(gpt):
                                       + act + tmp + gathered, rel=1e-9)
     sh, U = amsp.Sharding((4, 1), (4, 1), (8, 1)), _bucket(P, 4)
     terms = (amsp.t_p(sh, [P / L], L, 1, cl, dp=(8, 2)), amsp.t_g(sh, P, 1, U, cl, dp=(8, 2)),
-             amsp.t_os0(sh, P, U, cl, dp=(8, 2)), amsp.t_os1(sh, P, cl, dp=(8, 2)))
+             amsp.t_os0(sh, P, U, cl, dp=(8, 2)), _os_gather(sh, P, cl, dp=(8, 2)))
     assert am.dp_comm == pytest.approx(sum(terms), rel=1e-9)
     assert am.spmd_axes == {"dp": 4, "dp_shard": 4, "tp": 1} and z3.spmd_axes == {"dp": 16, "tp": 1}
     # a pipeline gets ZeRO-3 over a stage's replicas at most, and not under zb-h1's split
@@ -358,7 +368,7 @@ def test_odd_replica_count_is_priced_on_its_own_nodes(gpt):
     def terms(sh):
         L, U, kw = 3, 25 * 2**20, dict(dp=(1, 3))
         return (amsp.t_g(sh, phi, 4, U, cl, **kw) + amsp.t_os0(sh, phi, U, cl, **kw)
-                + amsp.t_os1(sh, phi, cl, **kw) + amsp.t_p(sh, [phi / L], L, 4, cl, **kw))
+                + _os_gather(sh, phi, cl, **kw) + amsp.t_p(sh, [phi / L], L, 4, cl, **kw))
 
     want = terms(amsp.Sharding((1, 1), (1, 1), (1, 3))) - terms(amsp.Sharding())
     assert want != 0 and z1.dp_comm - ddp.dp_comm == pytest.approx(want, rel=1e-6)
@@ -492,7 +502,7 @@ def test_partial_sharding_inside_a_node_is_amsp_priced(gpt):
     U = _bucket(P, 1)
     sh = amsp.Sharding((1, 1), (1, 1), (8, 1))
     want = (amsp.t_p(sh, [P / L], L, 1, cl, **kw) + amsp.t_g(sh, P, 1, U, cl, **kw)
-            + amsp.t_os0(sh, P, U, cl, **kw) + amsp.t_os1(sh, P, cl, **kw))
+            + amsp.t_os0(sh, P, U, cl, **kw) + _os_gather(sh, P, cl, **kw))
     assert want > 0 and c.dp_comm == pytest.approx(want, rel=1e-9)
 
 

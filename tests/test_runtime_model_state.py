@@ -150,7 +150,13 @@ def _train(s_g, s_os, partition, *, bucket_bytes=96, mode="plain", contributions
         out["launched"].append(ms.launched_buckets)
         ms.finish_backward()
         out["grads"].append({k: g.float() for k, g in ms.grads().items()})
-        ms.step()
+        gather, calls = dist.all_gather_into_tensor, []
+        dist.all_gather_into_tensor = lambda *a, **kw: calls.append(1) or gather(*a, **kw)
+        try:
+            ms.step()
+        finally:
+            dist.all_gather_into_tensor = gather
+        out.setdefault("gathers", []).append(len(calls))
         out["memory"] = ms.memory()      # after the step, before zero_grad drops the gradients
         ms.zero_grad()
         out["params"].append({k: p.detach().float().clone() for k, p in named.items()})
@@ -308,6 +314,8 @@ def test_factors_match_single_process(pools, s_g, s_os):
     _check(results, ONE_GROUP)
     res = results[0]
     assert res["buckets"] > 1
+    # the updated chunks of every bucket come back in one all-gather over the s_os subgroup
+    assert res["gathers"] == [1 if s_os > 1 else 0] * STEPS
     # AMSP memory: reduced gradients 1/s_g, AdamW states (2 fp32 tensors) 1/s_os of the
     # padded flat parameters; fp32 parameters need a master copy only when s_os > 1.
     padded = res["padded"]
@@ -353,6 +361,7 @@ def test_mixed_keys_unsorted_group_and_loaded_weights(pools):
     results = pools(WORLD).run(_train, 1, 2, ONE_GROUP, mode="shuffle",
                                first_layer=("l0", (3, 1, 0, 2), (2, 4)))
     _check(results, ONE_GROUP)
+    assert results[0]["gathers"] == [2] * STEPS   # one per subgroup: l0's of 4, the rest's of 2
 
 
 @pytest.mark.dist

@@ -222,6 +222,29 @@ def test_list_collectives_cost_host_work_per_member():
     assert fwd[1] == pytest.approx(fwd[0] + 1.0)   # the forward's third
 
 
+def test_updated_parameters_are_gathered_as_each_runtime_gathers_them():
+    """``T_os1`` (ZeRO-1 over 16 replicas on 2 nodes, 1.2e9 parameters): fxpar's runtime
+    gathers every bucket's updated chunks in one all-gather (``"flat"``), DeepSpeed in
+    ``⌊Φ/5e8⌋ = 2`` (``all_gather_dp_groups``), AMSP broadcasts from each owner (AMSP's own
+    term); by hand from AMSP's ``t`` of each collective on the 16-device group. The other
+    terms do not depend on the style."""
+    from fxpar.cost import amsp
+    from fxpar.cost.step import dp_terms
+
+    cl = fxpar.Cluster.preset("dgx-a100", nodes=2)
+    phi, grid = 1.2e9, dict(dp=(8, 2))
+    sh = amsp.Sharding((1, 1), (1, 1), (8, 2))
+    got = {st: dp_terms(phi, 10, 1, 8, 2, 1, 1, 16, cl, "mixed", st)
+           for st in ("flat", "deepspeed", "amsp")}
+    assert got["flat"].t_os1 == pytest.approx(amsp.amsp_time("AG", 2 * phi, (8, 2), cl, **grid))
+    assert got["deepspeed"].t_os1 == pytest.approx(2 * amsp.amsp_time("AG", phi, (8, 2), cl, **grid))
+    assert got["amsp"].t_os1 == pytest.approx(16 * amsp.amsp_time("BC", 2 * phi / 16, (8, 2), cl, **grid))
+    assert got["amsp"].t_os1 == pytest.approx(amsp.t_os1(sh, phi, cl, **grid))
+    assert got["flat"].t_os1 < got["deepspeed"].t_os1 < got["amsp"].t_os1   # latency per collective
+    assert len({(d.t_p, d.t_g, d.t_os0) for d in got.values()}) == 1
+    assert dp_terms(phi, 10, 1, 8, 2, 16, 16, 16, cl, "mixed").t_os1 == 0.0   # ZeRO-3: nothing left
+
+
 def test_deepspeed_style_prices_a_collective_per_parameter_tensor(gpt):
     """The joint search under ``PlannerOptions(zero_style="deepspeed")``: ZeRO-3 pays each
     parameter tensor's ring latency and its exposed reduce-scatters, so on 16 nodes it prices

@@ -98,8 +98,9 @@ class PlannerOptions:
     fan_out: bool = True
     #: ``plan="megatron"``: sequence parallelism (:func:`fxpar.planner.baselines.baseline_pins`)
     sequence_parallel: bool = False
-    #: how the priced runtime issues ZeRO-3's collectives (:data:`fxpar.cost.step.ZERO_STYLES`):
-    #: ``"flat"`` (fxpar's own, FSDP's: a unit's parameters in one collective),
+    #: how the priced runtime issues ZeRO's collectives (:data:`fxpar.cost.step.ZERO_STYLES`):
+    #: ``"flat"`` (fxpar's own: a unit's parameters in one collective, the updated parameters
+    #: gathered in one after the step), ``"amsp"`` (AMSP's: those broadcast by their owners),
     #: ``"deepspeed"`` (one per parameter tensor, reduce-scatters not overlapped) or
     #: ``"deepspeed-list"`` (DeepSpeed ≤ 0.5's list-based collectives: host work per member),
     #: to price what another system measured

@@ -234,8 +234,10 @@ class ShardedOptimizer:
     # -- step ------------------------------------------------------------------------------
     def step(self) -> None:
         """Optimizer step on the local chunks (gradients: the buckets' reduced ones), then every
-        rank's storage is made whole again (all-gather over the ``s_os`` subgroups; in place,
-        so ``param`` objects stay valid)."""
+        rank's storage is made whole again (in place, so ``param`` objects stay valid): one
+        all-gather per ``s_os`` subgroup and dtype for all its buckets together (a collective
+        per bucket would pay the ring's latency once per 25 MiB: ~3.7 ms each over 1024 ranks;
+        the buffers are the ones the per-bucket gathers held at once)."""
         for p in self._params.values():
             if not p.master_is_view and p.tensor._version != p.version:
                 self._load_master(p)   # the parameter was changed outside (weights loaded)
@@ -246,31 +248,50 @@ class ShardedOptimizer:
             master.grad = g
         if self.optimizer is not None:
             (self.compiled_step or self.optimizer.step)()
-        gathers = []
-        for bk in self._buckets:
-            lay = bk.lay
-            if lay.os_pg is None:
-                continue
-            inp = torch.empty(bk.orow, dtype=bk.dtype, device=bk.device)
-            for p in bk.params:
-                inp[p.ooff:p.ooff + p.cos].copy_(p.master)
-            out = torch.empty(lay.s_os * bk.orow, dtype=bk.dtype, device=bk.device)
-            gathers.append((bk, out, dist.all_gather_into_tensor(out, inp, group=lay.os_pg,
-                                                                 async_op=True)))
+        gathers = [self._gather_updated(bks) for bks in self._os_groups().values()]
         with torch.no_grad():
             for p in self._params.values():
                 if p.lay.os_pg is None and not p.master_is_view:
                     p.tensor.copy_(p.master[:p.numel].view(p.tensor.shape))
                     p.version = p.tensor._version
-            for bk, out, work in gathers:
+            for bks, out, work in gathers:
                 work.wait()
-                rows = out.view(bk.lay.s_os, bk.orow)
-                order = bk.lay.os_order.to(bk.device)
-                for p in bk.params:
-                    full = rows[:, p.ooff:p.ooff + p.cos].index_select(0, order).reshape(-1)
-                    p.tensor.copy_(full[:p.numel].view(p.tensor.shape))
-                    p.version = p.tensor._version
+                lay = bks[0][0].lay
+                rows = out.view(lay.s_os, -1)
+                order = lay.os_order.to(out.device)
+                for bk, base in bks:
+                    for p in bk.params:
+                        lo = base + p.ooff
+                        full = rows[:, lo:lo + p.cos].index_select(0, order).reshape(-1)
+                        p.tensor.copy_(full[:p.numel].view(p.tensor.shape))
+                        p.version = p.tensor._version
         self.clear_grads()
+
+    def _os_groups(self) -> dict:
+        """The buckets whose optimizer chunks are gathered after the step, by what one
+        all-gather can take together (subgroup, its rank order, dtype, device), in bucket
+        order (the same on every rank): ``{key: [(bucket, its offset in the row)]}``."""
+        out: dict = {}
+        for bk in self._buckets:
+            lay = bk.lay
+            if lay.os_pg is None:
+                continue
+            key = (id(lay.os_pg), tuple(lay.os_order.tolist()), bk.dtype, bk.device)
+            group = out.setdefault(key, [])
+            group.append((bk, group[-1][1] + group[-1][0].orow if group else 0))
+        return out
+
+    @staticmethod
+    def _gather_updated(bks):
+        """Start the all-gather of the updated chunks of buckets ``bks`` (one subgroup):
+        ``(bks, out, work)``, ``out`` holding ``s_os`` rows of every bucket's chunks."""
+        bk0, (last, base) = bks[0][0], bks[-1]
+        inp = torch.empty(base + last.orow, dtype=bk0.dtype, device=bk0.device)
+        for bk, off in bks:
+            for p in bk.params:
+                inp[off + p.ooff:off + p.ooff + p.cos].copy_(p.master)
+        out = torch.empty(bk0.lay.s_os * inp.numel(), dtype=bk0.dtype, device=bk0.device)
+        return bks, out, dist.all_gather_into_tensor(out, inp, group=bk0.lay.os_pg, async_op=True)
 
     def steps_per_bucket(self) -> bool:
         """Whether :meth:`step_bucket` can replace :meth:`step`: an element-wise optimizer
