@@ -65,7 +65,8 @@ import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from fxpar.defaults import BUCKET_BYTES, CPU_STEP_PIECE, FIRST_BUCKET_BYTES, TINY_GATHER_BYTES
+from fxpar.defaults import (BUCKET_BYTES, CPU_STEP_PIECE, FIRST_BUCKET_BYTES, OS_GATHER_BYTES,
+                            TINY_GATHER_BYTES)
 
 __all__ = ["UnitCost", "ChunkCost", "DpTerms", "StepTime", "chunk_costs", "dp_terms",
            "microbatch_overhead", "optimizer_time", "param_units", "rank_memory", "step_time",
@@ -410,8 +411,9 @@ class DpTerms:
 #:
 #: * ``"flat"``: one all-gather (forward, again in backward) and one reduce-scatter per unit's
 #:   parameters together, gathers prefetched a unit ahead, reduce-scatters behind the
-#:   backward, as FSDP; after the optimizer step, the updated chunks of every bucket in one
-#:   all-gather over the ``s_os/s_p`` group (``T_os1``, :func:`os_gather_time`): fxpar's runtime;
+#:   backward, as FSDP; after the optimizer step, the updated chunks of the buckets in
+#:   all-gathers of up to ``OS_GATHER_BYTES`` (1 GiB) over the ``s_os/s_p`` group (``T_os1``,
+#:   :func:`os_gather_time`): fxpar's runtime;
 #: * ``"amsp"``: ``"flat"``'s ZeRO-3 with AMSP's ``T_os1``: each optimizer-state owner
 #:   broadcasts its updated parameters (AMSP §IV-C2, ``s_os/s_p`` broadcasts);
 #: * ``"deepspeed"``: DeepSpeed's ZeRO-3 as the seeds measured it: one ``all_gather`` per
@@ -495,7 +497,8 @@ def dp_terms(phi: float, layers: int, m: int, d0: int, d1: int, s_p: int, s_g: i
             if style == "deepspeed-list" and s_p > 1 and cluster.physics is not None else 0.0)
     t_os1 = r.t_os1
     if style != "amsp" and s_os > s_p:
-        pieces = 1 if style == "flat" else max(1, math.floor(elements / DEEPSPEED_ALLGATHER_ELEMENTS))
+        pieces = (math.ceil(2 * phi / s_p / OS_GATHER_BYTES) if style == "flat"
+                  else max(1, math.floor(elements / DEEPSPEED_ALLGATHER_ELEMENTS)))
         t_os1 = os_gather_time(2 * phi / s_p, pieces, split(s_p), split(s_os), cluster, (d0, d1))
     return DpTerms(r.t_p, r.t_g, r.t_os0, t_os1, rs_exposed=style not in ("flat", "amsp"),
                    host=host)

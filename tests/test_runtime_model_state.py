@@ -66,7 +66,7 @@ def _reference(group_index: int):
 # -- worker functions (run on every rank) ---------------------------------------------------
 
 def _train(s_g, s_os, partition, *, bucket_bytes=96, mode="plain", contributions=1,
-           dtype=torch.float32, first_layer=None, reduce_dtype=None):
+           dtype=torch.float32, first_layer=None, reduce_dtype=None, os_gather_bytes=None):
     """3 steps under ModelStates. ``mode``: "plain" (add_grad after backward, no expect),
     "hooks" (add_grad from post-accumulate-grad hooks, expectations declared), "shuffle"
     (expectations declared, parameters fed in a rank-dependent order), "micro" (no expect,
@@ -75,8 +75,20 @@ def _train(s_g, s_os, partition, *, bucket_bytes=96, mode="plain", contributions
     hooks calling ``leaf_grad``; what it saw goes to ``out["view"]``).
     ``first_layer=(key, ordered_group, (s_g, s_os))`` gives layer 0 its own group key, member
     order and factors; the model then starts from other weights and the reference weights are
-    loaded after ModelStates is built (the fp32 masters must pick them up)."""
+    loaded after ModelStates is built (the fp32 masters must pick them up).
+    ``os_gather_bytes``: the post-step gathers' output limit (``fxpar.defaults``) for this run."""
     import torch.distributed as dist
+
+    import fxpar.defaults
+
+    if os_gather_bytes is not None:
+        fxpar.defaults.OS_GATHER_BYTES, limit = os_gather_bytes, fxpar.defaults.OS_GATHER_BYTES
+        try:
+            return _train(s_g, s_os, partition, bucket_bytes=bucket_bytes, mode=mode,
+                          contributions=contributions, dtype=dtype, first_layer=first_layer,
+                          reduce_dtype=reduce_dtype)
+        finally:
+            fxpar.defaults.OS_GATHER_BYTES = limit
 
     rank = dist.get_rank()
     gi, group = next((i, g) for i, g in enumerate(partition) if rank in g)
@@ -322,6 +334,18 @@ def test_factors_match_single_process(pools, s_g, s_os):
     assert res["memory"]["grad"] == 4 * padded // s_g
     assert res["memory"]["optimizer"] == 2 * 4 * padded // s_os
     assert res["memory"]["master"] == (0 if s_os == 1 else 4 * padded // s_os)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_post_step_gathers_are_bounded(pools):
+    """An output over ``OS_GATHER_BYTES`` is split at bucket boundaries: at 1 byte, a gather
+    per bucket (at the default, one: :func:`test_factors_match_single_process`); the same
+    parameters as one process."""
+    results = pools(WORLD).run(_train, 1, 2, ONE_GROUP, os_gather_bytes=1)
+    _check(results, ONE_GROUP)
+    res = results[0]
+    assert res["buckets"] > 1 and res["gathers"] == [res["buckets"]] * STEPS, res
 
 
 @pytest.mark.dist

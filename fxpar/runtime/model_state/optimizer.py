@@ -234,10 +234,10 @@ class ShardedOptimizer:
     # -- step ------------------------------------------------------------------------------
     def step(self) -> None:
         """Optimizer step on the local chunks (gradients: the buckets' reduced ones), then every
-        rank's storage is made whole again (in place, so ``param`` objects stay valid): one
-        all-gather per ``s_os`` subgroup and dtype for all its buckets together (a collective
-        per bucket would pay the ring's latency once per 25 MiB: ~3.7 ms each over 1024 ranks;
-        the buffers are the ones the per-bucket gathers held at once)."""
+        rank's storage is made whole again (in place, so ``param`` objects stay valid): per
+        ``s_os`` subgroup and dtype, all-gathers of whole buckets whose outputs hold up to
+        ``OS_GATHER_BYTES`` (:data:`fxpar.defaults.OS_GATHER_BYTES`; a collective per bucket
+        would pay the ring's latency once per 25 MiB: ~3.7 ms each over 1024 ranks)."""
         for p in self._params.values():
             if not p.master_is_view and p.tensor._version != p.version:
                 self._load_master(p)   # the parameter was changed outside (weights loaded)
@@ -267,18 +267,27 @@ class ShardedOptimizer:
                         p.version = p.tensor._version
         self.clear_grads()
 
-    def _os_groups(self) -> dict:
+    def _os_groups(self, limit: int | None = None) -> dict:
         """The buckets whose optimizer chunks are gathered after the step, by what one
-        all-gather can take together (subgroup, its rank order, dtype, device), in bucket
-        order (the same on every rank): ``{key: [(bucket, its offset in the row)]}``."""
+        all-gather can take together (subgroup, its rank order, dtype, device; an output of
+        at most ``limit`` bytes, default ``OS_GATHER_BYTES``), in bucket order (the same on
+        every rank): ``{key: [(bucket, its offset in the row)]}``."""
+        from fxpar.defaults import OS_GATHER_BYTES
+
+        limit = OS_GATHER_BYTES if limit is None else limit
         out: dict = {}
+        part: dict = {}   # the piece each subgroup fills now
         for bk in self._buckets:
             lay = bk.lay
             if lay.os_pg is None:
                 continue
             key = (id(lay.os_pg), tuple(lay.os_order.tolist()), bk.dtype, bk.device)
-            group = out.setdefault(key, [])
-            group.append((bk, group[-1][1] + group[-1][0].orow if group else 0))
+            group = out.setdefault((key, part.setdefault(key, 0)), [])
+            row = group[-1][1] + group[-1][0].orow if group else 0
+            if group and lay.s_os * (row + bk.orow) * bk.dtype.itemsize > limit:
+                part[key] += 1
+                group, row = out.setdefault((key, part[key]), []), 0
+            group.append((bk, row))
         return out
 
     @staticmethod
