@@ -431,6 +431,8 @@ class DpTerms:
 #: Both DeepSpeed styles gather the updated parameters after the step as ZeRO-1/2's
 #: ``all_gather_dp_groups`` does: in :data:`DEEPSPEED_ALLGATHER_ELEMENTS` pieces.
 ZERO_STYLES = ("flat", "deepspeed", "deepspeed-list", "amsp")
+#: the styles whose ZeRO-3 gathers a unit's parameters together and overlaps its reductions
+_UNIT_GATHERS = ("flat", "amsp")
 
 #: DeepSpeed's default ``allgather_bucket_size`` (elements): ZeRO-1/2 gather the updated
 #: parameters in ``max(1, ⌊Φ/5e8⌋)`` all-gathers
@@ -454,7 +456,7 @@ def zero_units(chunks: Sequence[ChunkCost], p: int, style: str = "flat", tiny: f
     """
     if style not in ZERO_STYLES:
         raise ValueError(f"zero_style {style!r}: one of {ZERO_STYLES}")
-    if style in ("flat", "amsp"):
+    if style in _UNIT_GATHERS:
         return param_units(chunks, p, tiny)
     return [max(1, sum(c.tensors for c in chunks[r::p])) for r in range(p)]
 
@@ -500,8 +502,7 @@ def dp_terms(phi: float, layers: int, m: int, d0: int, d1: int, s_p: int, s_g: i
         pieces = (math.ceil(2 * phi / s_p / OS_GATHER_BYTES) if style == "flat"
                   else max(1, math.floor(elements / DEEPSPEED_ALLGATHER_ELEMENTS)))
         t_os1 = os_gather_time(2 * phi / s_p, pieces, split(s_p), split(s_os), cluster, (d0, d1))
-    return DpTerms(r.t_p, r.t_g, r.t_os0, t_os1, rs_exposed=style not in ("flat", "amsp"),
-                   host=host)
+    return DpTerms(r.t_p, r.t_g, r.t_os0, t_os1, rs_exposed=style not in _UNIT_GATHERS, host=host)
 
 
 def os_gather_time(nbytes: float, pieces: int, p: tuple[int, int], os: tuple[int, int], cluster,
@@ -515,7 +516,8 @@ def os_gather_time(nbytes: float, pieces: int, p: tuple[int, int], os: tuple[int
     >>> from fxpar import Cluster
     >>> from fxpar.cost.amsp import amsp_time
     >>> c = Cluster.preset("a800", physics=None, nodes=2)
-    >>> os_gather_time(8e9, 2, (1, 1), (8, 1), c, (8, 2)) == 2 * amsp_time("AG", 4e9, (8, 1), c, dp=(8, 2))
+    >>> two = os_gather_time(8e9, 2, (1, 1), (8, 1), c, (8, 2))       # 8 GB in two pieces
+    >>> two == 2 * amsp_time("AG", 4e9, (8, 1), c, dp=(8, 2))
     True
     """
     from fxpar.cost.amsp import amsp_time

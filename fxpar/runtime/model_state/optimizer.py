@@ -110,6 +110,7 @@ class ShardedOptimizer:
             self.optimizer = self._make_optimizer(optimizer, grouped)
         #: ``None``: ``optimizer.step()`` runs eagerly; else its compiled twin (:meth:`compile`)
         self.compiled_step: Callable[[], object] | None = None
+        self._gather_plan: list | None = None   # the post-step all-gathers (:meth:`_os_groups`)
 
     def compile(self, backend="inductor") -> bool:
         """Run the optimizer's ``step()`` under ``torch.compile`` from now on (``backend``: a
@@ -248,7 +249,7 @@ class ShardedOptimizer:
             master.grad = g
         if self.optimizer is not None:
             (self.compiled_step or self.optimizer.step)()
-        gathers = [self._gather_updated(bks) for bks in self._os_groups().values()]
+        gathers = [self._gather_updated(bks) for bks in self._os_groups()]
         with torch.no_grad():
             for p in self._params.values():
                 if p.lay.os_pg is None and not p.master_is_view:
@@ -267,28 +268,29 @@ class ShardedOptimizer:
                         p.version = p.tensor._version
         self.clear_grads()
 
-    def _os_groups(self, limit: int | None = None) -> dict:
+    def _os_groups(self) -> list[list[tuple[Bucket, int]]]:
         """The buckets whose optimizer chunks are gathered after the step, by what one
         all-gather can take together (subgroup, its rank order, dtype, device; an output of
-        at most ``limit`` bytes, default ``OS_GATHER_BYTES``), in bucket order (the same on
-        every rank): ``{key: [(bucket, its offset in the row)]}``."""
-        from fxpar.defaults import OS_GATHER_BYTES
-
-        limit = OS_GATHER_BYTES if limit is None else limit
-        out: dict = {}
-        part: dict = {}   # the piece each subgroup fills now
-        for bk in self._buckets:
-            lay = bk.lay
-            if lay.os_pg is None:
-                continue
-            key = (id(lay.os_pg), tuple(lay.os_order.tolist()), bk.dtype, bk.device)
-            group = out.setdefault((key, part.setdefault(key, 0)), [])
-            row = group[-1][1] + group[-1][0].orow if group else 0
-            if group and lay.s_os * (row + bk.orow) * bk.dtype.itemsize > limit:
-                part[key] += 1
-                group, row = out.setdefault((key, part[key]), []), 0
-            group.append((bk, row))
-        return out
+        at most ``defaults.OS_GATHER_BYTES``), in bucket order (the same on every rank):
+        ``[[(bucket, its offset in the row)]]``. Fixed by the layout: built at the first
+        step."""
+        if self._gather_plan is None:
+            out: dict = {}
+            part: dict = {}   # the piece each subgroup fills now
+            for bk in self._buckets:
+                lay = bk.lay
+                if lay.os_pg is None:
+                    continue
+                key = (id(lay.os_pg), tuple(lay.os_order.tolist()), bk.dtype, bk.device)
+                group = out.setdefault((key, part.setdefault(key, 0)), [])
+                row = group[-1][1] + group[-1][0].orow if group else 0
+                big = lay.s_os * (row + bk.orow) * bk.dtype.itemsize > defaults.OS_GATHER_BYTES
+                if group and big:
+                    part[key] += 1
+                    group, row = out.setdefault((key, part[key]), []), 0
+                group.append((bk, row))
+            self._gather_plan = list(out.values())
+        return self._gather_plan
 
     @staticmethod
     def _gather_updated(bks):
