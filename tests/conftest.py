@@ -22,7 +22,8 @@ _MARK_HELP = "mark it @pytest.mark.dist (or pytestmark = pytest.mark.dist for th
 
 #: glibc's own aborts on a corrupted heap ("malloc(): unaligned tcache chunk detected",
 #: "free(): invalid pointer", "double free or corruption", "corrupted size vs. prev_size")
-_HEAP_ABORT = re.compile(r"malloc\(\): |free\(\): |double free|corrupted (size|double-linked)")
+_HEAP_ABORT = re.compile(r"malloc\(\): |free\(\): |double free|corrupted (size|double-linked)"
+                         r"|hunk detected")  # "... chunk detected", also with its start cut off
 
 
 def _memory_fault(e: WorkerCrashed) -> bool:

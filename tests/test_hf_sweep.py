@@ -13,8 +13,11 @@ An architecture of the sample that fails today goes in :data:`KNOWN_FAILING` (a 
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
+from conftest import _HEAP_ABORT
 from fxpar.testing import WorkerPool
 from tests import hf_models as H
 
@@ -52,6 +55,10 @@ def test_auto_parity(pool, arch):
     why = H.eager_check(arch)
     assert not why, f"{arch}: the tiny model's eager step fails: {why}"
     r = H.run_arch(pool, arch, "auto", steps=2, time_limit=20.0, timeout=240.0)
+    if r.outcome == "error" and "SIGABRT" in r.error and _HEAP_ABORT.search(r.__dict__.get("trace", "")):
+        # glibc's heap-corruption abort inside gloo, retried once as the suite's pools do
+        warnings.warn(f"{arch}: a rank aborted on a corrupted heap; run once more:\n{r.error}")
+        r = H.run_arch(pool, arch, "auto", steps=2, time_limit=20.0, timeout=240.0)
     assert r.outcome == "parity", (f"{arch} under auto: {r.outcome} in {r.phase}: {r.error}\n"
                                    f"losses {r.losses}, one process {r.ref_losses}\n"
                                    + r.__dict__.get("trace", ""))

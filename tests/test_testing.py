@@ -136,5 +136,6 @@ def test_heap_abort_counts_as_a_memory_fault():
     assert _memory_fault(WorkerCrashed("rank 1's process killed by SIGSEGV", ("SIGSEGV",)))
     assert _memory_fault(WorkerCrashed(heap, ("SIGABRT",)))
     assert _memory_fault(WorkerCrashed("free(): invalid pointer", ("SIGABRT", "SIGSEGV")))
+    assert _memory_fault(WorkerCrashed("...\nhunk detected\nFatal Python error: Aborted", ("SIGABRT",)))  # cut
     assert not _memory_fault(WorkerCrashed("terminate called: a C++ enforce failed", ("SIGABRT",)))
     assert not _memory_fault(WorkerCrashed(heap, ("SIGABRT", "SIGKILL")))
