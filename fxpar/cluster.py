@@ -43,6 +43,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from fxpar import defaults
 from fxpar.errors import ClusterError
 from fxpar.kinds import Collective
 
@@ -110,7 +111,8 @@ class ComputeProfile:
       forward's FLOPs; on a CPU it runs well below a GEMM of the same FLOPs. Empty: the GEMM
       curve;
     * ``optimizer``: ``(per_tensor, per_element)`` seconds of a ``torch.optim.AdamW`` step
-      (its defaults: on a CPU one tensor at a time) over a parameter of ``n`` elements,
+      as the runtime steps it (fused, :data:`fxpar.defaults.FUSED_STEP`; else torch's
+      default: on a CPU one tensor at a time) over a parameter of ``n`` elements,
       ``per_tensor + per_element·n``; empty: the step is not priced;
     * ``op_overhead``: seconds per forward op beyond its kernel (dispatch + autograd record,
       a 1-element op on a tensor that requires grad); ``bwd_op_overhead``: seconds per
@@ -1085,7 +1087,7 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
         ps = [torch.zeros(sh, device=device, requires_grad=True) for sh in shapes]
         for p in ps:
             p.grad = torch.ones_like(p)
-        opt = torch.optim.AdamW(ps)
+        opt = torch.optim.AdamW(ps, fused=True if defaults.FUSED_STEP else None)
         opt.step()  # the states exist
         return loop(opt.step)
 

@@ -18,6 +18,9 @@ TINY_GATHER_BYTES = 64 * 2**10
 #: zero-filled pages on every step (a 2 MiB AdamW segment steps 2.3 ms, in 2**17 pieces 0.6 ms,
 #: per parameter 1.1 ms). GPUs step whole segments (one kernel per operation).
 CPU_STEP_PIECE = 2**17
+#: the runtime steps an optimizer with a fused kernel (``fused=True``) where torch has one and
+#: the user chose no implementation (:func:`fxpar.runtime.model_state.optimizer.fuse`)
+FUSED_STEP = True
 #: after the optimizer step under ZeRO-1/2, the updated parameters come back in all-gathers
 #: whose outputs hold at most this many bytes (whole buckets; a bucket larger alone): the
 #: gathered copy is a temporary beside the model states, bounded as DeepSpeed bounds its

@@ -187,18 +187,25 @@ class _PerParamAdamW(torch.optim.AdamW):
     parameter (the reference the flat masters must match)."""
 
 
-def _flat_steps(piece=None):
+def _flat_steps(piece=None, fused=True):
     """DDP factors, two param groups (biases without weight decay), small buckets: the flat
     layout (its segments stepped in tensors of at most ``piece`` elements) against the
     per-parameter one fed the same gradients, 4 steps, and the optimizer state saved by one
-    and loaded into a third (same pieces) and a fourth (whole segments)."""
+    and loaded into a third (same pieces) and a fourth (whole segments). ``fused``: AdamW as
+    the user leaves it (the runtime fuses it; the reference asks for ``fused=True``), else
+    both ask for torch's for-loop step (``foreach=False``)."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
     rg = ReplicaGroup("dp", tuple(range(WORLD)), ONE_GROUP)
     models, states = [], []
-    for opt in (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
-                lambda ps: _PerParamAdamW(ps, lr=1e-2, weight_decay=0.1)):
+    kw, ref_kw = ({}, {"fused": True}) if fused else ({"foreach": False}, {"foreach": False})
+    # the fused kernel's vector lanes and scalar tail round apart: where a tensor starts in
+    # a flat segment moves an element between them (not bitwise across layouts, as the
+    # for-loop step is)
+    same = (lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-9)) if fused else torch.equal
+    for opt in (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **kw),
+                lambda ps: _PerParamAdamW(ps, lr=1e-2, weight_decay=0.1, **ref_kw)):
         models.append(_model())
         named = dict(models[-1].named_parameters())
         states.append(ModelStates(named, {k: rg for k in named}, opt, bucket_bytes=96,
@@ -208,7 +215,7 @@ def _flat_steps(piece=None):
     models.append(_model())
     named_f = dict(models[-1].named_parameters())
     fused = ModelStates(named_f, {k: rg for k in named_f},
-                        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **kw),
                         bucket_bytes=96, param_groups=_grouped, step_piece=piece)
     calls = []
     fused.optimizer.register_step_post_hook(lambda *a: calls.append(1))
@@ -217,7 +224,8 @@ def _flat_steps(piece=None):
            "largest": max(t.numel() for g in flat.optimizer.param_groups for t in g["params"]),
            "ref_tensors": len([t for g in ref.optimizer.param_groups for t in g["params"]]),
            "segments": sum(len({_grouped(p.fqn) is None for p in bk.params}) for bk in flat._buckets),
-           "buckets": flat.num_buckets, "params": [], "same": []}
+           "buckets": flat.num_buckets, "params": [], "same": [],
+           "impl": [(g["fused"], g["foreach"]) for ms in (flat, fused) for g in ms.optimizer.param_groups]}
     # one storage per bucket, the parameters in bucket order in it
     out["one_storage"] = all(
         len({p.tensor.untyped_storage().data_ptr() for p in bk.params}) == 1
@@ -240,14 +248,14 @@ def _flat_steps(piece=None):
                 ms.finish_backward()
                 ms.step()
             ms.zero_grad()
-        out["same"].append(all(torch.equal(a, b) for a, b in zip(models[0].parameters(),
-                                                                 models[1].parameters())))
+        out["same"].append(all(same(a, b) for a, b in zip(models[0].parameters(),
+                                                          models[1].parameters())))
         out["fused_same"].append(all(torch.equal(a, b) for a, b in zip(models[0].parameters(),
                                                                        models[2].parameters())))
         out["params"].append({k: p.detach().clone() for k, p in named.items()})
     (fs, fg), (rs, rgps) = flat.optimizer_state(), ref.optimizer_state()
     out["state_same"] = fs.keys() == rs.keys() and all(
-        fs[f].keys() == rs[f].keys() and all(torch.equal(fs[f][k], rs[f][k]) for k in fs[f])
+        fs[f].keys() == rs[f].keys() and all(same(fs[f][k], rs[f][k]) for k in fs[f])
         for f in fs)
     out["groups"], out["ref_groups"] = fg, rgps
     # a third and a fourth ModelStates load the flat one's state: the same state comes back
@@ -510,16 +518,19 @@ def test_the_planner_prices_the_runtime_bucket_size():
 
 @pytest.mark.dist
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("piece", [None, 5])
-def test_flat_masters_match_per_parameter_masters(pools, piece):
+@pytest.mark.parametrize("piece,fused", [(None, True), (5, True), (5, False)])
+def test_flat_masters_match_per_parameter_masters(pools, piece, fused):
     """AdamW (element-wise): one optimizer tensor per (bucket, param group) — or, with
     ``piece``, per piece of at most that many elements, cut across parameters (the layer
     sizes 42, 7, 35, 5, 15 are not multiples of 5) — each bucket's parameters views of one
-    storage; 4 steps give bitwise what per-parameter masters give, and so does stepping each
+    storage; 4 steps give bitwise what per-parameter masters give (fused: to rounding), and
+    so does stepping each
     bucket as its reduction is waited (finish_backward_and_step: one optimizer call per
     bucket); the per-FQN optimizer state is the same and survives a save/load round trip,
-    into pieces and into whole segments."""
-    for res in pools(WORLD).run(_flat_steps, piece):
+    into pieces and into whole segments. The same with the fused kernel the runtime picks for
+    an AdamW left to torch's choice, and with the for-loop step asked for."""
+    for res in pools(WORLD).run(_flat_steps, piece, fused):
+        assert res["impl"] == [(True, None) if fused else (None, False)] * 4
         assert res["buckets"] > 1 and res["segments"] > res["buckets"]  # both groups in a bucket
         if piece is None:   # the CPU default piece holds a whole segment of this model
             assert res["tensors"] == res["segments"] < res["ref_tensors"] == 5
@@ -591,7 +602,8 @@ def test_compiled_optimizer_step_matches_eager():
     kernels aside) over two param groups, several buckets and an LR scheduler; it steps once
     after every bucket is reduced (not per bucket: one compiled variant), compiles a bounded
     number of graphs (the first step, then the scheduler's first change makes the rate
-    dynamic), never again in steady state; an optimizer outside ELEMENTWISE stays eager."""
+    dynamic), never again in steady state; an optimizer outside ELEMENTWISE stays eager, and
+    so does a fused one (stepped bucket by bucket)."""
     graphs = []
 
     def counting(gm, example_inputs):
@@ -600,11 +612,15 @@ def test_compiled_optimizer_step_matches_eager():
         graphs.append(gm)
         return compile_fx(gm, example_inputs)
 
+    # torch's for-loop AdamW (asked for: the fused one the runtime picks otherwise stays eager)
+    def adamw(ps):
+        return torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, foreach=False)
+
     models, states, scheds = [], [], []
     for compiled in (False, True):
         models.append(_model())
         named = dict(models[-1].named_parameters())
-        ms = ModelStates(named, dict.fromkeys(named), _adamw, bucket_bytes=96,
+        ms = ModelStates(named, dict.fromkeys(named), adamw, bucket_bytes=96,
                          param_groups=_grouped)
         if compiled:
             assert ms.compile_step(counting)
@@ -640,6 +656,46 @@ def test_compiled_optimizer_step_matches_eager():
     per_param = ModelStates(dict(_model().named_parameters()), dict.fromkeys(named),
                             lambda ps: _PerParamAdamW(ps, lr=1e-2), bucket_bytes=96)
     assert per_param.compile_step(counting) is False and per_param._opt.compiled_step is None
+    fused = ModelStates(dict(_model().named_parameters()), dict.fromkeys(named), _adamw,
+                        bucket_bytes=96)
+    assert fused.optimizer.param_groups[0]["fused"] is True
+    assert fused.compile_step(counting) is False and fused._opt.steps_per_bucket()
+
+
+@pytest.mark.parametrize("make", [
+    lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+    lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+    lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, nesterov=True),
+    lambda ps: torch.optim.Adagrad(ps, lr=1e-2)], ids=["adamw", "adam", "sgd", "adagrad"])
+def test_fuse_steps_like_the_for_loop(make, monkeypatch):
+    """``fuse`` switches an optimizer the user left to torch's choice to its fused kernel,
+    which steps as torch's for-loop one does (to float rounding, 10 steps); it leaves alone
+    one whose implementation was asked for (``fused=False``, any ``foreach``), one with
+    ``differentiable``, a type without a fused kernel, and all of them when
+    ``defaults.FUSED_STEP`` is off."""
+    from fxpar import defaults
+    from fxpar.runtime.model_state.optimizer import fuse
+
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(300))
+    b = torch.nn.Parameter(a.detach().clone())
+    loop, fused = make([a]), make([b])
+    for g in loop.param_groups:
+        g["foreach"] = False
+    assert fuse(fused) and fused.param_groups[0]["fused"] is True and not fuse(loop)
+    for _ in range(10):
+        g = torch.randn(300)
+        a.grad, b.grad = g.clone(), g.clone()
+        loop.step()
+        fused.step()
+    assert not torch.equal(a, torch.zeros(300))
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+    w = torch.nn.Parameter(torch.zeros(3))
+    assert not fuse(torch.optim.AdamW([w], fused=False))
+    assert not fuse(torch.optim.AdamW([w], differentiable=True))
+    assert not fuse(torch.optim.Adamax([w]))
+    monkeypatch.setattr(defaults, "FUSED_STEP", False)
+    assert not fuse(make([w]))
 
 
 def test_loaded_optimizer_state_is_copied():
