@@ -2,7 +2,7 @@
 
 Dynamic check: every module of fxpar (``fxpar/``, ``passes/`` as ``fxpar.passes``, ``cost/``
 as ``fxpar.cost``) is imported in a fresh interpreter (one process started for the test, one
-``fork`` of it per module, so each import starts from the same clean ``sys.modules`` with only
+``fork`` of it per module, as many at a time as there are cores, so each import starts from the same clean ``sys.modules`` with only
 third-party libraries loaded) and the fxpar modules that the import loaded are checked against
 the rules below. The top-level ``fxpar/__init__.py`` re-exports the whole public API, so it is
 replaced by an empty package in the child: what is measured is the module's own imports.
@@ -76,33 +76,39 @@ def _applies(rule: str, mod: str) -> bool:
 
 
 _CHILD = r"""
-import importlib, json, os, sys, types
+import importlib, json, os, select, sys, types
 root, names = sys.argv[1], json.loads(sys.argv[2])
 import numpy, networkx, torch  # noqa: F401, E401  third-party, preloaded once (not ortools)
 import torch._dynamo, torch.distributed.tensor, torch.export, torch.fx  # noqa: F401, E401
-res = {}
-for name in names:
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: a clean fxpar namespace, then the one import
+res, pending, running = {}, list(names), {}   # running: read fd -> [module, pid, bytes so far]
+while pending or running:
+    while pending and len(running) < (os.cpu_count() or 1):   # a fork per core at a time
+        name = pending.pop(0)
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # child: a clean fxpar namespace, then the one import
+            os.close(r)
+            stub = types.ModuleType("fxpar")
+            stub.__path__ = [os.path.join(root, "fxpar")]
+            sys.modules["fxpar"] = stub
+            try:
+                importlib.import_module(name)
+                out = {"loaded": sorted(m for m in sys.modules if m.startswith(("fxpar.", "ortools")))}
+            except BaseException as e:  # noqa: BLE001
+                out = {"error": f"{type(e).__name__}: {e}"}
+            os.write(w, json.dumps(out).encode())
+            os._exit(0)
+        os.close(w)
+        running[r] = [name, pid, b""]
+    for r in select.select(list(running), [], [])[0]:
+        chunk = os.read(r, 1 << 16)
+        if chunk:
+            running[r][2] += chunk
+            continue
+        name, pid, data = running.pop(r)   # end of file: the child has written all and exited
         os.close(r)
-        stub = types.ModuleType("fxpar")
-        stub.__path__ = [os.path.join(root, "fxpar")]
-        sys.modules["fxpar"] = stub
-        try:
-            importlib.import_module(name)
-            out = {"loaded": sorted(m for m in sys.modules if m.startswith(("fxpar.", "ortools")))}
-        except BaseException as e:  # noqa: BLE001
-            out = {"error": f"{type(e).__name__}: {e}"}
-        os.write(w, json.dumps(out).encode())
-        os._exit(0)
-    os.close(w)
-    data = b""
-    while chunk := os.read(r, 1 << 16):
-        data += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
-    res[name] = json.loads(data)
+        os.waitpid(pid, 0)
+        res[name] = json.loads(data)
 print(json.dumps(res))
 """
 
