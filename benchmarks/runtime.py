@@ -476,7 +476,7 @@ def main() -> None:
     print("fxpar/torch: ratio of medians; paired: median of per-step ratios (same step index); "
           "mins: ratio of the fastest steps")
     for r in rows:
-        if any(k.startswith(("fxpar_c", "torch_c")) for k in r):
+        if any(k.startswith(("fxpar_c_", "torch_c_")) for k in r):   # not fxpar_compile_s
             def ms(k):
                 return f"{r[k]:.2f} ms" if k in r else f"error: {r.get(k.replace('median_ms', 'error'), {}).get('message', '?')[:200]}"
             print(f"compiled {r['model']} {r['strategy']}: fxpar {ms('fxpar_c_median_ms')} "
