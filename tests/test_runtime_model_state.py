@@ -716,3 +716,7 @@ def test_loaded_optimizer_state_is_copied():
             _train_step(m, ms, *_batch(step, 0))
     assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters()))
     assert float(saved[0]["0.weight"]["step"]) == 2.0
+    # groups saved by torch's for-loop AdamW: their hyperparameters load, its implementation not
+    groups = [{**g, "lr": 0.5, "fused": None, "foreach": False} for g in saved[1]]
+    states[0].load_optimizer_state(saved[0], groups)
+    assert [(g["lr"], g["fused"], g["foreach"]) for g in states[0].optimizer.param_groups] == [(0.5, True, None)]

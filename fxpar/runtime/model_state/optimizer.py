@@ -71,6 +71,9 @@ ELEMENTWISE = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW,
                          torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
                          torch.optim.Adagrad, torch.optim.RMSprop, torch.optim.Rprop,
                          torch.optim.ASGD})
+#: param-group keys that choose how a torch optimizer steps, not what it computes: a loaded
+#: optimizer state keeps the loading optimizer's own
+IMPLEMENTATION = ("fused", "foreach", "capturable", "differentiable")
 #: optimizers with a fused implementation (``fused=True``: one kernel per tensor for the whole
 #: update, on CPUs and GPUs), which fxpar's runtime uses unless told otherwise (:func:`fuse`)
 FUSED = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad})
@@ -436,7 +439,9 @@ class ShardedOptimizer:
             for g in self.optimizer.param_groups:
                 src = saved.get(fqn_of[id(g["params"][0])]) if g["params"] else None
                 if src is not None:
-                    g.update({k: v for k, v in src.items() if k != "params"})
+                    # hyperparameters, not how this optimizer steps (a state saved by torch's
+                    # for-loop AdamW leaves a fused one fused)
+                    g.update({k: v for k, v in src.items() if k != "params" and k not in IMPLEMENTATION})
 
     def memory(self) -> dict[str, int]:
         """Bytes of fp32 masters (copies only) and of optimizer states."""
