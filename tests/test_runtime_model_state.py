@@ -263,7 +263,7 @@ def _flat_steps(piece=None, fused=True):
     for p3 in (piece, None):
         named3 = dict(_model().named_parameters())
         ms3 = ModelStates(named3, {k: rg for k in named3},
-                          lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+                          lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **kw),
                           bucket_bytes=96, param_groups=_grouped, step_piece=p3)
         ms3.load_optimizer_state(fs, fg)
         s3, g3 = ms3.optimizer_state()
