@@ -62,7 +62,8 @@ from fxpar import defaults
 from fxpar.runtime.model_state.buckets import Bucket
 from fxpar.runtime.model_state.layout import ParamShard, lookup
 
-__all__ = ["ELEMENTWISE", "FUSED", "ShardedOptimizer", "param_options", "grad_norm_term", "scale_grads"]
+__all__ = ["ELEMENTWISE", "FUSED", "IMPLEMENTATION", "ShardedOptimizer", "fuse", "param_options",
+           "grad_norm_term", "scale_grads"]
 
 #: optimizers whose update of an element reads only that element's parameter, gradient and
 #: states (and per-tensor scalars that depend on the step count alone): stepping one flat
@@ -441,7 +442,8 @@ class ShardedOptimizer:
                 if src is not None:
                     # hyperparameters, not how this optimizer steps (a state saved by torch's
                     # for-loop AdamW leaves a fused one fused)
-                    g.update({k: v for k, v in src.items() if k != "params" and k not in IMPLEMENTATION})
+                    g.update({k: v for k, v in src.items()
+                              if k != "params" and k not in IMPLEMENTATION})
 
     def memory(self) -> dict[str, int]:
         """Bytes of fp32 masters (copies only) and of optimizer states."""
