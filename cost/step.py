@@ -498,10 +498,10 @@ def dp_terms(phi: float, layers: int, m: int, d0: int, d1: int, s_p: int, s_g: i
     host = (m * max(1, layers) * 3 * s_p * LIST_MEMBER_OPS * cluster.physics.kernel_overhead
             if style == "deepspeed-list" and s_p > 1 and cluster.physics is not None else 0.0)
     t_os1 = r.t_os1
-    if style != "amsp" and s_os > s_p:
-        pieces = (math.ceil(2 * phi / s_p / OS_GATHER_BYTES) if style == "flat"
+    if style != "amsp" and s_os > s_p:   # the updated parameters: as many bytes as `grads`
+        pieces = (math.ceil(grads / OS_GATHER_BYTES) if style == "flat"
                   else max(1, math.floor(elements / DEEPSPEED_ALLGATHER_ELEMENTS)))
-        t_os1 = os_gather_time(2 * phi / s_p, pieces, split(s_p), split(s_os), cluster, (d0, d1))
+        t_os1 = os_gather_time(grads, pieces, split(s_p), split(s_os), cluster, (d0, d1))
     return DpTerms(r.t_p, r.t_g, r.t_os0, t_os1, rs_exposed=style not in _UNIT_GATHERS, host=host)
 
 

@@ -102,7 +102,7 @@ def fuse(opt: torch.optim.Optimizer) -> bool:
         return False
     devices = _get_fused_kernels_supported_devices()
     for g in opt.param_groups:
-        if (g.get("fused", False) is not None or g.get("foreach") is not None
+        if (g.get("fused") is not None or g.get("foreach") is not None
                 or g.get("differentiable") or g.get("capturable")):
             return False
         if not all(t.is_floating_point() and t.device.type in devices for t in g["params"]):
