@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 import traceback
+from multiprocessing import util as mp_util
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -85,6 +86,10 @@ def _worker_main(rank: int, world: int, store_path: str, backend: str, tasks, re
     # rank's objects took up to 40 s at the end of the suite, with every rank exiting at once)
     results.close()
     results.join_thread()
+    # ... but run multiprocessing's finalizers, which unlink the semaphores this rank made
+    # (tqdm's lock, built by every torch.fx Interpreter); else the parent's resource tracker
+    # warns of leaked semaphores at exit
+    mp_util._run_finalizers()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

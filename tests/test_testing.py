@@ -139,3 +139,33 @@ def test_heap_abort_counts_as_a_memory_fault():
     assert _memory_fault(WorkerCrashed("...\nhunk detected\nFatal Python error: Aborted", ("SIGABRT",)))  # cut
     assert not _memory_fault(WorkerCrashed("terminate called: a C++ enforce failed", ("SIGABRT",)))
     assert not _memory_fault(WorkerCrashed(heap, ("SIGABRT", "SIGKILL")))
+
+
+_POOL_WITH_A_LOCK = """
+import multiprocessing
+from fxpar.testing import WorkerPool
+
+def make_lock():
+    global LOCK
+    LOCK = multiprocessing.RLock()   # what tqdm makes inside every torch.fx Interpreter
+    return 1
+
+if __name__ == "__main__":
+    with WorkerPool(2) as pool:
+        assert pool.run(make_lock) == [1, 1]
+"""
+
+
+@pytest.mark.timeout(120)
+def test_closed_pool_leaks_no_semaphore(tmp_path):
+    """Ranks leave with ``os._exit`` (fast) but still unlink the semaphores they made: the
+    parent's resource tracker would otherwise warn of them at exit (``./dev demo`` did)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "pool.py"
+    script.write_text(_POOL_WITH_A_LOCK)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=100, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "leaked semaphore" not in done.stderr, done.stderr
