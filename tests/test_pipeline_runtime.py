@@ -70,7 +70,10 @@ def _build(name: str, batch: int = 8):
 def run_pipeline(name: str, mesh: dict, schedule: str, m: int, chunks: int = 1,
                  split_points=None, plan: str = "auto", steps: int = 3, boundary: str = "auto",
                  s_g: int = 1, s_os: int = 1, clip: float | None = None,
-                 pin_boundary: str | None = None):
+                 pin_boundary: str | None = None, on_runner=None):
+    """Train ``steps`` steps of the pipeline beside a one-process reference (numerics
+    checked each step); ``on_runner(runner)`` runs after building (returns a check to call
+    after training, or None)."""
     import fxpar
     model, inputs, kwargs, loss_fn, targets = _build(name, 8 if 8 % m == 0 else 2 * m)
     ref = copy.deepcopy(model)
@@ -93,7 +96,10 @@ def run_pipeline(name: str, mesh: dict, schedule: str, m: int, chunks: int = 1,
     if boundary == "scatter_gather":
         assert prog.plan.stages[0].scatter == ("tp",), prog.plan.stages[0].scatter
     runner = prog.runner(s_g=s_g, s_os=s_os)
+    after = on_runner(runner) if on_runner is not None else None
     losses = train_and_check(runner, ref, opt, inputs, targets, kwargs, loss_fn, steps, clip)
+    if after is not None:
+        after()
     if prog.schedule.name == "zb-h1" and runner.pp_rank > 0:  # chunks with boundary inputs: I, then W
         # (except chunks that gather parameters: ZeRO-3 runs I whole)
         split = not any(c.gathers for c in runner.chunks.values())
@@ -186,6 +192,35 @@ def test_cross_mesh_boundary(pools):
 def test_user_split_points(pools):
     """Uneven stages at a user's cut (FQNs of the model itself, not of the loss wrapper)."""
     _check(pools(2).run(run_pipeline, "gpt", {"pp": 2}, "1f1b", 2, 1, ["blocks.3"]))
+
+
+def _count_preposts(runner):
+    """Counts the receives posted ahead of their action; the check: under gloo, every
+    receive action but those before the rank's first compute action was posted ahead (one
+    compute action early), and none is left over."""
+    from fxpar.schedule.actions import COMPUTE_KINDS, RECV_KINDS
+
+    posted = []
+    orig = runner._prepost
+    runner._prepost = lambda *a: (posted.append(a[:3]), orig(*a))
+    acts = runner.schedule.actions[runner.pp_rank]
+    first = next(j for j, a in enumerate(acts) if a.kind in COMPUTE_KINDS)
+    recvs = [(a.stage - (a.kind == "RECV_F"), a.microbatch, int(a.kind == "RECV_B"))
+             for a in acts[first:] if a.kind in RECV_KINDS]
+
+    def check():
+        steps = len(posted) // max(1, len(recvs))
+        assert recvs and posted == recvs * steps and steps == 3, (posted, recvs)
+        assert runner._posted == {}
+    return check
+
+
+@pytest.mark.timeout(300)
+def test_receives_posted_ahead(pools):
+    """Interleaved 1F1B on 2 gloo ranks: a compute action's successor's receives are posted
+    before it runs (their data moves meanwhile), the numerics stay the reference's."""
+    _check(pools(2).run(run_pipeline, "gpt", {"pp": 2}, "interleaved", 4, 2,
+                        on_runner=_count_preposts))
 
 
 @pytest.mark.timeout(300)

@@ -37,7 +37,8 @@ on its stage's submesh, its own rank graphs). :class:`PipelineRunner` (built by
              (``StagePlan.out_specs`` vs the next chunk's ``in_specs``): the unit tasks of a
              cross-mesh plan (:func:`fxpar.runtime.redistribute_cross.cross_mesh_start`), sent without
              waiting; sends complete at the end of the step
-   RECV_*    the same, received (waited at once), scattered pieces all-gathered over their
+   RECV_*    the same, received (waited at once; under gloo posted one compute action
+             early, :meth:`PipelineRunner._ahead`), scattered pieces all-gathered over their
              submesh axis
    ========  ==================================================================================
 
@@ -80,15 +81,18 @@ from fxpar.runtime.comm import gathers_params
 from fxpar.runtime.rank import RankRunner, clip_grad_norm
 from fxpar.runtime.recompute import Recompute, known_layers
 from fxpar.runtime.runner import compiled, recompute_layers
-from fxpar.schedule.actions import COMPUTE_KINDS
+from fxpar.schedule.actions import COMPUTE_KINDS, RECV_KINDS, Action
 from fxpar.schedule.actions import ActionKind as K
 from fxpar.split import is_boundary
 
-__all__ = ["PipelineRunner", "SPLIT_BACKWARD"]
+__all__ = ["PipelineRunner", "SPLIT_BACKWARD", "PREPOST"]
 
 #: whether ``I``/``W`` actions split backward into input and weight gradients (``False``: ``I``
 #: runs the whole backward, ``W`` nothing; for comparisons)
 SPLIT_BACKWARD = True
+#: whether, under gloo, a compute action's successor's receives are posted before it runs
+#: (:meth:`PipelineRunner._ahead`; ``False``: each at its own action, for comparisons)
+PREPOST = True
 
 
 @dataclass(eq=False)
@@ -178,6 +182,7 @@ class PipelineRunner(RankRunner):
         self.state = self._materialize(layouts, infos, sub_mesh.shape, self.sub_coord, weights, seed)
         #: ``I`` actions that left the weight gradients to their ``W`` (the others ran whole)
         self.split_backwards = 0
+        self._ahead_at: dict | None = None   # receives to post early, by action (_ahead)
         # A failing guard (fxpar.guard_value) is collected and raised on every rank at the end
         # of the step: raised at once on its stage, the other stages would wait on it. Known
         # from the global graph, so every rank runs the check's collective or none does.
@@ -242,9 +247,9 @@ class PipelineRunner(RankRunner):
         if ops:
             self._sends += [(w, ops) for w in dist.batch_isend_irecv(ops)]
 
-    def _recv(self, metas, axes, peer: int, tag: int) -> list[torch.Tensor]:
-        """Receive tensors of ``metas``' shapes from ``peer``; a scattered one arrives as this
-        rank's piece and is all-gathered over its axis (Megatron's scatter/gather)."""
+    def _post(self, metas, axes, peer: int, tag: int):
+        """Post the receives of :meth:`_recv` (buffers of ``metas``' shapes, or of this rank's
+        piece where ``axes`` names a scatter axis) without waiting: ``(buffers, works)``."""
         axes = axes or [""] * len(metas)
         bufs = []
         for v, ax in zip(metas, axes, strict=True):
@@ -253,9 +258,16 @@ class PipelineRunner(RankRunner):
             bufs.append(torch.empty((-(-n // k),) if ax else tuple(v.shape), dtype=v.dtype,
                                     device=self.device))
         ops = [dist.P2POp(dist.irecv, b, peer, tag=tag) for b in bufs]
-        if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
+        return bufs, (dist.batch_isend_irecv(ops) if ops else [])
+
+    def _recv(self, metas, axes, peer: int, tag: int, posted=None) -> list[torch.Tensor]:
+        """Receive tensors of ``metas``' shapes from ``peer`` (``posted``: what :meth:`_post`
+        returned for them earlier; else posted now), waited at once; a scattered one arrives as
+        this rank's piece and is all-gathered over its axis (Megatron's scatter/gather)."""
+        axes = axes or [""] * len(metas)
+        bufs, works = posted or self._post(metas, axes, peer, tag)
+        for w in works:
+            w.wait()
         out = []
         for b, v, ax in zip(bufs, metas, axes):
             if ax:
@@ -311,14 +323,27 @@ class PipelineRunner(RankRunner):
                                             tag=self._xtag(l, i, direction, j))
                 self._sends += [(w, t) for w in works]
 
+    def _plain(self, l: int, n: int) -> tuple[list[int], list[str]]:
+        """Link ``l``'s values (of ``n``) sent point to point, not by a cross-mesh plan, and
+        their scatter axes."""
+        idx = [j for j in range(n) if (l, j) not in self._xm]
+        return idx, [self.program.plan.stages[l].scatter[j] for j in idx]
+
+    def _prepost(self, l: int, i: int, direction: int, metas, peer: int) -> None:
+        """Post :meth:`_recv_link`'s point-to-point receives ahead of its action (gloo only:
+        :data:`PREPOST`); its action then only waits."""
+        idx, axes = self._plain(l, len(metas))
+        self._posted[l, i, direction] = self._post([metas[j] for j in idx], axes, peer,
+                                                   self._tag(l, i, direction))
+
     def _recv_link(self, l: int, i: int, direction: int, metas, peer: int) -> list[torch.Tensor]:
         """Receive what :meth:`_send_link` sent, in value order."""
         from fxpar.runtime.redistribute_cross import cross_mesh_start
 
-        st = self.program.plan.stages[l]
-        idx = [j for j in range(len(metas)) if (l, j) not in self._xm]
-        got = dict(zip(idx, self._recv([metas[j] for j in idx], [st.scatter[j] for j in idx],
-                                       peer, self._tag(l, i, direction))))
+        idx, axes = self._plain(l, len(metas))
+        got = dict(zip(idx, self._recv([metas[j] for j in idx], axes, peer,
+                                       self._tag(l, i, direction),
+                                       self._posted.pop((l, i, direction), None))))
         for j in range(len(metas)):
             if (l, j) in self._xm:
                 got[j], _ = cross_mesh_start(self._xm[l, j][direction], None, device=self.device,
@@ -490,9 +515,16 @@ class PipelineRunner(RankRunner):
         _, out, _ = self.chunks[k].saved[i]
         self._send_link(k, i, 0, [o.detach() for o in out], self._peer(k + 1))
 
+    def _recv_args(self, a) -> tuple:
+        """``(link, microbatch, direction, metas, peer)`` of receive action ``a``."""
+        k, i = a.stage, a.microbatch
+        if a.kind is K.RECV_F:
+            return (k - 1, i, 0, [n.meta[ir.VAL] for n in self._boundary_inputs(self.chunks[k])],
+                    self._peer(k - 1))
+        return k, i, 1, self._out_metas(self.chunks[k]), self._peer(k + 1)
+
     def _act_recv_f(self, k, i, batch) -> None:
-        metas = [n.meta[ir.VAL] for n in self._boundary_inputs(self.chunks[k])]
-        self._fwd_in[(k, i)] = self._recv_link(k - 1, i, 0, metas, self._peer(k - 1))
+        self._fwd_in[(k, i)] = self._recv_link(*self._recv_args(Action(k, K.RECV_F, i)))
 
     def _act_send_b(self, k, i, batch) -> None:
         c = self.chunks[k]
@@ -506,8 +538,7 @@ class PipelineRunner(RankRunner):
         self._send_link(k - 1, i, 1, send, self._peer(k - 1))
 
     def _act_recv_b(self, k, i, batch) -> None:
-        self._bwd_in[(k, i)] = self._recv_link(k, i, 1, self._out_metas(self.chunks[k]),
-                                               self._peer(k + 1))
+        self._bwd_in[(k, i)] = self._recv_link(*self._recv_args(Action(k, K.RECV_B, i)))
 
     def _act_reduce_grad(self, k, i, batch) -> None:
         pass  # buckets launch as their last contribution arrives; finished after the list
@@ -541,6 +572,24 @@ class PipelineRunner(RankRunner):
         work.wait()
         return loss
 
+    def _ahead(self) -> dict[int, list[Action]]:
+        """``{j: receives}``: the receive actions to post before running action ``j``, a
+        compute action: the ones the next compute action waits for, so their data moves while
+        ``j`` computes (torch.distributed.pipelining posts a step's receives with its sends
+        too). Only under gloo (:data:`PREPOST`), where a posted receive blocks nothing: on
+        NCCL an early receive would hold back the sends queued behind it on the same
+        communicator, which the peer may be waiting for."""
+        if self._ahead_at is None:
+            acts = self.schedule.actions[self.pp_rank]
+            computes = [j for j, a in enumerate(acts) if a.kind in COMPUTE_KINDS]
+            self._ahead_at = {}
+            if PREPOST and dist.get_backend() == "gloo":
+                for j, nxt in zip(computes, computes[1:]):
+                    recvs = [a for a in acts[j + 1:nxt] if a.kind in RECV_KINDS]
+                    if recvs:
+                        self._ahead_at[j] = recvs
+        return self._ahead_at
+
     def _schedule(self, args, kwargs, step: bool = False):
         """The action list, gradients finished (with ``step``: and the optimizer stepped,
         each bucket as its reduction is waited, :meth:`ModelStates.finish_backward_and_step`);
@@ -551,9 +600,13 @@ class PipelineRunner(RankRunner):
         self._fwd_in, self._bwd_in, self._bwd_out = {}, {}, {}
         self._losses: list[torch.Tensor] = []
         self._sends: list = []
+        self._posted: dict = {}
         self.states.begin_backward()
-        for action in self.schedule.actions[self.pp_rank]:
+        ahead = self._ahead()
+        for j, action in enumerate(self.schedule.actions[self.pp_rank]):
             try:
+                for a in ahead.get(j, ()):
+                    self._prepost(*self._recv_args(a))
                 self._run(action, batch)
             except FxparError:
                 raise
