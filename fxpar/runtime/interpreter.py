@@ -127,6 +127,8 @@ class PipelineRunner(RankRunner):
                  bucket_bytes=BUCKET_BYTES, regather=True, recompute=None, compile=False) -> None:
         super().__init__(program, device=device, seed=seed)
         self.regather = regather
+        self._peers: dict[int, int] = {}     # chunk -> the rank this rank exchanges with there
+        self._gloo = dist.get_backend() == "gloo"
         self.schedule = program.schedule
         mesh, sched = program.mesh, program.schedule
         self.m = sched.microbatches
@@ -222,8 +224,19 @@ class PipelineRunner(RankRunner):
     # -- point to point ----------------------------------------------------------------------
     def _peer(self, chunk: int) -> int:
         """Global rank at this rank's submesh coordinate in ``chunk``'s stage."""
-        sub = self.program.stage_programs[chunk].mesh
-        return int(np.asarray(sub.devices).reshape(sub.shape)[self.sub_coord])
+        if chunk not in self._peers:
+            sub = self.program.stage_programs[chunk].mesh
+            self._peers[chunk] = int(np.asarray(sub.devices).reshape(sub.shape)[self.sub_coord])
+        return self._peers[chunk]
+
+    def _p2p(self, ops) -> list:
+        """Issue point-to-point ``ops``: one ``batch_isend_irecv`` (NCCL coalesces them), or
+        under gloo, which does not, each directly (``batch_isend_irecv`` only adds its checks)."""
+        if not ops:
+            return []
+        if self._gloo:
+            return [op.op(op.tensor, op.peer, tag=op.tag) for op in ops]
+        return dist.batch_isend_irecv(ops)
 
     def _tag(self, k: int, i: int, direction: int) -> int:
         return 2 * (k * self.m + i) + direction
@@ -245,7 +258,7 @@ class PipelineRunner(RankRunner):
         ops = [dist.P2POp(dist.isend, (self._piece(t, ax) if ax else t).contiguous(), peer, tag=tag)
                for t, ax in zip(tensors, axes or [""] * len(tensors), strict=True)]
         if ops:
-            self._sends += [(w, ops) for w in dist.batch_isend_irecv(ops)]
+            self._sends += [(w, ops) for w in self._p2p(ops)]
 
     def _post(self, metas, axes, peer: int, tag: int):
         """Post the receives of :meth:`_recv` (buffers of ``metas``' shapes, or of this rank's
@@ -258,7 +271,7 @@ class PipelineRunner(RankRunner):
             bufs.append(torch.empty((-(-n // k),) if ax else tuple(v.shape), dtype=v.dtype,
                                     device=self.device))
         ops = [dist.P2POp(dist.irecv, b, peer, tag=tag) for b in bufs]
-        return bufs, (dist.batch_isend_irecv(ops) if ops else [])
+        return bufs, self._p2p(ops)
 
     def _recv(self, metas, axes, peer: int, tag: int, posted=None) -> list[torch.Tensor]:
         """Receive tensors of ``metas``' shapes from ``peer`` (``posted``: what :meth:`_post`
@@ -515,16 +528,15 @@ class PipelineRunner(RankRunner):
         _, out, _ = self.chunks[k].saved[i]
         self._send_link(k, i, 0, [o.detach() for o in out], self._peer(k + 1))
 
-    def _recv_args(self, a) -> tuple:
-        """``(link, microbatch, direction, metas, peer)`` of receive action ``a``."""
-        k, i = a.stage, a.microbatch
-        if a.kind is K.RECV_F:
+    def _recv_args(self, kind, k: int, i: int) -> tuple:
+        """``(link, microbatch, direction, metas, peer)`` of the receive action ``k{kind}i``."""
+        if kind is K.RECV_F:
             return (k - 1, i, 0, [n.meta[ir.VAL] for n in self._boundary_inputs(self.chunks[k])],
                     self._peer(k - 1))
         return k, i, 1, self._out_metas(self.chunks[k]), self._peer(k + 1)
 
     def _act_recv_f(self, k, i, batch) -> None:
-        self._fwd_in[(k, i)] = self._recv_link(*self._recv_args(Action(k, K.RECV_F, i)))
+        self._fwd_in[(k, i)] = self._recv_link(*self._recv_args(K.RECV_F, k, i))
 
     def _act_send_b(self, k, i, batch) -> None:
         c = self.chunks[k]
@@ -538,7 +550,7 @@ class PipelineRunner(RankRunner):
         self._send_link(k - 1, i, 1, send, self._peer(k - 1))
 
     def _act_recv_b(self, k, i, batch) -> None:
-        self._bwd_in[(k, i)] = self._recv_link(*self._recv_args(Action(k, K.RECV_B, i)))
+        self._bwd_in[(k, i)] = self._recv_link(*self._recv_args(K.RECV_B, k, i))
 
     def _act_reduce_grad(self, k, i, batch) -> None:
         pass  # buckets launch as their last contribution arrives; finished after the list
@@ -583,7 +595,7 @@ class PipelineRunner(RankRunner):
             acts = self.schedule.actions[self.pp_rank]
             computes = [j for j, a in enumerate(acts) if a.kind in COMPUTE_KINDS]
             self._ahead_at = {}
-            if PREPOST and dist.get_backend() == "gloo":
+            if PREPOST and self._gloo:
                 for j, nxt in zip(computes, computes[1:]):
                     recvs = [a for a in acts[j + 1:nxt] if a.kind in RECV_KINDS]
                     if recvs:
@@ -606,7 +618,7 @@ class PipelineRunner(RankRunner):
         for j, action in enumerate(self.schedule.actions[self.pp_rank]):
             try:
                 for a in ahead.get(j, ()):
-                    self._prepost(*self._recv_args(a))
+                    self._prepost(*self._recv_args(a.kind, a.stage, a.microbatch))
                 self._run(action, batch)
             except FxparError:
                 raise
