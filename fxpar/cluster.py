@@ -344,8 +344,8 @@ _PRESETS: dict[str, dict] = {
         peak_flops=989e12, memory_bandwidth=3350 * GB,
         intra_node_bandwidth=450 * GB, inter_node_bandwidth=8 * 50 * GB,
         intra_node_latency=2.5e-6, inter_node_latency=6e-6,
-        physics=Physics(gemm_tile=(256, 128), gemm_efficiency=0.72,
-                        attention_efficiency=0.45, memory_efficiency=0.85,
+        physics=Physics(gemm_tile=(256, 128), gemm_efficiency=0.6,
+                        attention_efficiency=0.27, memory_efficiency=0.85,
                         intra_comm_efficiency=0.8, inter_comm_efficiency=0.9,
                         kernel_overhead=2.5e-6)),
 }
@@ -374,8 +374,13 @@ PHYSICS_SOURCES: dict[str, str] = {
         "attention_efficiency 0.35: no flash kernels on V100 (the unfused path); "
         "intra_comm_efficiency 0.7: NVLink2 hybrid cube mesh; inter 0.9: 10 Gb/s TCP."),
     "dgx-h100": (
-        "gemm_efficiency 0.72: cuBLAS bf16 dense GEMMs reach ~700 of 989 TFLOP/s; "
-        "attention_efficiency 0.45: FlashAttention-2 forward+backward on H100; "
+        "gemm_efficiency 0.6: cuBLAS bf16 GEMMs measured at 0.77 of the 989 TFLOP/s peak on "
+        "an H200 (benchmarks/results/gpu.json: 764-773 TFLOP/s), times 0.78, the share the "
+        "A100 fit keeps of its cuBLAS rate (0.626 of ~0.8: what the step model does not price, "
+        "as on dgx-a100). attention_efficiency 0.27: PyTorch's SDPA (FlashAttention-2 kernels) "
+        "forward+backward measured by Cluster.calibrate on an H200 (271 TFLOP/s, "
+        "benchmarks/results/gpu_calibrated.json). Checked, not fitted, on torchtitan's Llama "
+        "3.1 8B on 8 H100 and fxpar's own H200 step (benchmarks/external.py); "
         "intra_comm_efficiency 0.8: nccl-tests all-reduce ~360 of 450 GB/s (NVLink4); "
         "inter 0.9: NDR-400 InfiniBand."),
     "frontier": (
