@@ -201,9 +201,10 @@ def _flat_steps(piece=None, fused=True):
     models, states = [], []
     kw, ref_kw = ({}, {"fused": True}) if fused else ({"foreach": False}, {"foreach": False})
     # the fused kernel's vector lanes and scalar tail round apart: where a tensor starts in
-    # a flat segment moves an element between them (not bitwise across layouts, as the
-    # for-loop step is)
-    same = (lambda a, b: torch.allclose(a, b, rtol=1e-6, atol=1e-9)) if fused else torch.equal
+    # a flat segment (and its storage's alignment, which varies between runs) moves an
+    # element between them; over 4 steps the second moments drift a few 1e-6 apart (not
+    # bitwise across layouts, as the for-loop step is)
+    same = (lambda a, b: torch.allclose(a, b, rtol=1e-5, atol=1e-9)) if fused else torch.equal
     for opt in (lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1, **kw),
                 lambda ps: _PerParamAdamW(ps, lr=1e-2, weight_decay=0.1, **ref_kw)):
         models.append(_model())
