@@ -211,7 +211,8 @@ class Program:
     def runner(self, weights: Any = None, *, s_g: int | None = None, s_os: int | None = None, seed: int = 0,
                local_batch: bool = False, device: str | None = None,
                bucket_bytes: int = BUCKET_BYTES, regather: bool = True,
-               recompute=None, compile: bool | str = False) -> Runner:
+               recompute=None, compile: bool | str = False,
+               reduce_dtype: torch.dtype | None = None) -> Runner:
         """This rank's :class:`Runner` (collective: every rank of the mesh calls it).
 
         ``weights``: ``None`` (the model's own real tensors), a state dict of full tensors, a
@@ -227,7 +228,11 @@ class Program:
         and the optimizer step with it (a built-in element-wise optimizer:
         ``ModelStates.compile_step``, one fused kernel per flat segment). Under ``compile``,
         ``regather`` gives the same results (tested) but what memory it frees has not been
-        measured.
+        measured. ``reduce_dtype``: the dtype gradients are summed over microbatches and
+        reduced in, e.g. ``torch.float32`` for bf16 parameters (Megatron-LM's
+        ``accumulate_allreduce_grads_in_fp32``, FSDP2's ``MixedPrecisionPolicy(reduce_dtype=
+        torch.float32)``, torchtitan's default); default the parameters' own. The plan prices
+        reductions in the parameters' dtype.
         """
         cfg = self.plan.config
         # the plan's factors are over dp; the runner's are inside each parameter's replica
@@ -242,10 +247,11 @@ class Program:
                 raise FxparError("a pipeline runner takes the global batch (local_batch=False)")
             return PipelineRunner(self, weights, s_g=s_g, s_os=s_os, seed=seed, device=device,
                                   bucket_bytes=bucket_bytes, regather=regather,
-                                  recompute=recompute, compile=compile)
+                                  recompute=recompute, compile=compile,
+                                  reduce_dtype=reduce_dtype)
         return Runner(self, weights, s_g=s_g, s_os=s_os, seed=seed, local_batch=local_batch,
                       device=device, bucket_bytes=bucket_bytes, regather=regather,
-                      recompute=recompute, compile=compile)
+                      recompute=recompute, compile=compile, reduce_dtype=reduce_dtype)
 
     # -- save / load -----------------------------------------------------------------------
     def save(self, path) -> None:

@@ -124,7 +124,8 @@ class PipelineRunner(RankRunner):
     """This rank's part of a pipeline program (module docstring)."""
 
     def __init__(self, program, weights=None, *, s_g=1, s_os=1, seed=0, device=None,
-                 bucket_bytes=BUCKET_BYTES, regather=True, recompute=None, compile=False) -> None:
+                 bucket_bytes=BUCKET_BYTES, regather=True, recompute=None, compile=False,
+                 reduce_dtype=None) -> None:
         super().__init__(program, device=device, seed=seed)
         self.regather = regather
         self._peers: dict[int, int] = {}     # chunk -> the rank this rank exchanges with there
@@ -212,7 +213,8 @@ class PipelineRunner(RankRunner):
         # chunk, handed to the model states once, with the last (``RankRunner._direct``).
         direct = self._init_model_states(params, groups, [(c.gm, self.m) for c in self.chunks.values()],
                                          s_g=s_g, s_os=s_os, bucket_bytes=bucket_bytes,
-                                         grad_scale=scale, compile=compile)
+                                         grad_scale=scale, compile=compile,
+                                         reduce_dtype=reduce_dtype)
         for c, fqns in zip(self.chunks.values(), direct):
             c.direct = fqns
 

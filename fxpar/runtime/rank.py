@@ -246,19 +246,23 @@ class RankRunner:
                            graphs: Sequence[tuple[fx.GraphModule, int]], *, s_g: int = 1,
                            s_os: int = 1, bucket_bytes: int = BUCKET_BYTES,
                            grad_scale: Mapping[str, float] | None = None,
-                           compile: bool | str = False) -> list[list[str]]:
+                           compile: bool | str = False,
+                           reduce_dtype: torch.dtype | None = None) -> list[list[str]]:
         """``self.states`` over ``params`` (their replica ``groups``), and every gradient
         contribution of a step declared: ``graphs`` lists each rank graph with how many times
         a step runs it (a pipeline chunk: once per microbatch). ``compile`` (the runner's):
         the optimizer step goes through ``torch.compile`` too (``ModelStates.compile_step``).
-        Returns, per graph, the parameters it uses directly (their leaf hook counts its runs:
-        :meth:`_direct`)."""
+        ``reduce_dtype``: gradients summed over backward passes and reduced in it (a direct
+        use whose leaf cannot accumulate in its bucket then hands each pass's gradient over,
+        so they add up in ``reduce_dtype``, not in the parameter's). Returns, per graph, the
+        parameters it uses directly (their leaf hook counts its runs: :meth:`_direct`)."""
         from fxpar.runtime.model_state import ModelStates
 
         # a compiled step is one fused loop per tensor, no temporaries: whole flat segments
         self.states = ModelStates(params, groups, self.program.optimizer, s_g=s_g, s_os=s_os,
                                   bucket_bytes=bucket_bytes, grad_scale=grad_scale,
-                                  step_piece=sys.maxsize if compile else None)
+                                  step_piece=sys.maxsize if compile else None,
+                                  reduce_dtype=reduce_dtype)
         if compile:
             self.states.compile_step("inductor" if compile is True else compile)
         uses = dict.fromkeys(params, 0)
@@ -271,11 +275,16 @@ class RankRunner:
             for f, k in through.items():
                 uses[f] += k * runs
             for f in direct:
-                if f not in self._direct_n:
+                first = f not in self._direct_n
+                if first:
                     params[f].register_post_accumulate_grad_hook(lambda p, f=f: self._direct(f))
-                    self.states.in_place(f)
-                    uses[f] += 1
-                self._direct_n[f] = self._direct_n.get(f, 0) + runs
+                if self.states.in_place(f) or reduce_dtype in (None, params[f].dtype):
+                    # one hand-off per step, after the last pass has accumulated on the leaf
+                    uses[f] += first
+                    self._direct_n[f] = self._direct_n.get(f, 0) + runs
+                else:   # every pass's gradient to the states: summed in reduce_dtype
+                    uses[f] += runs
+                    self._direct_n[f] = 1
             out.append(direct)
         for f, k in uses.items():
             if k:

@@ -150,7 +150,7 @@ class Runner(RankRunner):
 
     def __init__(self, program, weights=None, *, s_g=1, s_os=1, seed=0,
                  local_batch=False, device=None, bucket_bytes=BUCKET_BYTES,
-                 regather=True, recompute=None, compile=False) -> None:
+                 regather=True, recompute=None, compile=False, reduce_dtype=None) -> None:
         super().__init__(program, device=device, seed=seed)
         mesh, rank = self.mesh, self.rank
         self.coord = mesh.coord(rank)
@@ -201,7 +201,8 @@ class Runner(RankRunner):
             # A use through a communication op sends its gradient to the sink; the other
             # uses accumulate on the leaf, whose post-accumulate hook sends the sum (once).
             self._init_model_states(params, groups, [(gm, 1)], s_g=s_g, s_os=s_os,
-                                    bucket_bytes=bucket_bytes, compile=compile)
+                                    bucket_bytes=bucket_bytes, compile=compile,
+                                    reduce_dtype=reduce_dtype)
 
     @property
     def recomputed(self) -> int:

@@ -222,6 +222,7 @@ class GradientBuckets:
         #: per parameter, a factor on each contribution before it is summed (add_grad)
         self.grad_scale = dict(grad_scale or {})
         self._params: dict[str, ParamShard] = dict(params)
+        self._rdtype = reduce_dtype
         segment = segment if segment is not None else dict.fromkeys(self._params, ())
         self._buckets = make_buckets(self._params, segment, self.bucket_bytes,
                                      self.first_bucket_bytes, reduce_dtype)
@@ -431,8 +432,9 @@ class GradientBuckets:
 
     # -- inspection ------------------------------------------------------------------------
     def grads(self) -> dict[str, torch.Tensor]:
-        """Every parameter's fully reduced local gradient (storage shape). Collective when
-        ``s_g > 1`` (gathers the chunks); for tests and debugging, not the hot path."""
+        """Every parameter's fully reduced local gradient (storage shape, in the reduction
+        dtype: what the optimizer steps with). Collective when ``s_g > 1`` (gathers the
+        chunks); for tests and debugging, not the hot path."""
         out: dict[str, torch.Tensor] = {}
         pending = []
         for bk in self._buckets:
@@ -451,10 +453,10 @@ class GradientBuckets:
             rows = full.view(bk.lay.s_g, bk.row)
             for p in bk.params:
                 g = rows[:, p.off:p.off + p.cg].reshape(-1)[:p.numel]
-                out[p.fqn] = g.view(p.tensor.shape).to(p.tensor.dtype).clone()
+                out[p.fqn] = g.view(p.tensor.shape).clone()
         for fqn, p in self._params.items():
             if fqn not in out:  # empty parameters
-                out[fqn] = torch.zeros_like(p.tensor)
+                out[fqn] = torch.zeros_like(p.tensor, dtype=self._rdtype or p.tensor.dtype)
         return {fqn: out[fqn] for fqn in self._params}
 
     def grad_bytes(self) -> int:
