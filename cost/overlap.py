@@ -198,22 +198,26 @@ def plan_overlap(plan, prefetch: int = 1, bucket_bytes: int = BUCKET_BYTES,
 
 
 def _optimizer_time(plan, bucket_bytes: int, first_bucket_bytes: int) -> float:
-    """Seconds of the optimizer step (:meth:`overlap`), 0 without a measured price."""
+    """Seconds of the optimizer step (:meth:`overlap`) at the cluster's measured price, else
+    its physics' (:func:`fxpar.cost.step.cluster_optimizer_price`), else 0."""
     from fxpar.cost.memory import is_fp32, model_state_bytes
+    from fxpar.cost.step import cluster_optimizer_price
 
-    prof = (plan.mesh.get("cluster") or {}).get("compute") or {}
-    if not prof.get("optimizer"):
-        return 0.0
-    per_tensor, per_element = prof["optimizer"]
     precision = plan.options.get("precision", "mixed")
-    per_param = model_state_bytes(1, optimizer=plan.options.get("optimizer", "adam"),
-                                  precision=precision).total
+    states = model_state_bytes(1, optimizer=plan.options.get("optimizer", "adam"),
+                               precision=precision)
+    price = cluster_optimizer_price(plan.mesh.get("cluster") or {},
+                                    (states.params, states.grads, states.optimizer),
+                                    is_fp32(precision))
+    if not price:
+        return 0.0
+    per_param = states.total
     # a parameter node's memory is already sharded by s_p (its spec); states by s_os/s_p more
     s_os = plan.config.s_os // plan.config.s_p if plan.config is not None else 1
     # a parameter's memory is its model states (fxpar.planner.pricing.node_memory)
     n = [x.memory / per_param / s_os for x in plan.nodes if x.param]
     flat = s_os == 1 and is_fp32(precision)
-    return optimizer_time(sum(n), len(n), (per_tensor, per_element), flat,
+    return optimizer_time(sum(n), len(n), price, flat,
                           bucket=bucket_bytes, first=first_bucket_bytes,
                           piece=step_piece((plan.mesh.get("cluster") or {}).get("device_type", "")))
 

@@ -69,7 +69,8 @@ from fxpar.defaults import (BUCKET_BYTES, CPU_STEP_PIECE, FIRST_BUCKET_BYTES, OS
                             TINY_GATHER_BYTES)
 
 __all__ = ["UnitCost", "ChunkCost", "DpTerms", "StepTime", "chunk_costs", "dp_terms",
-           "microbatch_overhead", "optimizer_time", "param_units", "rank_memory", "step_time",
+           "microbatch_overhead", "optimizer_time", "optimizer_price", "cluster_optimizer_price",
+           "param_units", "rank_memory", "step_time",
            "ZERO_STYLES", "LIST_MEMBER_OPS", "DEEPSPEED_ALLGATHER_ELEMENTS", "os_gather_time",
            "zero_units",
            "unit_overlap", "overlapped_chunk", "overlapped_chunks", "BUCKET"]
@@ -273,6 +274,45 @@ def optimizer_time(elements: float, tensors: int, price: Sequence[float], flat: 
         sizes = [head] + [bucket / 4] * int(full) + ([tail] if tail > 0 else [])
         tensors = sum(math.ceil(x / piece) if piece else 1 for x in sizes)
     return tensors * per_tensor + per_element * elements
+
+
+def optimizer_price(memory_bandwidth: float, memory_efficiency: float, kernel_overhead: float,
+                    state_bytes: Sequence[float], fp32: bool) -> tuple[float, float]:
+    """``(per_tensor, per_element)`` of an element-wise optimizer step where nothing measured
+    it (:func:`optimizer_time`'s ``price``): memory-bound, every optimizer state read and
+    written, the gradient read and the parameter written (read too where it is its own fp32
+    master), at ``memory_efficiency`` of ``memory_bandwidth``; one kernel per tensor::
+
+        per_element = (2·k_os + k_g + (2 if fp32 else 1)·k_p) / (β·e)
+
+    with ``state_bytes = (k_p, k_g, k_os)`` (:data:`fxpar.cost.memory.STATE_BYTES_PER_PARAM`).
+    Mixed-precision AdamW (2, 2, 12) and fp32 AdamW (4, 4, 8) both move 28 bytes an element.
+
+    >>> per_tensor, per_element = optimizer_price(1e12, 0.5, 3e-6, (2, 2, 12), fp32=False)
+    >>> per_tensor, round(per_element * 1e12, 6)       # 28 bytes at 0.5 TB/s
+    (3e-06, 56.0)
+    """
+    kp, kg, kos = state_bytes
+    moved = 2 * kos + kg + (2 if fp32 else 1) * kp
+    return kernel_overhead, moved / (memory_bandwidth * memory_efficiency)
+
+
+def cluster_optimizer_price(cluster, state_bytes, fp32: bool) -> tuple:
+    """The optimizer step's ``(per_tensor, per_element)`` on ``cluster`` (a :class:`Cluster`
+    or its dict): measured (``compute.optimizer``), else from its physics
+    (:func:`fxpar.cost.step.optimizer_price`), else ``()`` (not priced: the flat roofline)."""
+    get = cluster.get if isinstance(cluster, dict) else (lambda k: getattr(cluster, k, None))
+    compute = get("compute")
+    measured = (compute.get("optimizer") if isinstance(compute, dict)
+                else getattr(compute, "optimizer", None))
+    if measured:
+        return tuple(measured)
+    ph = get("physics")
+    if not ph or not get("memory_bandwidth"):
+        return ()
+    ph = ph if isinstance(ph, dict) else dataclasses.asdict(ph)
+    return optimizer_price(get("memory_bandwidth"), ph["memory_efficiency"],
+                           ph["kernel_overhead"], state_bytes, fp32)
 
 
 def step_piece(device_type: str) -> int | None:

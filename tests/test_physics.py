@@ -167,3 +167,26 @@ def test_math_attention_is_sdpa_with_the_scores_through_memory():
     scores = 2 * 4 * 128 * 128 * 4   # batch x heads x s x s, float32, per layer
     assert costs[1].total_bytes - costs[0].total_bytes > 2 * 2 * scores  # 2 layers, >1 pass each
     assert costs[1].gemm_flops == pytest.approx(costs[0].gemm_flops, rel=0.01)
+
+
+def test_the_optimizer_step_is_priced_memory_bound_from_the_physics():
+    """Without a measured price, a preset's physics prices the optimizer step: every state
+    read and written, the gradient read, the parameter written, at ``memory_efficiency`` of
+    the memory bandwidth, one kernel per tensor; mixed-precision AdamW moves 28 bytes an
+    element (fp32 master, m, v: 2 × 12; bf16 gradient and parameter: 2 + 2)."""
+    from examples.models import MLP
+
+    model = MLP(64, 256, 64)
+    n = sum(p.numel() for p in model.parameters())
+    c = fxpar.Cluster.preset("dgx-a100")
+    ph = c.physics
+    p = fxpar.plan(model, c, (torch.randn(8, 64),), mesh={"dp": 8}, plan="dp").plan
+    want = 4 * ph.kernel_overhead + 28 * n / (c.memory_bandwidth * ph.memory_efficiency)
+    ov = p.overlap()
+    fwd_bwd = sum(x.fwd_time + x.bwd_time for x in p.nodes if x.op != "placeholder")
+    assert ov.compute - fwd_bwd == pytest.approx(want, rel=1e-9)
+    # the flat roofline (no physics) prices no optimizer step
+    q = fxpar.plan(model, dataclasses.replace(c, physics=None), (torch.randn(8, 64),),
+                   mesh={"dp": 8}, plan="dp").plan
+    assert q.overlap().compute == pytest.approx(
+        sum(x.fwd_time + x.bwd_time for x in q.nodes if x.op != "placeholder"), rel=1e-9)

@@ -56,10 +56,11 @@ def test_baselines_share_the_cost_model(a100):
     for kind in ("dp", "zero3", "megatron"):
         got[kind] = plan(None, a100, plan=kind, **kw).plan
         assert got[kind].kind == kind
-        # on one mesh the solver minimizes the summed time (fxpar.api.plan); the step model
-        # (Plan.time) overlaps gradient reductions the ILP cannot see, so only meshes are
-        # ranked by it
-        assert auto.summed_time <= got[kind].summed_time * (1 + 1e-9)
+        # auto keeps the fastest by the step model (Plan.time) of the solver's plan and the
+        # baselines' layouts (fxpar.api._seeds); the solver's own minimizes the summed time
+        assert auto.time <= got[kind].time * (1 + 1e-9)
+        if not auto.notes:
+            assert auto.summed_time <= got[kind].summed_time * (1 + 1e-9)
     assert got["dp"].node("p_fc1_weight").outputs == ("RR",)
     assert got["zero3"].node("p_fc1_weight").outputs == ("S(0)S(0)",)
     z3 = got["zero3"]

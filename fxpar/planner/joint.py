@@ -757,7 +757,8 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
             F, B, R = overlapped_chunks(ch, p, s.m, dpr, pricing.cluster.comm_interference)
             Wo = [sum(F[k] + B[k] for k in range(r, n, p)) for r in range(p)]
             est_o = s.m * max(Wo) + (sum(Wo) - max(Wo)) / s.v + xfer
-            opt = optimizer_seconds(ch, p, (s_p, s_g, s_os), pricing.cluster, pricing.precision)
+            opt = optimizer_seconds(ch, p, (s_p, s_g, s_os), pricing.cluster, pricing.precision,
+                                    pricing.state_bytes)
             tail = (max(sum(R[r::p]) for r in range(p)) + max(opt)
                     + max(d.t_os1 for d in dpr))
             c = Candidate(p, s.d, s.t, s.b, s.m, s.schedule, s.v, rc, s_g, s_os, est_o + tail,
