@@ -258,9 +258,11 @@ class Physics:
 
     @classmethod
     def nominal(cls) -> Physics:
-        """The physics that prices as a cluster without one does (the roofline at 50% of peak
-        FLOPs and 80% of memory bandwidth, :func:`fxpar.cost.compute.roofline_time`; links at
-        their nominal figures): one-column GEMM tiles waste nothing, no fixed costs.
+        """The physics that prices compute and communication as a cluster without one does
+        (the roofline at 50% of peak FLOPs and 80% of memory bandwidth,
+        :func:`fxpar.cost.compute.roofline_time`; links at their nominal figures): one-column
+        GEMM tiles waste nothing, no fixed costs. Unlike the flat roofline it also prices the
+        optimizer step (:func:`fxpar.cost.step.optimizer_price`, at the same 80%).
 
         >>> from fxpar.cost.compute import OpCost, op_time
         >>> c = Cluster.preset("dgx-a100", physics=None)
@@ -545,7 +547,8 @@ class Cluster:
         latencies (links and measured α/β entries alike). Pipeline profiles of two or more
         microbatch counts also fit the seconds each forward or backward pass pays whatever its
         size (``physics.microbatch_overhead``; a cluster without physics gets
-        :meth:`Physics.nominal`'s, which prices as it did). A kind the profiles did not
+        :meth:`Physics.nominal`'s, which prices compute and communication as it did and adds the
+        optimizer step). A kind the profiles did not
         measure is left as it is. The profiles must come from plans priced on this cluster.
 
         >>> from fxpar.runtime.profile import NodeTime, Profile
