@@ -280,17 +280,18 @@ def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequenc
 
 
 def optimizer_seconds(chunks, p: int, state: tuple[int, int, int], cluster, precision: str,
-                      state_bytes: tuple[float, float, float] = (2, 2, 12)) -> list[float]:
+                      state_bytes: tuple[float, float, float] = STATE_BYTES_PER_PARAM["adam", "mixed"]
+                      ) -> list[float]:
     """Per pipeline rank (chunk ``k`` on rank ``k % p``), the seconds of its optimizer step
     (:func:`fxpar.cost.step.optimizer_time` over its chunks' local parameters, states sharded
     ``s_os`` ways, ``state = (s_p, s_g, s_os)``) at the price the cluster's measured compute
     gives (:attr:`fxpar.cluster.ComputeProfile.optimizer`), else, with physics, the
-    memory-bound one of its ``state_bytes`` (:func:`fxpar.cost.step.cluster_optimizer_price`), else zeros."""
+    memory-bound one of its ``state_bytes`` (:func:`fxpar.cost.step.cluster_optimizer_price`),
+    else zeros."""
     from fxpar.cost.memory import is_fp32
-
-    s_p, _, s_os = state
     from fxpar.cost.step import cluster_optimizer_price
 
+    s_p, _, s_os = state
     price = cluster_optimizer_price(cluster, state_bytes, is_fp32(precision))
     # parameters sharded by their layouts (s_p) are local tensors to the runtime's optimizer:
     # stepped flat unless it shards their states further (ZeRO-1/2)
