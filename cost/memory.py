@@ -57,6 +57,7 @@ __all__ = [
     "STATE_BYTES_PER_PARAM",
     "model_state_bytes",
     "is_fp32",
+    "reduce_scale",
     "ActivationMemory",
     "activation_memory",
     "saved_storage",
@@ -135,10 +136,13 @@ class ModelStateBytes:
 
 
 def model_state_bytes(num_params: float, *, optimizer: str = "adam", precision: str = "mixed",
-                      s_p: int = 1, s_g: int = 1, s_os: int = 1) -> ModelStateBytes:
+                      s_p: int = 1, s_g: int = 1, s_os: int = 1,
+                      reduce_dtype: torch.dtype | str | None = None) -> ModelStateBytes:
     """Model-state bytes per device with sharding factors ``s_p, s_g, s_os`` (AMSP §IV-D):
     ``k_P·Φ/s_p + k_G·Φ/s_g + k_OS·Φ/s_os`` with ``k`` from :data:`STATE_BYTES_PER_PARAM`.
-    ZeRO-1/2/3 are ``(1,1,N)``, ``(1,N,N)``, ``(N,N,N)``.
+    ZeRO-1/2/3 are ``(1,1,N)``, ``(1,N,N)``, ``(N,N,N)``. ``reduce_dtype``: gradients summed
+    and reduced in it (the runtime's ``reduce_dtype``: its buckets hold them so), ``k_G`` its
+    bytes.
 
     >>> round(model_state_bytes(1e9).total / 1e9)              # 16 bytes/param unsharded
     16
@@ -146,6 +150,8 @@ def model_state_bytes(num_params: float, *, optimizer: str = "adam", precision: 
     0.0
     >>> round(model_state_bytes(1e9, s_p=8, s_g=8, s_os=8).total / 1e9)   # ZeRO-3 on 8
     2
+    >>> model_state_bytes(1e9, reduce_dtype="float32").grads / 1e9     # bf16 params, fp32 grads
+    4.0
     """
     key = (_OPT_ALIASES.get(optimizer.lower(), optimizer.lower()),
            _PREC_ALIASES.get(precision.lower(), precision.lower()))
@@ -153,10 +159,24 @@ def model_state_bytes(num_params: float, *, optimizer: str = "adam", precision: 
         raise ValueError(f"unknown optimizer/precision {optimizer!r}/{precision!r}; known: "
                          f"{sorted(STATE_BYTES_PER_PARAM)}")
     kp, kg, kos = STATE_BYTES_PER_PARAM[key]
+    if reduce_dtype is not None:
+        kg = dtype_bytes(reduce_dtype)
     for name, s in (("s_p", s_p), ("s_g", s_g), ("s_os", s_os)):
         if s < 1:
             raise ValueError(f"{name} must be >= 1, got {s}")
     return ModelStateBytes(kp * num_params / s_p, kg * num_params / s_g, kos * num_params / s_os)
+
+
+def reduce_scale(precision: str, reduce_dtype: torch.dtype | str | None) -> float:
+    """Bytes a gradient element is reduced in over the bytes a value moves under ``precision``
+    (2 mixed, 4 fp32): what ``reduce_dtype`` multiplies every gradient reduction's bytes by.
+
+    >>> reduce_scale("mixed", "float32"), reduce_scale("fp32", "bfloat16"), reduce_scale("mixed", None)
+    (2.0, 0.5, 1.0)
+    """
+    if reduce_dtype is None:
+        return 1.0
+    return dtype_bytes(reduce_dtype) / (4 if is_fp32(precision) else 2)
 
 
 # --------------------------------------------------------------------------------------------

@@ -379,7 +379,7 @@ def overlapped_chunks(chunks: Sequence[ChunkCost], p: int, m: int, dp: Sequence[
         d, share = dp[k % p], c.params / max(phi[k % p], 1e-30)
         # per microbatch: T_p/m, of which a third is the reduce-scatter (ring RS and AG of the
         # same bytes cost the same), exposed in the backward when the runtime does not overlap it
-        rs = d.t_p / (3 * m) * share if d.rs_exposed else 0.0
+        rs = d.t_p * d.rs_share / m * share if d.rs_exposed else 0.0
         g, r = (d.t_p / m * share - rs) / 2, (d.t_g + d.t_os0) * share
         h = d.host / (3 * m) * share
         f, b, red = (overlapped_chunk(c, g, r, interference,
@@ -441,6 +441,10 @@ class DpTerms:
     #: collectives' per-member operations, ``"deepspeed-list"``): a third in the forward
     #: (the gathers), two thirds in the backward (gathers again, reduce-scatters)
     host: float = 0.0
+    #: the reduce-scatters' share of ``t_p``: a third when gradients move the parameters'
+    #: bytes (a ring all-gather and reduce-scatter of equal bytes cost the same), more when
+    #: they are reduced in a wider dtype (``reduce_dtype``)
+    rs_share: float = 1 / 3
 
     @property
     def total(self) -> float:
@@ -503,7 +507,8 @@ def zero_units(chunks: Sequence[ChunkCost], p: int, style: str = "flat", tiny: f
 
 @functools.lru_cache(maxsize=8192)
 def dp_terms(phi: float, layers: int, m: int, d0: int, d1: int, s_p: int, s_g: int, s_os: int,
-             cluster, precision: str = "mixed", style: str = "flat") -> DpTerms:
+             cluster, precision: str = "mixed", style: str = "flat",
+             reduce_scale: float = 1.0) -> DpTerms:
     """AMSP's ``T_p, T_g, T_os0, T_os1`` (:func:`fxpar.cost.amsp.evaluate`) for ``phi`` local
     parameters in ``layers`` equal modules over ``d0 × d1`` replicas (inside × across nodes),
     ``m`` microbatches; each factor split inside the node first (AMSP eq. 7). Three
@@ -512,8 +517,21 @@ def dp_terms(phi: float, layers: int, m: int, d0: int, d1: int, s_p: int, s_g: i
     small one then ``BUCKET`` each (``n = 1 + ⌈(B − FIRST)/BUCKET⌉`` of ``U = B/n``), where
     AMSP's ``B/U`` may count a fraction of one bucket's latency; and ``T_os1`` is the
     all-gather the runtime issues after the step (:func:`os_gather_time`; AMSP's broadcasts
-    under ``style="amsp"``, :data:`ZERO_STYLES`)."""
+    under ``style="amsp"``, :data:`ZERO_STYLES`). ``reduce_scale``: gradients reduced in
+    that many times a value's bytes (:func:`fxpar.cost.memory.reduce_scale`): ``T_g``,
+    ``T_os0`` and the reduce-scatters of ``T_p`` move ``k·2Φ`` bytes in as many buckets,
+    the gathers ``2Φ``.
+
+    >>> from fxpar import Cluster
+    >>> c = Cluster.preset("a800", physics=None, nodes=2).without_latency()
+    >>> bf, fp = (dp_terms(1e9, 10, 2, 8, 2, 16, 16, 16, c, reduce_scale=k) for k in (1.0, 2.0))
+    >>> round(fp.t_p / bf.t_p, 6), round(fp.rs_share, 6)     # AG, AG, then RS at twice the bytes
+    (1.333333, 0.5)
+    """
     from fxpar.cost.amsp import Sharding, evaluate
+    from fxpar.cost.amsp import t_g as amsp_t_g
+    from fxpar.cost.amsp import t_os0 as amsp_t_os0
+    from fxpar.cost.amsp import t_p as amsp_t_p
     from fxpar.cost.memory import is_fp32
 
     if d0 * d1 == 1 or phi <= 0:
@@ -530,9 +548,18 @@ def dp_terms(phi: float, layers: int, m: int, d0: int, d1: int, s_p: int, s_g: i
     def split(s: int) -> tuple[int, int]:
         return (s, 1) if s <= d0 else (d0, s // d0)
 
-    r = evaluate(Sharding(split(s_p), split(s_g), split(s_os)), phi=phi,
-                 module_params=[phi / max(1, layers)], L=max(1, layers), M=m, U=bucket,
+    sh = Sharding(split(s_p), split(s_g), split(s_os))
+    L = max(1, layers)
+    r = evaluate(sh, phi=phi, module_params=[phi / L], L=L, M=m, U=bucket,
                  cluster=cluster, dp=(d0, d1), precision=precision)
+    t_p, t_g, t_os0, rs_share = r.t_p, r.t_g, r.t_os0, 1 / 3
+    if reduce_scale != 1.0:   # the gradients' collectives at k times the bytes, same count
+        k, kw = reduce_scale, dict(dp=(d0, d1))
+        t_g = amsp_t_g(sh, k * phi, m, k * bucket, cluster, **kw)
+        t_os0 = amsp_t_os0(sh, k * phi, k * bucket, cluster, **kw)
+        rs = amsp_t_p(sh, [k * phi / L], L, m, cluster, **kw) / 3
+        t_p = 2 * r.t_p / 3 + rs
+        rs_share = rs / t_p if t_p else rs_share
     # each of the L tensors' three list collectives per microbatch (two gathers, one
     # reduce-scatter) walks its s_p members on the host
     host = (m * max(1, layers) * 3 * s_p * LIST_MEMBER_OPS * cluster.physics.kernel_overhead
@@ -542,7 +569,8 @@ def dp_terms(phi: float, layers: int, m: int, d0: int, d1: int, s_p: int, s_g: i
         pieces = (math.ceil(grads / OS_GATHER_BYTES) if style == "flat"
                   else max(1, math.floor(elements / DEEPSPEED_ALLGATHER_ELEMENTS)))
         t_os1 = os_gather_time(grads, pieces, split(s_p), split(s_os), cluster, (d0, d1))
-    return DpTerms(r.t_p, r.t_g, r.t_os0, t_os1, rs_exposed=style not in _UNIT_GATHERS, host=host)
+    return DpTerms(t_p, t_g, t_os0, t_os1, rs_exposed=style not in _UNIT_GATHERS, host=host,
+                   rs_share=rs_share)
 
 
 def os_gather_time(nbytes: float, pieces: int, p: tuple[int, int], os: tuple[int, int], cluster,

@@ -231,9 +231,11 @@ class Program:
         measured. ``reduce_dtype``: the dtype gradients are summed over microbatches and
         reduced in, e.g. ``torch.float32`` for bf16 parameters (Megatron-LM's
         ``accumulate_allreduce_grads_in_fp32``, FSDP2's ``MixedPrecisionPolicy(reduce_dtype=
-        torch.float32)``, torchtitan's default); default the parameters' own. The plan prices
-        reductions in the parameters' dtype.
+        torch.float32)``, torchtitan's default); left out: the plan's
+        (``PlannerOptions.reduce_dtype``, what it priced), else the parameters' own.
         """
+        if reduce_dtype is None and self.plan.options.get("reduce_dtype"):
+            reduce_dtype = getattr(torch, self.plan.options["reduce_dtype"])
         cfg = self.plan.config
         # the plan's factors are over dp; the runner's are inside each parameter's replica
         # group, which parameters sharded over s_p of the replicas (ZeRO-3) shrink by s_p

@@ -341,10 +341,10 @@ def test_split_backward_takes_an_output_that_is_a_view():
     torch.testing.assert_close(w.grad, ref_w.grad)
 
 
-def run_reduce_dtype(reduce_dtype):
+def run_reduce_dtype(reduce_dtype, planned=None):
     """A bf16 GPT on 2 pipeline stages, 4 microbatches: the gradients each rank's states hold
     after one backward, beside a one-process reference that sums the microbatches' bf16
-    gradients in fp32."""
+    gradients in fp32. ``planned``: the plan's ``PlannerOptions.reduce_dtype``."""
     import fxpar
 
     model, (idx,), _, loss_fn, (tgt,) = _build("gpt")
@@ -353,7 +353,8 @@ def run_reduce_dtype(reduce_dtype):
     m = 4
     prog = fxpar.compile(model, fxpar.Cluster.local(2), (idx,), loss_fn=loss_fn,
                          example_targets=(tgt,), optimizer=lambda ps: torch.optim.AdamW(ps),
-                         mesh={"pp": 2}, schedule="1f1b", microbatches=m, time_limit=20)
+                         mesh={"pp": 2}, schedule="1f1b", microbatches=m, time_limit=20,
+                         options=fxpar.PlannerOptions(reduce_dtype=planned))
     runner = prog.runner(reduce_dtype=reduce_dtype)
     runner.forward_backward(idx, tgt)
     want = {}
@@ -371,8 +372,10 @@ def run_reduce_dtype(reduce_dtype):
 def test_reduce_dtype_sums_microbatches_in_fp32(pools):
     """``runner(reduce_dtype=torch.float32)`` on bf16 parameters (Megatron-LM's fp32 gradient
     accumulation): the states' gradients are fp32, the microbatches' bf16 gradients summed
-    in fp32 as the reference sums them; without it they stay bf16."""
-    for r in pools(2).run(run_reduce_dtype, torch.float32):
+    in fp32 as the reference sums them; without it they stay bf16, unless the plan priced
+    fp32 reductions (``PlannerOptions(reduce_dtype="float32")``): its runner's default."""
+    for r in [*pools(2).run(run_reduce_dtype, torch.float32),
+              *pools(2).run(run_reduce_dtype, None, "float32")]:
         assert r and all(dt == "torch.float32" for dt, _, _ in r.values()), r
         for f, (_, err, scale) in r.items():
             # the same bf16 microbatch gradients summed in fp32 (bitwise equal here); summed

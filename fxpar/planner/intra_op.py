@@ -105,16 +105,31 @@ class PlannerOptions:
     #: ``"deepspeed-list"`` (DeepSpeed ≤ 0.5's list-based collectives: host work per member),
     #: to price what another system measured
     zero_style: str = "flat"
+    #: the dtype gradients are summed over microbatches and reduced in (``Program.runner``'s
+    #: ``reduce_dtype``, e.g. ``"float32"`` for bf16 parameters, as Megatron-LM's
+    #: ``accumulate_allreduce_grads_in_fp32`` and FSDP2's ``MixedPrecisionPolicy``): every
+    #: gradient reduction moves its bytes and the gradients occupy them (``k_G``); ``None``:
+    #: the parameters' own. A plan records it, and its runners reduce in it by default.
+    reduce_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.zero_style not in ZERO_STYLES:
             raise PlanError(f"PlannerOptions.zero_style={self.zero_style!r}: one of {ZERO_STYLES}")
+        if self.reduce_dtype is not None:
+            name = str(self.reduce_dtype).removeprefix("torch.")
+            dt = getattr(torch, name, None)
+            if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+                raise PlanError(f"PlannerOptions.reduce_dtype={self.reduce_dtype!r}: a floating "
+                                f"torch dtype (e.g. torch.float32 or 'bfloat16')")
+            object.__setattr__(self, "reduce_dtype", str(dt).removeprefix("torch."))
 
     def to_dict(self) -> dict:
         out = {k: getattr(self, k) for k in ("optimizer", "precision", "efficiency",
                                              "memory_efficiency", "tie_layers")}
-        if self.zero_style != "flat":   # plans priced as fxpar runs them keep their hash
-            out["zero_style"] = self.zero_style
+        # plans priced as fxpar runs them, in the parameters' dtype, keep their hash
+        for k, default in (("zero_style", "flat"), ("reduce_dtype", None)):
+            if getattr(self, k) != default:
+                out[k] = getattr(self, k)
         return out
 
 
@@ -220,7 +235,7 @@ class BuildCache:
         key = (mesh, opts)
         got = self._per.get(key)
         if got is None:
-            got = self._per[key] = ({}, EdgePricer(mesh, opts.grad_steps))
+            got = self._per[key] = ({}, EdgePricer(mesh, opts.grad_steps, opts.reduce_dtype))
         return got
 
     def _strategies(self, mesh) -> dict:
@@ -379,7 +394,7 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
     share = strategies is strategies_for
     by_key: dict[tuple, tuple] = {}
     lists: dict[tuple, list] = {}
-    pricer = EdgePricer(mesh, opts.grad_steps)
+    pricer = EdgePricer(mesh, opts.grad_steps, opts.reduce_dtype)
     if cache is not None and share:
         by_key, pricer = cache._for(mesh, opts)
         lists = cache._strategies(mesh)
@@ -530,24 +545,27 @@ def solution_to_plan(bp: BuiltProblem, choice: Sequence[int], *, kind: str = "au
                                 tuple(str(x) for x in shown.outputs))
         return t
 
-    def rplan(src, dst, tm, on=mesh):
-        key = (src, dst, tuple(tm.shape), tm.dtype, on is mesh)
+    def rplan(src, dst, tm, on=mesh, dtype=None):
+        dtype = dtype or tm.dtype
+        key = (src, dst, tuple(tm.shape), dtype, on is mesh)
         got = plans.get(key)
         if got is None:
-            got = plans[key] = reshard_plan(src, dst, on, tm.shape, tm.dtype)
+            got = plans[key] = reshard_plan(src, dst, on, tm.shape, dtype)
         return got
 
     free = None
+    rd = bp.options.reduce_dtype and getattr(torch, bp.options.reduce_dtype)
 
     def bucketed(g, go, tm) -> tuple[StepCost, ...]:
-        # a parameter gradient's reduction, priced as the solver priced it (bucketed_time):
-        # its steps scaled to the bandwidth plus its share of the latency
+        # a parameter gradient's reduction, priced as the solver priced it (bucketed_time, in
+        # the reduce dtype): its steps scaled to the bandwidth plus its share of the latency
         nonlocal free
-        bpn = rplan(g, go, tm)
+        gd = rd if rd and tm.dtype.is_floating_point else tm.dtype
+        bpn = rplan(g, go, tm, dtype=gd)
         if not bpn.time:
             return _steps(bpn)
         free = free or latency_free(mesh)
-        t = bucketed_time(bpn.time, rplan(g, go, tm, free).time, bucket_share(tm.shape, tm.dtype))
+        t = bucketed_time(bpn.time, rplan(g, go, tm, free, gd).time, bucket_share(tm.shape, gd))
         return tuple(dataclasses.replace(s, time=s.time * t / bpn.time) for s in _steps(bpn))
 
     nps, acc_edges = [], []

@@ -70,6 +70,7 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.config import ParallelConfig, is_layer
+from fxpar.cost.memory import reduce_scale
 from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import (BUCKET, UnitCost, chunk_costs, dp_terms, microbatch_overhead,
                              overlapped_chunks, rank_memory, tiny_params, zero_units)
@@ -421,7 +422,7 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
     table, layouts, plan_s = _cost_tables(gm, cluster, space.keys, opts)
     pricing = _Pricing(table, state_bytes(opts), budget, cluster,
                        "recompute" not in space.only and True in space.recompute, opts.precision,
-                       opts.zero_style)
+                       opts.zero_style, reduce_scale(opts.precision, opts.reduce_dtype))
     cands, tried, over, smallest = _price_all(_configurations(space, table, cluster), pricing)
     _raise_if_nothing(space, cands, tried, smallest[None], budget)
     t2 = time.perf_counter()
@@ -676,8 +677,10 @@ class _Pricing:
     bytes per parameter of each model state ``(k_p, k_g, k_os)``, the ``budget`` (bytes per
     device), the cluster, whether over-budget configurations try recomputing some units
     (``partial``: recomputation is searched, not fixed by the user), the training
-    ``precision`` (the bytes a value moves, the optimizer's flat step) and how the runtime
-    issues ZeRO-3's collectives (``zero_style``, :data:`fxpar.cost.step.ZERO_STYLES`)."""
+    ``precision`` (the bytes a value moves, the optimizer's flat step), how the runtime
+    issues ZeRO-3's collectives (``zero_style``, :data:`fxpar.cost.step.ZERO_STYLES`) and the
+    bytes its gradients are reduced in over a value's (``reduce_scale``,
+    :func:`fxpar.cost.memory.reduce_scale`)."""
 
     table: Mapping[int, Sequence[UnitCost]]
     state_bytes: tuple[float, float, float]
@@ -686,6 +689,7 @@ class _Pricing:
     partial: bool
     precision: str = "mixed"
     zero_style: str = "flat"
+    reduce_scale: float = 1.0
 
     @functools.cached_property
     def recomputable(self) -> dict[tuple[int, int], frozenset[int]]:
@@ -750,7 +754,8 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
             layers = layers_by[s_p]
             mems = rank_memory(ch, p, fl, pricing.state_bytes, (s_p, s_g, s_os), tmp)
             dpr = [dp_terms(round(phi[r]), layers[r], s.m, s.d0, s.replicas // s.d0, s_p, s_g, s_os,
-                            pricing.cluster, pricing.precision, pricing.zero_style) for r in range(p)]
+                            pricing.cluster, pricing.precision, pricing.zero_style,
+                            pricing.reduce_scale) for r in range(p)]
             dpt = max(red[r] + dpr[r].total for r in range(p))
             # the estimate overlaps as the step model does (cost.step.overlapped_chunks): the
             # gathers per pass and microbatch, what the reductions leave exposed once

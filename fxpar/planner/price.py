@@ -38,7 +38,7 @@ from fxpar import ir
 from fxpar.config import ParallelConfig
 from fxpar.layers import layer_of
 from fxpar.cost.compute import op_overheads
-from fxpar.cost.memory import STATE_BYTES_PER_PARAM
+from fxpar.cost.memory import STATE_BYTES_PER_PARAM, model_state_bytes, reduce_scale
 from fxpar.cost.overlap import coalesced_pricer
 from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import (BUCKET, DpTerms, StepTime, UnitCost, chunk_costs, dp_terms,
@@ -231,12 +231,11 @@ def recomputed_units(us: Sequence[UnitCost], layers) -> frozenset[int]:
 
 
 def state_bytes(options) -> tuple[float, float, float]:
-    """``(k_p, k_g, k_os)``: model-state bytes per parameter for ``options``' optimizer and precision."""
-    from fxpar.cost.memory import _OPT_ALIASES, _PREC_ALIASES
-
-    key = (_OPT_ALIASES.get(options.optimizer.lower(), options.optimizer.lower()),
-           _PREC_ALIASES.get(options.precision.lower(), options.precision.lower()))
-    return STATE_BYTES_PER_PARAM[key]
+    """``(k_p, k_g, k_os)``: model-state bytes per parameter for ``options``' optimizer and
+    precision, ``k_g`` that of its ``reduce_dtype`` when it names one."""
+    ms = model_state_bytes(1, optimizer=options.optimizer, precision=options.precision,
+                           reduce_dtype=getattr(options, "reduce_dtype", None))
+    return ms.params, ms.grads, ms.optimizer
 
 
 def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequence[int],
@@ -259,8 +258,9 @@ def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequenc
     style = getattr(options, "zero_style", "flat")
     prec = options.precision
     layers = zero_units(chunks, p, style, tiny_params(config.state[0], prec))
+    k = reduce_scale(prec, getattr(options, "reduce_dtype", None))
     dp = [dp_terms(round(sum(c.params for c in chunks[r::p])), layers[r], m, d0, d1, *config.state,
-                   cluster, prec, style) if config.replicas > 1 else DpTerms() for r in range(p)]
+                   cluster, prec, style, k) if config.replicas > 1 else DpTerms() for r in range(p)]
     fl = [in_flight_microbatches(MEM_KEY.get(str(config.schedule), "gpipe"), r, p, m, v)
           for r in range(p)]
     tmp = 2 * BUCKET + max(c.max_act for c in chunks)
@@ -341,7 +341,8 @@ def price_plan(plan, config: ParallelConfig | None = None, *, memory: bool = Fal
     config = config or plan.config
     opts = SimpleNamespace(optimizer=plan.options.get("optimizer", "adam"),
                            precision=plan.options.get("precision", "mixed"),
-                           zero_style=plan.options.get("zero_style", "flat"))
+                           zero_style=plan.options.get("zero_style", "flat"),
+                           reduce_dtype=plan.options.get("reduce_dtype"))
     tables = [st.plan.units for st in plan.stages] if plan.stages else [plan.units]
     us = [u for t in tables for u in t]
     starts = [0]

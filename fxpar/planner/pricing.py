@@ -189,7 +189,8 @@ def node_memory(node, strat: Strategy, mesh, flags, opts, *, kept: bool = True,
         t = mets[0]
         local = math.prod(_local(strat.outputs[0], t.shape, mesh))
         if info is not None and info.kind == "param" and info.requires_grad:
-            return int(model_state_bytes(local, optimizer=opts.optimizer, precision=opts.precision).total)
+            return int(model_state_bytes(local, optimizer=opts.optimizer, precision=opts.precision,
+                                         reduce_dtype=getattr(opts, "reduce_dtype", None)).total)
         return local * t.dtype.itemsize
     if not flags.get(node, False) or (node.op == "call_function" and is_view(node.target)):
         return 0
@@ -340,12 +341,14 @@ class EdgePricer:
 
     ``grad_steps``: backward passes per optimizer step (a pipeline chunk's microbatches); a
     parameter's gradient reshard is paid once per step, so its ``bt`` counts ``1/grad_steps``;
-    it is bucketed (:func:`bucketed_time`).
+    it is bucketed (:func:`bucketed_time`). ``reduce_dtype``: the dtype a parameter's gradient
+    is reduced in (``PlannerOptions.reduce_dtype``; ``None``: the parameter's own).
     """
 
-    def __init__(self, mesh, grad_steps: int = 1):
+    def __init__(self, mesh, grad_steps: int = 1, reduce_dtype: str | None = None):
         self.mesh = mesh
         self.grad_steps = grad_steps
+        self.reduce_dtype = None if reduce_dtype is None else getattr(torch, reduce_dtype)
         self._ids: dict[Spec, int] = {}
         self._specs: list[Spec] = []
         self._gout: list[int] = []            # id -> id of grad_out_spec(spec)
@@ -422,6 +425,13 @@ class EdgePricer:
     def _get(self, srcs: np.ndarray, dsts: np.ndarray, shape, dtype, free: bool = False):
         return self._table[srcs.tobytes(), dsts.tobytes(), shape, dtype, free]
 
+    def _grad_dtype(self, dtype, is_param: bool):
+        """The dtype an edge's gradient is resharded in: a floating parameter's is reduced in
+        ``reduce_dtype`` (the runtime's buckets), every other gradient in its value's."""
+        if is_param and self.reduce_dtype is not None and dtype.is_floating_point:
+            return self.reduce_dtype
+        return dtype
+
     def matrix(self, si: list[Strategy], o: int, sj: list[Strategy], p: int, shape, dtype,
                needs_grad: bool, is_param: bool) -> np.ndarray | None:
         """``R`` of the edge (output ``o`` of a node with strategies ``si`` → input ``p`` of a
@@ -451,7 +461,8 @@ class EdgePricer:
                 ugo, gk = np.unique(gt[rows], return_inverse=True)   # per row: its target
                 grad = (ug, gj, ugo, gk)
                 if len(us) and len(ud):
-                    reqs += [(ug, ugo, shape, dtype, free) for free in (False, True)[:1 + is_param]]
+                    gd = self._grad_dtype(dtype, is_param)
+                    reqs += [(ug, ugo, shape, gd, free) for free in (False, True)[:1 + is_param]]
             todo[key] = (len(si), len(sj), rows, cols, us, si_, ud, dj, grad, shape, dtype,
                          is_param)
         self._tables(reqs)
@@ -462,10 +473,11 @@ class EdgePricer:
                 Rs = F
                 if grad is not None:
                     ug, gj, ugo, gk = grad
-                    B = self._get(ug, ugo, shape, dtype)          # [gin, grad target]
+                    gd = self._grad_dtype(dtype, is_param)
+                    B = self._get(ug, ugo, shape, gd)             # [gin, grad target]
                     if is_param:  # reduced in buckets, once per step
-                        B0 = self._get(ug, ugo, shape, dtype, True)
-                        B = bucketed_time(B, B0, bucket_share(shape, dtype))
+                        B0 = self._get(ug, ugo, shape, gd, True)
+                        B = bucketed_time(B, B0, bucket_share(shape, gd))
                         if self.grad_steps > 1:
                             B = B / self.grad_steps
                     Rs = F + B[np.ix_(gj, gk)].T

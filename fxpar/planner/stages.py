@@ -299,7 +299,7 @@ def _pipeline_plan(kind, mesh, stages, sched) -> Plan:
                 compute_bwd=m * sum(s.plan.compute_bwd for s in busiest),
                 comm=m * sum(s.plan.comm for s in busiest),
                 memory=max(pl.memory for pl in plans), budget=min(budget) if budget else None,
-                status=status, stages=tuple(stages),
+                status=status, stages=tuple(stages), options=plans[0].options,
                 schedule=dict(name=sched.name, microbatches=m, chunks=sched.chunks,
                               csv=sched.to_csv()))
     return with_step(plan)
