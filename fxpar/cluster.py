@@ -691,7 +691,9 @@ class Cluster:
         group size (powers of two up to the world, groups of consecutive ranks, as
         :func:`torch.distributed.new_subgroups` makes them) and message size it times
         ``iters`` runs after a warm-up, takes the slowest rank per run and the median over
-        runs, and fits α and β with :func:`fxpar.cost.calibration.fit_alpha_beta`. Ranks are
+        runs, and fits α and β with :func:`fxpar.cost.calibration.fit_alpha_beta`;
+        ``send_recv`` is timed as a pipeline pays it, the receiver blocked while its peer
+        computed (every pair at once, the GEMMs taken out: :func:`_time_send_recv`). Ranks are
         grouped into nodes by host name (``hosts``: one node name per rank of ``group``
         instead, e.g. from the launch, :meth:`from_env`). With several nodes, the groups of
         one rank per node are measured too: the inter-node level alone. The returned cluster
@@ -901,10 +903,17 @@ def _group_device(group):
     return torch.device("cpu")
 
 
-def _bench_send_recv(x, sub, gsize, dist):
-    """Pairs (0,1), (2,3), ... exchange one buffer; time of one one-way transfer."""
+def _peer(sub, gsize, dist):
+    """The global rank this rank exchanges with in send/recv pairs (0,1), (2,3), ... of
+    ``sub``, or ``None`` (an odd group's last rank)."""
     me = dist.get_rank(sub)
-    peer = dist.get_global_rank(sub, me ^ 1) if me ^ 1 < gsize else None
+    return dist.get_global_rank(sub, me ^ 1) if me ^ 1 < gsize else None
+
+
+def _bench_send_recv(x, sub, gsize, dist):
+    """Pairs (0,1), (2,3), ... exchange one buffer; time of one one-way transfer (the warm-up
+    and support check; the calibration times it as a pipeline pays it, :func:`_time_send_recv`)."""
+    me, peer = dist.get_rank(sub), _peer(sub, gsize, dist)
 
     def fn():
         if peer is None:
@@ -914,6 +923,94 @@ def _bench_send_recv(x, sub, gsize, dist):
         else:
             dist.recv(x, peer, group=sub)
     return fn
+
+
+#: round trips per timed run of :func:`_time_send_recv`
+HANDOFF_ROUND_TRIPS = 8
+#: seconds the GEMM before each send of :func:`_time_send_recv` lasts at least
+HANDOFF_COMPUTE = 1e-3
+
+
+def _handoff_gemm(device):
+    """``n`` of a square float32 GEMM that lasts at least :data:`HANDOFF_COMPUTE` seconds
+    here: the smallest of ``n = 64 … 8192`` (doubling) that does, timed on this rank (the
+    caller agrees on one ``n`` for every rank)."""
+    import torch
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    n = 64
+    while True:
+        a = torch.randn(n, n, device=device)
+        a @ a
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            a @ a
+        sync()
+        if (time.perf_counter() - t0) / 3 >= HANDOFF_COMPUTE or n >= 8192:
+            return n
+        n *= 2
+
+
+def _time_send_recv(nbytes: int, sub, gsize: int, device, iters: int, world_group) -> float:
+    """One-way seconds of a ``send``/``recv`` of ``nbytes`` as a pipeline pays it: the receiver
+    blocked on it while the sender computed. Every pair of ``sub`` (all pairs at once, every
+    rank busy as in training) plays ping-pong with a GEMM of at least
+    :data:`HANDOFF_COMPUTE` before each send (:func:`_handoff_gemm`); a pair's one-way time is
+    ``(T − C_even − C_odd) / 2k`` over ``k`` round trips (``T`` the even rank's loop, ``C``
+    each rank's GEMM seconds in it): the transfer, and what waking the blocked receiver costs
+    (on a host whose ranks outnumber its cores, a scheduler time slice; unseen by a transfer
+    timed between two idle ranks after a barrier). Median over runs of the slowest pair."""
+    import torch
+    import torch.distributed as dist
+
+    peer = _peer(sub, gsize, dist)
+    even = dist.get_rank(sub) % 2 == 0
+    x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    size = torch.tensor([_handoff_gemm(device)], device=device)
+    dist.all_reduce(size, op=dist.ReduceOp.MAX, group=world_group)
+    a = torch.randn(int(size.item()), int(size.item()), device=device)
+
+    def done() -> None:   # CUDA: a recv or a GEMM is over when its stream is
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def gemm() -> float:
+        t0 = time.perf_counter()
+        a @ a
+        done()
+        return time.perf_counter() - t0
+
+    k, runs = HANDOFF_ROUND_TRIPS, []
+    for _ in range(iters):
+        dist.barrier(group=world_group)
+        one_way = torch.zeros(1, dtype=torch.float64, device=device)
+        if peer is not None:
+            c = 0.0
+            t0 = time.perf_counter()
+            for _ in range(k):
+                if even:
+                    c += gemm()
+                    dist.send(x, peer, group=sub)
+                    dist.recv(x, peer, group=sub)
+                else:
+                    dist.recv(x, peer, group=sub)
+                    done()
+                    c += gemm()
+                    dist.send(x, peer, group=sub)
+                done()
+            total = time.perf_counter() - t0
+            theirs = torch.tensor([c], dtype=torch.float64, device=device)
+            if even:   # the odd member's GEMM seconds, to take out of the even one's loop
+                dist.recv(theirs, peer, group=sub)
+                one_way.fill_(max(0.0, total - c - theirs.item()) / (2 * k))
+            else:
+                dist.send(theirs, peer, group=sub)
+        dist.all_reduce(one_way, op=dist.ReduceOp.MAX, group=world_group)
+        runs.append(one_way.item())
+    return statistics.median(runs)
 
 
 def _bench_all_gather(x, sub, gsize, dist):
@@ -968,6 +1065,8 @@ def _time_collective(coll: str, nbytes: int, sub, gsize: int, device, iters: int
     dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=world_group)
     if ok.item() == 0:
         return None
+    if coll == Collective.SEND_RECV:
+        return _time_send_recv(nbytes, sub, gsize, device, iters, world_group)
     times = []
     for _ in range(iters):
         dist.barrier(group=world_group)

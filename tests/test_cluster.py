@@ -110,3 +110,39 @@ def test_calibrate_on_live_group(pools):
     predicted = collective_time("all_reduce", 2**20, range(4), c)
     assert measured / 5 < predicted < measured * 5, (predicted, measured)
     assert set(e.collective for e in c.profile.entries) <= set(COLLECTIVES)
+
+
+def _calibrate_send_recv_with_slow_wakeups(delay: float):
+    """A ``recv`` that blocked (waited over ``delay / 2``) returns ``delay`` seconds late: a
+    receiver woken late, as on a host whose ranks outnumber its cores; the GEMM before each
+    send lasts at least ``delay``."""
+    import fxpar.cluster as fc
+
+    compute, recv = fc.HANDOFF_COMPUTE, dist.recv
+
+    def late(*a, **k):
+        t0 = time.perf_counter()
+        out = recv(*a, **k)
+        if time.perf_counter() - t0 > delay / 2:
+            time.sleep(delay)
+        return out
+    fc.HANDOFF_COMPUTE, dist.recv = delay, late
+    try:
+        c = Cluster.calibrate(sizes=(2**12, 2**16), collectives=("send_recv",), iters=3,
+                              compute=False, group_sizes=(2,))
+    finally:
+        fc.HANDOFF_COMPUTE, dist.recv = compute, recv
+    return c.profile.lookup("send_recv", "intra", 2).latency
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_calibrated_send_recv_is_the_handoff_a_pipeline_pays(pools):
+    """``send_recv`` is timed as a pipeline pays it: the receiver blocked while its peer
+    computed, the GEMMs taken out. A receive that blocked returns 20 ms late here, and 20 ms
+    of GEMM precede each send: the one-way latency is the 20 ms handoff plus the transfer
+    (well under 10 ms), not the GEMM's 20 ms on top, and not the transfer alone that a send
+    timed between idle ranks after a barrier sees (it does not block long)."""
+    got = pools(2).run(_calibrate_send_recv_with_slow_wakeups, 0.02, timeout=100)
+    assert got[0] == got[1]
+    assert 0.02 <= got[0] < 0.03, got
