@@ -377,8 +377,9 @@ def overlapped_chunks(chunks: Sequence[ChunkCost], p: int, m: int, dp: Sequence[
     out: tuple[list[float], list[float], list[float]] = ([], [], [])
     for k, c in enumerate(chunks):
         d, share = dp[k % p], c.params / max(phi[k % p], 1e-30)
-        # per microbatch: T_p/m, of which a third is the reduce-scatter (ring RS and AG of the
-        # same bytes cost the same), exposed in the backward when the runtime does not overlap it
+        # per microbatch: T_p/m, of which rs_share is the reduce-scatter (a third: ring RS and
+        # AG of the same bytes cost the same), exposed in the backward when the runtime does
+        # not overlap it; overlapped, the three are spread over the two passes alike
         rs = d.t_p * d.rs_share / m * share if d.rs_exposed else 0.0
         g, r = (d.t_p / m * share - rs) / 2, (d.t_g + d.t_os0) * share
         h = d.host / (3 * m) * share
