@@ -397,9 +397,15 @@ class Plan:
 
     def _config_lines(self) -> list[str]:
         c = self.config
+        # what the plan priced that the runtime must do alike (its runners' default)
+        out = [f"gradients reduced in {self.options['reduce_dtype']} (PlannerOptions.reduce_dtype)"
+               ] if self.options.get("reduce_dtype") else []
+        if self.options.get("zero_style", "flat") != "flat":
+            out.append(f"ZeRO collectives priced as {self.options['zero_style']!r} issues them "
+                       "(PlannerOptions.zero_style)")
         if c is None:
-            return []
-        out = [f"configuration: {c.name}"]
+            return out
+        out.append(f"configuration: {c.name}")
         if c.recompute:
             out.append(f"recomputation: {len(c.recompute)} layers re-run their forward in backward")
         if c.dp > 1:

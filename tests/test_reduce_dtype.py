@@ -111,6 +111,8 @@ def test_intra_op_plan_reduces_parameter_gradients_in_the_reduce_dtype():
     assert grads(mixed) == grads(fp32) and len(grads(fp32)) >= 10
     assert all(b[0] * 2 == f[0] for b, f in zip(grads(bf16).values(), grads(fp32).values()))
     assert mixed.options["reduce_dtype"] == "float32"
+    assert "gradients reduced in float32" in mixed.explain()
+    assert "gradients reduced in" not in bf16.explain()
     assert mixed.memory - bf16.memory == 2 * params
 
 
