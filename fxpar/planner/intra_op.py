@@ -54,7 +54,7 @@ from fxpar.plan_data import EdgePlan, NodePlan, Plan, StepCost
 from fxpar.planner.explain import megatron_reference
 from fxpar.planner.pins import match_pins, squeeze, unsqueeze
 from fxpar.planner.pricing import (EdgePricer, backward_transient, bucket_share, bucketed_time,
-                                   compute_times, fan_out_grad, finalize_spec, latency_free,
+                                   compute_times, fan_out_grad, finalize_spec, grad_dtype, latency_free,
                                    node_key, node_memory, output_meta, time_inputs)
 from fxpar.resharding.intra import LOCAL_KINDS, reshard_costs, reshard_plan
 from fxpar.solver import Solution, StrategyProblem, solve
@@ -554,13 +554,12 @@ def solution_to_plan(bp: BuiltProblem, choice: Sequence[int], *, kind: str = "au
         return got
 
     free = None
-    rd = bp.options.reduce_dtype and getattr(torch, bp.options.reduce_dtype)
 
     def bucketed(g, go, tm) -> tuple[StepCost, ...]:
         # a parameter gradient's reduction, priced as the solver priced it (bucketed_time, in
         # the reduce dtype): its steps scaled to the bandwidth plus its share of the latency
         nonlocal free
-        gd = rd if rd and tm.dtype.is_floating_point else tm.dtype
+        gd = grad_dtype(tm.dtype, bp.options.reduce_dtype)
         bpn = rplan(g, go, tm, dtype=gd)
         if not bpn.time:
             return _steps(bpn)

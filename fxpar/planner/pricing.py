@@ -76,7 +76,7 @@ from fxpar.spec import Shard, Spec, grad_in_spec, grad_out_spec
 from fxpar.strategies.base import Strategy, record_for
 
 __all__ = ["compute_times", "time_inputs", "node_memory", "node_key", "output_meta",
-           "finalize_spec", "EdgePricer"]
+           "finalize_spec", "EdgePricer", "grad_dtype"]
 
 
 def _local(spec: Spec | None, shape, mesh) -> tuple[int, ...]:
@@ -294,6 +294,19 @@ def bucket_share(shape, dtype) -> float:
     return min(1.0, nbytes / GRAD_BUCKET_BYTES)
 
 
+def grad_dtype(dtype: torch.dtype, reduce_dtype: str | None) -> torch.dtype:
+    """The dtype a parameter of ``dtype`` has its gradient reduced in: a floating one's
+    ``reduce_dtype`` (``PlannerOptions.reduce_dtype``, as the runtime's buckets hold it), else
+    its own.
+
+    >>> grad_dtype(torch.bfloat16, "float32"), grad_dtype(torch.int64, "float32")
+    (torch.float32, torch.int64)
+    """
+    if reduce_dtype is not None and dtype.is_floating_point:
+        return getattr(torch, reduce_dtype)
+    return dtype
+
+
 def bucketed_time(t: float, t0: float, share: float) -> float:
     """A bucketed gradient reduction: bandwidth ``t0`` (the latency-free time) plus ``share``
     of the latency ``t − t0``.
@@ -348,7 +361,7 @@ class EdgePricer:
     def __init__(self, mesh, grad_steps: int = 1, reduce_dtype: str | None = None):
         self.mesh = mesh
         self.grad_steps = grad_steps
-        self.reduce_dtype = None if reduce_dtype is None else getattr(torch, reduce_dtype)
+        self.reduce_dtype = reduce_dtype
         self._ids: dict[Spec, int] = {}
         self._specs: list[Spec] = []
         self._gout: list[int] = []            # id -> id of grad_out_spec(spec)
@@ -426,11 +439,9 @@ class EdgePricer:
         return self._table[srcs.tobytes(), dsts.tobytes(), shape, dtype, free]
 
     def _grad_dtype(self, dtype, is_param: bool):
-        """The dtype an edge's gradient is resharded in: a floating parameter's is reduced in
-        ``reduce_dtype`` (the runtime's buckets), every other gradient in its value's."""
-        if is_param and self.reduce_dtype is not None and dtype.is_floating_point:
-            return self.reduce_dtype
-        return dtype
+        """The dtype an edge's gradient is resharded in: a parameter's :func:`grad_dtype`,
+        every other gradient its value's."""
+        return grad_dtype(dtype, self.reduce_dtype) if is_param else dtype
 
     def matrix(self, si: list[Strategy], o: int, sj: list[Strategy], p: int, shape, dtype,
                needs_grad: bool, is_param: bool) -> np.ndarray | None:
