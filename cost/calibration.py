@@ -41,7 +41,7 @@ import numpy as np
 
 from fxpar.cost.comm import latency_steps, ring_steps_and_factor
 
-__all__ = ["fit_alpha_beta", "rate_points", "interp_loglog", "median_of_max"]
+__all__ = ["fit_alpha_beta", "rate_points", "interp_loglog", "median_of_max", "interference_factor"]
 
 
 def fit_alpha_beta(collective: str, group_size: int, sizes: Sequence[float],
@@ -133,3 +133,22 @@ def median_of_max(runs: Sequence[Sequence[float]]) -> float:
     if not runs:
         raise ValueError("median_of_max: no runs")
     return float(statistics.median(max(r) for r in runs))
+
+
+def interference_factor(compute: float, comm: float, both: float) -> float:
+    """The ``comm_interference`` of :func:`fxpar.cost.step.unit_overlap`: how many seconds one
+    second of communication hidden behind compute adds to the pair, from the compute alone
+    (``compute`` seconds), the collective alone (``comm``, at most ``compute``: it would be
+    hidden) and both issued together until both are done (``both``)::
+
+        f = max(0, (both − compute) / comm)
+
+    >>> interference_factor(compute=30.0, comm=10.0, both=45.0)   # 15 s more for 10 s hidden
+    1.5
+    >>> interference_factor(compute=30.0, comm=10.0, both=29.0)   # free overlap (noise)
+    0.0
+    """
+    if not comm > 0 or comm > compute:
+        raise ValueError(f"interference_factor: the collective ({comm} s) must be positive and "
+                         f"no longer than the compute it hides behind ({compute} s)")
+    return max(0.0, (both - compute) / comm)

@@ -413,7 +413,8 @@ class Cluster:
     compute: ComputeProfile | None = None
     #: the fraction by which communication hidden behind compute slows that compute
     #: (collective kernels take SMs and memory bandwidth); 0: overlap is free. No preset sets
-    #: it (no published figure for these machines to source it from); a user may
+    #: it (no published figure for these machines to source it from); :meth:`calibrate`
+    #: measures it, and a user may set it
     comm_interference: float = 0.0
     #: how far below the data sheet the device and links run (:class:`Physics`); ``None``:
     #: the flat roofline (``PlannerOptions.efficiency``) and the links' nominal bandwidth
@@ -722,6 +723,13 @@ class Cluster:
         (:func:`fxpar.cost.calibration.median_of_max`). The result is ``compute``
         (:class:`ComputeProfile`); ``peak_flops`` and ``memory_bandwidth`` become its
         fastest GEMM rate and its largest-size bandwidth.
+
+        **Interference** (``compute=True``, more than one rank): ``comm_interference``, what
+        one second of communication hidden behind compute adds to the step, measured with an
+        all-reduce of the largest of ``sizes`` hidden behind GEMMs on every rank
+        (:func:`_measure_interference`). On a host whose ranks outnumber its cores a
+        collective's progress takes the cores its ranks compute on; on a GPU its kernels take
+        SMs and memory bandwidth.
         """
         import torch.distributed as dist
 
@@ -818,6 +826,9 @@ class Cluster:
                                     dtype, attention_shapes)
             updates.update(compute=prof, peak_flops=prof.peak_flops,
                            memory_bandwidth=prof.memory_bandwidth)
+            if world > 1:
+                updates.update(comm_interference=_measure_interference(
+                    group, device, max(sizes), iters))
         return dataclasses.replace(base, **updates)
 
 
@@ -1011,6 +1022,67 @@ def _time_send_recv(nbytes: int, sub, gsize: int, device, iters: int, world_grou
         dist.all_reduce(one_way, op=dist.ReduceOp.MAX, group=world_group)
         runs.append(one_way.item())
     return statistics.median(runs)
+
+
+#: how many times the collective alone the compute lasts that hides it while
+#: :func:`_measure_interference` measures ``comm_interference``
+INTERFERENCE_COMPUTE = 2.0
+
+
+def _interference_gemm(device, group):
+    """One unit of the compute that hides the collective in :func:`_measure_interference`: a
+    square float32 GEMM of at least :data:`HANDOFF_COMPUTE` seconds (:func:`_handoff_gemm`;
+    the caller agrees on one ``n``), returned as a call."""
+    import torch
+    import torch.distributed as dist
+
+    n = torch.tensor([_handoff_gemm(device)], device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+    a = torch.randn(int(n.item()), int(n.item()), device=device)
+    return lambda: a @ a
+
+
+def _measure_interference(group, device, nbytes: int, iters: int) -> float:
+    """``Cluster.comm_interference`` as this group pays it: every rank issues an asynchronous
+    all-reduce of ``nbytes`` and computes (GEMMs lasting :data:`INTERFERENCE_COMPUTE` times
+    the all-reduce alone) until both are done, as a backward hides its gradient buckets;
+    against the compute alone and the all-reduce alone, that is
+    :func:`fxpar.cost.calibration.interference_factor` (a collective's progress and the
+    kernels beside it share the cores, or the SMs and memory bandwidth). Each time is the
+    slowest rank's; the compute alone and both together are interleaved; median over
+    ``iters`` runs."""
+    import torch
+    import torch.distributed as dist
+
+    from fxpar.cost.calibration import interference_factor
+
+    world = dist.get_world_size(group)
+    x = torch.ones(max(world, nbytes // 4 // world * world), dtype=torch.float32, device=device)
+    unit = _interference_gemm(device, group)
+
+    def timed(reps: int, collective: bool) -> float:
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        work = dist.all_reduce(x, group=group, async_op=True) if collective else None
+        for _ in range(reps):
+            unit()
+        if work is not None:
+            work.wait()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        return t.item()
+
+    timed(1, True)   # warm-up
+    comm = statistics.median(timed(0, True) for _ in range(iters))
+    # the same count on every rank: each time is already the slowest rank's
+    reps = max(1, math.ceil(INTERFERENCE_COMPUTE * comm / timed(1, False)))
+    factors = []
+    for _ in range(iters):
+        alone, both = timed(reps, False), timed(reps, True)
+        factors.append(interference_factor(alone, min(comm, alone), both))
+    return statistics.median(factors)
 
 
 def _bench_all_gather(x, sub, gsize, dist):

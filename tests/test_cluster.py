@@ -146,3 +146,51 @@ def test_calibrated_send_recv_is_the_handoff_a_pipeline_pays(pools):
     got = pools(2).run(_calibrate_send_recv_with_slow_wakeups, 0.02, timeout=100)
     assert got[0] == got[1]
     assert 0.02 <= got[0] < 0.03, got
+
+
+def _calibrate_interference_with_slow_overlap(comm: float, unit: float, factor: float):
+    """An asynchronous all-reduce lasts ``comm`` seconds; a unit of compute lasts ``unit``,
+    and the first unit after an all-reduce is issued ``factor × comm`` longer (communication
+    slowing the compute beside it): ``Cluster.calibrate`` must measure ``factor``."""
+    import fxpar.cluster as fc
+
+    gemm, all_reduce = fc._interference_gemm, dist.all_reduce
+    issued = []
+
+    class Work:
+        def __init__(self):
+            self.end = time.perf_counter() + comm
+
+        def wait(self):
+            time.sleep(max(0.0, self.end - time.perf_counter()))
+
+    def fake_all_reduce(*a, async_op=False, **k):
+        if not async_op:
+            return all_reduce(*a, **k)
+        issued.append(True)
+        return Work()
+
+    def fake_unit():
+        time.sleep(unit + (factor * comm if issued else 0.0))
+        issued.clear()
+
+    fc._interference_gemm, dist.all_reduce = (lambda device, group: fake_unit), fake_all_reduce
+    try:
+        c = Cluster.calibrate(sizes=(2**12,), collectives=("all_reduce",), iters=3,
+                              group_sizes=(2,), gemm_sizes=(16,), memory_sizes=(2**12,),
+                              attention_shapes=(), min_time=0.001)
+    finally:
+        fc._interference_gemm, dist.all_reduce = gemm, all_reduce
+    return c.comm_interference
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(120)
+def test_calibrated_interference_is_what_hidden_communication_adds(pools):
+    """``comm_interference`` is measured: an all-reduce of 10 ms hidden behind 5 ms units of
+    compute (at least twice its length) that it slows by 15 ms in all gives 1.5; a cluster of
+    one rank or without compute keeps 0 (overlap priced free)."""
+    got = pools(2).run(_calibrate_interference_with_slow_overlap, 0.01, 0.005, 1.5, timeout=100)
+    assert got[0] == got[1]
+    assert 1.3 < got[0] < 1.8, got
+    assert Cluster.local(2).comm_interference == 0.0
