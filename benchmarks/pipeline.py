@@ -64,11 +64,12 @@ is not edited; a wrapper costs two ``perf_counter`` calls). Predicted step times
   sees; ``--nominal``: ``Cluster.local``'s roofline, judged by rank order only.
 
 * ``plan·ref``: the closed loop (issue #24 item 6): after the measured steps,
-  ``runner.profile()`` of 1F1B at the smallest and at the largest ``m`` on every rank,
-  ``cluster.refine(*profiles)`` (compute scale and the seconds each action pays whatever its
-  size, fitted over both microbatch sizes), every fxpar side planned again on the refined
-  cluster: its ``prog.simulate().step_time``. Two of the points calibrate, the rest are
-  predicted.
+  ``runner.profile()`` of 1F1B at the smallest and at the largest ``m`` and of zb-h1 at the
+  largest on every rank, ``cluster.refine(*profiles)`` (compute scale and the seconds each
+  action pays whatever its size, fitted over both microbatch sizes; zb-h1's
+  ``physics.split_backward`` from its ``I``/``W`` actions), every fxpar side planned again on
+  the refined cluster: its ``prog.simulate().step_time``. Three of the points calibrate, the
+  rest are predicted.
 
 Every column twice: from all measured steps (medians), and ``q_`` from each side's quiet steps
 only (the fastest third by step time; action medians over those steps) — on a machine shared
@@ -376,12 +377,15 @@ def run_group(spec: dict) -> dict:
         st.sort_stats("cumulative").print_stats(35)
         st.sort_stats("tottime").print_stats(25)
         out["sides"][k]["profile_rank0"] = buf.getvalue()
-    # (c) the closed loop: runner.profile() of 1F1B at the smallest and the largest m (every
-    # rank's profiles of both, gathered), cluster.refine(...) on them, every fxpar side
-    # planned again on the refined cluster: its plan's step beside the measured one
+    # (c) the closed loop: runner.profile() of 1F1B at the smallest and the largest m and of
+    # zb-h1 at the largest (every rank's profiles, gathered), cluster.refine(...) on them,
+    # every fxpar side planned again on the refined cluster: its plan's step beside the
+    # measured one
     ms = sorted({m for lib, _, m in spec["sides"] if lib == "fxpar"})
     cal = [f"fxpar:1f1b:m{m}" for m in (ms[0], ms[-1])] if ms else []
-    if spec.get("calibrate") and len(set(cal)) == 2 and all(k in sides for k in cal):
+    if f"fxpar:zb-h1:m{ms[-1] if ms else 0}" in sides:
+        cal.append(f"fxpar:zb-h1:m{ms[-1]}")
+    if spec.get("calibrate") and len(set(cal[:2])) == 2 and all(k in sides for k in cal):
         mine = [sides[k].__self__.profile(*batches[0], steps=3).to_dict() for k in cal]
         every: list = [None] * pp
         dist.all_gather_object(every, mine)
@@ -389,7 +393,9 @@ def run_group(spec: dict) -> dict:
         refined = cluster.refine(*profiles)
         out["refined"] = dict(calibration=cal, scales=profiles[0].scales(*profiles[1:]),
                               microbatch_overhead_s=(refined.physics.microbatch_overhead
-                                                     if refined.physics else 0.0))
+                                                     if refined.physics else 0.0),
+                              split_backward=(refined.physics.split_backward
+                                              if refined.physics else 1.0))
         for key, info in out["sides"].items():
             if info["lib"] == "fxpar" and "error" not in info:
                 info["plan_refined_s"] = build(refined, info["schedule"], info["m"]).simulate().step_time
@@ -704,7 +710,7 @@ def main() -> None:
           "prog.simulate() from the plan's cost model on a cluster calibrated on these ranks "
           "(--nominal: Cluster.local's roofline, judge it by rank); plan·ref: the same plans on "
           "that cluster refined by cluster.refine() on runner.profile() of 1f1b at the smallest "
-          "and the largest m (2 of the points). q_: the same from the quiet "
+          "and the largest m and of zb-h1 at the largest (3 of the points). q_: the same from the quiet "
           "steps only (fastest third "
           "of each side's steps).")
     print(f"{'pp':>2} {'m':>2} {'schedule':<12} {'measured':>9} {'sim·own':>8} {'sim·cal':>8} "

@@ -69,7 +69,8 @@ from fxpar.defaults import (BUCKET_BYTES, CPU_STEP_PIECE, FIRST_BUCKET_BYTES, OS
                             TINY_GATHER_BYTES)
 
 __all__ = ["UnitCost", "ChunkCost", "DpTerms", "StepTime", "chunk_costs", "dp_terms",
-           "microbatch_overhead", "optimizer_time", "optimizer_price", "cluster_optimizer_price",
+           "microbatch_overhead", "split_backward", "optimizer_time", "optimizer_price",
+           "cluster_optimizer_price",
            "param_units", "rank_memory", "step_time",
            "ZERO_STYLES", "LIST_MEMBER_OPS", "DEEPSPEED_ALLGATHER_ELEMENTS", "os_gather_time",
            "zero_units",
@@ -242,6 +243,13 @@ def microbatch_overhead(cluster) -> float:
     0 without physics): :func:`chunk_costs`' ``overhead``."""
     ph = getattr(cluster, "physics", None)
     return ph.microbatch_overhead if ph is not None else 0.0
+
+
+def split_backward(cluster) -> float:
+    """``(I + W) / B`` of a backward split for a zero-bubble schedule
+    (``cluster.physics.split_backward``; 1 without physics): :func:`step_time`'s ``split``."""
+    ph = getattr(cluster, "physics", None)
+    return ph.split_backward if ph is not None else 1.0
 
 
 def optimizer_time(elements: float, tensors: int, price: Sequence[float], flat: bool = False, *,
@@ -629,7 +637,8 @@ class StepTime:
 def step_time(schedule, chunks: Sequence[ChunkCost], xfer: Callable[[int], tuple[float, float]],
               dp: Sequence[DpTerms], *, act_bytes: Sequence[float] | None = None,
               static_bytes: Sequence[float] | None = None, interference: float = 0.0,
-              optimizer: Sequence[float] | None = None, overhead: float = 0.0) -> StepTime:
+              optimizer: Sequence[float] | None = None, overhead: float = 0.0,
+              split: float = 1.0) -> StepTime:
     """The step of ``schedule`` (a :class:`fxpar.schedule.Schedule`) over ``chunks`` (module
     docstring). ``xfer(k)``: seconds of chunk ``k``'s boundary transfer to ``k+1`` and of its
     gradient back; ``dp[r]``: pipeline rank ``r``'s :class:`DpTerms`; ``optimizer[r]``: its
@@ -637,7 +646,8 @@ def step_time(schedule, chunks: Sequence[ChunkCost], xfer: Callable[[int], tuple
 
     A backward split into ``I`` and ``W`` (zero-bubble schedules) runs as the runtime runs it:
     chunk 0 has no input gradient to hurry, so its ``I`` is the whole backward and its ``W``
-    empty; another chunk's ``I`` and ``W`` are half its backward each, and ``W``, a second
+    empty; another chunk's ``I`` and ``W`` are half of ``split`` times its backward each
+    (:func:`split_backward`: the two passes' cost over the whole one's), and ``W``, a second
     action, pays the per-action ``overhead`` (:func:`microbatch_overhead`) again.
 
     >>> from fxpar.schedule import Schedule
@@ -662,16 +672,16 @@ def step_time(schedule, chunks: Sequence[ChunkCost], xfer: Callable[[int], tuple
     kw = {}
     if act_bytes is not None:
         kw.update(act_bytes=list(act_bytes), static_bytes=list(static_bytes or [0.0] * p))
-    split = {(a.stage, a.microbatch) for row in schedule.actions.values() for a in row
-             if a.kind.name == "I"}
+    halves = {(a.stage, a.microbatch) for row in schedule.actions.values() for a in row
+              if a.kind.name == "I"}
 
     def b_time(k: int, i: int) -> float:
-        return bwd[k] + (overhead if k and (k, i) in split else 0.0)
+        return bwd[k] * split + overhead if k and (k, i) in halves else bwd[k]
 
     def w_time(k: int, i: int) -> float:
         return b_time(k, i) / 2 if k else 0.0
 
-    res = simulate(schedule, fwd=fwd, bwd=b_time, wgrad=w_time if split else None, comm=comm,
+    res = simulate(schedule, fwd=fwd, bwd=b_time, wgrad=w_time if halves else None, comm=comm,
                    reduce=lambda a: red[a.stage], **kw)
     opt = [float(x) for x in optimizer] if optimizer is not None else [0.0] * p
     ends = [max((e.end for e in res.events if e.rank == r), default=0.0) for r in range(p)]

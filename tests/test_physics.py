@@ -190,3 +190,24 @@ def test_the_optimizer_step_is_priced_memory_bound_from_the_physics():
                    mesh={"dp": 8}, plan="dp").plan
     assert q.overlap().compute == pytest.approx(
         sum(x.fwd_time + x.bwd_time for x in q.nodes if x.op != "placeholder"), rel=1e-9)
+
+
+@pytest.mark.parametrize("sigma", [1.0, 1.5, 3.0])
+def test_split_backward_prices_both_halves(sigma):
+    """zb-h1, 2 stages, 1 microbatch, forward 1 s and backward 2 s per chunk: rank 1 runs
+    ``F1 [1, 2]``, ``I1 [2, 2 + σ]``, ``W1`` (σ s) after it; rank 0's ``I0`` is its whole
+    backward (2 s) after ``I1``; the step is ``max(4 + σ, 2 + 2σ)``."""
+    from fxpar.cost.step import DpTerms, step_time
+    from fxpar.schedule import Schedule
+
+    u = UnitCost("l", "x", 1.0, 2.0, 0.0, 0.0, 0.0, 1.0, 0.0)
+    ch = chunk_costs([u, u], (0, 1))
+    sched = Schedule.build("zb-h1", stages=2, microbatches=1)
+    got = step_time(sched, ch, lambda k: (0.0, 0.0), [DpTerms(), DpTerms()], split=sigma).step
+    assert got == pytest.approx(max(4 + sigma, 2 + 2 * sigma))
+
+
+def test_split_backward_must_not_make_the_split_cheaper():
+    assert Physics(split_backward=1.7) == Physics.from_dict(Physics(split_backward=1.7).to_dict())
+    with pytest.raises(ClusterError, match="split_backward"):
+        Physics(split_backward=0.9)

@@ -193,3 +193,51 @@ def test_the_gradient_sync_wait_does_not_scale_communication():
     assert Profile((mm, ar, early), 0.1, 3).scales() == {"compute": 2.0, "comm": 3.0}
     send = ActionTime("SEND_F", 0, 0, 1e-5, 1e-3)
     assert "comm" not in Profile((mm,), 0.1, 3, actions=(send,)).scales()
+
+
+def _zb_profile(m, f, split, slope=2.0, fixed=3e-3):
+    """A zero-bubble pipeline's two ranks at ``m`` microbatches: chunk 0 runs ``F`` (``f``)
+    and its whole backward as ``I`` (``2f``) with an empty ``W``, chunk 1 ``F`` and halves
+    ``I``/``W`` predicted ``f`` each; every action measured ``slope·pred + fixed``, chunk 1's
+    halves at ``split`` times that rate."""
+    from fxpar.runtime.profile import ActionTime, Profile
+
+    acts = []
+    for i in range(m):
+        acts += [ActionTime("F", 0, i, slope * f + fixed, f),
+                 ActionTime("I", 0, i, slope * 2 * f + fixed, 2 * f),
+                 ActionTime("W", 0, i, 1e-6, 0.0),
+                 ActionTime("F", 1, i, slope * f + fixed, f),
+                 ActionTime("I", 1, i, split * slope * f + fixed, f),
+                 ActionTime("W", 1, i, split * slope * f + fixed, f)]
+    return Profile((), 0.1, 3, actions=tuple(acts), microbatches=m)
+
+
+def test_refine_fits_the_split_backward():
+    """The halves of chunk 1's split backward measured at 1.7x the rate its forward and chunk
+    0's unsplit backward give: the refined cluster prices ``(I + W) / B`` at 1.7 (with the
+    per-action overhead fitted from two microbatch counts, or none from one), and a cluster
+    already at 1.7 whose profile predicted that is left there."""
+    import dataclasses
+
+    import fxpar
+    from fxpar.cluster import Physics
+
+    c = fxpar.Cluster.local(2)
+    two = c.refine(_zb_profile(2, 0.02, 1.7), _zb_profile(8, 0.005, 1.7))
+    assert two.physics.split_backward == pytest.approx(1.7)
+    assert two.physics.microbatch_overhead == pytest.approx(3e-3)
+    assert two.peak_flops == pytest.approx(c.peak_flops / 2)
+    one = c.refine(_zb_profile(4, 0.01, 1.7, fixed=0.0))
+    assert one.physics.split_backward == pytest.approx(1.7)
+    # the profile of a plan priced at 1.7 predicted the halves at 1.7: measured so, the
+    # factor stays; measured at the unsplit rate, it goes back to 1
+    at = dataclasses.replace(c, physics=dataclasses.replace(Physics.nominal(), split_backward=1.7))
+    for measured, want in ((1.7, 1.7), (1.0, 1.0)):
+        p = _zb_profile(4, 0.01, measured, fixed=0.0)
+        p = dataclasses.replace(p, actions=tuple(
+            dataclasses.replace(a, predicted=a.predicted * 1.7) if a.stage and a.kind in "IW" else a
+            for a in p.actions))
+        assert at.refine(p).physics.split_backward == pytest.approx(want)
+    # not a split (1F1B): no split factor
+    assert "split" not in _pipe_profile(2, 0.02).scales()

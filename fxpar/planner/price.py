@@ -42,7 +42,7 @@ from fxpar.cost.memory import STATE_BYTES_PER_PARAM, model_state_bytes, reduce_s
 from fxpar.cost.overlap import coalesced_pricer
 from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import (BUCKET, DpTerms, StepTime, UnitCost, chunk_costs, dp_terms,
-                             microbatch_overhead, optimizer_time, rank_memory,
+                             microbatch_overhead, optimizer_time, split_backward, rank_memory,
                              step_piece, step_time, tiny_params, zero_units)
 from fxpar.spec import Spec
 from fxpar.split import units
@@ -275,7 +275,7 @@ def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequenc
                    interference=cluster.comm_interference,
                    optimizer=optimizer_seconds(chunks, p, config.state, cluster, prec,
                                                state_bytes(options)),
-                   overhead=microbatch_overhead(cluster), **kw)
+                   overhead=microbatch_overhead(cluster), split=split_backward(cluster), **kw)
     return st, mem
 
 

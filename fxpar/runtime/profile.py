@@ -40,6 +40,7 @@ import torch
 import torch.fx as fx
 
 from fxpar import ir
+from fxpar.cost.step import split_backward
 from fxpar.layers import layer_of
 from fxpar.units import fmt_time
 
@@ -72,7 +73,8 @@ class ActionTime:
     """One action of a pipeline rank's list (``kind`` of chunk ``stage``, a microbatch's median
     over the steps): measured seconds and the chunk plan's prediction for it (``F``: the
     chunk's forward compute and forward collectives; ``B``: backward; ``I``/``W``: half the
-    backward compute each, ``I`` with the backward collectives; ``SEND_F``/``SEND_B``: the
+    backward compute times ``physics.split_backward`` each, ``I`` with the backward
+    collectives (chunk 0: ``I`` the whole backward, ``W`` 0); ``SEND_F``/``SEND_B``: the
     boundary transfer, measured: its launch; a receive is waiting for a peer, predicted 0;
     only ``F``/``B``/``I``/``W`` count in :meth:`Profile.scales`)."""
 
@@ -139,12 +141,21 @@ class Profile:
         the compute scale; at one microbatch count the fixed part cannot be told from the
         rate, and a fit with a negative overhead keeps the ratio.
 
+        Zero-bubble profiles also give ``"split"``: what the halves of their split backwards
+        (``I`` and ``W`` of a chunk after the first) measured, less their overheads, over
+        ``s`` times what they were predicted at; the factor the plan's
+        ``physics.split_backward`` was off by.
+
         >>> def pipe(m, f):   # forward predicted f seconds, measured 2·f + 3 ms
         ...     return Profile((), 0.1, 3, actions=(ActionTime("F", 0, 0, 2 * f + 3e-3, f),
         ...                                         ActionTime("B", 0, 0, 4 * f + 3e-3, 2 * f)),
         ...                    microbatches=m)
         >>> {k: round(v, 6) for k, v in pipe(2, 0.01).scales(pipe(4, 0.005)).items()}
         {'compute': 2.0, 'overhead': 0.003}
+        >>> zb = Profile((), 0.1, 3, actions=(ActionTime("F", 1, 0, 0.02, 0.01),
+        ...     ActionTime("I", 1, 0, 0.03, 0.01), ActionTime("W", 1, 0, 0.03, 0.01)))
+        >>> {k: round(v, 6) for k, v in zb.scales().items()}   # I + W at 1.5x the rate F gives
+        {'compute': 2.0, 'split': 1.5}
         """
         profiles = (self, *others)
         out = {}
@@ -155,7 +166,7 @@ class Profile:
                 pred += sum(n.pred_fwd + n.pred_bwd for n in nodes)
                 meas += sum(n.fwd + n.bwd for n in nodes if n.pred_fwd + n.pred_bwd > 0)
                 acts = [a for a in pr.actions if a.predicted > 0 and kind == "compute"
-                        and a.kind in ("F", "B", "I", "W")]
+                        and a.kind in ("F", "B", "I", "W") and not _split(a)]
                 pred += sum(a.predicted for a in acts)
                 meas += sum(a.measured for a in acts)
             if pred > 0 and meas > 0:
@@ -163,6 +174,10 @@ class Profile:
         fit = _fit_overhead(profiles)
         if fit is not None:
             out["compute"], out["overhead"] = fit
+        halves = [a for pr in profiles for a in pr.actions if _split(a) and a.predicted > 0]
+        if halves and out.get("compute"):
+            net = sum(a.measured for a in halves) - len(halves) * out.get("overhead", 0.0)
+            out["split"] = net / (out["compute"] * sum(a.predicted for a in halves))
         return out
 
     def compare(self, plan=None, trace: str | os.PathLike | None = "fxpar_profile_trace.json") -> str:
@@ -234,6 +249,12 @@ class Profile:
         return cls(tuple(NodeTime(**n) for n in d["nodes"]), d["step"], d["steps"],
                    d.get("optimizer", 0.0), d.get("predicted_step", 0.0),
                    tuple(ActionTime(**a) for a in d.get("actions", ())), d.get("microbatches", 0))
+
+
+def _split(a: ActionTime) -> bool:
+    """Whether ``a`` is half of a split backward (``I`` or ``W`` of a chunk after the first;
+    the first chunk's ``I`` is its whole backward)."""
+    return a.kind in ("I", "W") and a.stage > 0
 
 
 def _fit_overhead(profiles) -> tuple[float, float] | None:
@@ -525,13 +546,18 @@ def profile_pipeline(runner, args, kwargs, steps: int = 3) -> Profile:
     finally:
         del runner._run
     plan = runner.program.plan
+    split = split_backward(plan.cluster())
     pred = {}
     for st in plan.stages:
         p = st.plan
         fwd = p.compute_fwd + sum(e.time for e in p.edges if e.direction == "fwd")
         bwd_comm = sum(e.time for e in p.edges if e.direction == "bwd")
-        pred[st.index] = dict(F=fwd, B=p.compute_bwd + bwd_comm, I=p.compute_bwd / 2 + bwd_comm,
-                              W=p.compute_bwd / 2, SEND_F=st.send_time, SEND_B=0.0)
+        # as the step model splits a backward (cost.step.step_time): chunk 0 has no input
+        # gradient, so its I is the whole backward and its W empty
+        half = p.compute_bwd * split / 2 if st.index else 0.0
+        pred[st.index] = dict(F=fwd, B=p.compute_bwd + bwd_comm,
+                              I=(half if st.index else p.compute_bwd) + bwd_comm, W=half,
+                              SEND_F=st.send_time, SEND_B=0.0)
         if st.index:
             pred[st.index]["SEND_B"] = plan.stages[st.index - 1].back_time
     acts = tuple(ActionTime(kind, st, mb, _median(ts), pred.get(st, {}).get(kind, 0.0))
