@@ -655,7 +655,9 @@ class Cluster:
                 + (f"; physics: GEMMs at {self.physics.gemm_efficiency:.0%} of peak, attention "
                    f"{self.physics.attention_efficiency:.0%}, links at "
                    f"{self.physics.intra_comm_efficiency:.0%} / {self.physics.inter_comm_efficiency:.0%}"
-                   f" of nominal" if self.physics else ""))
+                   f" of nominal" if self.physics else "")
+                + (f"; split backward {self.physics.split_backward:.3g}× a whole one"
+                   if self.physics and self.physics.split_backward != 1 else ""))
 
     # -- JSON ---------------------------------------------------------------------------
     def to_dict(self) -> dict:
