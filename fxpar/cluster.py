@@ -229,11 +229,13 @@ class Physics:
       the autograd engine's start, the point-to-point handshake, the loss).
     * **split backward**: ``split_backward`` is ``(I + W) / B`` of a chunk whose backward a
       zero-bubble schedule splits into input (``I``) and weight (``W``) gradients. 1 (the
-      default) prices the split as free, as zero-bubble schedules assume; torch's split
-      (``stage_backward_input``/``stage_backward_weight``, which fxpar's runtime runs) walks
-      the graph twice, and on 1 CPU thread measured 1.84, 1.62 and 1.13 for 4 GPT blocks at
-      d=128 with 64 and 512 tokens and at d=512 with 128 tokens. :meth:`Cluster.refine`
-      fits it from a profile with ``I``/``W`` actions.
+      default) prices the split as free, as zero-bubble schedules assume and as fxpar's
+      runtime runs a chunk whose matrices are all linear weights (each linear keeps its
+      input and output gradient for ``W``: :mod:`fxpar.runtime.deferred`); torch's split
+      (``stage_backward_input``/``stage_backward_weight``, which the runtime runs for other
+      chunks) walks the graph twice, and on 1 CPU thread measured 1.84, 1.62 and 1.13 for 4
+      GPT blocks at d=128 with 64 and 512 tokens and at d=512 with 128 tokens.
+      :meth:`Cluster.refine` fits it from a profile with ``I``/``W`` actions.
 
     >>> ph = Physics(gemm_efficiency=0.7)
     >>> ph.gemm_tile, ph == Physics.from_dict(ph.to_dict())

@@ -26,11 +26,14 @@ on its stage's submesh, its own rank graphs). :class:`PipelineRunner` (built by
              dropout draws from the RNG tracker at microbatch ``i``, and so does its backward)
    B k i     ``autograd.backward`` of its outputs with their received gradients (the last
              chunk: its loss ``/ m``, so the sum over microbatches is the whole batch's mean)
-   I k i     the input gradients only (sent back at once); the gradients reaching the nodes
-             where the weights' paths join the input path are kept for W (the zero-bubble
-             split, torch.distributed.pipelining's ``stage_backward_input``)
-   W k i     the weight gradients from those (``stage_backward_weight``), into the model
-             states
+   I k i     the input gradients (sent back at once), leaving the weight gradients to W: a
+             chunk whose every matrix is a linear's weight runs one backward in which each
+             linear keeps its input and output gradient (:mod:`fxpar.runtime.deferred`, as
+             Megatron's zero-bubble linears do); another keeps the gradients reaching the
+             nodes where the weights' paths join the input path (torch.distributed.
+             pipelining's ``stage_backward_input``)
+   W k i     the weight gradients from those (``dW = dYᵀ·X`` per kept linear, or torch's
+             ``stage_backward_weight``), into the model states
    SEND_*    equal layouts on both sides: ``batch_isend_irecv`` of the local shards to the rank
              at the same submesh coordinate of the neighbouring stage, or of ``1/t`` of one
              where the plan chose scatter/gather (``StagePlan.scatter``); different layouts
@@ -53,9 +56,9 @@ Recomputation (``recompute=``: layer names or ``"all"``; default the plan's
 ``schedule["recompute"]``): a chunk holding recomputed layers runs its forward through
 :class:`~fxpar.runtime.recompute.Recompute`, so per microbatch in flight it keeps only those
 layers' inputs; each ``B`` re-runs their forward (and the collectives in them) once. Under
-ZB-H1, ``I`` and ``W`` are two backward passes: each recomputes what it needs (``W`` once per
-weight group torch's ``stage_backward_weight`` forms), correct but more recomputation than
-``B``.
+ZB-H1, a deferred chunk recomputes once, in ``I``; under torch's split ``I`` and ``W`` are two
+backward passes and each recomputes what it needs (``W`` once per weight group
+``stage_backward_weight`` forms), correct but more recomputation than ``B``.
 
 Tags: every message carries ``tag = 2·(k·m + i) + direction``, so sends and receives between
 one pair of ranks match by what they carry, not by arrival order (gloo; NCCL matches in order,
@@ -118,6 +121,9 @@ class _Chunk:
     # whether I can leave its weight gradients to W (_splittable; None: not yet known). Its
     # autograd graph has the same shape every microbatch: found once, not walked per action
     splittable: bool | None = None
+    # parameters whose gradients W computes from what I kept (fxpar.runtime.deferred); empty:
+    # torch's split (stage_backward_input/weight) or none
+    deferred: list[str] = field(default_factory=list)
 
 
 class PipelineRunner(RankRunner):
@@ -217,6 +223,33 @@ class PipelineRunner(RankRunner):
                                          reduce_dtype=reduce_dtype)
         for c, fqns in zip(self.chunks.values(), direct):
             c.direct = fqns
+            if SPLIT_BACKWARD and not compile and c.index and not c.gathers and self._splits(c.index):
+                self._defer(c)
+
+    def _splits(self, k: int) -> bool:
+        """Whether the schedule runs chunk ``k``'s backward as ``I`` and ``W``."""
+        return any(a.kind is K.I and a.stage == k for row in self.schedule.actions.values() for a in row)
+
+    def _defer(self, c: _Chunk) -> None:
+        """Chunk ``c`` on a copy of its graph whose linears leave their weight gradients to
+        ``W`` (:func:`fxpar.runtime.deferred.defer_weight_grads`; ``c.deferred``), when that
+        covers every matrix it uses directly (else torch's split, which splits any op, serves
+        it: nothing changes)."""
+        from fxpar.runtime.deferred import defer_weight_grads, linear_weight
+
+        mats = {n.name: n.meta[ir.PARAM].fqn for n in c.gm.graph.find_nodes(op="placeholder")
+                if ir.PARAM in n.meta and n.meta[ir.PARAM].fqn in c.direct
+                and self.state[n.meta[ir.PARAM].fqn].requires_grad
+                and self.state[n.meta[ir.PARAM].fqn].ndim >= 2}
+        holders = {n.name: n for n in c.gm.graph.find_nodes(op="placeholder")}
+        if not mats or not all(linear_weight(holders[nm]) for nm in mats):
+            return
+        c.gm, c.deferred = defer_weight_grads(c.gm, mats)
+        c.inputs = [n for n in c.gm.graph.find_nodes(op="placeholder") if ir.INPUT in n.meta]
+        if isinstance(c.run, Recompute):   # its segments are copies of the graph
+            c.run = Recompute(c.gm, c.run.layers)
+        else:
+            c.run = c.gm
 
     @property
     def recomputed(self) -> int:
@@ -431,15 +464,24 @@ class PipelineRunner(RankRunner):
             pairs = [(o, g) for o, g in zip(out, got) if isinstance(o, torch.Tensor) and o.requires_grad]
             tensors, grads = [o for o, _ in pairs], [g for _, g in pairs]
         weights = [self.state[f] for f in dict.fromkeys(c.order) if self.state[f].requires_grad]
-        if split and leaves and c.splittable is None:
-            c.splittable = self._splittable(tensors, leaves, weights)
-        with bind(c.bindings):
-            groups = (self._split_input(tensors, grads, leaves, weights)
-                      if split and leaves and c.splittable else None)
-            if groups is None and tensors:
-                torch.autograd.backward(tensors, grads)
-        c.pending_w[i] = (groups, weights, rg) if groups is not None else None
-        self.split_backwards += groups is not None
+        if split and c.deferred:   # linears keep (W, X, dY) for W; the rest runs whole
+            from fxpar.runtime.deferred import collecting
+
+            with bind(c.bindings), collecting() as kept:
+                if tensors:
+                    torch.autograd.backward(tensors, grads)
+            c.pending_w[i] = (kept, None, rg)
+            self.split_backwards += 1
+        else:
+            if split and leaves and c.splittable is None:
+                c.splittable = self._splittable(tensors, leaves, weights)
+            with bind(c.bindings):
+                groups = (self._split_input(tensors, grads, leaves, weights)
+                          if split and leaves and c.splittable else None)
+                if groups is None and tensors:
+                    torch.autograd.backward(tensors, grads)
+            c.pending_w[i] = (groups, weights, rg) if groups is not None else None
+            self.split_backwards += groups is not None
         gs = [x.grad if x.grad is not None else torch.zeros_like(x) for x in leaves]
         if k - 1 in self.chunks:
             # the previous chunk runs here too: its output gradients, in output order
@@ -488,9 +530,16 @@ class PipelineRunner(RankRunner):
         if pending is None:  # I ran the whole backward
             return
         groups, weights, rg = pending
-        with bind(c.bindings):
-            stage_backward_weight(iter(weights), groups)  # into the leaves' .grad (no hooks)
-        for f in c.direct:
+        if weights is None:   # deferred linears (fxpar.runtime.deferred); the rest ran in I
+            from fxpar.runtime.deferred import weight_grads
+
+            weight_grads(groups)
+            done = c.deferred
+        else:
+            with bind(c.bindings):
+                stage_backward_weight(iter(weights), groups)  # into the leaves' .grad (no hooks)
+            done = c.direct
+        for f in done:
             self._direct(f)
         del rg
 
