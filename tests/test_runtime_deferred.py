@@ -9,9 +9,11 @@ import torch
 import torch.fx as fx
 
 from fxpar.errors import FxparError
-from fxpar.runtime.deferred import collecting, defer_weight_grads, deferred_linear, weight_grads
+from fxpar.runtime.deferred import (collecting, defer_weight_grads, deferred_addmm, deferred_linear,
+                                    weight_grads)
 
 LINEAR = torch.ops.aten.linear.default
+ADDMM = torch.ops.aten.addmm.default
 
 
 class Net(torch.nn.Module):
@@ -56,3 +58,28 @@ def test_a_deferred_linear_outside_i_is_refused():
         new(*_leaves()).backward()
     with torch.no_grad():   # no autograd: the plain op
         assert torch.equal(new(*_leaves()), fx.symbolic_trace(Net())(*_leaves()))
+
+
+class Conv1D(torch.nn.Module):
+    """Hugging Face GPT-2's ``Conv1D``: ``addmm(b, x, w)`` with ``w`` stored ``[in, out]``."""
+
+    def forward(self, x, w, b):
+        return torch.tanh(ADDMM(b, x.view(-1, 4), w)).pow(2).sum()
+
+
+def test_conv1d_addmm_is_deferred_too():
+    gm = fx.symbolic_trace(Conv1D())
+    new, fqns = defer_weight_grads(gm, {"w": "w", "b": "b"})
+    assert fqns == ["w"] and any(n.target is deferred_addmm for n in new.graph.nodes)
+    g = torch.Generator().manual_seed(1)
+    mk = lambda: [torch.randn(*s, generator=g, requires_grad=True) for s in ((2, 3, 4), (4, 6), (6,))]  # noqa: E731
+    ref, got = mk(), mk()
+    for a, r in zip(got, ref):
+        a.data.copy_(r.data)
+    gm(*ref).backward()
+    with collecting() as kept:
+        new(*got).backward()
+    assert got[1].grad is None
+    weight_grads(kept)
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a.grad, r.grad)
