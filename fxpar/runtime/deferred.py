@@ -106,9 +106,10 @@ def linear_weight(n: fx.Node) -> bool:
 
 
 def defer_weight_grads(gm: fx.GraphModule, params: Mapping[str, str]) -> tuple[fx.GraphModule, list[str]]:
-    """``(graph, fqns)``: a copy of ``gm`` whose linears over the parameters ``params``
-    (placeholder name → fqn) call :func:`deferred_linear`, where every use of the parameter is
-    such a linear's weight, and the fqns so rewritten (their gradients then come from
+    """``(graph, fqns)``: a copy of ``gm`` whose linears (``Conv1D`` addmms) over the
+    parameters ``params`` (placeholder name → fqn) call :func:`deferred_linear`
+    (:func:`deferred_addmm`), where every use of the parameter is such an op's weight
+    (:func:`linear_weight`), and the fqns so rewritten (their gradients then come from
     :func:`weight_grads` only); ``gm`` itself (it may be shared) is left as it is, and
     returned when nothing is rewritten. Node names and meta are kept."""
     names = [n.name for n in gm.graph.find_nodes(op="placeholder") if n.name in params and linear_weight(n)]
@@ -129,8 +130,8 @@ def defer_weight_grads(gm: fx.GraphModule, params: Mapping[str, str]) -> tuple[f
 
 @contextlib.contextmanager
 def collecting() -> Iterator[list]:
-    """The ``(weight, input, output gradient)`` of every deferred linear whose backward runs
-    inside (an ``I`` action's)."""
+    """What every deferred linear whose backward runs inside (an ``I`` action's) keeps for
+    :func:`weight_grads`: ``(weight, input, output gradient, conv1d)``."""
     global _KEPT
     prev, _KEPT = _KEPT, []
     try:

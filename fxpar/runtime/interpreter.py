@@ -235,16 +235,16 @@ class PipelineRunner(RankRunner):
         ``W`` (:func:`fxpar.runtime.deferred.defer_weight_grads`; ``c.deferred``), when that
         covers every matrix it uses directly (else torch's split, which splits any op, serves
         it: nothing changes)."""
-        from fxpar.runtime.deferred import defer_weight_grads, linear_weight
+        from fxpar.runtime.deferred import defer_weight_grads
 
         mats = {n.name: n.meta[ir.PARAM].fqn for n in c.gm.graph.find_nodes(op="placeholder")
                 if ir.PARAM in n.meta and n.meta[ir.PARAM].fqn in c.direct
                 and self.state[n.meta[ir.PARAM].fqn].requires_grad
                 and self.state[n.meta[ir.PARAM].fqn].ndim >= 2}
-        holders = {n.name: n for n in c.gm.graph.find_nodes(op="placeholder")}
-        if not mats or not all(linear_weight(holders[nm]) for nm in mats):
+        gm, fqns = defer_weight_grads(c.gm, mats)
+        if not mats or len(fqns) < len(mats):
             return
-        c.gm, c.deferred = defer_weight_grads(c.gm, mats)
+        c.gm, c.deferred = gm, fqns
         c.inputs = [n for n in c.gm.graph.find_nodes(op="placeholder") if ir.INPUT in n.meta]
         if isinstance(c.run, Recompute):   # its segments are copies of the graph
             c.run = Recompute(c.gm, c.run.layers)
