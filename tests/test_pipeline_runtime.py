@@ -345,7 +345,7 @@ def test_split_backward_takes_an_output_that_is_a_view():
     torch.testing.assert_close(w.grad, ref_w.grad)
 
 
-def run_reduce_dtype(reduce_dtype, planned=None):
+def run_reduce_dtype(reduce_dtype, planned=None, schedule="1f1b"):
     """A bf16 GPT on 2 pipeline stages, 4 microbatches: the gradients each rank's states hold
     after one backward, beside a one-process reference that sums the microbatches' bf16
     gradients in fp32. ``planned``: the plan's ``PlannerOptions.reduce_dtype``."""
@@ -357,7 +357,7 @@ def run_reduce_dtype(reduce_dtype, planned=None):
     m = 4
     prog = fxpar.compile(model, fxpar.Cluster.local(2), (idx,), loss_fn=loss_fn,
                          example_targets=(tgt,), optimizer=lambda ps: torch.optim.AdamW(ps),
-                         mesh={"pp": 2}, schedule="1f1b", microbatches=m, time_limit=20,
+                         mesh={"pp": 2}, schedule=schedule, microbatches=m, time_limit=20,
                          options=fxpar.PlannerOptions(reduce_dtype=planned))
     runner = prog.runner(reduce_dtype=reduce_dtype)
     runner.forward_backward(idx, tgt)
@@ -378,8 +378,10 @@ def test_reduce_dtype_sums_microbatches_in_fp32(pools):
     accumulation): the states' gradients are fp32, the microbatches' bf16 gradients summed
     in fp32 as the reference sums them; without it they stay bf16, unless the plan priced
     fp32 reductions (``PlannerOptions(reduce_dtype="float32")``): its runner's default."""
+    # zb-h1: chunk 1's weight gradients from its deferred linears (fxpar.runtime.deferred)
     for r in [*pools(2).run(run_reduce_dtype, torch.float32),
-              *pools(2).run(run_reduce_dtype, None, "float32")]:
+              *pools(2).run(run_reduce_dtype, None, "float32"),
+              *pools(2).run(run_reduce_dtype, torch.float32, None, "zb-h1")]:
         assert r and all(dt == "torch.float32" for dt, _, _ in r.values()), r
         for f, (_, err, scale) in r.items():
             # the same bf16 microbatch gradients summed in fp32 (bitwise equal here); summed
