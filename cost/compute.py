@@ -20,6 +20,8 @@ norms            ``5·numel`` (layer/group/batch/RMS norm)                      
 softmax, loss    ``5·numel`` (softmax, log-softmax, cross-entropy)             ``4·numel``
 pointwise        ``numel(out)``                                                ``numel(out)`` per input
                                                                                needing a gradient
+activation       as pointwise (transcendental: gelu, silu, tanh, exp, erf, ...;  as pointwise
+                 kind ``"activation"``, priced at a measured rate of their own)
 reductions       ``numel(input)``                                              ``numel(input)``
 views, shapes    0 FLOPs, 0 bytes (aliases of their input)                     0
 copies           0 FLOPs, read + write bytes                                   same bytes
@@ -97,7 +99,7 @@ __all__ = [
     # the formulas (pure functions (args, kwargs, out) -> OpCost) that op records reference
     "mm_cost", "addmm_cost", "bmm_cost", "baddbmm_cost", "matmul_cost", "linear_cost", "einsum_cost",
     "sdpa_cost", "convolution_cost", "convnd_cost", "conv_transpose_cost", "embedding_cost",
-    "norm_cost", "softmax_cost", "pointwise_cost", "dropout_cost", "reduction_cost", "copy_cost",
+    "norm_cost", "softmax_cost", "pointwise_cost", "activation_cost", "dropout_cost", "reduction_cost", "copy_cost",
     "maybe_copy_cost", "creation_cost", "view_cost",
 ]
 
@@ -508,6 +510,22 @@ def pointwise_cost(args, kwargs, out):
     return OpCost(n, n * len(needing), fwd_bytes, bwd_bytes, "pointwise")
 
 
+def activation_cost(args, kwargs, out):
+    """:func:`pointwise_cost` of a transcendental elementwise op (GELU, SiLU, tanh, exp, erf,
+    ...), kind ``"activation"``: the same FLOPs (one per element and direction), priced at
+    ``ComputeProfile.activation`` where calibrated. On a CPU a GELU's forward and backward run
+    4–15x an add's time per element (erf and exp evaluated in software), so bytes alone
+    underprice them; on a GPU they are bound by their bytes like any pointwise op.
+
+    >>> import torch
+    >>> x = TensorArg((4, 8), torch.float32, requires_grad=True)
+    >>> c = activation_cost((x,), {}, TensorArg((4, 8), torch.float32))
+    >>> c.fwd_flops, c.bwd_flops, c.kind
+    (32.0, 32.0, 'activation')
+    """
+    return dataclasses.replace(pointwise_cost(args, kwargs, out), kind="activation")
+
+
 
 
 def dropout_cost(args, kwargs, out):
@@ -633,7 +651,7 @@ def cost_rule(target: Any) -> Rule | None:
     >>> import torch, fxpar.strategies
     >>> cost_rule(torch.ops.aten.addmm.default) is addmm_cost
     True
-    >>> cost_rule(torch.ops.aten.tanh_.default) is pointwise_cost     # in-place: tanh's rule
+    >>> cost_rule(torch.ops.aten.relu_.default) is pointwise_cost     # in-place: relu's rule
     True
     """
     rule = _find(_COST, target)
@@ -1015,8 +1033,9 @@ def op_time(cost: OpCost, cluster, efficiency: float = 0.5, memory_efficiency: f
 
     A backward GEMM is looked up at the forward GEMM's size: each gradient GEMM of a matmul
     has the forward's ``M·K·N``. Fused attention uses the measured ``attention`` curve where
-    the profile has one. Every op pays ``op_overhead`` forward (views too: they are
-    dispatched like any op).
+    the profile has one, transcendental elementwise ops (kind ``"activation"``) the measured
+    ``activation`` curve (by forward FLOPs, one per element). Every op pays ``op_overhead``
+    forward (views too: they are dispatched like any op).
 
     >>> from fxpar import Cluster
     >>> from fxpar.cluster import ComputeProfile
@@ -1048,7 +1067,8 @@ def op_time(cost: OpCost, cluster, efficiency: float = 0.5, memory_efficiency: f
                 roofline_time(cost.bwd_flops, cost.bwd_bytes, cluster, efficiency, memory_efficiency))
     gemm = cost.kind in GEMM_KINDS
     size = cost.fwd_flops if cost.fwd_flops > 0 else None
-    rates = prof.attention if cost.kind == "attention" else None
+    rates = (prof.attention if cost.kind == "attention"
+             else getattr(prof, "activation", ()) if cost.kind == "activation" else None)
     hidden = getattr(prof, "asynchronous", False)  # the host's work overlaps queued kernels
     f = calibrated_time(cost.fwd_flops, cost.fwd_bytes, prof, gemm=gemm, gemm_size=size,
                         rates=rates) + (0.0 if hidden else prof.op_overhead)

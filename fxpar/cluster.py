@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import itertools
 import math
 import socket
 import statistics
@@ -42,6 +43,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from fxpar import defaults
 from fxpar.errors import ClusterError
@@ -97,7 +99,9 @@ class ComputeProfile:
 
     * ``gemm``: ``((flops, rate), ...)`` ascending in ``flops``: the FLOP/s a square float32
       GEMM of ``flops = 2·n³`` FLOPs reached, kernel only (the dispatch removed,
-      :func:`fxpar.cost.calibration.rate_points`);
+      :func:`fxpar.cost.calibration.rate_points`), its second operand streamed from memory
+      (a pool of distinct matrices larger than the last-level cache, as a training step
+      meets its weights: each is read once per pass, long after the last use);
     * ``memory``: ``((bytes, rate), ...)``: bytes/s of an elementwise add moving ``bytes``
       (two reads and one write), kernel only;
     * ``vector``: ``((flops, rate), ...)``: FLOP/s of non-GEMM arithmetic as the cost rules
@@ -106,6 +110,11 @@ class ComputeProfile:
       exponentials, logs and reductions run far below the GEMM rate on a CPU (a log-softmax
       reaches ~1/10 of it), so pricing them at the GEMM peak undercounts norms, softmax and
       losses. Empty (a profile saved before it existed): non-GEMM FLOPs at the GEMM peak;
+    * ``activation``: ``((elements, rate), ...)``: FLOP/s of a transcendental elementwise op
+      (kind ``"activation"``: GELU, SiLU, tanh, exp, ...; one FLOP per element and
+      direction, :func:`fxpar.cost.compute.activation_cost`), from a GELU forward and
+      backward of each of ``memory_sizes`` bytes. On a CPU those run 4–15x an add's time per
+      element, so neither bytes nor the log-softmax rate price them. Empty: ``vector``;
     * ``attention``: ``((forward flops, rate), ...)``: FLOP/s of fused attention (SDPA,
       causal) forward + backward as :func:`fxpar.cost.compute.sdpa_cost` counts them, by the
       forward's FLOPs; on a CPU it runs well below a GEMM of the same FLOPs. Empty: the GEMM
@@ -148,6 +157,7 @@ class ComputeProfile:
     attention: tuple[tuple[float, float], ...] = ()
     dtype: str = "float32"
     asynchronous: bool = False
+    activation: tuple[tuple[float, float], ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
@@ -157,7 +167,7 @@ class ComputeProfile:
             raise ClusterError(f"ComputeProfile.optimizer needs (per_tensor, per_element) seconds "
                                f">= 0, got {self.optimizer!r}")
         object.__setattr__(self, "optimizer", opt)
-        for name in ("gemm", "memory", "vector", "attention"):
+        for name in ("gemm", "memory", "vector", "attention", "activation"):
             pts = tuple(sorted((float(w), float(r)) for w, r in getattr(self, name)))
             required = name in ("gemm", "memory")  # the others are empty in older profiles
             if (required and not pts) or not all(w > 0 and r > 0 and math.isfinite(w)
@@ -186,7 +196,8 @@ class ComputeProfile:
                     op_overhead=self.op_overhead, bwd_op_overhead=self.bwd_op_overhead,
                     dispatch=self.dispatch, ranks=self.ranks, vector=[list(p) for p in self.vector],
                     optimizer=list(self.optimizer), attention=[list(p) for p in self.attention],
-                    dtype=self.dtype, asynchronous=self.asynchronous)
+                    dtype=self.dtype, asynchronous=self.asynchronous,
+                    activation=[list(p) for p in self.activation])
 
     @classmethod
     def from_dict(cls, d: dict) -> ComputeProfile:
@@ -198,6 +209,7 @@ class ComputeProfile:
                        vector=tuple(tuple(p) for p in d.get("vector", ())),
                        optimizer=tuple(d.get("optimizer", ())),
                        attention=tuple(tuple(p) for p in d.get("attention", ())),
+                       activation=tuple(tuple(p) for p in d.get("activation", ())),
                        dtype=d.get("dtype", "float32"), asynchronous=d.get("asynchronous", False))
         except (KeyError, TypeError, ValueError) as e:
             raise ClusterError(f"bad compute profile in cluster JSON: {type(e).__name__}: {e}") from e
@@ -593,6 +605,7 @@ class Cluster:
                     return tuple((x, r / sc) for x, r in pts)
                 cp = dataclasses.replace(cp, gemm=curve(cp.gemm), memory=curve(cp.memory),
                                          vector=curve(cp.vector), attention=curve(cp.attention),
+                                         activation=curve(cp.activation),
                                          op_overhead=cp.op_overhead * sc,
                                          bwd_op_overhead=cp.bwd_op_overhead * sc)
                 out = dataclasses.replace(out, compute=cp)
@@ -728,11 +741,13 @@ class Cluster:
         **Compute** (``compute=True``), on every rank at the same time (ranks of one host
         share its cores and memory bandwidth, so this is what each gets during training):
         a GEMM ``n×n @ n×n`` in ``dtype`` (default float32; pass the dtype the model trains
-        in, e.g. ``torch.bfloat16`` on a GPU) per ``n`` in ``gemm_sizes`` (``2n³`` FLOPs), an
+        in, e.g. ``torch.bfloat16`` on a GPU) per ``n`` in ``gemm_sizes`` (``2n³`` FLOPs; its
+        second operand from a pool twice the last-level cache, cold as weights are), an
         elementwise add of two tensors of each of ``memory_sizes`` bytes (three times that
         moved), a 1-element op without autograd (the dispatch) and a chain of 1-element ops
         that require grad, forward then backward (per-op overheads), a row log-softmax forward
-        and backward of each of ``memory_sizes`` bytes (non-GEMM arithmetic, ``vector``), causal SDPA forward
+        and backward of each of ``memory_sizes`` bytes (non-GEMM arithmetic, ``vector``), a
+        GELU forward and backward of each of them (``activation``), causal SDPA forward
         and backward at each ``(batch·heads, length, head dim)`` of ``attention_shapes``
         (default: two small ones on a CPU, up to 32×2048×128 on a GPU, where small
         attention is latency-bound: the curve's last rate prices every larger call)
@@ -1199,6 +1214,23 @@ def _concurrent_times(fn, iters: int, group, min_time: float, sync) -> list[floa
     return [median_of_max([[r[k] for r in run] for run in runs]) for k in range(len(runs[0][0]))]
 
 
+def _cache_bytes(device) -> int:
+    """Bytes of the device's last-level cache (a GPU's L2, the largest CPU cache sysfs lists;
+    32 MiB when neither says)."""
+    import torch
+
+    if device.type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 32 << 20)
+    best = 0
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = f.read_text().strip().upper()
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * scale)
+    return best or 32 << 20
+
+
 def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
                      min_time: float, dtype=None, attention_shapes=None) -> ComputeProfile:
     """The :class:`ComputeProfile` of this group's ranks (see :meth:`Cluster.calibrate`)."""
@@ -1246,10 +1278,18 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
 
     fwd_over, bwd_over = _concurrent_times(chain, iters, group, min_time, sync)
     gemm_t = []
+    cache = _cache_bytes(device)
     for n in gemm_sizes:
         a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        gemm_t.append(_concurrent_times(loop(lambda: torch.mm(a, b)), iters, group, min_time, sync)[0])
+        # the second operand cycles through distinct matrices larger than the last-level cache
+        # together: a weight is read once per pass (on one CPU core a cold 128x384 operand
+        # made a 64-row GEMM 1.3x slower than a cached one)
+        pool = [torch.randn(n, n, device=device, dtype=dtype)
+                for _ in range(min(1024, max(2, -(-2 * cache // (n * n * esize)))))]
+        cold = itertools.cycle(pool)
+        gemm_t.append(_concurrent_times(loop(lambda: torch.mm(a, next(cold))), iters, group,
+                                        min_time, sync)[0])
+        del pool, cold
     mem_t = []
     for nbytes in memory_sizes:
         a = torch.randn(max(1, nbytes // esize), device=device, dtype=dtype)
@@ -1268,6 +1308,16 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
             torch.log_softmax(a, -1)
             torch.ops.aten._log_softmax_backward_data(y, y, -1, a.dtype)
         vec_t.append(_concurrent_times(loop(fwd_bwd), iters, group, min_time, sync)[0])
+    # transcendental elementwise work: a GELU forward and backward (erf in software on a CPU)
+    act_n = [max(1, nbytes // esize) for nbytes in memory_sizes]
+    act_t = []
+    for n in act_n:
+        x, g = torch.randn(n, device=device, dtype=dtype), torch.randn(n, device=device, dtype=dtype)
+
+        def gelu(x=x, g=g):
+            torch.ops.aten.gelu(x)
+            torch.ops.aten.gelu_backward(g, x)
+        act_t.append(_concurrent_times(loop(gelu), iters, group, min_time, sync)[0])
     # fused causal attention, forward and backward (heads x length x head dim)
     att_shapes, att_t = tuple(attention_shapes), []
     for bh, L, E in att_shapes:
@@ -1306,5 +1356,7 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
         op_overhead=max(fwd_over, 0.0), bwd_op_overhead=max(bwd_over, 0.0), dispatch=dispatch,
         ranks=dist.get_world_size(group),
         vector=rate_points([9.0 * n for n in vec_n], vec_t, 2 * host),
+        # keyed by the forward's FLOPs (elements), the rate over both directions' (2 per element)
+        activation=tuple((w / 2, r) for w, r in rate_points([2.0 * n for n in act_n], act_t, 2 * host)),
         attention=tuple((f, 3.0 * f / t) for f, t in zip(fwd, att_t)),  # backward 2x forward
         optimizer=(per_tensor, per_element), dtype=str(dtype), asynchronous=device.type == "cuda")

@@ -75,6 +75,67 @@ def test_non_gemm_flops_at_the_measured_vector_rate():
     assert Cluster.from_dict(d).compute.vector == ()
 
 
+def test_activations_at_their_measured_rate():
+    # GELU, SiLU, tanh, exp: kind "activation", one FLOP per element and direction
+    import fxpar.strategies  # noqa: F401 — fills the cost table
+    from fxpar.cost.compute import TensorArg, op_cost
+
+    aten = torch.ops.aten
+    x = TensorArg((64, 512), torch.float32, requires_grad=True)
+    out = TensorArg((64, 512), torch.float32)
+    for op in (aten.gelu.default, aten.silu.default, aten.tanh.default, aten.exp.default,
+               aten.silu_.default):
+        c = op_cost(op, (x,), out=out)
+        assert (c.kind, c.fwd_flops, c.bwd_flops) == ("activation", 2.0**15, 2.0**15), op
+    # the cheap ones stay bytes-bound pointwise ops
+    assert op_cost(aten.add.Tensor, (x, x), out=out).kind == "pointwise"
+    assert op_cost(aten.relu.default, (x,), out=out).kind == "pointwise"
+    act = ComputeProfile(gemm=PROF.gemm, memory=PROF.memory, op_overhead=0.0, bwd_op_overhead=0.0,
+                         vector=((1e3, 1e12),), activation=((1e3, 1e8), (1e5, 1e10)))
+    gelu = OpCost(1e4, 1e4, 8e4, 1.2e5, "activation")
+    # 1e4 elements: log-midpoint rate 1e9 (both directions looked up at the forward's 1e4)
+    f, b = op_time(gelu, Cluster.local(2, compute=act))
+    assert f == pytest.approx(1e4 / 1e9) and b == pytest.approx(1e4 / 1e9)
+    # the same op as "pointwise" is bound by its bytes (the vector rate is far higher)
+    f0, _ = op_time(dataclasses.replace(gelu, kind="pointwise"), Cluster.local(2, compute=act))
+    assert f0 == pytest.approx(8e4 / interp_loglog(PROF.memory, 8e4))
+    # no curve (a profile saved before it existed): the vector rate
+    f1, _ = op_time(gelu, Cluster.local(2, compute=dataclasses.replace(act, activation=())))
+    assert f1 == pytest.approx(max(1e4 / 1e12, 8e4 / interp_loglog(PROF.memory, 8e4)))
+    c = Cluster.local(2, compute=act)
+    assert Cluster.from_json(c.to_json()).compute == act
+    d = json.loads(c.to_json())
+    del d["compute"]["activation"]
+    assert Cluster.from_dict(d).compute.activation == ()
+    # refine scales it with the other compute curves
+    from fxpar.runtime.profile import NodeTime, Profile
+    slow = Profile((NodeTime("mm", "fc", "compute", None, 2e-3, 4e-3, 1e-3, 2e-3),), 0.01, 3)
+    assert c.refine(slow).compute.activation == ((1e3, 5e7), (1e5, 5e9))
+
+
+def test_gemm_calibration_streams_its_second_operand(monkeypatch):
+    # the pool holds twice the last-level cache: 8 distinct 64x64 float32 matrices for a
+    # 64 KiB cache; every one is used, in turn
+    import torch.distributed as dist
+
+    from fxpar import cluster as cl
+
+    monkeypatch.setattr(cl, "_cache_bytes", lambda device: 4 * 64 * 64 * 4)
+    monkeypatch.setattr(cl, "_concurrent_times", lambda fn, iters, group, min_time, sync: fn(16))
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
+    seen, real_mm = [], torch.mm
+
+    def mm(a, b):
+        seen.append(b.data_ptr())
+        return real_mm(a, b)
+    monkeypatch.setattr(torch, "mm", mm)
+    p = cl._measure_compute(None, torch.device("cpu"), (64,), (2**10,), 1, 0.0,
+                            attention_shapes=((1, 8, 4),))
+    assert len(set(seen)) == 8 and seen[:8] == seen[8:16]
+    assert [w for w, _ in p.activation] == [256.0]    # 1 KiB of float32: 256 elements
+    assert cl._cache_bytes(torch.device("cpu")) > 0
+
+
 def test_attention_at_its_measured_rate():
     # SDPA FLOPs at the attention curve, looked up at the forward's FLOPs (both directions)
     att = ComputeProfile(gemm=PROF.gemm, memory=PROF.memory, op_overhead=0.0, bwd_op_overhead=0.0,
@@ -173,6 +234,9 @@ def test_calibrate_measures_compute_on_two_ranks(pools):
     assert [w for w, _ in p.vector] == [9.0 * 512, 9.0 * 4096, 9.0 * 2**18]
     # on a CPU it runs well below the GEMM rate of a 128³ GEMM
     assert all(math.isfinite(r) and 1e6 < r < rates[-1] for _, r in p.vector), (p.vector, rates)
+    # a GELU forward + backward per memory size, keyed by its elements
+    assert [w for w, _ in p.activation] == [256.0, 4096.0, 2.0**18]
+    assert all(math.isfinite(r) and 1e6 < r < rates[-1] for _, r in p.activation), p.activation
     # causal SDPA forward + backward at two shapes, keyed by the forward's FLOPs (4·BH·L²·E)
     assert [w for w, _ in p.attention] == [4.0 * 8 * 64 * 64 * 32, 4.0 * 8 * 256 * 256 * 64]
     assert all(math.isfinite(r) and 1e6 < r < 1e13 for _, r in p.attention), p.attention

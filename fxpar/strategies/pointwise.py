@@ -28,7 +28,7 @@ import torch
 import torch.fx as fx
 
 from fxpar import ir
-from fxpar.cost.compute import copy_cost, creation_cost, dropout_cost, pointwise_cost
+from fxpar.cost.compute import activation_cost, copy_cost, creation_cost, dropout_cost, pointwise_cost
 from fxpar.strategies.base import P, R, S, bound, choice, declare, out_shapes, register, tensor_shape
 from fxpar.strategies.local import LocalContext, shard_key
 
@@ -106,14 +106,18 @@ def dropout_local(node: fx.Node, lctx: LocalContext) -> None:
 # any other ATen op tagged pointwise gets the rule too (``fxpar.strategies.strategy_rule``).
 # The record of an in-place op (``add_``) names no cost: it is priced as its functional form.
 register(aten.__and__, aten.__or__, aten.__xor__, aten.positive)(pointwise_rule)
-register(aten.floor_divide, aten.remainder, aten.expm1, cost=pointwise_cost)(pointwise_rule)
+register(aten.floor_divide, aten.remainder, cost=pointwise_cost)(pointwise_rule)
+register(aten.expm1, cost=activation_cost)(pointwise_rule)
 register(aten.masked_fill_, aten.div_, aten.mul_, aten.add_, aten.sub_)(pointwise_rule)
 register(aten.where, aten.mul, aten.div, cost=pointwise_cost, saves="partners")(pointwise_rule)
 register(aten.masked_fill, cost=pointwise_cost, saves="indices")(pointwise_rule)
-register(aten.clamp, aten.gelu, aten.silu, aten.pow, aten.log, aten.abs, aten.sin, aten.cos, aten.erf, aten.minimum,
-         aten.maximum, aten.square, aten.log1p, cost=pointwise_cost, saves="input0")(pointwise_rule)
-register(aten.relu, aten.tanh, aten.sigmoid, aten.rsqrt, aten.exp, aten.sqrt, aten.reciprocal, cost=pointwise_cost,
-         saves="output")(pointwise_rule)
+register(aten.clamp, aten.pow, aten.abs, aten.minimum, aten.maximum, aten.square, cost=pointwise_cost,
+         saves="input0")(pointwise_rule)
+register(aten.relu, aten.rsqrt, aten.sqrt, aten.reciprocal, cost=pointwise_cost, saves="output")(pointwise_rule)
+# transcendental: priced at the measured activation rate (erf, exp, log, sin in software on a CPU)
+register(aten.gelu, aten.silu, aten.log, aten.sin, aten.cos, aten.erf, aten.log1p, cost=activation_cost,
+         saves="input0")(pointwise_rule)
+register(aten.tanh, aten.sigmoid, aten.exp, cost=activation_cost, saves="output")(pointwise_rule)
 register(aten.add, aten.sub, aten.neg, cost=pointwise_cost, saves="nothing")(pointwise_rule)
 register(aten.eq, aten.ne, aten.le, aten.lt, aten.ge, aten.gt, aten.bitwise_not, aten.logical_not, aten.logical_and,
          aten.bitwise_and, aten.bitwise_or, aten.sign, aten.round, aten.trunc, aten.floor, aten.ceil,
@@ -131,16 +135,20 @@ register(aten.native_dropout, cost=dropout_cost, saves="mask")(pointwise_rule)
 
 # Elementwise ops without a record of their own above (those ATen tags pointwise still get the
 # pointwise rule), and the torch-level callables a graph can hold (Python scalar arithmetic).
-declare(aten.acos, aten.asin, aten.atan, aten.celu, aten.clip, aten.copysign, aten.cosh, aten.erfc, aten.erfinv,
-        aten.exp2, aten.floordiv, aten.fmax, aten.fmin, aten.fmod, aten.frac, aten.gelu_backward,
-        aten.hardtanh_backward, aten.hypot, aten.lerp, aten.log10, aten.logit, aten.nan_to_num, aten.selu, aten.sgn,
-        aten.sigmoid_backward, aten.silu_backward, aten.sinh, aten.tan, aten.tanh_backward, aten.threshold,
-        aten.threshold_backward, aten.xlogy, operator.truediv, operator.floordiv, operator.mod, operator.imul,
+declare(aten.clip, aten.copysign, aten.floordiv, aten.fmax, aten.fmin, aten.fmod, aten.frac,
+        aten.hardtanh_backward, aten.hypot, aten.lerp, aten.nan_to_num, aten.sgn,
+        aten.sigmoid_backward, aten.tanh_backward, aten.threshold,
+        aten.threshold_backward, operator.truediv, operator.floordiv, operator.mod, operator.imul,
         operator.isub, operator.itruediv, cost=pointwise_cost)
+declare(aten.acos, aten.asin, aten.atan, aten.celu, aten.cosh, aten.erfc, aten.erfinv, aten.exp2,
+        aten.gelu_backward, aten.log10, aten.logit, aten.selu, aten.silu_backward, aten.sinh, aten.tan,
+        aten.xlogy, cost=activation_cost)
 declare(aten.addcdiv, aten.addcmul, aten.true_divide, operator.mul, cost=pointwise_cost, saves="partners")
-declare(aten.atan2, aten.clamp_max, aten.clamp_min, aten.glu, aten.hardsigmoid, aten.hardswish, aten.leaky_relu,
-        aten.log2, aten.mish, aten.softplus, operator.pow, operator.abs, cost=pointwise_cost, saves="input0")
-declare(aten.elu, aten.hardtanh, aten.relu6, cost=pointwise_cost, saves="output")
+declare(aten.clamp_max, aten.clamp_min, aten.hardsigmoid, aten.hardswish, aten.leaky_relu,
+        operator.pow, operator.abs, cost=pointwise_cost, saves="input0")
+declare(aten.atan2, aten.glu, aten.log2, aten.mish, aten.softplus, cost=activation_cost, saves="input0")
+declare(aten.hardtanh, aten.relu6, cost=pointwise_cost, saves="output")
+declare(aten.elu, cost=activation_cost, saves="output")
 declare(aten.rsub, aten.tril, aten.triu, operator.add, operator.sub, operator.iadd, operator.neg,
         cost=pointwise_cost, saves="nothing")
 declare(aten.bitwise_xor, aten.isfinite, aten.isinf, aten.isnan, aten.logical_or, aten.logical_xor, operator.eq,

@@ -62,7 +62,7 @@ def test_register_writes_the_cost_side_tables():
 
 
 @pytest.mark.parametrize("target, rule", [
-    (aten.tanh_.default, cc.pointwise_cost),     # in-place: the functional op's rule
+    (aten.tanh_.default, cc.activation_cost),    # in-place: the functional op's rule
     (aten.addmm_.default, cc.addmm_cost),
     (aten.relu_.default, cc.pointwise_cost),     # its own record (no cost) falls back the same way
     (aten.scatter_.src, cc.copy_cost),
