@@ -100,8 +100,8 @@ class ComputeProfile:
     * ``gemm``: ``((flops, rate), ...)`` ascending in ``flops``: the FLOP/s a square float32
       GEMM of ``flops = 2·n³`` FLOPs reached, kernel only (the dispatch removed,
       :func:`fxpar.cost.calibration.rate_points`), its second operand streamed from memory
-      (a pool of distinct matrices larger than the last-level cache, as a training step
-      meets its weights: each is read once per pass, long after the last use);
+      (a pool of distinct matrices twice a core's cache, :func:`_cache_bytes`, as a training
+      step meets its weights: each is read once per pass, long after the last use);
     * ``memory``: ``((bytes, rate), ...)``: bytes/s of an elementwise add moving ``bytes``
       (two reads and one write), kernel only;
     * ``vector``: ``((flops, rate), ...)``: FLOP/s of non-GEMM arithmetic as the cost rules
@@ -742,7 +742,7 @@ class Cluster:
         share its cores and memory bandwidth, so this is what each gets during training):
         a GEMM ``n×n @ n×n`` in ``dtype`` (default float32; pass the dtype the model trains
         in, e.g. ``torch.bfloat16`` on a GPU) per ``n`` in ``gemm_sizes`` (``2n³`` FLOPs; its
-        second operand from a pool twice the last-level cache, cold as weights are), an
+        second operand from a pool twice a core's cache, cold as weights are), an
         elementwise add of two tensors of each of ``memory_sizes`` bytes (three times that
         moved), a 1-element op without autograd (the dispatch) and a chain of 1-element ops
         that require grad, forward then backward (per-op overheads), a row log-softmax forward
@@ -1215,20 +1215,23 @@ def _concurrent_times(fn, iters: int, group, min_time: float, sync) -> list[floa
 
 
 def _cache_bytes(device) -> int:
-    """Bytes of the device's last-level cache (a GPU's L2, the largest CPU cache sysfs lists;
-    32 MiB when neither says)."""
+    """Bytes of the cache an operand leaves between two uses in a training step: a GPU's L2; a
+    CPU core's level-2 cache (the level-3 one is shared by every rank of the host and holds a
+    small model's weights whole: a step finds them there, not in DRAM); 1 MiB when neither
+    says."""
     import torch
 
     if device.type == "cuda":
-        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 32 << 20)
-    best = 0
-    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
-        text = f.read_text().strip().upper()
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 1 << 20)
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level, text = (d / "level").read_text().strip(), (d / "size").read_text().strip().upper()
+        except OSError:
+            continue
         scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        digits = text.rstrip("KMG")
-        if digits.isdigit():
-            best = max(best, int(digits) * scale)
-    return best or 32 << 20
+        if level == "2" and text.rstrip("KMG").isdigit():
+            return int(text.rstrip("KMG")) * scale
+    return 1 << 20
 
 
 def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
@@ -1281,9 +1284,10 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
     cache = _cache_bytes(device)
     for n in gemm_sizes:
         a = torch.randn(n, n, device=device, dtype=dtype)
-        # the second operand cycles through distinct matrices larger than the last-level cache
-        # together: a weight is read once per pass (on one CPU core a cold 128x384 operand
-        # made a 64-row GEMM 1.3x slower than a cached one)
+        # the second operand cycles through distinct matrices twice the core's cache together:
+        # a weight is read once per pass, long after its last use (on one CPU core an L2-cold
+        # 128x384 operand made a 64-row GEMM 1.3x slower than a cached one; streaming from
+        # DRAM instead priced a small model's GEMMs 1.5x too slow, its weights stay in L3)
         pool = [torch.randn(n, n, device=device, dtype=dtype)
                 for _ in range(min(1024, max(2, -(-2 * cache // (n * n * esize)))))]
         cold = itertools.cycle(pool)

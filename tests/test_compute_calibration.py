@@ -114,7 +114,7 @@ def test_activations_at_their_measured_rate():
 
 
 def test_gemm_calibration_streams_its_second_operand(monkeypatch):
-    # the pool holds twice the last-level cache: 8 distinct 64x64 float32 matrices for a
+    # the pool holds twice the core's cache: 8 distinct 64x64 float32 matrices for a
     # 64 KiB cache; every one is used, in turn
     import torch.distributed as dist
 
