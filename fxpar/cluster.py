@@ -1290,10 +1290,8 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
         # DRAM instead priced a small model's GEMMs 1.5x too slow, its weights stay in L3)
         pool = [torch.randn(n, n, device=device, dtype=dtype)
                 for _ in range(min(1024, max(2, -(-2 * cache // (n * n * esize)))))]
-        cold = itertools.cycle(pool)
-        gemm_t.append(_concurrent_times(loop(lambda: torch.mm(a, next(cold))), iters, group,
-                                        min_time, sync)[0])
-        del pool, cold
+        gemm_t.append(_concurrent_times(loop(lambda a=a, cold=itertools.cycle(pool): torch.mm(a, next(cold))),
+                                        iters, group, min_time, sync)[0])
     mem_t = []
     for nbytes in memory_sizes:
         a = torch.randn(max(1, nbytes // esize), device=device, dtype=dtype)
