@@ -526,8 +526,6 @@ def activation_cost(args, kwargs, out):
     return dataclasses.replace(pointwise_cost(args, kwargs, out), kind="activation")
 
 
-
-
 def dropout_cost(args, kwargs, out):
     x = _tensors(args)[0]
     mask = x.numel  # one bool per element
@@ -1068,7 +1066,7 @@ def op_time(cost: OpCost, cluster, efficiency: float = 0.5, memory_efficiency: f
     gemm = cost.kind in GEMM_KINDS
     size = cost.fwd_flops if cost.fwd_flops > 0 else None
     rates = (prof.attention if cost.kind == "attention"
-             else getattr(prof, "activation", ()) if cost.kind == "activation" else None)
+             else prof.activation if cost.kind == "activation" else None)
     hidden = getattr(prof, "asynchronous", False)  # the host's work overlaps queued kernels
     f = calibrated_time(cost.fwd_flops, cost.fwd_bytes, prof, gemm=gemm, gemm_size=size,
                         rates=rates) + (0.0 if hidden else prof.op_overhead)

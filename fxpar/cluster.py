@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import itertools
+import json
 import math
 import socket
 import statistics
@@ -1288,13 +1288,16 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
         # a weight is read once per pass, long after its last use (on one CPU core an L2-cold
         # 128x384 operand made a 64-row GEMM 1.3x slower than a cached one; streaming from
         # DRAM instead priced a small model's GEMMs 1.5x too slow, its weights stay in L3)
-        pool = [torch.randn(n, n, device=device, dtype=dtype)
-                for _ in range(min(1024, max(2, -(-2 * cache // (n * n * esize)))))]
-        gemm_t.append(_concurrent_times(loop(lambda a=a, cold=itertools.cycle(pool): torch.mm(a, next(cold))),
-                                        iters, group, min_time, sync)[0])
+        cold = itertools.cycle([torch.randn(n, n, device=device, dtype=dtype)
+                                for _ in range(min(1024, max(2, -(-2 * cache // (n * n * esize)))))])
+
+        def mm(a=a, cold=cold):
+            torch.mm(a, next(cold))
+        gemm_t.append(_concurrent_times(loop(mm), iters, group, min_time, sync)[0])
+    elems = [max(1, nbytes // esize) for nbytes in memory_sizes]
     mem_t = []
-    for nbytes in memory_sizes:
-        a = torch.randn(max(1, nbytes // esize), device=device, dtype=dtype)
+    for n in elems:
+        a = torch.randn(n, device=device, dtype=dtype)
         b = torch.randn_like(a)
         mem_t.append(_concurrent_times(loop(lambda: torch.add(a, b)), iters, group, min_time, sync)[0])
     # non-GEMM arithmetic: a log-softmax over rows of 512 (a loss over a vocabulary shard, an
@@ -1311,9 +1314,8 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
             torch.ops.aten._log_softmax_backward_data(y, y, -1, a.dtype)
         vec_t.append(_concurrent_times(loop(fwd_bwd), iters, group, min_time, sync)[0])
     # transcendental elementwise work: a GELU forward and backward (erf in software on a CPU)
-    act_n = [max(1, nbytes // esize) for nbytes in memory_sizes]
     act_t = []
-    for n in act_n:
+    for n in elems:
         x, g = torch.randn(n, device=device, dtype=dtype), torch.randn(n, device=device, dtype=dtype)
 
         def gelu(x=x, g=g):
@@ -1354,11 +1356,11 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
     host = 0.0 if device.type == "cuda" else dispatch
     return ComputeProfile(
         gemm=rate_points([2.0 * n ** 3 for n in gemm_sizes], gemm_t, host),
-        memory=rate_points([3.0 * max(1, nb // esize) * esize for nb in memory_sizes], mem_t, host),
+        memory=rate_points([3.0 * n * esize for n in elems], mem_t, host),
         op_overhead=max(fwd_over, 0.0), bwd_op_overhead=max(bwd_over, 0.0), dispatch=dispatch,
         ranks=dist.get_world_size(group),
         vector=rate_points([9.0 * n for n in vec_n], vec_t, 2 * host),
         # keyed by the forward's FLOPs (elements), the rate over both directions' (2 per element)
-        activation=tuple((w / 2, r) for w, r in rate_points([2.0 * n for n in act_n], act_t, 2 * host)),
+        activation=tuple((w / 2, r) for w, r in rate_points([2.0 * n for n in elems], act_t, 2 * host)),
         attention=tuple((f, 3.0 * f / t) for f, t in zip(fwd, att_t)),  # backward 2x forward
         optimizer=(per_tensor, per_element), dtype=str(dtype), asynchronous=device.type == "cuda")
