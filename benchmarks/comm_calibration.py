@@ -6,7 +6,8 @@ For each world size G in (2, 4, 8) a :class:`fxpar.testing.WorkerPool` of G proc
    (even powers of two), which fits α and β per collective (:mod:`fxpar.cost.calibration`);
 2. measures every collective afresh at the *held-out* sizes (odd powers of two, in between)
    and again at the calibration sizes (a fresh run, not the fitting data), each as the median
-   over runs of the slowest rank, the same way the calibration times;
+   over runs of the slowest rank, the same way the calibration times (runs of back-to-back
+   calls lasting ``MIN_TIME``);
 3. predicts each with :func:`fxpar.cost.comm.collective_time` on the calibrated cluster, and
    with the uncalibrated ``Cluster.local`` guess for comparison;
 4. as a diagnostic of the fitting method, refits the same ring model to the *fresh* run at the
@@ -34,6 +35,7 @@ import time
 
 CAL_SIZES = [2**k for k in range(10, 21, 2)]     # 1 KiB .. 1 MiB
 HELD_OUT = [2**k for k in range(11, 20, 2)]      # 2 KiB .. 512 KiB, between the fitted points
+MIN_TIME = 0.05                                   # Cluster.calibrate's default
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all", "send_recv")
 
 
@@ -47,7 +49,8 @@ def _worker(cal_sizes, eval_sizes, collectives, iters):
 
     world = dist.get_world_size()
     t0 = time.perf_counter()
-    cal = Cluster.calibrate(sizes=cal_sizes, collectives=collectives, iters=iters, group_sizes=[world])
+    cal = Cluster.calibrate(sizes=cal_sizes, collectives=collectives, iters=iters, group_sizes=[world],
+                            min_time=MIN_TIME)
     t_cal = time.perf_counter() - t0
     nominal = Cluster.local(world)
     group = dist.group.WORLD
@@ -59,7 +62,7 @@ def _worker(cal_sizes, eval_sizes, collectives, iters):
             continue
         for split, sizes in (("held_out", eval_sizes), ("fresh", cal_sizes)):
             for nbytes in sizes:
-                measured = _time_collective(coll, nbytes, group, world, device, iters, group)
+                measured = _time_collective(coll, nbytes, group, world, device, iters, group, MIN_TIME)
                 if measured is None:
                     continue
                 # the timed buffer is float32 with a length divisible by G (as calibrate sizes it)

@@ -726,8 +726,10 @@ class Cluster:
         **Collectives** over all ranks of ``group`` (default: the world). For each collective,
         group size (powers of two up to the world, groups of consecutive ranks, as
         :func:`torch.distributed.new_subgroups` makes them) and message size it times
-        ``iters`` runs after a warm-up, takes the slowest rank per run and the median over
-        runs, and fits α and β with :func:`fxpar.cost.calibration.fit_alpha_beta`;
+        ``iters`` runs after a warm-up, each of back-to-back calls lasting about ``min_time``
+        (a call's mean cost, scheduler time slices included: :func:`_time_collective`), takes
+        the slowest rank per run and the median over runs, and fits α and β with
+        :func:`fxpar.cost.calibration.fit_alpha_beta`;
         ``send_recv`` is timed as a pipeline pays it, the receiver blocked while its peer
         computed (every pair at once, the GEMMs taken out: :func:`_time_send_recv`). Ranks are
         grouped into nodes by host name (``hosts``: one node name per rank of ``group``
@@ -807,7 +809,7 @@ class Cluster:
                                                              rank // gsize * gsize + gsize)}) == 1 else "inter"
             for coll in collectives:
                 for nbytes in sizes:
-                    t = _time_collective(coll, nbytes, sub, gsize, device, iters, group)
+                    t = _time_collective(coll, nbytes, sub, gsize, device, iters, group, min_time)
                     if t is not None:
                         measured.setdefault((coll, level, gsize), []).append((nbytes, t))
             for sg in subgroups:
@@ -821,7 +823,8 @@ class Cluster:
             across = len(node_names)
             for coll in collectives:
                 for nbytes in sizes:
-                    t = _time_collective(coll, nbytes, subgroups[j], across, device, iters, group)
+                    t = _time_collective(coll, nbytes, subgroups[j], across, device, iters, group,
+                                         min_time)
                     if t is not None:
                         measured.setdefault((coll, "inter-only", across), []).append((nbytes, t))
             for sg in subgroups:
@@ -1154,8 +1157,14 @@ _BENCH = {
 }
 
 
-def _time_collective(coll: str, nbytes: int, sub, gsize: int, device, iters: int, world_group):
-    """Median over runs of the slowest rank's time for one collective, or None if unsupported."""
+def _time_collective(coll: str, nbytes: int, sub, gsize: int, device, iters: int, world_group,
+                     min_time: float = 0.0):
+    """Seconds per call of one collective, or None if this backend does not support it: per
+    run ``reps`` calls back to back (``reps`` from a warm-up, the same on every rank, so that a
+    run lasts about ``min_time``; at least one), the slowest rank's run over ``reps``; the
+    median over ``iters`` runs. A run's mean is what a step that issues the collective again
+    and again pays; one call is a sample of a scheduler's time slices where ranks outnumber
+    cores (a 4 KiB all-reduce on 4 gloo ranks of 2 cores: 2–11 ms from one call to the next)."""
     import torch
     import torch.distributed as dist
 
@@ -1176,17 +1185,20 @@ def _time_collective(coll: str, nbytes: int, sub, gsize: int, device, iters: int
         return None
     if coll == Collective.SEND_RECV:
         return _time_send_recv(nbytes, sub, gsize, device, iters, world_group)
-    times = []
-    for _ in range(iters):
+
+    def run(reps: int) -> float:   # the slowest rank's seconds per call over ``reps`` calls
         dist.barrier(group=world_group)
         t0 = time.perf_counter()
-        fn()
+        for _ in range(reps):
+            fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        dt = torch.tensor([(time.perf_counter() - t0) / reps], dtype=torch.float64, device=device)
         dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=world_group)
-        times.append(dt.item())
-    return statistics.median(times)
+        return dt.item()
+
+    reps = 1 if min_time <= 0 else int(min(10_000, max(1, math.ceil(min_time / max(run(1), 1e-9)))))
+    return statistics.median(run(reps) for _ in range(iters))
 
 
 def _concurrent_times(fn, iters: int, group, min_time: float, sync) -> list[float]:

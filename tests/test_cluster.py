@@ -148,6 +148,42 @@ def test_calibrated_send_recv_is_the_handoff_a_pipeline_pays(pools):
     assert 0.02 <= got[0] < 0.03, got
 
 
+def _time_collective_slow_one_call_in_four(min_time: float) -> float:
+    """``_time_collective`` of a collective that lasts 1 ms, and 8 ms every fourth call (a
+    rank descheduled), on a virtual clock that only the calls advance."""
+    import types
+
+    import fxpar.cluster as fc
+
+    bench, clock, now, calls = dict(fc._BENCH), fc.time, [0.0], [0]
+
+    def call():
+        calls[0] += 1
+        now[0] += 8e-3 if calls[0] % 4 == 0 else 1e-3
+    fc._BENCH["all_reduce"] = lambda x, sub, gsize, dist: call
+    fc.time = types.SimpleNamespace(perf_counter=lambda: now[0])
+    try:
+        return fc._time_collective("all_reduce", 2**12, dist.group.WORLD, 2, torch.device("cpu"),
+                                   5, dist.group.WORLD, min_time)
+    finally:
+        fc._BENCH.clear()
+        fc._BENCH.update(bench)
+        fc.time = clock
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(60)
+def test_collective_calibration_prices_the_mean_call(pools):
+    """A collective is timed over runs of back-to-back calls that last ``min_time`` (the same
+    count on every rank): 1 ms calls with an 8 ms one in four cost (3·1 + 8)/4 = 2.75 ms
+    each, what a step that issues them pays; one call per run (``min_time=0``: calls 2 to 6,
+    one of them slow) has the 1 ms median, blind to the slow calls."""
+    got = pools(2).run(_time_collective_slow_one_call_in_four, 0.04, timeout=50)
+    assert got[0] == got[1] == pytest.approx(2.75e-3, rel=1e-9), got
+    single = pools(2).run(_time_collective_slow_one_call_in_four, 0.0, timeout=50)
+    assert single[0] == pytest.approx(1e-3, rel=1e-9), single
+
+
 def _calibrate_interference_with_slow_overlap(comm: float, unit: float, factor: float):
     """An asynchronous all-reduce lasts ``comm`` seconds; a unit of compute lasts ``unit``,
     and the first unit after an all-reduce is issued ``factor × comm`` longer (communication
