@@ -726,9 +726,11 @@ class Cluster:
         **Collectives** over all ranks of ``group`` (default: the world). For each collective,
         group size (powers of two up to the world, groups of consecutive ranks, as
         :func:`torch.distributed.new_subgroups` makes them) and message size it times
-        ``iters`` runs after a warm-up, each of back-to-back calls lasting about ``min_time``
-        (a call's mean cost, scheduler time slices included: :func:`_time_collective`), takes
-        the slowest rank per run and the median over runs, and fits α and β with
+        ``iters`` runs after a warm-up, each of calls that follow a GEMM of at least
+        :data:`HANDOFF_COMPUTE` (ranks reach it from compute, as in a step; the GEMMs taken
+        out) and lasting about ``min_time`` (a call's mean cost, scheduler time slices
+        included: :func:`_time_collective`), takes the slowest rank per run and the median
+        over runs, and fits α and β with
         :func:`fxpar.cost.calibration.fit_alpha_beta`;
         ``send_recv`` is timed as a pipeline pays it, the receiver blocked while its peer
         computed (every pair at once, the GEMMs taken out: :func:`_time_send_recv`). Ranks are
@@ -799,6 +801,9 @@ class Cluster:
                 group_sizes.append(world)
         measured: dict[tuple[str, str, int], list[tuple[int, float]]] = {}
         global_ranks = dist.get_process_group_ranks(group)
+        # ranks reach each timed collective from compute, as in a step (_time_collective)
+        before = (_handoff_compute(device, group)
+                  if any(c != Collective.SEND_RECV for c in collectives) else None)
         for gsize in group_sizes:
             if world % gsize:
                 continue
@@ -809,7 +814,8 @@ class Cluster:
                                                              rank // gsize * gsize + gsize)}) == 1 else "inter"
             for coll in collectives:
                 for nbytes in sizes:
-                    t = _time_collective(coll, nbytes, sub, gsize, device, iters, group, min_time)
+                    t = _time_collective(coll, nbytes, sub, gsize, device, iters, group, min_time,
+                                         before)
                     if t is not None:
                         measured.setdefault((coll, level, gsize), []).append((nbytes, t))
             for sg in subgroups:
@@ -824,7 +830,7 @@ class Cluster:
             for coll in collectives:
                 for nbytes in sizes:
                     t = _time_collective(coll, nbytes, subgroups[j], across, device, iters, group,
-                                         min_time)
+                                         min_time, before)
                     if t is not None:
                         measured.setdefault((coll, "inter-only", across), []).append((nbytes, t))
             for sg in subgroups:
@@ -1005,6 +1011,27 @@ def _handoff_gemm(device):
         n *= 2
 
 
+def _handoff_compute(device, group):
+    """The compute before each timed communication (:func:`_time_send_recv`,
+    :func:`_time_collective`): a call running a square float32 GEMM of at least
+    :data:`HANDOFF_COMPUTE` seconds (:func:`_handoff_gemm`, one ``n`` agreed on every rank of
+    ``group``) and returning the seconds it took, the device synchronized."""
+    import torch
+    import torch.distributed as dist
+
+    n = torch.tensor([_handoff_gemm(device)], device=device)
+    dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+    a = torch.randn(int(n.item()), int(n.item()), device=device)
+
+    def gemm() -> float:
+        t0 = time.perf_counter()
+        a @ a
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    return gemm
+
+
 def _time_send_recv(nbytes: int, sub, gsize: int, device, iters: int, world_group) -> float:
     """One-way seconds of a ``send``/``recv`` of ``nbytes`` as a pipeline pays it: the receiver
     blocked on it while the sender computed. Every pair of ``sub`` (all pairs at once, every
@@ -1020,19 +1047,11 @@ def _time_send_recv(nbytes: int, sub, gsize: int, device, iters: int, world_grou
     peer = _peer(sub, gsize, dist)
     even = dist.get_rank(sub) % 2 == 0
     x = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
-    size = torch.tensor([_handoff_gemm(device)], device=device)
-    dist.all_reduce(size, op=dist.ReduceOp.MAX, group=world_group)
-    a = torch.randn(int(size.item()), int(size.item()), device=device)
+    gemm = _handoff_compute(device, world_group)
 
-    def done() -> None:   # CUDA: a recv or a GEMM is over when its stream is
+    def done() -> None:   # CUDA: a recv is over when its stream is
         if device.type == "cuda":
             torch.cuda.synchronize()
-
-    def gemm() -> float:
-        t0 = time.perf_counter()
-        a @ a
-        done()
-        return time.perf_counter() - t0
 
     k, runs = HANDOFF_ROUND_TRIPS, []
     for _ in range(iters):
@@ -1158,13 +1177,17 @@ _BENCH = {
 
 
 def _time_collective(coll: str, nbytes: int, sub, gsize: int, device, iters: int, world_group,
-                     min_time: float = 0.0):
-    """Seconds per call of one collective, or None if this backend does not support it: per
-    run ``reps`` calls back to back (``reps`` from a warm-up, the same on every rank, so that a
-    run lasts about ``min_time``; at least one), the slowest rank's run over ``reps``; the
-    median over ``iters`` runs. A run's mean is what a step that issues the collective again
-    and again pays; one call is a sample of a scheduler's time slices where ranks outnumber
-    cores (a 4 KiB all-reduce on 4 gloo ranks of 2 cores: 2–11 ms from one call to the next)."""
+                     min_time: float = 0.0, compute=None):
+    """Seconds per call of one collective as a step pays it, or None if this backend does not
+    support it. A run is ``reps`` calls (``reps`` from a warm-up, the same on every rank, so
+    that a run lasts about ``min_time``; at least one), each after ``compute()`` (a callable
+    returning the seconds it computed, e.g. :func:`_handoff_compute`: ranks arrive as they
+    finish computing, the first ones blocked until the last; ``None``: back to back); per
+    run ``(T − C) / reps`` with ``T`` the slowest rank's run and ``C`` the most any rank
+    computed in it; the median over ``iters`` runs. A run's mean is what a step that issues
+    the collective again and again pays: one call is a sample of a scheduler's time slices
+    where ranks outnumber cores (a 4 KiB all-reduce on 4 gloo ranks of 2 cores: 2–11 ms from
+    one call to the next, 5.2–5.9 ms as the mean of runs after GEMMs)."""
     import torch
     import torch.distributed as dist
 
@@ -1186,18 +1209,28 @@ def _time_collective(coll: str, nbytes: int, sub, gsize: int, device, iters: int
     if coll == Collective.SEND_RECV:
         return _time_send_recv(nbytes, sub, gsize, device, iters, world_group)
 
-    def run(reps: int) -> float:   # the slowest rank's seconds per call over ``reps`` calls
+    def run(reps: int) -> float:   # (slowest rank's run − most computed) / reps
         dist.barrier(group=world_group)
-        t0 = time.perf_counter()
+        c, t0 = 0.0, time.perf_counter()
         for _ in range(reps):
+            if compute is not None:
+                c += compute()
             fn()
         if device.type == "cuda":
             torch.cuda.synchronize()
-        dt = torch.tensor([(time.perf_counter() - t0) / reps], dtype=torch.float64, device=device)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX, group=world_group)
-        return dt.item()
+        t = torch.tensor([time.perf_counter() - t0, c], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world_group)
+        return max(0.0, (t[0].item() - t[1].item()) / reps)
 
-    reps = 1 if min_time <= 0 else int(min(10_000, max(1, math.ceil(min_time / max(run(1), 1e-9)))))
+    if min_time <= 0:
+        reps = 1
+    else:   # the warm-up run's call and compute, the same on every rank (one all-reduce each)
+        dist.barrier(group=world_group)
+        t0 = time.perf_counter()
+        run(1)
+        warm = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+        dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=world_group)
+        reps = int(min(10_000, max(1, math.ceil(min_time / max(warm.item(), 1e-9)))))
     return statistics.median(run(reps) for _ in range(iters))
 
 

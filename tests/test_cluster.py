@@ -148,9 +148,10 @@ def test_calibrated_send_recv_is_the_handoff_a_pipeline_pays(pools):
     assert 0.02 <= got[0] < 0.03, got
 
 
-def _time_collective_slow_one_call_in_four(min_time: float) -> float:
+def _time_collective_slow_one_call_in_four(min_time: float, compute: bool) -> float:
     """``_time_collective`` of a collective that lasts 1 ms, and 8 ms every fourth call (a
-    rank descheduled), on a virtual clock that only the calls advance."""
+    rank descheduled), each after 1 ms of compute if ``compute``, on a virtual clock that only
+    the calls and the compute advance."""
     import types
 
     import fxpar.cluster as fc
@@ -160,11 +161,15 @@ def _time_collective_slow_one_call_in_four(min_time: float) -> float:
     def call():
         calls[0] += 1
         now[0] += 8e-3 if calls[0] % 4 == 0 else 1e-3
+
+    def work():
+        now[0] += 1e-3
+        return 1e-3
     fc._BENCH["all_reduce"] = lambda x, sub, gsize, dist: call
     fc.time = types.SimpleNamespace(perf_counter=lambda: now[0])
     try:
         return fc._time_collective("all_reduce", 2**12, dist.group.WORLD, 2, torch.device("cpu"),
-                                   5, dist.group.WORLD, min_time)
+                                   5, dist.group.WORLD, min_time, work if compute else None)
     finally:
         fc._BENCH.clear()
         fc._BENCH.update(bench)
@@ -172,16 +177,18 @@ def _time_collective_slow_one_call_in_four(min_time: float) -> float:
 
 
 @pytest.mark.dist
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(90)
 def test_collective_calibration_prices_the_mean_call(pools):
-    """A collective is timed over runs of back-to-back calls that last ``min_time`` (the same
-    count on every rank): 1 ms calls with an 8 ms one in four cost (3·1 + 8)/4 = 2.75 ms
+    """A collective is timed over runs of calls that last ``min_time`` (the same count on
+    every rank; a warm-up call and compute of 2 ms give 20 calls, 1 ms alone 40), the compute
+    before each call taken out: 1 ms calls with an 8 ms one in four cost (3·1 + 8)/4 = 2.75 ms
     each, what a step that issues them pays; one call per run (``min_time=0``: calls 2 to 6,
     one of them slow) has the 1 ms median, blind to the slow calls."""
-    got = pools(2).run(_time_collective_slow_one_call_in_four, 0.04, timeout=50)
-    assert got[0] == got[1] == pytest.approx(2.75e-3, rel=1e-9), got
-    single = pools(2).run(_time_collective_slow_one_call_in_four, 0.0, timeout=50)
-    assert single[0] == pytest.approx(1e-3, rel=1e-9), single
+    for compute in (True, False):
+        got = pools(2).run(_time_collective_slow_one_call_in_four, 0.0395, compute, timeout=50)
+        assert got[0] == got[1] == pytest.approx(2.75e-3, rel=1e-9), (compute, got)
+        single = pools(2).run(_time_collective_slow_one_call_in_four, 0.0, compute, timeout=50)
+        assert single[0] == pytest.approx(1e-3, rel=1e-9), (compute, single)
 
 
 def _calibrate_interference_with_slow_overlap(comm: float, unit: float, factor: float):
