@@ -130,3 +130,25 @@ def test_plan_config_counts_gathered_storage_only():
     assert col.node("p_0_weight").outputs == gathered.node("p_0_weight").outputs == ("S(0)",)
     assert (col.config.s_p, gathered.config.s_p) == (1, 2)
     assert fxpar.plan(m, c, (x,), plan="zero3", mesh={"dp": 2}).plan.config.s_p == 2
+
+
+@pytest.mark.parametrize("axis", ["tp", "data", "x"])
+def test_a_data_parallel_plan_is_priced_as_one_whatever_its_axis_is_called(axis):
+    """A plan that shards the batch and replicates every weight on an axis not named ``dp``
+    (``auto`` on ``{"tp": 4}`` picks it for a small GPT; AxoNN's ``data``) is data
+    parallelism: the runner reduces its gradients in buckets behind the backward, as on
+    ``dp``, so its configuration is ``dp = 4`` and its step the ``dp`` plan's (it was priced
+    as a tensor-parallel plan with every gradient all-reduce exposed, 1.18x the same plan on
+    ``dp``). A Megatron plan on ``tp`` stays tensor-parallel."""
+    from examples.models import GPT
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 64, (8, 16))
+    c = fxpar.Cluster.local(4)
+    on_dp = fxpar.plan(GPT(64, 32, 2, 2, 16), c, (x, x), plan="dp", mesh={"dp": 4}).plan
+    other = fxpar.plan(GPT(64, 32, 2, 2, 16), c, (x, x), plan="dp", mesh={axis: 4}).plan
+    assert [n.outputs for n in other.nodes] == [n.outputs for n in on_dp.nodes]
+    assert (other.config.dp, other.config.tp) == (4, 1)
+    assert other.time == pytest.approx(on_dp.time, rel=1e-12)
+    tp = fxpar.plan(GPT(64, 32, 2, 2, 16), c, (x, x), plan="megatron", mesh={"tp": 4}).plan
+    assert (tp.config.dp, tp.config.tp) == (1, 4)

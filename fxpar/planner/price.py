@@ -44,10 +44,10 @@ from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import (BUCKET, DpTerms, StepTime, UnitCost, chunk_costs, dp_terms,
                              microbatch_overhead, optimizer_time, split_backward, rank_memory,
                              step_piece, step_time, tiny_params, zero_units)
-from fxpar.spec import Spec
+from fxpar.spec import Replicate, Spec
 from fxpar.split import units
 
-__all__ = ["REPLICA_AXES", "schedule_of", "unit_table", "replica_grid", "price_config", "price_plan",
+__all__ = ["REPLICA_AXES", "replica_axes", "schedule_of", "unit_table", "replica_grid", "price_config", "price_plan",
            "optimizer_seconds",
            "recomputed_units"]
 
@@ -56,6 +56,42 @@ REPLICA_AXES = ("dp", "dp_shard")
 #: mesh axes over which a parameter is replicated and its gradient reduced by the step's
 #: data-parallel terms: the batch replicas' and context parallelism's (sequence shards)
 PARAM_REPLICA_AXES = REPLICA_AXES + ("cp",)
+
+
+def replica_axes(plan) -> tuple[str, ...]:
+    """The axes of ``plan``'s mesh over which its parameters are data-parallel: the replica
+    axes by name (:data:`PARAM_REPLICA_AXES`) and every other axis of size > 1 (not ``pp``)
+    on which every trainable parameter is stored replicated and some parameter's gradient is
+    all-reduced (a batch-independent one, a position embedding's, is reduced on its output
+    instead). Such an axis is data parallelism whatever its name (an ``auto`` plan on
+    ``{"tp": 4}`` that shards the batch and replicates the weights; AxoNN's ``data``): the
+    runner reduces those gradients in buckets behind the backward
+    (``gm.meta[ir.REPLICA_AXES]``: stored ``R``, gradient ``P(sum)``), so they are priced as
+    the step's data-parallel terms, not as tensor-parallel collectives in the units.
+    Parameters stored sharded on an axis not named so (ZeRO-3 over ``dp × tp``, AxoNN's
+    ``z``) keep their collectives in the units.
+
+    >>> import torch, fxpar
+    >>> from examples.models import MLP
+    >>> p = fxpar.plan(MLP(8, 16, 4), fxpar.Cluster.preset("dgx-a100"), (torch.randn(4, 8),),
+    ...                plan="dp", mesh={"data": 2}).plan
+    >>> replica_axes(p), p.config.dp
+    (('data',), 2)
+    """
+    names, shape = tuple(plan.mesh["axis_names"]), tuple(plan.mesh["shape"])
+    named = tuple(a for a in names if a in PARAM_REPLICA_AXES)
+    params = [n for n in plan.nodes if n.param]
+    if not params:
+        return named
+    ids = {n.name for n in params}
+    reduced = {st.axis for e in plan.edges if e.direction == "bwd" and e.producer in ids
+               for st in e.steps if st.kind == "all_reduce"}
+    stored = [Spec.parse(n.outputs[0]) for n in params]
+
+    def data(i: int, a: str) -> bool:
+        return a in reduced and all(s[i] == Replicate() for s in stored)
+    return named + tuple(a for i, (a, k) in enumerate(zip(names, shape))
+                         if a not in named and a != "pp" and k > 1 and data(i, a))
 #: memory key of each schedule (:func:`fxpar.cost.pipeline.in_flight_microbatches`)
 MEM_KEY = {"1f1b": "1f1b", "interleaved": "interleaved", "eager-1f1b": "eager_1f1b",
             "zb-h1": "1f1b", "gpipe": "gpipe"}
@@ -76,7 +112,8 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
     inputs = {n.name for n in gm.graph.nodes if n.op == "placeholder" and layer_of(n) == "(inputs)"}
     early: list[tuple[int, list]] = []  # (consumer's unit, steps) of the inputs' collectives
     names, shape = tuple(plan.mesh["axis_names"]), tuple(plan.mesh["shape"])
-    own = tuple(1 if a in PARAM_REPLICA_AXES else s for a, s in zip(names, shape))
+    replicas = replica_axes(plan)
+    own = tuple(1 if a in replicas else s for a, s in zip(names, shape))
     first_use: dict[str, int] = {}
     last_use: dict[str, int] = {}
     for i, (_, unodes) in enumerate(us):
@@ -135,7 +172,7 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
     for e in plan.edges:
         fixed = e.producer in params
         keep_replica = not fixed and (e.direction == "fwd" or (e.producer, e.consumer) not in sync)
-        steps = [s for s in e.steps if keep_replica or s.axis not in PARAM_REPLICA_AXES]
+        steps = [s for s in e.steps if keep_replica or s.axis not in replicas]
         d = "fwd" if e.direction == "fwd" else "bwd"
         u = unit_of.get(e.consumer, last)
         if fixed:
@@ -313,8 +350,9 @@ def schedule_of(plan):
 
 
 def mesh_config(plan) -> ParallelConfig:
-    """The configuration an SPMD ``plan`` realizes, read off its mesh (``dp``·``dp_shard``
-    replicas, ``tp``, other axes as ``extra``) and its parameters' layouts (``s_p``: the
+    """The configuration an SPMD ``plan`` realizes, read off its mesh (the replicas: the
+    product of its data-parallel axes, :func:`replica_axes` but ``cp``; ``tp``, other axes as
+    ``extra``) and its parameters' layouts (``s_p``: the
     replica axes on which some parameter is stored sharded and gathered for its use, ZeRO-3 /
     FSDP style; gradients and optimizer states sharded with them, as the runner does by
     default). A parameter its use reads sharded on the axis (a column-parallel lookup on
@@ -323,12 +361,15 @@ def mesh_config(plan) -> ParallelConfig:
     params = {n.name for n in plan.nodes if n.param}
     gathered = {st.axis for e in plan.edges if e.direction == "fwd" and e.producer in params
                 for st in e.steps if st.kind in ("all_gather", "all_to_all")}
+    # the batch replicas: dp, dp_shard and any axis found data-parallel (not cp: its own term)
+    data = tuple(a for a in replica_axes(plan) if a != "cp")
     s_p = 1
-    for a in REPLICA_AXES:
-        if a in deg and deg[a] > 1 and a in gathered:
+    for a in data:
+        if deg[a] > 1 and a in gathered:
             s_p *= deg[a]
-    extra = tuple((a, k) for a, k in deg.items() if a not in (*REPLICA_AXES, "tp", "pp"))
-    return ParallelConfig(dp=deg.get("dp", 1) * deg.get("dp_shard", 1), tp=deg.get("tp", 1),
+    extra = tuple((a, k) for a, k in deg.items() if a not in (*data, "tp", "pp"))
+    return ParallelConfig(dp=math.prod(deg[a] for a in data),
+                          tp=1 if "tp" in data else deg.get("tp", 1),
                           extra=extra, s_p=s_p, s_g=s_p, s_os=s_p)
 
 
