@@ -726,12 +726,11 @@ class Cluster:
         **Collectives** over all ranks of ``group`` (default: the world). For each collective,
         group size (powers of two up to the world, groups of consecutive ranks, as
         :func:`torch.distributed.new_subgroups` makes them) and message size it times
-        ``iters`` runs after a warm-up, each of calls that follow a GEMM of at least
-        :data:`HANDOFF_COMPUTE` (ranks reach it from compute, as in a step; the GEMMs taken
-        out) and lasting about ``min_time`` (a call's mean cost, scheduler time slices
+        ``iters`` runs after a warm-up (a run: about ``min_time`` of calls, each after a GEMM
+        of at least :data:`HANDOFF_COMPUTE` on every rank, as a step reaches a collective from
+        compute, the GEMMs' seconds taken out; a call's mean cost, scheduler time slices
         included: :func:`_time_collective`), takes the slowest rank per run and the median
-        over runs, and fits α and β with
-        :func:`fxpar.cost.calibration.fit_alpha_beta`;
+        over runs, and fits α and β with :func:`fxpar.cost.calibration.fit_alpha_beta`;
         ``send_recv`` is timed as a pipeline pays it, the receiver blocked while its peer
         computed (every pair at once, the GEMMs taken out: :func:`_time_send_recv`). Ranks are
         grouped into nodes by host name (``hosts``: one node name per rank of ``group``

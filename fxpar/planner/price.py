@@ -2,8 +2,9 @@
 
 * :func:`unit_table`: a plan's costs attributed to the units of its graph
   (:func:`fxpar.split.units`): per device, compute and communication on the plan's own axes;
-  parameter communication over the replica axes (``dp``, ``dp_shard``, and ``cp``: a
-  parameter's gradient is a partial sum over the sequence shards too) is left out, the step
+  parameter communication over the replica axes (:func:`replica_axes`: ``dp``, ``dp_shard``,
+  ``cp``, whose sequence shards make a gradient a partial sum too, and any axis the plan uses
+  as data parallelism whatever its name) is left out, the step
   model prices it with AMSP's terms from the configuration's state factors, and so are the
   reductions of activation gradients summed over the batch (``replica_grads``: their bytes,
   priced by the configuration's data-parallel group);
@@ -47,9 +48,8 @@ from fxpar.cost.step import (BUCKET, DpTerms, StepTime, UnitCost, chunk_costs, d
 from fxpar.spec import Replicate, Spec
 from fxpar.split import units
 
-__all__ = ["REPLICA_AXES", "replica_axes", "schedule_of", "unit_table", "replica_grid", "price_config", "price_plan",
-           "optimizer_seconds",
-           "recomputed_units"]
+__all__ = ["REPLICA_AXES", "replica_axes", "schedule_of", "unit_table", "replica_grid",
+           "price_config", "price_plan", "optimizer_seconds", "recomputed_units"]
 
 #: mesh axes whose devices hold replicas of the batch split (data parallelism)
 REPLICA_AXES = ("dp", "dp_shard")
@@ -92,6 +92,8 @@ def replica_axes(plan) -> tuple[str, ...]:
         return a in reduced and all(s[i] == Replicate() for s in stored)
     return named + tuple(a for i, (a, k) in enumerate(zip(names, shape))
                          if a not in named and a != "pp" and k > 1 and data(i, a))
+
+
 #: memory key of each schedule (:func:`fxpar.cost.pipeline.in_flight_microbatches`)
 MEM_KEY = {"1f1b": "1f1b", "interleaved": "interleaved", "eager-1f1b": "eager_1f1b",
             "zb-h1": "1f1b", "gpipe": "gpipe"}
