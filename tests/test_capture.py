@@ -781,3 +781,27 @@ def test_no_grad_region_returning_its_input_keeps_the_gradient():
     want.backward()
     assert ref.a.weight.grad is not None and ref.a.weight.grad.abs().sum() > 0
     assert_grads_match(m, ref)
+
+
+def test_falling_back_to_symbolic_trace_is_said(monkeypatch):
+    """When both ATen-level frontends fail, ``capture`` still returns the torch-level graph
+    but warns, naming each failure (a script called ``z3.py`` beside ``__main__`` breaks
+    torch.export's import of z3, and the ZeRO-3 baseline then finds no parameter nodes);
+    a capture that export makes says nothing."""
+    fe = sys.modules["fxpar.capture.frontends"]
+
+    run = fe._run_frontend
+
+    def failing(name, *a, **k):
+        if name != "symbolic_trace":
+            raise AttributeError("module 'z3' has no attribute 'ExprRef'")
+        return run(name, *a, **k)
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        capture(MLP(4, 8, 3), (torch.randn(2, 4),))
+    assert not [w for w in quiet if "symbolic_trace" in str(w.message)]
+    monkeypatch.setattr(fe, "_run_frontend", failing)
+    with pytest.warns(UserWarning, match=r"captured at torch level by symbolic_trace.*"
+                      r"export\(non-strict\): AttributeError: module 'z3'.*export\(strict\)"):
+        gm = capture(MLP(4, 8, 3), (torch.randn(2, 4),))
+    assert gm.meta[ir.FRONTEND] == "symbolic_trace"

@@ -34,6 +34,7 @@ Example (the same module through the torch-level frontend, and on the meta devic
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -83,7 +84,8 @@ def capture(
     specialize ``.item()``/``.tolist()`` reads to (a saved graph's ``gm.meta[ir.READS]``)
     instead of an eager run's. Raises :class:`CaptureError` when no frontend
     succeeds; its message names every frontend tried and the first line of its error, and
-    ``err.failures`` maps each frontend's label to its exception.
+    ``err.failures`` maps each frontend's label to its exception. Falling back to
+    ``symbolic_trace`` warns, naming why each ATen-level frontend failed.
     """
     args, kwargs = _prepared_inputs(model, example_inputs, example_kwargs, frontend, decompose)
     order = FRONTENDS if frontend == "auto" else (frontend,)
@@ -124,6 +126,12 @@ def capture(
                     f"{ir.source_of(r)}) reads a value from tensor data that sets a size or a branch: "
                     f"{e}") from e
         refuse_data_dependent(gm, type(model).__name__)  # final: no other frontend can do better
+        if fe == "symbolic_trace" and failures:
+            # said, not hidden: a torch-level graph (call_module nodes, parameters read by
+            # their modules) plans differently, and a failed export is often the user's to fix
+            warnings.warn(f"fxpar.capture: {type(model).__name__} captured at torch level by "
+                          f"symbolic_trace, the ATen-level frontends failed: {'; '.join(reasons)}",
+                          stacklevel=2)
         return gm
     raise capture_error(type(model).__name__, reasons, failures) from next(
         iter(failures.values()), None)
