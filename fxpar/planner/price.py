@@ -63,13 +63,15 @@ def replica_axes(plan) -> tuple[str, ...]:
     axes by name (:data:`PARAM_REPLICA_AXES`) and every other axis of size > 1 (not ``pp``)
     on which every trainable parameter is stored replicated and some parameter's gradient is
     all-reduced (a batch-independent one, a position embedding's, is reduced on its output
-    instead). Such an axis is data parallelism whatever its name (an ``auto`` plan on
-    ``{"tp": 4}`` that shards the batch and replicates the weights; AxoNN's ``data``): the
+    instead), when every such axis is (the plan is data-parallel on all of them). Such an
+    axis is data parallelism whatever its name (an ``auto`` plan on ``{"tp": 4}`` that
+    shards the batch and replicates the weights; AxoNN's ``data``): the
     runner reduces those gradients in buckets behind the backward
     (``gm.meta[ir.REPLICA_AXES]``: stored ``R``, gradient ``P(sum)``), so they are priced as
     the step's data-parallel terms, not as tensor-parallel collectives in the units.
-    Parameters stored sharded on an axis not named so (ZeRO-3 over ``dp × tp``, AxoNN's
-    ``z``) keep their collectives in the units.
+    Parameters stored sharded on an axis not named so (ZeRO-3 over ``dp × tp``), or a
+    data-parallel axis beside ones that shard the model (AxoNN's ``z`` beside ``y`` and
+    ``x``), keep their collectives in the units.
 
     >>> import torch, fxpar
     >>> from examples.models import MLP
@@ -90,8 +92,14 @@ def replica_axes(plan) -> tuple[str, ...]:
 
     def data(i: int, a: str) -> bool:
         return a in reduced and all(s[i] == Replicate() for s in stored)
-    return named + tuple(a for i, (a, k) in enumerate(zip(names, shape))
-                         if a not in named and a != "pp" and k > 1 and data(i, a))
+    others = [(i, a) for i, (a, k) in enumerate(zip(names, shape))
+              if a not in named and a != "pp" and k > 1]
+    # only a plan that is data-parallel on every such axis: where other axes shard the model
+    # (AxoNN's z beside y and x), the units' per-axis reductions stay as they are priced (the
+    # step's data-parallel terms would price one flat all-reduce over the product instead)
+    if others and all(data(i, a) for i, a in others):
+        return named + tuple(a for _, a in others)
+    return named
 
 
 #: memory key of each schedule (:func:`fxpar.cost.pipeline.in_flight_microbatches`)
