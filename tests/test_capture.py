@@ -696,11 +696,26 @@ def test_stack_traces_read_lazily_are_the_same():
 
 def test_capture_on_a_torch_without_the_stack_trace_switch(monkeypatch):
     """torch 2.11 (the GPU machines' image) has no ``fx.config.do_not_emit_stack_traces``:
-    capture then leaves stack recording to torch instead of failing every frontend."""
-    monkeypatch.delattr(torch.fx.config, "do_not_emit_stack_traces")
+    capture then leaves stack recording to torch and still exports. The switch is hidden
+    from fxpar's export module only: this torch's own export reads it (deleting it made
+    every ATen-level frontend fail, and the test passed on the ``symbolic_trace`` fallback,
+    which capture now warns of)."""
+    import types
+
+    ex = sys.modules["fxpar.capture.export"]
+
+    class OldFx:   # torch.fx as fxpar sees it on torch 2.11
+        config = types.SimpleNamespace()
+
+        def __getattr__(self, name):
+            return getattr(torch.fx, name)
+    monkeypatch.setattr(ex, "fx", OldFx())
     model = tiny_gpt()
     idx, tgt = tokens(), tokens(2)
-    gm = capture(model, (idx,), {"targets": tgt})
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*captured at torch level")   # no fallback
+        gm = capture(model, (idx,), {"targets": tgt})
+    assert gm.meta[ir.FRONTEND].startswith("export")
     torch.testing.assert_close(run_captured(gm, model, idx, targets=tgt), model(idx, tgt))
 
 
