@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fxpar
+from fxpar import ir
 from fxpar.capture.functionalize import _functional
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,6 +61,9 @@ def test_functional_capture_equals_eager(cls):
     m = cls()
     x = torch.randn(3, 4 if cls is MLAFill else 6, requires_grad=False)
     gm = fxpar.capture(m, (x,))
+    # exported (the ATen-level graph the rewrite is for), not the symbolic_trace fallback:
+    # Writes' re-taken double transpose once made the rewrite's graph fail its lint
+    assert gm.meta[ir.FRONTEND].startswith("export"), gm.meta[ir.FRONTEND]
     assert _no_intermediate_writes(gm)
     ref = copy.deepcopy(m)
     want = ref(x)

@@ -236,9 +236,13 @@ def functionalize_mutations(gm: fx.GraphModule) -> int:
         def rederive(v: fx.Node) -> fx.Node:   # an older view of the base, taken again
             nonlocal last
             if v not in remap:
+                # its inputs first (each after ``last``), then the copy after them: copied
+                # inside one insertion point, a parent taken again in the copy's argument
+                # map landed after it (a view of a view of the base read after the write)
+                fx.node.map_arg((v.args, v.kwargs),
+                                lambda a: rederive(a) if a in remap or a in aliases else a)
                 with graph.inserting_after(last):
-                    c = graph.node_copy(v, lambda a: rederive(a) if a in remap or a in aliases
-                                        else a)
+                    c = graph.node_copy(v, lambda a: remap.get(a, a))
                 remap[v] = last = made(c)
             return remap[v]
 
