@@ -1208,7 +1208,7 @@ def _time_collective(coll: str, nbytes: int, sub, gsize: int, device, iters: int
     if coll == Collective.SEND_RECV:
         return _time_send_recv(nbytes, sub, gsize, device, iters, world_group)
 
-    def run(reps: int) -> float:   # (slowest rank's run − most computed) / reps
+    def run(reps: int) -> tuple[float, float]:   # (slowest rank's run, most computed)
         dist.barrier(group=world_group)
         c, t0 = 0.0, time.perf_counter()
         for _ in range(reps):
@@ -1219,18 +1219,12 @@ def _time_collective(coll: str, nbytes: int, sub, gsize: int, device, iters: int
             torch.cuda.synchronize()
         t = torch.tensor([time.perf_counter() - t0, c], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=world_group)
-        return max(0.0, (t[0].item() - t[1].item()) / reps)
+        return t[0].item(), t[1].item()
 
-    if min_time <= 0:
-        reps = 1
-    else:   # the warm-up run's call and compute, the same on every rank (one all-reduce each)
-        dist.barrier(group=world_group)
-        t0 = time.perf_counter()
-        run(1)
-        warm = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-        dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=world_group)
-        reps = int(min(10_000, max(1, math.ceil(min_time / max(warm.item(), 1e-9)))))
-    return statistics.median(run(reps) for _ in range(iters))
+    # reps from a warm-up run of one call and its compute (the same on every rank)
+    reps = 1 if min_time <= 0 else int(min(10_000, max(1, math.ceil(
+        min_time / max(run(1)[0], 1e-9)))))
+    return statistics.median(max(0.0, (t - c) / reps) for t, c in (run(reps) for _ in range(iters)))
 
 
 def _concurrent_times(fn, iters: int, group, min_time: float, sync) -> list[float]:

@@ -239,8 +239,9 @@ def functionalize_mutations(gm: fx.GraphModule) -> int:
                 # its inputs first (each after ``last``), then the copy after them: copied
                 # inside one insertion point, a parent taken again in the copy's argument
                 # map landed after it (a view of a view of the base read after the write)
-                fx.node.map_arg((v.args, v.kwargs),
-                                lambda a: rederive(a) if a in remap or a in aliases else a)
+                for a in v.all_input_nodes:
+                    if a in remap or a in aliases:
+                        rederive(a)
                 with graph.inserting_after(last):
                     c = graph.node_copy(v, lambda a: remap.get(a, a))
                 remap[v] = last = made(c)

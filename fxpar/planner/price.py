@@ -60,18 +60,15 @@ PARAM_REPLICA_AXES = REPLICA_AXES + ("cp",)
 
 def replica_axes(plan) -> tuple[str, ...]:
     """The axes of ``plan``'s mesh over which its parameters are data-parallel: the replica
-    axes by name (:data:`PARAM_REPLICA_AXES`) and every other axis of size > 1 (not ``pp``)
-    on which every trainable parameter is stored replicated and some parameter's gradient is
-    all-reduced (a batch-independent one, a position embedding's, is reduced on its output
-    instead), when every such axis is (the plan is data-parallel on all of them). Such an
-    axis is data parallelism whatever its name (an ``auto`` plan on ``{"tp": 4}`` that
-    shards the batch and replicates the weights; AxoNN's ``data``): the
-    runner reduces those gradients in buckets behind the backward
-    (``gm.meta[ir.REPLICA_AXES]``: stored ``R``, gradient ``P(sum)``), so they are priced as
-    the step's data-parallel terms, not as tensor-parallel collectives in the units.
-    Parameters stored sharded on an axis not named so (ZeRO-3 over ``dp × tp``), or a
-    data-parallel axis beside ones that shard the model (AxoNN's ``z`` beside ``y`` and
-    ``x``), keep their collectives in the units.
+    axes by name (:data:`PARAM_REPLICA_AXES`), plus the other axes of size > 1 (not ``pp``)
+    when the plan is data-parallel on every one of them: every trainable parameter stored
+    ``R`` there and some parameter's gradient all-reduced there (a position embedding's is
+    reduced on its output instead). So an ``auto`` plan on ``{"tp": 4}`` that shards the batch
+    and replicates the weights, or AxoNN's ``data``, is priced as the runner runs it (its
+    buckets reduce those gradients behind the backward, ``gm.meta[ir.REPLICA_AXES]``), not as
+    tensor-parallel collectives in the units. Storage sharded on such an axis (ZeRO-3 over
+    ``dp × tp``), or an axis beside ones that shard the model (AxoNN's ``z`` beside ``y`` and
+    ``x``), keeps its collectives in the units.
 
     >>> import torch, fxpar
     >>> from examples.models import MLP
@@ -89,15 +86,12 @@ def replica_axes(plan) -> tuple[str, ...]:
     reduced = {st.axis for e in plan.edges if e.direction == "bwd" and e.producer in ids
                for st in e.steps if st.kind == "all_reduce"}
     stored = [Spec.parse(n.outputs[0]) for n in params]
-
-    def data(i: int, a: str) -> bool:
-        return a in reduced and all(s[i] == Replicate() for s in stored)
     others = [(i, a) for i, (a, k) in enumerate(zip(names, shape))
               if a not in named and a != "pp" and k > 1]
-    # only a plan that is data-parallel on every such axis: where other axes shard the model
-    # (AxoNN's z beside y and x), the units' per-axis reductions stay as they are priced (the
-    # step's data-parallel terms would price one flat all-reduce over the product instead)
-    if others and all(data(i, a) for i, a in others):
+    # all or none: beside axes that shard the model the units' per-axis reductions stay (the
+    # step's data-parallel terms would price one flat all-reduce over their product instead)
+    if others and all(a in reduced and all(s[i] == Replicate() for s in stored)
+                      for i, a in others):
         return named + tuple(a for _, a in others)
     return named
 
