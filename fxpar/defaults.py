@@ -26,5 +26,9 @@ FUSED_STEP = True
 #: gathered copy is a temporary beside the model states, bounded as DeepSpeed bounds its
 #: ``allgather_bucket_size`` (5e8 elements), in a few collectives rather than one per bucket
 OS_GATHER_BYTES = 2**30
+#: under gloo a pipeline rank posts all of a step's receives at its start when their buffers
+#: hold at most this many bytes (:meth:`fxpar.runtime.interpreter.PipelineRunner._ahead`):
+#: the buffers of microbatches not yet in flight are memory the schedule would not hold
+PREPOST_BYTES = 256 * 2**20
 #: the prefix :class:`fxpar.capture.WithLoss` adds to the wrapped model's parameter names
 LOSS_PREFIX = "model."

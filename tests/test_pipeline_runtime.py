@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import copy
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -198,33 +200,64 @@ def test_user_split_points(pools):
     _check(pools(2).run(run_pipeline, "gpt", {"pp": 2}, "1f1b", 2, 1, ["blocks.3"]))
 
 
-def _count_preposts(runner):
-    """Counts the receives posted ahead of their action; the check: under gloo, every
-    receive action but those before the rank's first compute action was posted ahead (one
-    compute action early), and none is left over."""
+def _count_preposts(runner, policy: str = "step", cap: int | None = None):
+    """Records where each receive was posted ahead of its action; the check, under gloo:
+    ``"step"`` (within the byte cap) posts every receive of the rank's list, in list order,
+    before its first action; ``"compute"`` (and ``"step"`` over the cap) every one after the
+    rank's first compute action, each just before the compute action that precedes it; none
+    is left over. ``cap`` replaces ``PREPOST_BYTES`` for this runner's steps."""
+    from fxpar.runtime import interpreter
     from fxpar.schedule.actions import COMPUTE_KINDS, RECV_KINDS
 
-    posted = []
-    orig = runner._prepost
-    runner._prepost = lambda *a: (posted.append(a[:3]), orig(*a))
+    def key(a):
+        return (a.stage - (a.kind == "RECV_F"), a.microbatch, int(a.kind == "RECV_B"))
+
     acts = runner.schedule.actions[runner.pp_rank]
-    first = next(j for j, a in enumerate(acts) if a.kind in COMPUTE_KINDS)
-    recvs = [(a.stage - (a.kind == "RECV_F"), a.microbatch, int(a.kind == "RECV_B"))
-             for a in acts[first:] if a.kind in RECV_KINDS]
+    runner.prepost = policy
+    saved = interpreter.PREPOST_BYTES
+    if cap is not None:
+        interpreter.PREPOST_BYTES = cap
+    posted, at = [], []
+    orig_pre, orig_run = runner._prepost, runner._run
+    runner._prepost = lambda *a: (posted.append((a[:3], len(at))), orig_pre(*a))
+    runner._run = lambda action, batch: (at.append(action), orig_run(action, batch))
+    computes = [j for j, a in enumerate(acts) if a.kind in COMPUTE_KINDS]
+    if policy == "off":
+        want = []
+    elif policy == "step" and cap is None:   # every receive before the action at index 0 of the step
+        want = [(key(a), 0) for a in acts if a.kind in RECV_KINDS]
+    else:       # after each compute action j, the receives up to the next, before j runs
+        want = [(key(a), j) for j, nxt in zip(computes, computes[1:])
+                for a in acts[j + 1:nxt] if a.kind in RECV_KINDS]
 
     def check():
-        steps = len(posted) // max(1, len(recvs))
-        assert recvs and posted == recvs * steps and steps == 3, (posted, recvs)
+        interpreter.PREPOST_BYTES = saved
+        n = len(acts)
+        got = [(k, i % n) for k, i in posted]
+        assert got == want * 3 and (want or policy == "off"), (got, want)
         assert runner._posted == {}
     return check
 
 
 @pytest.mark.timeout(300)
-def test_receives_posted_ahead(pools):
-    """Interleaved 1F1B on 2 gloo ranks: a compute action's successor's receives are posted
-    before it runs (their data moves meanwhile), the numerics stay the reference's."""
+@pytest.mark.parametrize("policy,cap", [("step", None), ("compute", None), ("step", 0),
+                                        ("off", None)])
+def test_receives_posted_ahead(pools, policy, cap):
+    """Interleaved 1F1B on 2 gloo ranks: receives are posted ahead of their actions, all of a
+    step's at its start (``"step"``), or a compute action's successor's before it runs
+    (``"compute"``, and ``"step"`` when the buffers exceed ``PREPOST_BYTES``), or none
+    (``"off"``); the numerics stay the reference's."""
     _check(pools(2).run(run_pipeline, "gpt", {"pp": 2}, "interleaved", 4, 2,
-                        on_runner=_count_preposts))
+                        on_runner=functools.partial(_count_preposts, policy=policy, cap=cap)))
+
+
+def test_unknown_prepost_policy():
+    from types import SimpleNamespace
+
+    from fxpar.runtime.interpreter import PipelineRunner
+
+    with pytest.raises(fxpar.FxparError, match="'early' is not one of"):
+        PipelineRunner._ahead(SimpleNamespace(prepost="early", _ahead_at=None))
 
 
 @pytest.mark.timeout(300)

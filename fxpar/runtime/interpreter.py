@@ -40,8 +40,8 @@ on its stage's submesh, its own rank graphs). :class:`PipelineRunner` (built by
              (``StagePlan.out_specs`` vs the next chunk's ``in_specs``): the unit tasks of a
              cross-mesh plan (:func:`fxpar.runtime.redistribute_cross.cross_mesh_start`), sent without
              waiting; sends complete at the end of the step
-   RECV_*    the same, received (waited at once; under gloo posted one compute action
-             early, :meth:`PipelineRunner._ahead`), scattered pieces all-gathered over their
+   RECV_*    the same, received (waited at once; under gloo posted ahead, at the step's
+             start, :meth:`PipelineRunner._ahead`), scattered pieces all-gathered over their
              submesh axis
    ========  ==================================================================================
 
@@ -77,7 +77,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from fxpar import ir
-from fxpar.defaults import BUCKET_BYTES
+from fxpar.defaults import BUCKET_BYTES, PREPOST_BYTES
 from fxpar.errors import FxparError, GuardError, PlanError
 from fxpar.runtime.bindings import Bindings, bind
 from fxpar.runtime.comm import gathers_params
@@ -93,9 +93,12 @@ __all__ = ["PipelineRunner", "SPLIT_BACKWARD", "PREPOST"]
 #: whether ``I``/``W`` actions split backward into input and weight gradients (``False``: ``I``
 #: runs the whole backward, ``W`` nothing; for comparisons)
 SPLIT_BACKWARD = True
-#: whether, under gloo, a compute action's successor's receives are posted before it runs
-#: (:meth:`PipelineRunner._ahead`; ``False``: each at its own action, for comparisons)
-PREPOST = True
+#: under gloo, receives are posted ahead of their actions (:meth:`PipelineRunner._ahead`):
+#: ``"step"`` all of a step's at its start (within :data:`~fxpar.defaults.PREPOST_BYTES`),
+#: ``"compute"`` a compute action's successor's before it runs, ``"off"`` each at its own
+#: action (for comparisons); a runner reads it when built (its ``prepost`` attribute)
+PREPOST = "step"
+PREPOST_POLICIES = ("step", "compute", "off")
 
 
 @dataclass(eq=False)
@@ -191,6 +194,7 @@ class PipelineRunner(RankRunner):
         self.state = self._materialize(layouts, infos, sub_mesh.shape, self.sub_coord, weights, seed)
         #: ``I`` actions that left the weight gradients to their ``W`` (the others ran whole)
         self.split_backwards = 0
+        self.prepost = PREPOST
         self._ahead_at: dict | None = None   # receives to post early, by action (_ahead)
         # A failing guard (fxpar.guard_value) is collected and raised on every rank at the end
         # of the step: raised at once on its stage, the other stages would wait on it. Known
@@ -295,16 +299,19 @@ class PipelineRunner(RankRunner):
         if ops:
             self._sends += [(w, ops) for w in self._p2p(ops)]
 
+    def _buffer_shape(self, v, axis: str) -> tuple[int, ...]:
+        """Shape of the buffer receiving value ``v``: whole, or (``axis`` a scatter axis) this
+        rank's flat piece (:meth:`_piece`)."""
+        if not axis:
+            return tuple(v.shape)
+        return (-(-v.numel() // self.sub_mesh.shape[self.sub_mesh.axis_names.index(axis)]),)
+
     def _post(self, metas, axes, peer: int, tag: int):
         """Post the receives of :meth:`_recv` (buffers of ``metas``' shapes, or of this rank's
         piece where ``axes`` names a scatter axis) without waiting: ``(buffers, works)``."""
         axes = axes or [""] * len(metas)
-        bufs = []
-        for v, ax in zip(metas, axes, strict=True):
-            n = v.numel()
-            k = self.sub_mesh.shape[self.sub_mesh.axis_names.index(ax)] if ax else 1
-            bufs.append(torch.empty((-(-n // k),) if ax else tuple(v.shape), dtype=v.dtype,
-                                    device=self.device))
+        bufs = [torch.empty(self._buffer_shape(v, ax), dtype=v.dtype, device=self.device)
+                for v, ax in zip(metas, axes, strict=True)]
         ops = [dist.P2POp(dist.irecv, b, peer, tag=tag) for b in bufs]
         return bufs, self._p2p(ops)
 
@@ -636,22 +643,44 @@ class PipelineRunner(RankRunner):
         return loss
 
     def _ahead(self) -> dict[int, list[Action]]:
-        """``{j: receives}``: the receive actions to post before running action ``j``, a
-        compute action: the ones the next compute action waits for, so their data moves while
-        ``j`` computes (torch.distributed.pipelining posts a step's receives with its sends
-        too). Only under gloo (:data:`PREPOST`), where a posted receive blocks nothing: on
-        NCCL an early receive would hold back the sends queued behind it on the same
-        communicator, which the peer may be waiting for."""
+        """``{j: receives}``: the receive actions to post before running action ``j``. Only
+        under gloo (:data:`PREPOST`, the runner's ``prepost``), where a posted receive blocks
+        nothing: on NCCL an early receive would hold back the sends queued behind it on the
+        same communicator, which the peer may be waiting for.
+
+        ``"step"``: all of the step's receives before its first action, while no data moves
+        yet, when their buffers fit in :data:`~fxpar.defaults.PREPOST_BYTES` (the buffers of
+        the microbatches not yet in flight are the extra memory); otherwise, and under
+        ``"compute"``, a compute action's successor's receives before it, so their data moves
+        while it computes (torch.distributed.pipelining posts a step's receives with its
+        sends). A receive posted while its peer's traffic arrives can wait in the caller for
+        gloo's I/O thread: on 2 gloo ranks sharing 2 cores about one per interleaved step
+        stalled ~5 ms that way (``benchmarks/prepost.py`` compares the policies)."""
         if self._ahead_at is None:
+            if self.prepost not in PREPOST_POLICIES:
+                raise FxparError(f"PipelineRunner.prepost: {self.prepost!r} is not one of "
+                                 f"{PREPOST_POLICIES}")
             acts = self.schedule.actions[self.pp_rank]
-            computes = [j for j, a in enumerate(acts) if a.kind in COMPUTE_KINDS]
+            recvs = [a for a in acts if a.kind in RECV_KINDS]
             self._ahead_at = {}
-            if PREPOST and self._gloo:
+            if self.prepost != "off" and self._gloo and recvs:
+                if (self.prepost == "step"
+                        and sum(self._recv_bytes(a) for a in recvs) <= PREPOST_BYTES):
+                    self._ahead_at[0] = recvs
+                    return self._ahead_at
+                computes = [j for j, a in enumerate(acts) if a.kind in COMPUTE_KINDS]
                 for j, nxt in zip(computes, computes[1:]):
-                    recvs = [a for a in acts[j + 1:nxt] if a.kind in RECV_KINDS]
-                    if recvs:
-                        self._ahead_at[j] = recvs
+                    after = [a for a in acts[j + 1:nxt] if a.kind in RECV_KINDS]
+                    if after:
+                        self._ahead_at[j] = after
         return self._ahead_at
+
+    def _recv_bytes(self, a: Action) -> int:
+        """Bytes of the buffers :meth:`_prepost` allocates for receive action ``a``."""
+        l, _, _, metas, _ = self._recv_args(a.kind, a.stage, a.microbatch)
+        idx, axes = self._plain(l, len(metas))
+        return sum(math.prod(self._buffer_shape(metas[j], ax)) * metas[j].dtype.itemsize
+                   for j, ax in zip(idx, axes))
 
     def _schedule(self, args, kwargs, step: bool = False):
         """The action list, gradients finished (with ``step``: and the optimizer stepped,
