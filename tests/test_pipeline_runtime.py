@@ -11,7 +11,6 @@ no dropout.
 from __future__ import annotations
 
 import copy
-
 import functools
 
 import pytest
@@ -224,7 +223,7 @@ def _count_preposts(runner, policy: str = "step", cap: int | None = None):
     computes = [j for j, a in enumerate(acts) if a.kind in COMPUTE_KINDS]
     if policy == "off":
         want = []
-    elif policy == "step" and cap is None:   # every receive before the action at index 0 of the step
+    elif policy == "step" and cap is None:   # every receive, before the step's first action
         want = [(key(a), 0) for a in acts if a.kind in RECV_KINDS]
     else:       # after each compute action j, the receives up to the next, before j runs
         want = [(key(a), j) for j, nxt in zip(computes, computes[1:])

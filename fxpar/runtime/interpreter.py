@@ -88,7 +88,7 @@ from fxpar.schedule.actions import COMPUTE_KINDS, RECV_KINDS, Action
 from fxpar.schedule.actions import ActionKind as K
 from fxpar.split import is_boundary
 
-__all__ = ["PipelineRunner", "SPLIT_BACKWARD", "PREPOST"]
+__all__ = ["PipelineRunner", "SPLIT_BACKWARD", "PREPOST", "PREPOST_POLICIES"]
 
 #: whether ``I``/``W`` actions split backward into input and weight gradients (``False``: ``I``
 #: runs the whole backward, ``W`` nothing; for comparisons)
