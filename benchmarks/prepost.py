@@ -21,7 +21,7 @@ slowest rank's wall time of one step; ``--warmup`` steps are dropped; medians ov
 (the policy before ``step`` was the default). The time each rank spends inside the posting
 calls is reported per policy too (``pre_ms``: the median step's sum).
 
-    python benchmarks/prepost.py               # pp = 2 and 4, ~6 min; results/prepost.json
+    python benchmarks/prepost.py               # pp = 2 and 4, ~5 min; results/prepost.json
     python benchmarks/prepost.py --pp 2 --steps 10
 
 The machine's cores are shared with other work: compare the rows of one run.
