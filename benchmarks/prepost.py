@@ -14,7 +14,7 @@ compute    a compute action's successor's, just before that compute action runs
 off        each at its own receive action
 =========  =====================================================================================
 
-and torch's schedule of the same name where it has one (``--torch``). All sides of one ``pp``
+and torch's schedule of the same name where it has one (left out with ``--no-torch``). All sides of one ``pp``
 step **interleaved**, rotating who goes first, a barrier before each step; a sample is the
 slowest rank's wall time of one step; ``--warmup`` steps are dropped; medians over ``--steps``.
 ``paired`` is the median per-step ratio of a side to the ``compute`` side of its (schedule, m)

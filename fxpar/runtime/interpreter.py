@@ -663,11 +663,12 @@ class PipelineRunner(RankRunner):
             acts = self.schedule.actions[self.pp_rank]
             recvs = [a for a in acts if a.kind in RECV_KINDS]
             self._ahead_at = {}
-            if self.prepost != "off" and self._gloo and recvs:
-                if (self.prepost == "step"
-                        and sum(self._recv_bytes(a) for a in recvs) <= PREPOST_BYTES):
-                    self._ahead_at[0] = recvs
-                    return self._ahead_at
+            if self.prepost == "off" or not self._gloo or not recvs:
+                pass
+            elif (self.prepost == "step"
+                    and sum(self._recv_bytes(a) for a in recvs) <= PREPOST_BYTES):
+                self._ahead_at[0] = recvs
+            else:
                 computes = [j for j, a in enumerate(acts) if a.kind in COMPUTE_KINDS]
                 for j, nxt in zip(computes, computes[1:]):
                     after = [a for a in acts[j + 1:nxt] if a.kind in RECV_KINDS]
