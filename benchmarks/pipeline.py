@@ -63,6 +63,10 @@ is not edited; a wrapper costs two ``perf_counter`` calls). Predicted step times
   overheads, which are paid once per microbatch, and collectives), what a user who calibrates
   sees; ``--nominal``: ``Cluster.local``'s roofline, judged by rank order only.
 
+* ``plan·shr``: the plan's own units (``price_plan(plan, cluster=...)``) on the same
+  calibration with the ranks' shared cores recorded (``calibrate(share_cores=True)``): a rank
+  alone in the others' bubble computes at the cores they leave it
+  (:func:`fxpar.cost.step.host_rate`). pp=2 on 2 cores: equal to ``plan``.
 * ``plan·ref``: the closed loop (issue #24 item 6): after the measured steps,
   ``runner.profile()`` of 1F1B at the smallest and at the largest ``m`` and of zb-h1 at the
   largest on every rank, ``cluster.refine(*profiles)`` (compute scale and the seconds each
@@ -96,6 +100,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import cProfile
 import datetime
 import io
@@ -262,6 +267,7 @@ def run_group(spec: dict) -> dict:
 
     import fxpar
     from examples.models import GPT
+    from fxpar.planner.price import price_plan
 
     rank, pp = dist.get_rank(), dist.get_world_size()
     warmup, steps = spec["warmup"], spec["steps"]
@@ -277,8 +283,13 @@ def run_group(spec: dict) -> dict:
     # the cluster the plans are priced on: calibrated on these ranks (collectives and compute,
     # per-op overheads included), as a user who calibrates would plan
     t0 = time.perf_counter()
-    cluster = (fxpar.Cluster.local(pp).calibrate() if spec.get("calibrate")
+    cluster = (fxpar.Cluster.local(pp).calibrate(share_cores=True) if spec.get("calibrate")
                else fxpar.Cluster.local(pp))
+    # the plans are priced as calibrate() prices them (shared cores not modelled); the same
+    # calibration with them, for plan·shr (a what-if of the step model: Plan.time's units)
+    shared = cluster if cluster.compute is not None and cluster.compute.cores else None
+    if shared is not None:
+        cluster = dataclasses.replace(cluster, compute=dataclasses.replace(cluster.compute, cores=0))
     out["cluster"] = dict(name=cluster.name, calibration_s=time.perf_counter() - t0)
     sides, logs = {}, {}
 
@@ -309,6 +320,8 @@ def run_group(spec: dict) -> dict:
                 info["runner_s"] = time.perf_counter() - t0
                 sim = prog.simulate()
                 info["plan_step_s"] = sim.step_time
+                if shared is not None:
+                    info["plan_shared_s"] = price_plan(prog.plan, cluster=shared)[0].step
                 info["plan_bubble"] = sim.bubble_fraction
                 info["plan_chunks"] = [dict(index=st.index, rank=st.rank, layers=list(st.layers),
                                             send_time=st.send_time) for st in prog.plan.stages]
@@ -521,6 +534,8 @@ def _predict(groups: dict) -> list[dict]:
                 rec["calibration"] = f"gpipe m={cal['m']}"
             if "plan_refined_s" in row:
                 rec["plan_ref_ms"] = 1e3 * row["plan_refined_s"]
+            if "plan_shared_s" in row:
+                rec["plan_shr_ms"] = 1e3 * row["plan_shared_s"]
             for pre, src in (("", ""), ("q_", "quiet_")):
                 am = row[src + "action_median_ms"]
                 fwd = [am.get(f"F{k}", 0.0) / 1e3 for k in range(n)]
@@ -552,7 +567,8 @@ def _corr_summary(pred: list[dict]) -> dict:
         d: dict = dict(points=len(rs))
         for pre in ("", "q_"):
             meas = [r[pre + "measured_ms"] for r in rs]
-            for col in (pre + "sim_own_ms", pre + "sim_cal_ms", "plan_ms", "plan_ref_ms"):
+            for col in (pre + "sim_own_ms", pre + "sim_cal_ms", "plan_ms", "plan_ref_ms",
+                        "plan_shr_ms"):
                 if not all(col in r for r in rs):
                     continue
                 p = [r[col] for r in rs]
@@ -710,16 +726,18 @@ def main() -> None:
           "prog.simulate() from the plan's cost model on a cluster calibrated on these ranks "
           "(--nominal: Cluster.local's roofline, judge it by rank); plan·ref: the same plans on "
           "that cluster refined by cluster.refine() on runner.profile() of 1f1b at the smallest "
-          "and the largest m and of zb-h1 at the largest (3 of the points). q_: the same from the quiet "
+          "and the largest m and of zb-h1 at the largest (3 of the points); plan·shr: the plan's "
+          "units on the calibration with shared cores (calibrate(share_cores=True)). q_: the same from the quiet "
           "steps only (fastest third "
           "of each side's steps).")
     print(f"{'pp':>2} {'m':>2} {'schedule':<12} {'measured':>9} {'sim·own':>8} {'sim·cal':>8} "
-          f"{'plan':>8} {'plan·ref':>8} {'bubble':>6} | {'q_meas':>7} {'q_own':>7} {'q_cal':>7}")
+          f"{'plan':>8} {'plan·ref':>8} {'plan·shr':>8} {'bubble':>6} | {'q_meas':>7} {'q_own':>7} "
+          f"{'q_cal':>7}")
     for r in pred:
         print(f"{r['pp']:>2} {r['m']:>2} {r['schedule']:<12} {r['measured_ms']:>9.1f} "
               f"{r['sim_own_ms']:>8.1f} {r.get('sim_cal_ms', float('nan')):>8.1f} "
               f"{r['plan_ms']:>8.1f} {r.get('plan_ref_ms', float('nan')):>8.1f} "
-              f"{r['plan_bubble']:>6.2f} | {r['q_measured_ms']:>7.1f} "
+              f"{r.get('plan_shr_ms', float('nan')):>8.1f} {r['plan_bubble']:>6.2f} | {r['q_measured_ms']:>7.1f} "
               f"{r['q_sim_own_ms']:>7.1f} {r.get('q_sim_cal_ms', float('nan')):>7.1f}")
     for pp, d in corr.items():
         print(f"pp={pp} ({d['points']} points):")

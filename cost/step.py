@@ -36,7 +36,10 @@ cluster's ``comm_interference`` slows compute by that fraction of the communicat
     step = max_r(end_r + O_r) + T_os1
 
 with ``end_r`` rank ``r``'s last event in ``sim(F, B, x, REDUCE_GRAD = R)`` and ``O_r`` its
-optimizer step (:func:`optimizer_time`; 0 where the cluster does not price it).
+optimizer step (:func:`optimizer_time`; 0 where the cluster does not price it). Where the
+cluster's compute was measured on cores its ranks share (``Cluster.calibrate(share_cores=True)``)
+the simulator runs compute at :func:`host_rate`: a rank alone in the others' bubble gets the
+cores they leave.
 
 For one SPMD step (one chunk, one microbatch) with nothing to hide behind (one unit) this is
 ``F + B + reductions + T_p + O + T_os1``; ``summed`` adds every cost with no overlap.
@@ -69,7 +72,7 @@ from fxpar.defaults import (BUCKET_BYTES, CPU_STEP_PIECE, FIRST_BUCKET_BYTES, OS
                             TINY_GATHER_BYTES)
 
 __all__ = ["UnitCost", "ChunkCost", "DpTerms", "StepTime", "chunk_costs", "dp_terms",
-           "microbatch_overhead", "split_backward", "optimizer_time", "optimizer_price",
+           "microbatch_overhead", "host_rate", "split_backward", "optimizer_time", "optimizer_price",
            "cluster_optimizer_price",
            "param_units", "rank_memory", "step_time",
            "ZERO_STYLES", "LIST_MEMBER_OPS", "DEEPSPEED_ALLGATHER_ELEMENTS", "os_gather_time",
@@ -243,6 +246,37 @@ def microbatch_overhead(cluster) -> float:
     0 without physics): :func:`chunk_costs`' ``overhead``."""
     ph = getattr(cluster, "physics", None)
     return ph.microbatch_overhead if ph is not None else 0.0
+
+
+def host_rate(cluster, width: int) -> Callable[[int], float] | None:
+    """The speed of compute while ``k`` pipeline ranks compute at once, each ``width``
+    processes (its data- and tensor-parallel members), on one host whose cores they share
+    (:func:`fxpar.sim.simulate`'s ``rate``; :attr:`fxpar.cluster.ComputeProfile.cores`)::
+
+        rate(k) = max(L·t, C) / max(k·w·t, C)
+
+    with ``C`` the host's cores, ``L`` the processes that measured the compute at once (all of
+    them: :meth:`fxpar.Cluster.calibrate`, so a step with every rank busy runs at the measured
+    speed) and ``t`` the threads of each: when pipeline ranks wait in the bubble, the others get
+    their cores, up to one core per thread. ``None`` (the rate is 1 whatever ``k``) where the
+    compute is not measured on shared cores: no measured compute, a device of its own (a GPU:
+    ``cores`` 0), more than one node, or cores enough for every thread (``L·t ≤ C``).
+
+    4 processes on 2 cores, one thread each, a pipeline rank per process: alone or in pairs a
+    rank runs at twice the measured speed, three at 4/3 of it:
+
+    >>> import types
+    >>> cp = types.SimpleNamespace(ranks=4, cores=2, threads=1)
+    >>> r = host_rate(types.SimpleNamespace(nodes=1, compute=cp), 1)
+    >>> [round(r(k), 3) for k in (1, 2, 3, 4)]
+    [2.0, 2.0, 1.333, 1.0]
+    """
+    cp = getattr(cluster, "compute", None)
+    cores, load = getattr(cp, "cores", 0), getattr(cp, "ranks", 1) * getattr(cp, "threads", 1)
+    if not cores or getattr(cluster, "nodes", 1) != 1 or load <= cores:
+        return None
+    per_rank = width * getattr(cp, "threads", 1)
+    return lambda k: load / max(k * per_rank, cores)
 
 
 def split_backward(cluster) -> float:
@@ -638,7 +672,7 @@ def step_time(schedule, chunks: Sequence[ChunkCost], xfer: Callable[[int], tuple
               dp: Sequence[DpTerms], *, act_bytes: Sequence[float] | None = None,
               static_bytes: Sequence[float] | None = None, interference: float = 0.0,
               optimizer: Sequence[float] | None = None, overhead: float = 0.0,
-              split: float = 1.0) -> StepTime:
+              split: float = 1.0, rate: Callable[[int], float] | None = None) -> StepTime:
     """The step of ``schedule`` (a :class:`fxpar.schedule.Schedule`) over ``chunks`` (module
     docstring). ``xfer(k)``: seconds of chunk ``k``'s boundary transfer to ``k+1`` and of its
     gradient back; ``dp[r]``: pipeline rank ``r``'s :class:`DpTerms`; ``optimizer[r]``: its
@@ -648,7 +682,8 @@ def step_time(schedule, chunks: Sequence[ChunkCost], xfer: Callable[[int], tuple
     chunk 0 has no input gradient to hurry, so its ``I`` is the whole backward and its ``W``
     empty; another chunk's ``I`` and ``W`` are half of ``split`` times its backward each
     (:func:`split_backward`: the two passes' cost over the whole one's), and ``W``, a second
-    action, pays the per-action ``overhead`` (:func:`microbatch_overhead`) again.
+    action, pays the per-action ``overhead`` (:func:`microbatch_overhead`) again. ``rate``:
+    the compute speed by the number of pipeline ranks computing at once (:func:`host_rate`).
 
     >>> from fxpar.schedule import Schedule
     >>> c = chunk_costs([UnitCost("l", "x", 1.0, 2.0, 0.0, 0.0, 0.0, 1.0, 0.0)], (0,))
@@ -682,7 +717,7 @@ def step_time(schedule, chunks: Sequence[ChunkCost], xfer: Callable[[int], tuple
         return b_time(k, i) / 2 if k else 0.0
 
     res = simulate(schedule, fwd=fwd, bwd=b_time, wgrad=w_time if halves else None, comm=comm,
-                   reduce=lambda a: red[a.stage], **kw)
+                   reduce=lambda a: red[a.stage], rate=rate, **kw)
     opt = [float(x) for x in optimizer] if optimizer is not None else [0.0] * p
     ends = [max((e.end for e in res.events if e.rank == r), default=0.0) for r in range(p)]
     steps = [SimEvent(r, "compute", "OPTIMIZER", ends[r], ends[r] + opt[r])

@@ -128,6 +128,11 @@ class ComputeProfile:
       backward node (autograd engine + the gradient kernel's dispatch);
     * ``dispatch``: seconds of a 1-element op without autograd (removed from the curves);
     * ``ranks``: how many ranks measured concurrently;
+    * ``cores``: the CPU cores those ranks shared, ``threads``: each rank's intra-op threads
+      (``Cluster.calibrate(share_cores=True)``; 0: not modelled, or a GPU's own compute).
+      Where ``ranks·threads`` exceed ``cores``, every rank computing measured what it gets of
+      a shared host: a pipeline rank alone in the others' bubble gets more
+      (:func:`fxpar.cost.step.host_rate`);
     * ``dtype``: the element type the GEMM, memory, vector and attention curves were measured
       in (``"float32"``; ``"bfloat16"`` for a model trained in bf16 on a GPU, where bf16 GEMMs
       run ~15× faster than float32 ones);
@@ -158,8 +163,15 @@ class ComputeProfile:
     dtype: str = "float32"
     asynchronous: bool = False
     activation: tuple[tuple[float, float], ...] = ()
+    cores: int = 0
+    threads: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("cores", "threads"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= (name == "threads")):
+                raise ClusterError(f"ComputeProfile.{name} must be an int >= "
+                                   f"{int(name == 'threads')}, got {v!r}")
         object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
         object.__setattr__(self, "asynchronous", bool(self.asynchronous))
         opt = tuple(float(x) for x in self.optimizer)
@@ -197,7 +209,8 @@ class ComputeProfile:
                     dispatch=self.dispatch, ranks=self.ranks, vector=[list(p) for p in self.vector],
                     optimizer=list(self.optimizer), attention=[list(p) for p in self.attention],
                     dtype=self.dtype, asynchronous=self.asynchronous,
-                    activation=[list(p) for p in self.activation])
+                    activation=[list(p) for p in self.activation], cores=self.cores,
+                    threads=self.threads)
 
     @classmethod
     def from_dict(cls, d: dict) -> ComputeProfile:
@@ -210,7 +223,8 @@ class ComputeProfile:
                        optimizer=tuple(d.get("optimizer", ())),
                        attention=tuple(tuple(p) for p in d.get("attention", ())),
                        activation=tuple(tuple(p) for p in d.get("activation", ())),
-                       dtype=d.get("dtype", "float32"), asynchronous=d.get("asynchronous", False))
+                       dtype=d.get("dtype", "float32"), asynchronous=d.get("asynchronous", False),
+                       cores=int(d.get("cores", 0)), threads=int(d.get("threads", 1)))
         except (KeyError, TypeError, ValueError) as e:
             raise ClusterError(f"bad compute profile in cluster JSON: {type(e).__name__}: {e}") from e
 
@@ -716,7 +730,7 @@ class Cluster:
                   memory_sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**24),
                   min_time: float = 0.05, dtype=None,
                   attention_shapes: Sequence[tuple[int, int, int]] | None = None,
-                  hosts: Sequence[str] | None = None) -> Cluster:
+                  hosts: Sequence[str] | None = None, share_cores: bool = False) -> Cluster:
         """Measure collectives and compute on a live process group; return a cluster built from them.
 
         ``Cluster.calibrate()`` starts from ``Cluster.local(world)``; ``cluster.calibrate()``
@@ -763,6 +777,17 @@ class Cluster:
         (:func:`fxpar.cost.calibration.median_of_max`). The result is ``compute``
         (:class:`ComputeProfile`); ``peak_flops`` and ``memory_bandwidth`` become its
         fastest GEMM rate and its largest-size bandwidth.
+
+        **Shared cores** (``share_cores=True``, CPU ranks): the profile records the cores the
+        ranks ran on (their affinity, the fewest over the group) and their threads
+        (:attr:`ComputeProfile.cores`), and the step model prices a pipeline rank computing
+        alone in the others' bubble at the speed the freed cores give it
+        (:func:`fxpar.cost.step.host_rate`). Off by default: on 4 gloo ranks of 2 cores
+        (``pp=4``) the forward and backward actions measure within ~15% of what it predicts
+        for them (about twice the speed of the all-ranks-busy calibration), but the steps
+        1.3–1.8× what it predicts, for waits it does not price (a woken receiver's wait for a
+        core, the runtime's work between actions); unshared, those errors cancel better
+        (``benchmarks/pipeline.py``'s ``plan·shr`` column).
 
         **Interference** (``compute=True``, more than one rank): ``comm_interference``, what
         one second of communication hidden behind compute adds to the step, measured with an
@@ -869,6 +894,8 @@ class Cluster:
         if compute:
             prof = _measure_compute(group, device, gemm_sizes, memory_sizes, iters, min_time,
                                     dtype, attention_shapes)
+            if share_cores and device.type == "cpu":
+                prof = dataclasses.replace(prof, **_host_cores(group, device))
             updates.update(compute=prof, peak_flops=prof.peak_flops,
                            memory_bandwidth=prof.memory_bandwidth)
             if world > 1:
@@ -947,6 +974,21 @@ def _total_memory() -> int:
     except OSError:
         pass
     return 16 * GiB
+
+
+def _host_cores(group, device) -> dict:
+    """``cores``: the CPU cores this process may run on (its affinity), the fewest over
+    ``group``'s ranks so that every rank's profile is the same; ``threads``: its intra-op
+    threads (:attr:`ComputeProfile.cores`)."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    t = torch.tensor([n], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return dict(cores=int(t.item()), threads=torch.get_num_threads())
 
 
 def _group_device(group):

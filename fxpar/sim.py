@@ -19,6 +19,20 @@ first).
 - ``REDUCE_GRAD`` occupies the comm lane for ``reduce`` seconds (default 0) after the chunk's
   last backward.
 
+**Shared compute** (``rate``): ranks whose compute lanes share one resource (processes on a
+host with fewer cores than their threads) run each compute action at ``rate(k)`` seconds of
+its duration per second while ``k`` ranks compute at once (a fluid, processor-sharing model;
+the durations are those measured at the load ``rate`` is relative to); events are taken in
+time order, and an action's end moves whenever ``k`` changes under it. Without ``rate``
+every action takes its duration, as with ``rate ≡ 1``. GPipe over 2 ranks that share one
+core, the actions timed one at a time (``rate(k) = 1/k``): the core is never idle, so the
+step is all the work, ``2·m·(t_f + t_b)``, where a core each gives ``(m+p−1)(t_f + t_b)``:
+
+>>> import fxpar
+>>> s = fxpar.Schedule.build("gpipe", stages=2, microbatches=2)
+>>> fxpar.simulate(s, fwd=1.0, bwd=2.0, rate=lambda k: 1 / k).step_time, fxpar.simulate(s).step_time
+(12.0, 9.0)
+
 Each kind's lane is one entry of a table keyed by :class:`fxpar.schedule.ActionKind`, and what
 an action waits for is :func:`fxpar.schedule.dependencies`, the validator's own rule.
 
@@ -31,7 +45,6 @@ per rank, ``static_bytes`` plus ``act_bytes`` of chunk ``k`` for every microbatc
 With equal chunks and no communication, GPipe and 1F1B give ``(p−1)/m`` and interleaved 1F1B
 ``(p−1)/(v·m)``:
 
->>> import fxpar
 >>> r = fxpar.simulate(fxpar.Schedule.build("1f1b", stages=4, microbatches=8), fwd=1.0, bwd=2.0)
 >>> r.step_time, r.bubble_fraction        # (m+p−1)(t_f+t_b) = 11·3
 (33.0, 0.375)
@@ -132,7 +145,7 @@ def _per_chunk(val, name: str, n: int, with_mb: bool = True):
 
 
 def simulate(sched: Schedule, fwd=1.0, bwd=2.0, *, wgrad=None, comm=0.0, reduce=0.0,
-             act_bytes=0.0, static_bytes=0.0) -> SimResult:
+             act_bytes=0.0, static_bytes=0.0, rate=None) -> SimResult:
     """Time ``sched`` (see the module docstring for the model).
 
     ``fwd``/``bwd``: seconds of one chunk's forward / full backward of one microbatch: a float
@@ -142,7 +155,8 @@ def simulate(sched: Schedule, fwd=1.0, bwd=2.0, *, wgrad=None, comm=0.0, reduce=
     ``callable(send_action)``; ``reduce``: seconds of a ``REDUCE_GRAD``, a float or
     ``callable(action)``. ``act_bytes``: activation bytes one microbatch keeps alive on chunk
     ``k`` (float or per-chunk sequence); ``static_bytes``: model-state bytes per rank (float or
-    per-rank sequence).
+    per-rank sequence). ``rate(k)``: the speed of every compute action while ``k`` ranks
+    compute at once (module docstring, *shared compute*); ``None``: 1.
 
     >>> import fxpar
     >>> s = fxpar.Schedule.build("1f1b", stages=2, microbatches=2)
@@ -187,16 +201,8 @@ def simulate(sched: Schedule, fwd=1.0, bwd=2.0, *, wgrad=None, comm=0.0, reduce=
     busy = [0.0] * p
     last_bw: dict[int, float] = {}
 
-    # one function per lane: (rank, action, issue time, inputs ready) -> (lane, start, end)
-    def run_compute(r: int, a: Action, issue: float, ready: float):
-        start = max(issue, ready)
-        stop = start + duration[a.kind](a)
-        compute_free[r] = stop
-        busy[r] += stop - start
-        if a.kind in WEIGHT_GRAD_KINDS:
-            last_bw[a.stage] = max(last_bw.get(a.stage, 0.0), stop)
-        return "compute", start, stop
-
+    # one function per lane but compute's: (rank, action, issue time, inputs ready) -> (lane,
+    # start, end); a compute action's end is known only once the ranks computing beside it are
     def run_send(r: int, a: Action, issue: float, ready: float):
         start = max(issue, ready, comm_free[r])
         stop = start + float(t_c(a))
@@ -213,8 +219,8 @@ def simulate(sched: Schedule, fwd=1.0, bwd=2.0, *, wgrad=None, comm=0.0, reduce=
         comm_free[r] = stop
         return "comm", start, stop
 
-    run = {**dict.fromkeys(COMPUTE_KINDS, run_compute), **dict.fromkeys(SEND_KINDS, run_send),
-           **dict.fromkeys(RECV_KINDS, run_recv), K.REDUCE_GRAD: run_reduce}
+    run = {**dict.fromkeys(SEND_KINDS, run_send), **dict.fromkeys(RECV_KINDS, run_recv),
+           K.REDUCE_GRAD: run_reduce}
 
     def waits_for(a: Action) -> list[Action]:
         """What gates ``a`` besides its rank's lanes (a receive: its matching send's arrival)."""
@@ -226,25 +232,61 @@ def simulate(sched: Schedule, fwd=1.0, bwd=2.0, *, wgrad=None, comm=0.0, reduce=
     pos = [0] * p
     events: list[SimEvent] = []
     remaining = sum(len(acts[r]) for r in range(p))
-    while remaining:
-        progressed = False
-        for r in range(p):
-            row = acts[r]
-            while pos[r] < len(row):
-                a = row[pos[r]]
-                deps = waits_for(a)
-                if any(d not in end for d in deps):
-                    break
-                ready = max((end[d] for d in deps), default=0.0)
-                lane, start, stop = run[a.kind](r, a, compute_free[r], ready)
-                end[a] = stop
-                events.append(SimEvent(r, lane, str(a), start, stop))
-                pos[r] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:  # only a schedule that skipped validation gets here
-            stuck = [f"rank {r} step {pos[r]}: {acts[r][pos[r]]}" for r in range(p) if pos[r] < len(acts[r])]
-            raise ScheduleError(f"schedule {sched.name!r} deadlocks in simulation: {'; '.join(stuck)}")
+    #: per rank, its compute action in progress (or about to start):
+    #: [action, start, work left at t0 in seconds at rate 1, t0, rate since t0]
+    running: dict[int, list] = {}
+    now = 0.0
+    while remaining or running:
+        # walk each rank without a compute action in progress as far as its inputs allow; its
+        # next compute action starts once the lane and its inputs are free (possibly later)
+        progressed = True
+        while progressed:
+            progressed = False
+            for r in range(p):
+                row = acts[r]
+                while r not in running and pos[r] < len(row):
+                    a = row[pos[r]]
+                    deps = waits_for(a)
+                    if any(d not in end for d in deps):
+                        break
+                    ready = max((end[d] for d in deps), default=0.0)
+                    pos[r] += 1
+                    remaining -= 1
+                    progressed = True
+                    if a.kind in COMPUTE_KINDS:
+                        start = max(compute_free[r], ready)
+                        running[r] = [a, start, duration[a.kind](a), start, 1.0]
+                        continue
+                    lane, start, stop = run[a.kind](r, a, compute_free[r], ready)
+                    end[a] = stop
+                    events.append(SimEvent(r, lane, str(a), start, stop))
+        if not running:
+            if remaining:  # only a schedule that skipped validation gets here
+                stuck = [f"rank {r} step {pos[r]}: {acts[r][pos[r]]}" for r in range(p)
+                         if pos[r] < len(acts[r])]
+                raise ScheduleError(f"schedule {sched.name!r} deadlocks in simulation: "
+                                    f"{'; '.join(stuck)}")
+            break
+        # the actions computing now share the rate of their number (1 without ``rate``); one
+        # whose rate changes is re-based at ``now`` (unchanged ones keep their exact end)
+        active = [x for x in running.values() if x[1] <= now]
+        speed = float(rate(len(active))) if rate is not None else 1.0
+        if not 0 < speed < float("inf"):
+            raise ScheduleError(f"rate({len(active)}) must be a positive number, got {speed!r}")
+        for x in active:
+            if x[4] != speed:
+                x[2] -= (now - x[3]) * x[4]
+                x[3], x[4] = now, speed
+        finish = {r: x[3] + x[2] / x[4] for r, x in running.items() if x[1] <= now}
+        now = min([*finish.values(), *(x[1] for x in running.values() if x[1] > now)])
+        for r, stop in finish.items():
+            if stop <= now:
+                a, start = running.pop(r)[:2]
+                end[a] = compute_free[r] = stop
+                busy[r] += stop - start
+                if a.kind in WEIGHT_GRAD_KINDS:
+                    last_bw[a.stage] = max(last_bw.get(a.stage, 0.0), stop)
+                events.append(SimEvent(r, "compute", str(a), start, stop))
 
     # memory: walk each rank's compute actions in order (one compute lane: order = time order)
     peak = []

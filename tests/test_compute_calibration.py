@@ -209,9 +209,13 @@ def _calibrate_tiny():
 
 
 def _calibrate_bf16():
-    return Cluster.local(2).calibrate(collectives=(), iters=2, gemm_sizes=(8, 64),
-                                      memory_sizes=(2**10, 2**14), min_time=5e-4,
-                                      dtype=torch.bfloat16, attention_shapes=((4, 32, 16),))
+    import os
+
+    c = Cluster.local(2).calibrate(collectives=(), iters=2, gemm_sizes=(8, 64),
+                                   memory_sizes=(2**10, 2**14), min_time=5e-4,
+                                   dtype=torch.bfloat16, attention_shapes=((4, 32, 16),),
+                                   share_cores=True)
+    return c, len(os.sched_getaffinity(0)), torch.get_num_threads()
 
 
 @pytest.mark.dist
@@ -222,7 +226,7 @@ def test_calibrate_measures_compute_on_two_ranks(pools):
     assert clusters[1] == c, "ranks must agree on the calibrated cluster"
     assert c.device_memory == 2**30              # called on an instance: that cluster is the base
     p = c.compute
-    assert p is not None and p.ranks == 2
+    assert p is not None and p.ranks == 2 and p.cores == 0   # shared cores: not modelled
     assert [w for w, _ in p.gemm] == [2.0 * 8**3, 2.0 * 32**3, 2.0 * 128**3]
     rates = [r for _, r in p.gemm]
     assert all(math.isfinite(r) and 1e6 < r < 1e13 for r in rates), rates
@@ -269,9 +273,11 @@ def test_calibrate_in_the_training_dtype(pools):
     """``dtype=`` measures the curves in the dtype the model trains in (a bf16 GEMM on a GPU
     is ~15× a float32 one): sizes stay bytes, elements follow the element size; the
     attention curve is keyed by the shapes asked for."""
-    c = pools(2).run(_calibrate_bf16, timeout=100)[0]
+    c, cores, threads = pools(2).run(_calibrate_bf16, timeout=100)[0]
     p = c.compute
     assert p.dtype == "bfloat16" and not p.asynchronous
+    # share_cores: the ranks' cores and threads recorded (the step model's host_rate)
+    assert (p.cores, p.threads) == (cores, threads)
     assert [w for w, _ in p.memory] == [3.0 * 2**10, 3.0 * 2**14]
     assert [w for w, _ in p.vector] == [9.0 * 512, 9.0 * 2**13]        # 2-byte elements
     assert [w for w, _ in p.attention] == [4.0 * 4 * 32 * 32 * 16]

@@ -15,7 +15,9 @@ import random
 import pytest
 
 import fxpar
+from fxpar.cluster import Cluster, ComputeProfile
 from fxpar.cost import pipeline as cp
+from fxpar.cost.step import host_rate
 from fxpar.errors import ScheduleError
 from fxpar.schedule import Action, Schedule
 from fxpar.sim import SimResult, simulate
@@ -312,3 +314,73 @@ def test_bad_inputs():
         simulate({0: []})
     with pytest.raises(ScheduleError, match="fwd"):
         simulate(s, fwd="fast")
+
+
+# ---------------------------------------------------------------------------------------------
+# shared compute (rate): ranks on fewer cores than they have threads
+# ---------------------------------------------------------------------------------------------
+def one_core(k: int) -> float:
+    """One core between the ranks, each action's duration measured alone: ``1/k``."""
+    return 1.0 / k
+
+
+def test_shared_core_1f1b_hand_derived():
+    """1F1B, 2 ranks, 2 microbatches, t_f = t_b = 1 on one core. r0 F0 alone [0, 1]; r0 F1 and
+    r1 F0 share it [1, 3]; r1 B0 alone [3, 4]; r0 B0 and r1 F1 share it [4, 6]; r1 B1 alone
+    [6, 7]; r0 B1 alone [7, 8]: the core never idles, 8 = all the work."""
+    r = simulate(Schedule.build("1f1b", 2, 2), fwd=1.0, bwd=1.0, rate=one_core)
+    got = {(e.rank, e.name): (e.start, e.end) for e in r.events if e.lane == "compute"}
+    assert got == {(0, "0F0"): (0, 1), (0, "0F1"): (1, 3), (0, "0B0"): (4, 6), (0, "0B1"): (7, 8),
+                   (1, "1F0"): (1, 3), (1, "1B0"): (3, 4), (1, "1F1"): (4, 6), (1, "1B1"): (6, 7)}
+    assert r.step_time == 8 and r.busy == (6, 6)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 1), (2, 4), (4, 2), (4, 8)])
+def test_shared_core_step_is_all_the_work(name, p, m):
+    """On one core some rank always computes (each waits only for another's compute), so the
+    step is the work of all ranks, ``p·m·(t_f + t_b)``, not ``(m+p−1)(t_f + t_b)``."""
+    r = simulate(Schedule.build(name, p, m), fwd=0.5, bwd=1.25, rate=one_core)
+    assert r.step_time == pytest.approx(p * m * 1.75)
+
+
+def test_measured_at_full_load_runs_faster_alone():
+    """4 ranks on 2 cores, the durations measured with all 4 busy (:func:`host_rate`'s
+    ``4/max(k, 2)``): GPipe with one microbatch runs one action at a time, each at twice its
+    measured speed: ``p·(t_f + t_b)/2``."""
+    rate = host_rate(_host(ranks=4, cores=2), 1)
+    r = simulate(Schedule.build("gpipe", 4, 1), fwd=1.0, bwd=2.0, rate=rate)
+    assert r.step_time == pytest.approx(4 * 3.0 / 2)
+    assert simulate(Schedule.build("gpipe", 4, 1), fwd=1.0, bwd=2.0).step_time == 12.0
+
+
+def test_rate_one_changes_nothing():
+    """``rate ≡ 1`` is the fixed-duration model, event for event (zb-h1, transfers, reductions)."""
+    s = Schedule.build("zb-h1", 3, 5)
+    kw = dict(fwd=[1.0, 1.5, 0.5], bwd=2.0, comm=0.3, reduce=0.7)
+    assert simulate(s, rate=lambda k: 1.0, **kw).events == simulate(s, **kw).events
+
+
+def test_bad_rate():
+    with pytest.raises(ScheduleError, match=r"rate\(1\) must be a positive number"):
+        simulate(Schedule.build("gpipe", 2, 1), rate=lambda k: 0.0)
+
+
+def _host(ranks: int, cores: int, threads: int = 1, nodes: int = 1) -> Cluster:
+    """A cluster whose measured compute came from ``ranks`` ranks on ``cores`` cores."""
+    cp = ComputeProfile(gemm=((1e6, 1e9),), memory=((1e6, 1e9),), op_overhead=0.0,
+                        bwd_op_overhead=0.0, ranks=ranks, cores=cores, threads=threads)
+    return Cluster.local(ranks, nodes=nodes, compute=cp)
+
+
+def test_host_rate_closed_form_and_when_it_is_off():
+    # 8 single-thread ranks on 4 cores as 2 pipeline ranks of 4 (dp x tp): alone, 8/4 = 2x
+    r = host_rate(_host(8, 4), 4)
+    assert (r(1), r(2)) == (2.0, 1.0)
+    # 2 threads each: 4 ranks x 2 threads on 4 cores; a pipeline rank of 1 alone gets 2 cores
+    r = host_rate(_host(4, 4, threads=2), 1)
+    assert [r(k) for k in (1, 2, 3, 4)] == [2.0, 2.0, pytest.approx(4 / 3), 1.0]
+    assert host_rate(_host(2, 2), 1) is None          # a core each: nothing shared
+    assert host_rate(_host(4, 0), 1) is None          # a GPU's own compute
+    assert host_rate(_host(4, 2, nodes=2), 1) is None  # several hosts: not modelled
+    assert host_rate(Cluster.local(4), 1) is None     # no measured compute

@@ -43,8 +43,8 @@ from fxpar.cost.memory import STATE_BYTES_PER_PARAM, model_state_bytes, reduce_s
 from fxpar.cost.overlap import coalesced_pricer
 from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import (BUCKET, DpTerms, StepTime, UnitCost, chunk_costs, dp_terms,
-                             microbatch_overhead, optimizer_time, split_backward, rank_memory,
-                             step_piece, step_time, tiny_params, zero_units)
+                             host_rate, microbatch_overhead, optimizer_time, split_backward,
+                             rank_memory, step_piece, step_time, tiny_params, zero_units)
 from fxpar.spec import Replicate, Spec
 from fxpar.split import units
 
@@ -316,7 +316,8 @@ def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequenc
                    interference=cluster.comm_interference,
                    optimizer=optimizer_seconds(chunks, p, config.state, cluster, prec,
                                                state_bytes(options)),
-                   overhead=microbatch_overhead(cluster), split=split_backward(cluster), **kw)
+                   overhead=microbatch_overhead(cluster), split=split_backward(cluster),
+                   rate=host_rate(cluster, config.devices // p), **kw)
     return st, mem
 
 
@@ -377,12 +378,14 @@ def mesh_config(plan) -> ParallelConfig:
                           extra=extra, s_p=s_p, s_g=s_p, s_os=s_p)
 
 
-def price_plan(plan, config: ParallelConfig | None = None, *, memory: bool = False
-               ) -> tuple[StepTime, list[float]]:
+def price_plan(plan, config: ParallelConfig | None = None, *, memory: bool = False,
+               cluster=None) -> tuple[StepTime, list[float]]:
     """A realized ``plan``'s step and memory per rank from its unit tables (its stages' in
     chunk order, or its own) under ``config`` (default ``plan.config``); with ``memory``,
     the simulator also traces memory (each chunk's activations per microbatch in flight
-    over its rank's model states), as :meth:`fxpar.program.Program.simulate` shows."""
+    over its rank's model states), as :meth:`fxpar.program.Program.simulate` shows.
+    ``cluster``: the step's physics from that cluster instead of the plan's (its units keep
+    the costs they were priced at: a what-if of the step model alone)."""
     config = config or plan.config
     opts = SimpleNamespace(optimizer=plan.options.get("optimizer", "adam"),
                            precision=plan.options.get("precision", "mixed"),
@@ -395,5 +398,5 @@ def price_plan(plan, config: ParallelConfig | None = None, *, memory: bool = Fal
         starts.append(starts[-1] + len(t))
     st_x = {s.index: (s.send_time, s.back_time) for s in plan.stages}
     sched = schedule_of(plan) if plan.stages else None
-    return price_config(config, us, starts, plan.cluster(), opts, memory=memory,
+    return price_config(config, us, starts, cluster or plan.cluster(), opts, memory=memory,
                         xfer=lambda k: st_x.get(k, (0.0, 0.0)), schedule=sched)
