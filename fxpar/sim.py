@@ -201,8 +201,15 @@ def simulate(sched: Schedule, fwd=1.0, bwd=2.0, *, wgrad=None, comm=0.0, reduce=
     busy = [0.0] * p
     last_bw: dict[int, float] = {}
 
-    # one function per lane but compute's: (rank, action, issue time, inputs ready) -> (lane,
-    # start, end); a compute action's end is known only once the ranks computing beside it are
+    def computed(r: int, a: Action, start: float, stop: float) -> None:
+        """Compute action ``a`` of rank ``r`` ran ``start..stop``: its lane is free again."""
+        end[a] = compute_free[r] = stop
+        busy[r] += stop - start
+        if a.kind in WEIGHT_GRAD_KINDS:
+            last_bw[a.stage] = max(last_bw.get(a.stage, 0.0), stop)
+        events.append(SimEvent(r, "compute", str(a), start, stop))
+
+    # one function per other lane: (rank, action, issue time, inputs ready) -> (lane, start, end)
     def run_send(r: int, a: Action, issue: float, ready: float):
         start = max(issue, ready, comm_free[r])
         stop = start + float(t_c(a))
@@ -232,34 +239,38 @@ def simulate(sched: Schedule, fwd=1.0, bwd=2.0, *, wgrad=None, comm=0.0, reduce=
     pos = [0] * p
     events: list[SimEvent] = []
     remaining = sum(len(acts[r]) for r in range(p))
-    #: per rank, its compute action in progress (or about to start):
+    #: with ``rate``, per rank its compute action in progress (or about to start):
     #: [action, start, work left at t0 in seconds at rate 1, t0, rate since t0]
     running: dict[int, list] = {}
     now = 0.0
+    rank_of = {a.stage: r for r in range(p) for a in acts[r] if a.kind is K.F}   # chunk -> rank
+    todo = set(range(p))    # ranks that may go on
     while remaining or running:
         # walk each rank without a compute action in progress as far as its inputs allow; its
         # next compute action starts once the lane and its inputs are free (possibly later)
-        progressed = True
-        while progressed:
-            progressed = False
-            for r in range(p):
-                row = acts[r]
-                while r not in running and pos[r] < len(row):
-                    a = row[pos[r]]
-                    deps = waits_for(a)
-                    if any(d not in end for d in deps):
-                        break
-                    ready = max((end[d] for d in deps), default=0.0)
-                    pos[r] += 1
-                    remaining -= 1
-                    progressed = True
-                    if a.kind in COMPUTE_KINDS:
-                        start = max(compute_free[r], ready)
+        while todo:
+            r = todo.pop()
+            row = acts[r]
+            while r not in running and pos[r] < len(row):
+                a = row[pos[r]]
+                deps = waits_for(a)
+                if any(d not in end for d in deps):
+                    break
+                ready = max((end[d] for d in deps), default=0.0)
+                pos[r] += 1
+                remaining -= 1
+                if a.kind in COMPUTE_KINDS:
+                    start = max(compute_free[r], ready)
+                    if rate is None:   # its own duration whatever runs beside it: ends now
+                        computed(r, a, start, start + duration[a.kind](a))
+                    else:
                         running[r] = [a, start, duration[a.kind](a), start, 1.0]
-                        continue
-                    lane, start, stop = run[a.kind](r, a, compute_free[r], ready)
-                    end[a] = stop
-                    events.append(SimEvent(r, lane, str(a), start, stop))
+                    continue
+                lane, start, stop = run[a.kind](r, a, compute_free[r], ready)
+                end[a] = stop
+                events.append(SimEvent(r, lane, str(a), start, stop))
+                if a.is_send:   # its receiver may go on
+                    todo.add(rank_of[a.peer_stage])
         if not running:
             if remaining:  # only a schedule that skipped validation gets here
                 stuck = [f"rank {r} step {pos[r]}: {acts[r][pos[r]]}" for r in range(p)
@@ -267,10 +278,10 @@ def simulate(sched: Schedule, fwd=1.0, bwd=2.0, *, wgrad=None, comm=0.0, reduce=
                 raise ScheduleError(f"schedule {sched.name!r} deadlocks in simulation: "
                                     f"{'; '.join(stuck)}")
             break
-        # the actions computing now share the rate of their number (1 without ``rate``); one
+        # (only with ``rate``) the actions computing now share the rate of their number; one
         # whose rate changes is re-based at ``now`` (unchanged ones keep their exact end)
         active = [x for x in running.values() if x[1] <= now]
-        speed = float(rate(len(active))) if rate is not None else 1.0
+        speed = float(rate(len(active)))
         if not 0 < speed < float("inf"):
             raise ScheduleError(f"rate({len(active)}) must be a positive number, got {speed!r}")
         for x in active:
@@ -281,12 +292,8 @@ def simulate(sched: Schedule, fwd=1.0, bwd=2.0, *, wgrad=None, comm=0.0, reduce=
         now = min([*finish.values(), *(x[1] for x in running.values() if x[1] > now)])
         for r, stop in finish.items():
             if stop <= now:
-                a, start = running.pop(r)[:2]
-                end[a] = compute_free[r] = stop
-                busy[r] += stop - start
-                if a.kind in WEIGHT_GRAD_KINDS:
-                    last_bw[a.stage] = max(last_bw.get(a.stage, 0.0), stop)
-                events.append(SimEvent(r, "compute", str(a), start, stop))
+                computed(r, *running.pop(r)[:2], stop)
+                todo.add(r)
 
     # memory: walk each rank's compute actions in order (one compute lane: order = time order)
     peak = []
