@@ -680,7 +680,10 @@ class Cluster:
                 + (f"; calibrated ({len(self.profile.entries)} fits)" if self.profile.entries else "")
                 + (f"; compute measured (GEMM up to {self.compute.peak_flops / 1e9:.3g} GFLOP/s, "
                    f"{self.compute.memory_bandwidth / GB:.3g} GB/s, "
-                   f"{self.compute.op_overhead * 1e6:.3g} µs/op)" if self.compute else "")
+                   f"{self.compute.op_overhead * 1e6:.3g} µs/op"
+                   + (f"; {self.compute.ranks} ranks × {self.compute.threads} thread(s) sharing "
+                      f"{self.compute.cores} cores" if self.compute.cores else "")
+                   + ")" if self.compute else "")
                 + (f"; physics: GEMMs at {self.physics.gemm_efficiency:.0%} of peak, attention "
                    f"{self.physics.attention_efficiency:.0%}, links at "
                    f"{self.physics.intra_comm_efficiency:.0%} / {self.physics.inter_comm_efficiency:.0%}"

@@ -191,7 +191,8 @@ def test_old_json_without_compute_loads_and_is_unchanged():
 
 @pytest.mark.parametrize("bad, msg", [
     (dict(gemm=()), "gemm"), (dict(memory=((1.0, -1.0),)), "memory"),
-    (dict(op_overhead=float("nan")), "op_overhead")])
+    (dict(op_overhead=float("nan")), "op_overhead"), (dict(cores=-1), "cores"),
+    (dict(threads=0), "threads")])
 def test_bad_profiles_are_refused(bad, msg):
     kw = dict(gemm=PROF.gemm, memory=PROF.memory, op_overhead=1e-6, bwd_op_overhead=1e-6)
     with pytest.raises(ClusterError, match=msg):
@@ -278,6 +279,7 @@ def test_calibrate_in_the_training_dtype(pools):
     assert p.dtype == "bfloat16" and not p.asynchronous
     # share_cores: the ranks' cores and threads recorded (the step model's host_rate)
     assert (p.cores, p.threads) == (cores, threads)
+    assert f"2 ranks × {threads} thread(s) sharing {cores} cores" in c.describe()
     assert [w for w, _ in p.memory] == [3.0 * 2**10, 3.0 * 2**14]
     assert [w for w, _ in p.vector] == [9.0 * 512, 9.0 * 2**13]        # 2-byte elements
     assert [w for w, _ in p.attention] == [4.0 * 4 * 32 * 32 * 16]
