@@ -64,9 +64,9 @@ is not edited; a wrapper costs two ``perf_counter`` calls). Predicted step times
   sees; ``--nominal``: ``Cluster.local``'s roofline, judged by rank order only.
 
 * ``plan·shr``: the plan's own units (``price_plan(plan, cluster=...)``) on the same
-  calibration with the ranks' shared cores recorded (``calibrate(share_cores=True)``): a rank
-  alone in the others' bubble computes at the cores they leave it
-  (:func:`fxpar.cost.step.host_rate`). pp=2 on 2 cores: equal to ``plan``.
+  calibration with the speed of compute by the number of ranks busy measured too
+  (``calibrate(share_cores=True)``): a rank in the others' bubble computes at the cores they
+  leave it (:func:`fxpar.cost.step.host_rate`).
 * ``plan·ref``: the closed loop (issue #24 item 6): after the measured steps,
   ``runner.profile()`` of 1F1B at the smallest and at the largest ``m`` and of zb-h1 at the
   largest on every rank, ``cluster.refine(*profiles)`` (compute scale and the seconds each
@@ -287,9 +287,9 @@ def run_group(spec: dict) -> dict:
                else fxpar.Cluster.local(pp))
     # the plans are priced as calibrate() prices them (shared cores not modelled); the same
     # calibration with them, for plan·shr (a what-if of the step model: Plan.time's units)
-    shared = cluster if cluster.compute is not None and cluster.compute.cores else None
+    shared = cluster if cluster.compute is not None and cluster.compute.shared else None
     if shared is not None:
-        cluster = dataclasses.replace(cluster, compute=dataclasses.replace(cluster.compute, cores=0))
+        cluster = dataclasses.replace(cluster, compute=dataclasses.replace(cluster.compute, shared=()))
     out["cluster"] = dict(name=cluster.name, calibration_s=time.perf_counter() - t0)
     sides, logs = {}, {}
 

@@ -38,8 +38,8 @@ cluster's ``comm_interference`` slows compute by that fraction of the communicat
 with ``end_r`` rank ``r``'s last event in ``sim(F, B, x, REDUCE_GRAD = R)`` and ``O_r`` its
 optimizer step (:func:`optimizer_time`; 0 where the cluster does not price it). Where the
 cluster's compute was measured on cores its ranks share (``Cluster.calibrate(share_cores=True)``)
-the simulator runs compute at :func:`host_rate`: a rank alone in the others' bubble gets the
-cores they leave.
+the simulator runs compute at :func:`host_rate`: a rank in the others' bubble gets the cores
+they leave.
 
 For one SPMD step (one chunk, one microbatch) with nothing to hide behind (one unit) this is
 ``F + B + reductions + T_p + O + T_os1``; ``summed`` adds every cost with no overlap.
@@ -251,32 +251,29 @@ def microbatch_overhead(cluster) -> float:
 def host_rate(cluster, width: int) -> Callable[[int], float] | None:
     """The speed of compute while ``k`` pipeline ranks compute at once, each ``width``
     processes (its data- and tensor-parallel members), on one host whose cores they share
-    (:func:`fxpar.sim.simulate`'s ``rate``; :attr:`fxpar.cluster.ComputeProfile.cores`)::
+    (:func:`fxpar.sim.simulate`'s ``rate``), from the measured curve
+    :attr:`fxpar.cluster.ComputeProfile.shared` (``s[b−1]``: the speed with ``b`` of its
+    ranks busy over the speed the compute was measured at, all of them busy)::
 
-        rate(k) = max(L·t, C) / max(k·w·t, C)
+        rate(k) = s[min(k·w, len(s)) − 1]
 
-    with ``C`` the host's cores, ``L`` the processes that measured the compute at once (all of
-    them: :meth:`fxpar.Cluster.calibrate`, so a step with every rank busy runs at the measured
-    speed) and ``t`` the threads of each: when pipeline ranks wait in the bubble, the others get
-    their cores, up to one core per thread. ``None`` (the rate is 1 whatever ``k``) where the
-    compute is not measured on shared cores: no measured compute, a device of its own (a GPU:
-    ``cores`` 0), more than one node, or cores enough for every thread (``L·t ≤ C``).
+    so a step with every rank busy runs at the measured speed, and ranks computing in the
+    others' bubble at what the cores they leave give them. ``None`` (1 whatever ``k``) where
+    no curve was measured or the cluster has more than one node.
 
-    4 processes on 2 cores, one thread each, a pipeline rank per process: alone or in pairs a
-    rank runs at twice the measured speed, three at 4/3 of it:
+    4 ranks on 2 cores, a pipeline rank per rank:
 
-    >>> import types
-    >>> cp = types.SimpleNamespace(ranks=4, cores=2, threads=1)
-    >>> r = host_rate(types.SimpleNamespace(nodes=1, compute=cp), 1)
-    >>> [round(r(k), 3) for k in (1, 2, 3, 4)]
-    [2.0, 2.0, 1.333, 1.0]
+    >>> from fxpar.cluster import Cluster, ComputeProfile
+    >>> cp = ComputeProfile(gemm=((1e6, 1e9),), memory=((1e6, 1e9),), op_overhead=0.0,
+    ...                     bwd_op_overhead=0.0, ranks=4, shared=(2.1, 1.5, 1.1, 1.0))
+    >>> r = host_rate(Cluster.local(4, compute=cp), 1)
+    >>> [r(k) for k in (1, 2, 3, 4)], host_rate(Cluster.local(4, compute=cp), 2)(1)
+    ([2.1, 1.5, 1.1, 1.0], 1.5)
     """
-    cp = getattr(cluster, "compute", None)
-    cores, load = getattr(cp, "cores", 0), getattr(cp, "ranks", 1) * getattr(cp, "threads", 1)
-    if not cores or getattr(cluster, "nodes", 1) != 1 or load <= cores:
+    shared = getattr(getattr(cluster, "compute", None), "shared", ())
+    if not shared or getattr(cluster, "nodes", 1) != 1:
         return None
-    per_rank = width * getattr(cp, "threads", 1)
-    return lambda k: load / max(k * per_rank, cores)
+    return lambda k: shared[min(k * width, len(shared)) - 1]
 
 
 def split_backward(cluster) -> float:

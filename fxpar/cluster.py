@@ -128,11 +128,13 @@ class ComputeProfile:
       backward node (autograd engine + the gradient kernel's dispatch);
     * ``dispatch``: seconds of a 1-element op without autograd (removed from the curves);
     * ``ranks``: how many ranks measured concurrently;
-    * ``cores``: the CPU cores those ranks shared, ``threads``: each rank's intra-op threads
-      (``Cluster.calibrate(share_cores=True)``; 0: not modelled, or a GPU's own compute).
-      Where ``ranks·threads`` exceed ``cores``, every rank computing measured what it gets of
-      a shared host: a pipeline rank alone in the others' bubble gets more
-      (:func:`fxpar.cost.step.host_rate`);
+    * ``shared``: on a host whose cores the ranks share (``Cluster.calibrate(share_cores=True)``),
+      entry ``k−1`` the speed of compute while ``k`` of its ranks compute at once over its
+      speed with all ``ranks`` busy (the curves' load; the last entry is 1): a pipeline rank
+      in the others' bubble gets the cores they leave (:func:`fxpar.cost.step.host_rate`).
+      Measured, not ``cores/k``: 4 one-thread ranks on 2 vCPUs ran a GPT block's forward and
+      backward 2.1×, 1.5× and 1.1× faster with 1, 2 and 3 of them busy. ``()``: not
+      modelled (every rank at the curves' speed);
     * ``dtype``: the element type the GEMM, memory, vector and attention curves were measured
       in (``"float32"``; ``"bfloat16"`` for a model trained in bf16 on a GPU, where bf16 GEMMs
       run ~15× faster than float32 ones);
@@ -163,15 +165,14 @@ class ComputeProfile:
     dtype: str = "float32"
     asynchronous: bool = False
     activation: tuple[tuple[float, float], ...] = ()
-    cores: int = 0
-    threads: int = 1
+    shared: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("cores", "threads"):
-            v = getattr(self, name)
-            if not (isinstance(v, int) and v >= (name == "threads")):
-                raise ClusterError(f"ComputeProfile.{name} must be an int >= "
-                                   f"{int(name == 'threads')}, got {v!r}")
+        sh = tuple(float(x) for x in self.shared)
+        if sh and not (len(sh) == self.ranks and all(0 < x < math.inf for x in sh)):
+            raise ClusterError(f"ComputeProfile.shared needs one positive speed per number of "
+                               f"busy ranks (1..{self.ranks}), got {self.shared!r}")
+        object.__setattr__(self, "shared", sh)
         object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
         object.__setattr__(self, "asynchronous", bool(self.asynchronous))
         opt = tuple(float(x) for x in self.optimizer)
@@ -209,8 +210,7 @@ class ComputeProfile:
                     dispatch=self.dispatch, ranks=self.ranks, vector=[list(p) for p in self.vector],
                     optimizer=list(self.optimizer), attention=[list(p) for p in self.attention],
                     dtype=self.dtype, asynchronous=self.asynchronous,
-                    activation=[list(p) for p in self.activation], cores=self.cores,
-                    threads=self.threads)
+                    activation=[list(p) for p in self.activation], shared=list(self.shared))
 
     @classmethod
     def from_dict(cls, d: dict) -> ComputeProfile:
@@ -224,7 +224,7 @@ class ComputeProfile:
                        attention=tuple(tuple(p) for p in d.get("attention", ())),
                        activation=tuple(tuple(p) for p in d.get("activation", ())),
                        dtype=d.get("dtype", "float32"), asynchronous=d.get("asynchronous", False),
-                       cores=int(d.get("cores", 0)), threads=int(d.get("threads", 1)))
+                       shared=tuple(d.get("shared", ())))
         except (KeyError, TypeError, ValueError) as e:
             raise ClusterError(f"bad compute profile in cluster JSON: {type(e).__name__}: {e}") from e
 
@@ -681,8 +681,9 @@ class Cluster:
                 + (f"; compute measured (GEMM up to {self.compute.peak_flops / 1e9:.3g} GFLOP/s, "
                    f"{self.compute.memory_bandwidth / GB:.3g} GB/s, "
                    f"{self.compute.op_overhead * 1e6:.3g} µs/op"
-                   + (f"; {self.compute.ranks} ranks × {self.compute.threads} thread(s) sharing "
-                      f"{self.compute.cores} cores" if self.compute.cores else "")
+                   + ("; speed with 1.." + str(self.compute.ranks) + " ranks busy: "
+                      + ", ".join(f"{x:.2g}" for x in self.compute.shared)
+                      if self.compute.shared else "")
                    + ")" if self.compute else "")
                 + (f"; physics: GEMMs at {self.physics.gemm_efficiency:.0%} of peak, attention "
                    f"{self.physics.attention_efficiency:.0%}, links at "
@@ -781,16 +782,12 @@ class Cluster:
         (:class:`ComputeProfile`); ``peak_flops`` and ``memory_bandwidth`` become its
         fastest GEMM rate and its largest-size bandwidth.
 
-        **Shared cores** (``share_cores=True``, CPU ranks): the profile records the cores the
-        ranks ran on (their affinity, the fewest over the group) and their threads
-        (:attr:`ComputeProfile.cores`), and the step model prices a pipeline rank computing
-        alone in the others' bubble at the speed the freed cores give it
-        (:func:`fxpar.cost.step.host_rate`). Off by default: on 4 gloo ranks of 2 cores
-        (``pp=4``) the forward and backward actions measure within ~15% of what it predicts
-        for them (about twice the speed of the all-ranks-busy calibration), but the steps
-        1.3–1.8× what it predicts, for waits it does not price (a woken receiver's wait for a
-        core, the runtime's work between actions); unshared, those errors cancel better
-        (``benchmarks/pipeline.py``'s ``plan·shr`` column).
+        **Shared cores** (``share_cores=True``, CPU ranks of one host): the speed of a small
+        block's forward and backward while ``k`` of the ranks run it at once, ``k = world..1``,
+        over its speed with all of them (:attr:`ComputeProfile.shared`); the step model then
+        prices a pipeline rank computing in the others' bubble at the speed the cores they
+        leave give it (:func:`fxpar.cost.step.host_rate`). Off by default (the
+        ``plan·shr`` column of ``benchmarks/pipeline.py`` compares).
 
         **Interference** (``compute=True``, more than one rank): ``comm_interference``, what
         one second of communication hidden behind compute adds to the step, measured with an
@@ -897,8 +894,8 @@ class Cluster:
         if compute:
             prof = _measure_compute(group, device, gemm_sizes, memory_sizes, iters, min_time,
                                     dtype, attention_shapes)
-            if share_cores and device.type == "cpu":
-                prof = dataclasses.replace(prof, **_host_cores(group, device))
+            if share_cores and device.type == "cpu" and len(node_names) == 1:
+                prof = dataclasses.replace(prof, shared=_measure_sharing(group, iters, min_time))
             updates.update(compute=prof, peak_flops=prof.peak_flops,
                            memory_bandwidth=prof.memory_bandwidth)
             if world > 1:
@@ -979,19 +976,45 @@ def _total_memory() -> int:
     return 16 * GiB
 
 
-def _host_cores(group, device) -> dict:
-    """``cores``: the CPU cores this process may run on (its affinity), the fewest over
-    ``group``'s ranks so that every rank's profile is the same; ``threads``: its intra-op
-    threads (:attr:`ComputeProfile.cores`)."""
-    import os
-
+def _measure_sharing(group, iters: int, min_time: float) -> tuple[float, ...]:
+    """:attr:`ComputeProfile.shared`: a small block's forward and backward in autograd
+    (``softmax(layer_norm(gelu(x·W1)·W2))``, 256 rows of 128, hidden 512: GEMMs and the
+    memory-bound ops beside them) run by ranks ``0..k−1`` at once while the others
+    wait in a barrier, for ``k = world..1``; per ``k`` the median over ``iters`` runs of the
+    slowest busy rank's time, each run the same number of calls (about ``4·min_time`` with all
+    busy); entry ``k−1`` is the all-busy time over that one, at least entry ``k``'s."""
     import torch
     import torch.distributed as dist
+    import torch.nn.functional as F
 
-    n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    t = torch.tensor([n], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-    return dict(cores=int(t.item()), threads=torch.get_num_threads())
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 128, generator=g, requires_grad=True)
+    w1 = torch.randn(128, 512, generator=g, requires_grad=True)
+    w2 = torch.randn(512, 128, generator=g, requires_grad=True)
+
+    def run(busy: int, reps: int) -> float:
+        dist.barrier(group=group)
+        t = 0.0
+        if rank < busy:
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                F.softmax(F.layer_norm(F.gelu(x @ w1) @ w2, (128,)), -1).sum().backward()
+            t = time.perf_counter() - t0
+        out = torch.tensor([t], dtype=torch.float64)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+        return out.item()
+
+    # runs of 4·min_time: a shared host's speed drifts more than one op's cost does
+    reps = int(min(10_000, max(1, math.ceil(4 * min_time / max(run(world, 1), 1e-9)))))
+    times = {k: statistics.median(run(k, reps) for _ in range(iters)) for k in range(world, 0, -1)}
+    # fewer ranks busy are never slower than more (a lower figure is noise): running maximum
+    # from the all-busy end
+    speed, out = 1.0, []
+    for k in range(world, 0, -1):
+        speed = max(speed, times[world] / max(times[k], 1e-12))
+        out.append(speed)
+    return tuple(reversed(out))
 
 
 def _group_device(group):

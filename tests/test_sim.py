@@ -345,10 +345,11 @@ def test_shared_core_step_is_all_the_work(name, p, m):
 
 
 def test_measured_at_full_load_runs_faster_alone():
-    """4 ranks on 2 cores, the durations measured with all 4 busy (:func:`host_rate`'s
-    ``4/max(k, 2)``): GPipe with one microbatch runs one action at a time, each at twice its
-    measured speed: ``p·(t_f + t_b)/2``."""
-    rate = host_rate(_host(ranks=4, cores=2), 1)
+    """4 ranks on 2 cores, the durations measured with all 4 busy and a rank alone measured
+    at twice that speed (:func:`host_rate` of ``shared = (2, 2, 4/3, 1)``): GPipe with one
+    microbatch runs one action at a time, each at twice its measured speed:
+    ``p·(t_f + t_b)/2``."""
+    rate = host_rate(_host((2.0, 2.0, 4 / 3, 1.0)), 1)
     r = simulate(Schedule.build("gpipe", 4, 1), fwd=1.0, bwd=2.0, rate=rate)
     assert r.step_time == pytest.approx(4 * 3.0 / 2)
     assert simulate(Schedule.build("gpipe", 4, 1), fwd=1.0, bwd=2.0).step_time == 12.0
@@ -366,21 +367,24 @@ def test_bad_rate():
         simulate(Schedule.build("gpipe", 2, 1), rate=lambda k: 0.0)
 
 
-def _host(ranks: int, cores: int, threads: int = 1, nodes: int = 1) -> Cluster:
-    """A cluster whose measured compute came from ``ranks`` ranks on ``cores`` cores."""
+def _host(shared: tuple[float, ...], nodes: int = 1) -> Cluster:
+    """A cluster whose measured compute ran at ``shared[k-1]`` with ``k`` ranks busy."""
     cp = ComputeProfile(gemm=((1e6, 1e9),), memory=((1e6, 1e9),), op_overhead=0.0,
-                        bwd_op_overhead=0.0, ranks=ranks, cores=cores, threads=threads)
-    return Cluster.local(ranks, nodes=nodes, compute=cp)
+                        bwd_op_overhead=0.0, ranks=len(shared), shared=shared)
+    return Cluster.local(len(shared), nodes=nodes, compute=cp)
 
 
-def test_host_rate_closed_form_and_when_it_is_off():
-    # 8 single-thread ranks on 4 cores as 2 pipeline ranks of 4 (dp x tp): alone, 8/4 = 2x
-    r = host_rate(_host(8, 4), 4)
-    assert (r(1), r(2)) == (2.0, 1.0)
-    # 2 threads each: 4 ranks x 2 threads on 4 cores; a pipeline rank of 1 alone gets 2 cores
-    r = host_rate(_host(4, 4, threads=2), 1)
-    assert [r(k) for k in (1, 2, 3, 4)] == [2.0, 2.0, pytest.approx(4 / 3), 1.0]
-    assert host_rate(_host(2, 2), 1) is None          # a core each: nothing shared
-    assert host_rate(_host(4, 0), 1) is None          # a GPU's own compute
-    assert host_rate(_host(4, 2, nodes=2), 1) is None  # several hosts: not modelled
-    assert host_rate(Cluster.local(4), 1) is None     # no measured compute
+def test_host_rate_reads_the_measured_curve_by_busy_processes():
+    curve = (2.1, 1.9, 1.5, 1.3, 1.2, 1.1, 1.05, 1.0)
+    # 8 ranks as 2 pipeline ranks of 4 (dp x tp): one computing keeps 4 busy
+    r = host_rate(_host(curve), 4)
+    assert (r(1), r(2)) == (1.3, 1.0)
+    r = host_rate(_host(curve), 1)
+    assert [r(k) for k in range(1, 9)] == list(curve)
+    assert host_rate(_host(curve, nodes=2), 1) is None   # several hosts: not modelled
+    assert host_rate(Cluster.local(4), 1) is None        # no measured compute
+    with pytest.raises(fxpar.FxparError, match="shared needs one positive speed"):
+        _host((1.0, 0.0))
+    with pytest.raises(fxpar.FxparError, match="shared needs one positive speed"):
+        ComputeProfile(gemm=((1e6, 1e9),), memory=((1e6, 1e9),), op_overhead=0.0,
+                       bwd_op_overhead=0.0, ranks=4, shared=(2.0, 1.0))

@@ -90,19 +90,19 @@ def test_pipeline_step_is_megatrons_closed_form(p, m):
     assert st.bubble > 0
 
 
-@pytest.mark.parametrize("cores, speedup", [(0, 1.0), (4, 1.0), (2, 2.0)])
-def test_shared_cores_price_a_lone_rank_at_the_cores_it_gets(cores, speedup):
+@pytest.mark.parametrize("shared, speedup", [((), 1.0), ((1.0,) * 4, 1.0), ((2.0, 1.5, 1.2, 1.0), 2.0)])
+def test_shared_cores_price_a_lone_rank_at_the_cores_it_gets(shared, speedup):
     """price_config passes the cluster's :func:`~fxpar.cost.step.host_rate`: GPipe over 4
-    pipeline ranks with one microbatch runs one action at a time, so with 4 one-thread ranks
-    measured at once on 2 cores (``cores=2``) each runs at twice the measured speed; with a
-    core each (4), or cores not recorded (0), at it."""
+    pipeline ranks with one microbatch runs one action at a time, so with a measured speed of
+    2 for one busy rank of 4 each action runs at twice its measured speed; with a core each
+    (every speed 1), or no curve, at it."""
     from types import SimpleNamespace
 
     from fxpar.cluster import Cluster, ComputeProfile
     from fxpar.planner.price import price_config
 
     cp = ComputeProfile(gemm=((1e6, 1e9),), memory=((1e6, 1e9),), op_overhead=0.0,
-                        bwd_op_overhead=0.0, ranks=4, cores=cores)
+                        bwd_op_overhead=0.0, ranks=4, shared=shared)
     cl = Cluster.local(4, compute=cp)
     us = [UnitCost(f"l{i}", "x", fwd=1.0, bwd=2.0, fwd_fixed=0.0, bwd_fixed=0.0, act=0.0,
                    params=0.0, out=0.0) for i in range(4)]
