@@ -1299,25 +1299,46 @@ def _concurrent_times(fn, iters: int, group, min_time: float, sync) -> list[floa
     """Run ``fn(reps) -> [seconds per call, ...]`` on every rank at once; per component the
     median over ``iters`` runs of the slowest rank (``median_of_max``). ``reps`` is chosen
     from a warm-up so that a run lasts about ``min_time``, the same on every rank."""
+    return _interleaved_times([fn], iters, group, min_time, sync)[0]
+
+
+def _interleaved_times(fns, iters: int, group, min_time: float, sync) -> list[list[float]]:
+    """:func:`_concurrent_times` of several probes, measured in ``iters`` interleaved rounds:
+    each round runs every probe once (one run of about ``min_time``, every rank at once after
+    a barrier), odd rounds in reverse order; per probe and component the median over rounds
+    of the slowest rank. A shared host's speed drifts over seconds; measured back to back,
+    the points of one curve saw different hosts (on 2 ranks of 2 vCPUs, one GEMM size's rate
+    moved 83 → 41 GFLOP/s between two calibrations while its neighbours did not), so the
+    curve's shape, which prices one plan against another, was noise. Interleaved, every
+    point sees the same mix of the host's states."""
     import torch
     import torch.distributed as dist
 
     from fxpar.cost.calibration import median_of_max
 
     dev = _group_device(group)  # NCCL reduces only device tensors
-    warm = torch.tensor([max(fn(1))], dtype=torch.float64, device=dev)
+    warm = torch.tensor([max(fn(1)) for fn in fns], dtype=torch.float64, device=dev)
     sync()
     dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=group)
-    reps = int(min(100_000, max(1, math.ceil(min_time / max(warm.item(), 1e-9)))))
+    reps = [int(min(100_000, max(1, math.ceil(min_time / max(w, 1e-9))))) for w in warm.tolist()]
     world = dist.get_world_size(group)
-    runs = []
-    for _ in range(max(1, iters)):
-        dist.barrier(group=group)
-        mine = torch.tensor(fn(reps), dtype=torch.float64, device=dev)
-        every = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(every, mine, group=group)
-        runs.append(torch.stack(every).tolist())  # [rank][component]
-    return [median_of_max([[r[k] for r in run] for run in runs]) for k in range(len(runs[0][0]))]
+    runs: list[list] = [[] for _ in fns]
+    for i in range(max(1, iters)):
+        order = range(len(fns)) if i % 2 == 0 else range(len(fns) - 1, -1, -1)
+        mine = [None] * len(fns)
+        for k in order:
+            dist.barrier(group=group)
+            mine[k] = fns[k](reps[k])
+        flat = torch.tensor([x for m in mine for x in m], dtype=torch.float64, device=dev)
+        every = [torch.empty_like(flat) for _ in range(world)]
+        dist.all_gather(every, flat, group=group)
+        per_rank = torch.stack(every).tolist()  # [rank][flat component]
+        at = 0
+        for k, m in enumerate(mine):
+            runs[k].append([row[at:at + len(m)] for row in per_rank])   # [rank][component]
+            at += len(m)
+    return [[median_of_max([[r[c] for r in run] for run in rs]) for c in range(len(rs[0][0]))]
+            for rs in runs]
 
 
 def _cache_bytes(device) -> int:
@@ -1368,8 +1389,10 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
             return [(time.perf_counter() - t0) / reps]
         return fn
 
+    # every probe is made first, then all are timed in interleaved rounds (_interleaved_times)
+    probes: list = []
     one = torch.ones(1, device=device)
-    dispatch = _concurrent_times(loop(lambda: torch.add(one, one)), iters, group, min_time, sync)[0]
+    probes.append(loop(lambda: torch.add(one, one)))   # the dispatch
 
     leaf = torch.ones(1, device=device, requires_grad=True)
 
@@ -1385,8 +1408,7 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
         sync()
         return [(t1 - t0) / reps, (time.perf_counter() - t1) / reps]
 
-    fwd_over, bwd_over = _concurrent_times(chain, iters, group, min_time, sync)
-    gemm_t = []
+    probes.append(chain)
     cache = _cache_bytes(device)
     for n in gemm_sizes:
         a = torch.randn(n, n, device=device, dtype=dtype)
@@ -1399,18 +1421,16 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
 
         def mm(a=a, cold=cold):
             torch.mm(a, next(cold))
-        gemm_t.append(_concurrent_times(loop(mm), iters, group, min_time, sync)[0])
+        probes.append(loop(mm))
     elems = [max(1, nbytes // esize) for nbytes in memory_sizes]
-    mem_t = []
     for n in elems:
         a = torch.randn(n, device=device, dtype=dtype)
         b = torch.randn_like(a)
-        mem_t.append(_concurrent_times(loop(lambda: torch.add(a, b)), iters, group, min_time, sync)[0])
+        probes.append(loop(lambda a=a, b=b: torch.add(a, b)))
     # non-GEMM arithmetic: a log-softmax over rows of 512 (a loss over a vocabulary shard, an
     # attention row), forward and backward, counted as its cost rule counts them (5 + 4 FLOPs
     # per element: the backward is as slow as the forward, though it counts fewer)
     vec_n = [max(512, nbytes // esize // 512 * 512) for nbytes in memory_sizes]
-    vec_t = []
     for n in vec_n:
         a = torch.randn(n // 512, 512, device=device, dtype=dtype)
         y = torch.log_softmax(a, -1)
@@ -1418,18 +1438,17 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
         def fwd_bwd(a=a, y=y):  # the two kernels autograd runs, without the engine
             torch.log_softmax(a, -1)
             torch.ops.aten._log_softmax_backward_data(y, y, -1, a.dtype)
-        vec_t.append(_concurrent_times(loop(fwd_bwd), iters, group, min_time, sync)[0])
+        probes.append(loop(fwd_bwd))
     # transcendental elementwise work: a GELU forward and backward (erf in software on a CPU)
-    act_t = []
     for n in elems:
         x, g = torch.randn(n, device=device, dtype=dtype), torch.randn(n, device=device, dtype=dtype)
 
         def gelu(x=x, g=g):
             torch.ops.aten.gelu(x)
             torch.ops.aten.gelu_backward(g, x)
-        act_t.append(_concurrent_times(loop(gelu), iters, group, min_time, sync)[0])
+        probes.append(loop(gelu))
     # fused causal attention, forward and backward (heads x length x head dim)
-    att_shapes, att_t = tuple(attention_shapes), []
+    att_shapes = tuple(attention_shapes)
     for bh, L, E in att_shapes:
         # (1, heads, length, dim) as models call it: 3-d inputs miss the flash kernels (on an
         # H200 a 32×2048×128 causal bf16 SDPA ran at 28 TFLOP/s 3-d)
@@ -1439,7 +1458,7 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
 
         def att(q=q, k=k, v=v, go=go):
             torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(go)
-        att_t.append(_concurrent_times(loop(att), iters, group, min_time, sync)[0])
+        probes.append(loop(att))
     # the optimizer step: AdamW over one large tensor, then over many small ones, solved for
     # t = per_tensor + per_element·n
     big, small, k = 2**18, 64, 32
@@ -1452,8 +1471,16 @@ def _measure_compute(group, device, gemm_sizes, memory_sizes, iters: int,
         opt.step()  # the states exist
         return loop(opt.step)
 
-    t_big = _concurrent_times(adamw([(big,)]), iters, group, min_time, sync)[0]
-    t_small = _concurrent_times(adamw([(small,)] * k), iters, group, min_time, sync)[0] / k
+    probes += [adamw([(big,)]), adamw([(small,)] * k)]
+    times = iter(_interleaved_times(probes, iters, group, min_time, sync))
+    dispatch = next(times)[0]
+    fwd_over, bwd_over = next(times)
+
+    def take(count: int) -> list[float]:
+        return [next(times)[0] for _ in range(count)]
+    gemm_t, mem_t, vec_t, act_t = (take(len(x)) for x in (gemm_sizes, elems, vec_n, elems))
+    att_t = take(len(att_shapes))
+    t_big, t_small = next(times)[0], next(times)[0] / k
     per_element = max(t_big - t_small, 0.0) / (big - small)
     per_tensor = max(t_small - per_element * small, 0.0)
     fwd = [4.0 * bh * L * L * E for bh, L, E in att_shapes]   # sdpa_cost: QKᵀ and PV

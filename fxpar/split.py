@@ -100,14 +100,15 @@ def units(gm: fx.GraphModule) -> list[tuple[str, list[fx.Node]]]:
 
 
 def _unit_times(gm: fx.GraphModule, us, cluster) -> list[float]:
-    from fxpar.cost.compute import node_cost, op_time
+    from fxpar.cost.compute import node_cost, node_dispatches, op_time
 
     flags = ir.grad_flags(gm)
     out = []
     for _, nodes in us:
         t = 0.0
         for n in nodes:
-            f, b = op_time(node_cost(n, requires_grad=flags), cluster)
+            f, b = op_time(node_cost(n, requires_grad=flags), cluster,
+                           dispatches=node_dispatches(n, requires_grad=flags))
             t += f + (b if flags.get(n) else 0.0)
         out.append(t)
     return out

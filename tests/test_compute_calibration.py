@@ -121,7 +121,8 @@ def test_gemm_calibration_streams_its_second_operand(monkeypatch):
     from fxpar import cluster as cl
 
     monkeypatch.setattr(cl, "_cache_bytes", lambda device: 4 * 64 * 64 * 4)
-    monkeypatch.setattr(cl, "_concurrent_times", lambda fn, iters, group, min_time, sync: fn(16))
+    monkeypatch.setattr(cl, "_interleaved_times",
+                        lambda fns, iters, group, min_time, sync: [fn(16) for fn in fns])
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 1)
     seen, real_mm = [], torch.mm
 
@@ -260,7 +261,8 @@ def test_calibrate_measures_compute_on_two_ranks(pools):
     fc1 = next(n for n in after.nodes if n.op == "linear")
     flops = 2.0 * 16 * 64 * 256                   # local batch 16 of 32 on dp=2
     nbytes = 4.0 * (16 * 64 + 256 * 64 + 256 + 16 * 256)
-    assert fc1.fwd_time == pytest.approx(calibrated_time(flops, nbytes, p) + p.op_overhead)
+    # a 2-D linear dispatches two kernels below autograd (t, addmm): two per-op overheads
+    assert fc1.fwd_time == pytest.approx(calibrated_time(flops, nbytes, p) + 2 * p.op_overhead)
     assert p.dtype == "float32" and not p.asynchronous   # a CPU: host and kernels add up
 
 
@@ -282,3 +284,38 @@ def test_calibrate_in_the_training_dtype(pools):
     assert [w for w, _ in p.vector] == [9.0 * 512, 9.0 * 2**13]        # 2-byte elements
     assert [w for w, _ in p.attention] == [4.0 * 4 * 32 * 32 * 16]
     assert Cluster.from_json(c.to_json()) == c
+
+
+def test_interleaved_rounds_alternate_and_take_the_slowest_rank(monkeypatch):
+    """_interleaved_times on a faked 2-rank group (rank 1 reports twice rank 0's times): reps
+    from each probe's own warm-up, rounds alternating forward/reverse order, per probe the
+    median over rounds of the slower rank."""
+    import torch.distributed as dist
+
+    from fxpar.cluster import _interleaved_times
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "barrier", lambda group=None: None)
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: None)
+
+    def all_gather(every, mine, group=None):
+        every[0].copy_(mine)
+        every[1].copy_(2 * mine)
+    monkeypatch.setattr(dist, "all_gather", all_gather)
+
+    calls = []
+    round_times = {"a": iter([1.0, 5.0, 3.0]), "b": iter([10.0, 30.0, 20.0])}
+
+    def probe(name, warm):
+        def fn(reps):
+            calls.append((name, reps))
+            return [warm] if reps == 1 else [next(round_times[name]), 7.0] if name == "a" \
+                else [next(round_times[name])]
+        return fn
+    fns = [probe("a", 1e-3), probe("b", 1e-4)]
+    out = _interleaved_times(fns, 3, None, 0.01, lambda: None)
+    assert calls[:2] == [("a", 1), ("b", 1)]                     # warm-ups
+    assert [c for c, _ in calls[2:]] == ["a", "b", "b", "a", "a", "b"]
+    assert {c: r for c, r in calls[2:]} == {"a": 10, "b": 100}   # min_time / warm-up
+    assert out == [[2 * 3.0, 2 * 7.0], [2 * 20.0]]

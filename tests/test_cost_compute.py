@@ -225,3 +225,62 @@ def test_roofline():
     assert roofline_time(1e3, 1e9, c) == pytest.approx(1e9 / (0.8 * 2039e9))
     gm = export_gpt(1000, 64, 128, 4, 1, 2).graph_module
     assert graph_cost(gm).time(c) > 0
+
+
+def _counted_on_cpu(fn, *args):
+    """The oracle for cost.compute.dispatches: real CPU tensors, kernels counted below
+    autograd and the backward's nodes walked, AccumulateGrad excluded."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+    with Count() as mode:
+        out = fn(*args)
+    seen, todo = set(), [out.grad_fn]
+    while todo:
+        f = todo.pop()
+        if f is None or f in seen or type(f).__name__ == "AccumulateGrad":
+            continue
+        seen.add(f)
+        todo.extend(g for g, _ in f.next_functions)
+    return mode.n, len(seen)
+
+
+@pytest.mark.parametrize("case", ["linear3d", "linear2d", "layer_norm", "gelu", "view", "split"])
+def test_dispatches_match_real_autograd(case):
+    from fxpar.cost.compute import dispatches
+
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    w, b = torch.randn(16, 8, requires_grad=True), torch.randn(16, requires_grad=True)
+    op, args = {
+        "linear3d": (aten.linear.default, (x, w, b)),
+        "linear2d": (aten.linear.default, (x[0].detach().requires_grad_(), w, b)),
+        "layer_norm": (aten.layer_norm.default, (x, [8], torch.ones(8, requires_grad=True), None)),
+        "gelu": (aten.gelu.default, (x,)),
+        "view": (aten.view.default, (x, [8, 8])),
+        "split": (lambda t, n, d: aten.split.Tensor(t, n, d)[0], (x, 4, 2)),
+    }[case]
+    target = aten.split.Tensor if case == "split" else op
+    meta = tuple(TensorArg(tuple(a.shape), a.dtype, requires_grad=a.requires_grad)
+                 if isinstance(a, torch.Tensor) else a for a in args)
+    assert dispatches(target, meta) == _counted_on_cpu(op, *args)
+
+
+def test_dispatches_without_grad_fused_attention_and_unknown_targets():
+    import operator
+
+    from fxpar.cost.compute import dispatches, node_dispatches
+
+    q = TensorArg((1, 2, 8, 4), requires_grad=True)
+    assert dispatches(aten.scaled_dot_product_attention.default, (q, q, q)) == (1, 1)
+    frozen = [TensorArg(s, requires_grad=False) for s in ((4,), (2, 3), (3, 4))]
+    assert dispatches(aten.addmm.default, tuple(frozen)) == (1, 0)
+    assert dispatches(aten.addmm.default, (TensorArg((4,)), *frozen[1:])) == (1, 1)
+    assert dispatches(operator.getitem, ((1, 2), 0)) is None
+    g = torch.fx.Graph()
+    a = g.placeholder("a")
+    assert node_dispatches(a) is None

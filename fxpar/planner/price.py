@@ -38,7 +38,7 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.config import ParallelConfig
 from fxpar.layers import layer_of
-from fxpar.cost.compute import op_overheads
+from fxpar.cost.compute import node_dispatches, op_overheads
 from fxpar.cost.memory import STATE_BYTES_PER_PARAM, model_state_bytes, reduce_scale
 from fxpar.cost.overlap import coalesced_pricer
 from fxpar.cost.pipeline import in_flight_microbatches
@@ -136,6 +136,10 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
     reused: list[list] = [[] for _ in us]
     cl = _cluster_of(plan)
     fixed_f, fixed_b = op_overheads(cl)   # (0, 0) without a cluster
+    flags = ir.grad_flags(gm)
+    # a measured host's per-op work is paid per kernel and backward node (op_time's
+    # dispatches); a preset's kernel_overhead per op with work (physics_time)
+    counted = getattr(cl, "compute", None) is not None and bool(fixed_f or fixed_b)
     for n in plan.nodes:
         if n.name in params and n.name in first_use:
             val = nodes[n.name].meta[ir.VAL]
@@ -143,19 +147,24 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
             f = first_use[n.name]
             acc[f]["params"] += k
             acc[f]["tensors"] += 1
+            if counted and flags.get(nodes[n.name]):   # its AccumulateGrad node, per backward
+                acc[f]["bwd"] += fixed_b
+                acc[f]["bwd_lat"] += fixed_b
             for u in sorted(users[n.name] - {f}):
                 reused[u].append((n.name, f, float(k)))
         elif n.name in unit_of:
             a = acc[unit_of[n.name]]
             a["fwd"] += n.fwd_time
             a["bwd"] += n.bwd_time
-            a["fwd_lat"] += min(n.fwd_time, fixed_f) if n.fwd_time > 0 else 0.0
-            a["bwd_lat"] += min(n.bwd_time, fixed_b) if n.bwd_time > 0 else 0.0
+            # the per-op host work of its kernels and backward nodes (op_time's dispatches)
+            kf, kb = (node_dispatches(nodes[n.name], requires_grad=flags) or (1, 1)
+                      if counted else (1, 1))
+            a["fwd_lat"] += min(n.fwd_time, max(kf, 1) * fixed_f) if n.fwd_time > 0 else 0.0
+            a["bwd_lat"] += min(n.bwd_time, max(kb, 1) * fixed_b) if n.bwd_time > 0 else 0.0
             a["act"] += n.memory
     # activation gradients summed over the batch: reduced over the replicas, priced by the
     # configuration (the search's probe has no replica axis to show them)
     batch = _batch_derived(gm)
-    flags = ir.grad_flags(gm)
     sync: set[tuple[str, str]] = set()
     grads: list[list[float]] = [[] for _ in us]
     for n in gm.graph.nodes:

@@ -66,7 +66,7 @@ import torch
 import torch.fx as fx
 
 from fxpar import ir
-from fxpar.cost.compute import TensorArg, is_view, op_cost, op_time
+from fxpar.cost.compute import TensorArg, is_view, node_dispatches, op_cost, op_time
 from fxpar.cost.memory import model_state_bytes
 from fxpar.cost.reshard import max_local_shape
 from fxpar.defaults import BUCKET_BYTES
@@ -127,7 +127,9 @@ def time_inputs(node, flags) -> tuple:
     """What :func:`compute_times` reads of ``node`` whatever the strategy (made once per node
     by the planner): its input nodes, each one's tensor meta (or its value when it is not
     a tensor) and gradient flag, the node's tensor output metas and their count with
-    ``None`` entries, its op record and whether it has a gradient."""
+    ``None`` entries, its op record, whether it has a gradient and its
+    :func:`fxpar.cost.compute.node_dispatches` (kernels and backward nodes: the same whatever
+    the strategy)."""
     ins = node.all_input_nodes
     metas = {}
     for x in ins:
@@ -136,7 +138,7 @@ def time_inputs(node, flags) -> tuple:
         metas[x] = (tm, v, bool(flags.get(x)))
     mets = ir.tensor_metas(node)
     return (ins, metas, [m for m in mets if m is not None], len(mets), record_for(node.target),
-            bool(flags.get(node, False)))
+            bool(flags.get(node, False)), node_dispatches(node, requires_grad=flags))
 
 
 def compute_times(node, strat: Strategy, mesh, flags, opts,
@@ -146,7 +148,7 @@ def compute_times(node, strat: Strategy, mesh, flags, opts,
     prices many strategies of it."""
     if node.op != "call_function":
         return 0.0, 0.0
-    ins, metas, outs_m, n_out, rec, grad = prep if prep is not None else time_inputs(node, flags)
+    ins, metas, outs_m, n_out, rec, grad, disp = prep if prep is not None else time_inputs(node, flags)
     spec_of = {a: strat.inputs[q] if q < len(strat.inputs) else None for q, a in enumerate(ins)}
 
     def conv(x):
@@ -167,7 +169,8 @@ def compute_times(node, strat: Strategy, mesh, flags, opts,
     c = op_cost(node.target, args, kwargs, out)
     if not grad:
         c = dataclasses.replace(c, bwd_flops=0.0, bwd_bytes=0.0)
-    f, b = op_time(c, mesh.cluster, opts.efficiency, opts.memory_efficiency)
+        disp = (disp[0], 0) if disp is not None else None
+    f, b = op_time(c, mesh.cluster, opts.efficiency, opts.memory_efficiency, dispatches=disp)
     if rec is not None and rec.comm is not None:
         cf, cb = rec.comm(node, strat, mesh)
         f, b = f + cf, b + (cb if grad else 0.0)
