@@ -1005,7 +1005,9 @@ def _measure_sharing(group, iters: int, min_time: float) -> tuple[float, ...]:
         dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
         return out.item()
 
-    # runs of 4·min_time: a shared host's speed drifts more than one op's cost does
+    # runs of 4·min_time: a shared host's speed drifts more than one op's cost does (reps
+    # from a second call: the first also starts autograd's engine)
+    run(world, 1)
     reps = int(min(10_000, max(1, math.ceil(4 * min_time / max(run(world, 1), 1e-9)))))
     times = {k: statistics.median(run(k, reps) for _ in range(iters)) for k in range(world, 0, -1)}
     # fewer ranks busy are never slower than more (a lower figure is noise): running maximum
@@ -1295,17 +1297,34 @@ def _time_collective(coll: str, nbytes: int, sub, gsize: int, device, iters: int
     return statistics.median(max(0.0, (t - c) / reps) for t, c in (run(reps) for _ in range(iters)))
 
 
-def _concurrent_times(fn, iters: int, group, min_time: float, sync) -> list[float]:
-    """Run ``fn(reps) -> [seconds per call, ...]`` on every rank at once; per component the
-    median over ``iters`` runs of the slowest rank (``median_of_max``). ``reps`` is chosen
-    from a warm-up so that a run lasts about ``min_time``, the same on every rank."""
-    return _interleaved_times([fn], iters, group, min_time, sync)[0]
+def _steady_per_call(fn, min_time: float, cap: int = 100_000) -> float:
+    """Seconds per call of probe ``fn(reps) -> [seconds per call, ...]`` (its largest
+    component) once warm: one call first for what only the first pays (allocations, kernel
+    selection, the autograd engine's start: a chain probe's first call took 16 ms against 5 µs
+    per op after, so ``reps`` sized from it ran 4 ops and measured mostly noise), then runs of
+    ``reps`` growing 8× until one lasts ``min_time / 8``; the last run's figure.
+
+    >>> calls = []
+    >>> def fn(reps):
+    ...     calls.append(reps)
+    ...     return [1.0 if len(calls) == 1 else 1e-4]
+    >>> _steady_per_call(fn, 0.01), calls
+    (0.0001, [1, 1, 8, 64])
+    """
+    fn(1)
+    reps = 1
+    while True:
+        t = max(fn(reps))
+        if t * reps >= min_time / 8 or reps >= cap:
+            return t
+        reps = min(cap, reps * 8)
 
 
 def _interleaved_times(fns, iters: int, group, min_time: float, sync) -> list[list[float]]:
-    """:func:`_concurrent_times` of several probes, measured in ``iters`` interleaved rounds:
-    each round runs every probe once (one run of about ``min_time``, every rank at once after
-    a barrier), odd rounds in reverse order; per probe and component the median over rounds
+    """Run probes ``fn(reps) -> [seconds per call, ...]`` on every rank at once, in ``iters``
+    interleaved rounds: each round runs every probe once (``reps`` calls, the same on every
+    rank, about ``min_time`` from its steady per-call time, :func:`_steady_per_call`; every
+    rank at once after a barrier), odd rounds in reverse order; per probe and component the median over rounds
     of the slowest rank. A shared host's speed drifts over seconds; measured back to back,
     the points of one curve saw different hosts (on 2 ranks of 2 vCPUs, one GEMM size's rate
     moved 83 → 41 GFLOP/s between two calibrations while its neighbours did not), so the
@@ -1317,7 +1336,8 @@ def _interleaved_times(fns, iters: int, group, min_time: float, sync) -> list[li
     from fxpar.cost.calibration import median_of_max
 
     dev = _group_device(group)  # NCCL reduces only device tensors
-    warm = torch.tensor([max(fn(1)) for fn in fns], dtype=torch.float64, device=dev)
+    warm = torch.tensor([_steady_per_call(fn, min_time) for fn in fns], dtype=torch.float64,
+                        device=dev)
     sync()
     dist.all_reduce(warm, op=dist.ReduceOp.MAX, group=group)
     reps = [int(min(100_000, max(1, math.ceil(min_time / max(w, 1e-9))))) for w in warm.tolist()]

@@ -288,8 +288,8 @@ def test_calibrate_in_the_training_dtype(pools):
 
 def test_interleaved_rounds_alternate_and_take_the_slowest_rank(monkeypatch):
     """_interleaved_times on a faked 2-rank group (rank 1 reports twice rank 0's times): reps
-    from each probe's own warm-up, rounds alternating forward/reverse order, per probe the
-    median over rounds of the slower rank."""
+    from each probe's steady per-call time (its slow first call ignored), rounds alternating
+    forward/reverse order, per probe the median over rounds of the slower rank."""
     import torch.distributed as dist
 
     from fxpar.cluster import _interleaved_times
@@ -306,16 +306,21 @@ def test_interleaved_rounds_alternate_and_take_the_slowest_rank(monkeypatch):
 
     calls = []
     round_times = {"a": iter([1.0, 5.0, 3.0]), "b": iter([10.0, 30.0, 20.0])}
+    # warm-up calls: the first pays a one-time 1 s, then the steady time until a run of reps
+    # lasts min_time / 8 (a: reps 1, 8; b: reps 1, 8, 64)
+    ramp = {"a": 3, "b": 4}
 
     def probe(name, warm):
         def fn(reps):
             calls.append((name, reps))
-            return [warm] if reps == 1 else [next(round_times[name]), 7.0] if name == "a" \
-                else [next(round_times[name])]
+            n = sum(c == name for c, _ in calls)
+            if n <= ramp[name]:
+                return [1.0 if n == 1 else warm]
+            return [next(round_times[name]), 7.0] if name == "a" else [next(round_times[name])]
         return fn
     fns = [probe("a", 1e-3), probe("b", 1e-4)]
     out = _interleaved_times(fns, 3, None, 0.01, lambda: None)
-    assert calls[:2] == [("a", 1), ("b", 1)]                     # warm-ups
-    assert [c for c, _ in calls[2:]] == ["a", "b", "b", "a", "a", "b"]
-    assert {c: r for c, r in calls[2:]} == {"a": 10, "b": 100}   # min_time / warm-up
+    assert calls[:7] == [("a", 1), ("a", 1), ("a", 8), ("b", 1), ("b", 1), ("b", 8), ("b", 64)]
+    assert [c for c, _ in calls[7:]] == ["a", "b", "b", "a", "a", "b"]
+    assert {c: r for c, r in calls[7:]} == {"a": 10, "b": 100}   # min_time / steady time
     assert out == [[2 * 3.0, 2 * 7.0], [2 * 20.0]]
