@@ -16,11 +16,19 @@ schedule       fxpar                                    torch.distributed.pipeli
 gpipe          ``schedule="gpipe"``                     ``ScheduleGPipe``
 1f1b           ``schedule="1f1b"``                      ``Schedule1F1B``
 interleaved    ``schedule="interleaved", chunks=2``     ``ScheduleInterleaved1F1B``, 2 stages/rank
+looped-bfs     ``schedule="looped-bfs", chunks=2``      ``ScheduleLoopedBFS``, 2 stages/rank
+interleaved-zb ``schedule="interleaved-zb", chunks=2``  ``ScheduleInterleavedZeroBubble``, 2
+                                                        stages/rank
 eager-1f1b     ``schedule="eager-1f1b"``                (no counterpart)
-zb-h1          ``schedule="zb-h1"``                     (no counterpart: ``ScheduleZBVZeroBubble``
-                                                        needs a V-shaped stage placement, another
-                                                        split than fxpar's looped one)
+zb-h1          ``schedule="zb-h1"``                     (torch's interleaved zero-bubble with one
+                                                        stage per rank is the same order; torch's
+                                                        ``ScheduleZBVZeroBubble`` and
+                                                        ``ScheduleDualPipeV`` need a V-shaped stage
+                                                        placement, fxpar's is looped)
 =============  =======================================  ==========================================
+
+The orders of the schedules compared are the same on both sides (tests/test_schedule.py checks
+fxpar's generators against torch's).
 
 fxpar: ``fxpar.compile(model, Cluster.local(pp), (idx,), loss_fn=ce, example_targets=(tgt,),
 mesh={"pp": pp}, schedule=..., microbatches=m, split_points=[...])`` then
@@ -123,9 +131,11 @@ if str(ROOT) not in sys.path:
 MODEL = dict(vocab=512, d_model=128, n_heads=4, n_layers=8, seq_len=64)
 BATCH = 16
 LR = 1e-3
-FX_SCHEDULES = ("gpipe", "1f1b", "interleaved", "eager-1f1b", "zb-h1")
+FX_SCHEDULES = ("gpipe", "1f1b", "interleaved", "eager-1f1b", "zb-h1", "looped-bfs",
+                "interleaved-zb")
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
-                   "interleaved": "ScheduleInterleaved1F1B"}
+                   "interleaved": "ScheduleInterleaved1F1B", "looped-bfs": "ScheduleLoopedBFS",
+                   "interleaved-zb": "ScheduleInterleavedZeroBubble"}
 
 
 def _ce(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
@@ -137,7 +147,9 @@ def _adamw(params):
 
 
 def _chunks(schedule: str) -> int:
-    return 2 if schedule == "interleaved" else 1
+    from fxpar.schedule import MULTI_CHUNK
+
+    return 2 if schedule in MULTI_CHUNK else 1
 
 
 def _starts(n_chunks: int) -> list[int]:
@@ -147,7 +159,7 @@ def _starts(n_chunks: int) -> list[int]:
 
 
 def _valid(schedule: str, pp: int, m: int) -> bool:
-    return not (schedule == "interleaved" and m % pp)
+    return not (schedule in ("interleaved", "interleaved-zb") and m % pp)
 
 
 # ---------------------------------------------------------------------------------------------

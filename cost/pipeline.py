@@ -6,7 +6,14 @@ device): the bubble fraction ``t_pb / t_id`` is ``(p−1)/m`` for GPipe and 1F1B
 ``(1/v)·(p−1)/m`` for interleaved 1F1B. Eager-1F1B (cross-mesh resharding paper §4) has the
 1F1B bubble without communication.
 
-Warm-up (forwards a stage runs before its first backward; stages ``s = 0 .. p−1``):
+Looped breadth-first (Lamy-Poirier 2022) runs every microbatch through a rank's first chunk,
+then its second, ...: a step of ``(v−1)·max(m, p) + p − 1 + m`` chunk slots against interleaved
+1F1B's ``v·m + p − 1`` (equal when ``m ≥ p``). Zero-bubble schedules (ZB-H1, interleaved
+zero-bubble) fill the bubble with weight gradients: their step depends on how a backward splits,
+which only :func:`fxpar.sim.simulate` prices.
+
+Warm-up (forwards a stage runs before its first backward, ``I`` for the zero-bubble ones;
+stages ``s = 0 .. p−1``):
 
 ==============  ==========================================  ====================================
 schedule        forwards before the first backward          activations in flight (microbatches)
@@ -15,6 +22,10 @@ gpipe           ``m``                                       ``m``
 1f1b            ``min(m, p−s)``                             ``min(m, p−s)``
 eager_1f1b      ``min(m, 2(p−s)−1)``                        ``min(m, 2(p−s)−1)``
 interleaved     ``min(m·v, 2(p−s−1) + (v−1)·p + 1)`` chunks  that many chunk activations ``/ v``
+zb_h1           ``min(m, p−s)``                             ``min(m, p)``: a microbatch lives
+                                                            until its deferred ``W``
+looped_bfs      ``m·v`` chunks                              ``m``
+interleaved_zb  ``min(m·v, (v−1)·p + p−s)`` chunks           ``min(m, p)`` (``p | m``)
 ==============  ==========================================  ====================================
 
 Exact step times of a schedule with arbitrary per-chunk times and communication are
@@ -35,7 +46,9 @@ __all__ = [
     "in_flight_microbatches",
 ]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "eager_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "eager_1f1b", "zb_h1", "looped_bfs", "interleaved_zb")
+#: the schedules with several chunks per device
+MULTI_CHUNK = ("interleaved", "looped_bfs", "interleaved_zb")
 
 
 def _check(schedule: str, p: int, m: int, v: int = 1) -> None:
@@ -43,20 +56,26 @@ def _check(schedule: str, p: int, m: int, v: int = 1) -> None:
         raise ValueError(f"unknown schedule {schedule!r}; known: {SCHEDULES}")
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"stages, microbatches and chunks must be >= 1 (p={p}, m={m}, v={v})")
-    if schedule != "interleaved" and v != 1:
-        raise ValueError(f"{schedule} has one chunk per device (v={v}); use 'interleaved'")
+    if schedule not in MULTI_CHUNK and v != 1:
+        raise ValueError(f"{schedule} has one chunk per device (v={v}); use one of {MULTI_CHUNK}")
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
     """Idle fraction ``t_pb / t_id`` with equal stages (Megatron-LM §2.2.1 and §2.2.2):
-    ``(p−1)/m``, or ``(1/v)·(p−1)/m`` interleaved.
+    ``(p−1)/m``, or ``(1/v)·(p−1)/m`` interleaved; looped BFS ``((v−1)(max(m,p)−m) + p−1)/(v·m)``
+    (the module docstring); none for the zero-bubble schedules (a :class:`ValueError`).
 
-    >>> bubble_fraction("gpipe", 8, 32)
-    0.21875
+    >>> bubble_fraction("gpipe", 8, 32), bubble_fraction("looped_bfs", 4, 2, v=2)
+    (0.21875, 1.25)
     """
     _check(schedule, p, m, v)
+    if schedule in ("zb_h1", "interleaved_zb"):
+        raise ValueError(f"{schedule}: the bubble depends on how a backward splits into I and W; "
+                         "fxpar.sim.simulate prices it")
     if schedule == "interleaved":
         return (p - 1) / (v * m)
+    if schedule == "looped_bfs":
+        return ((v - 1) * (max(m, p) - m) + p - 1) / (v * m)
     return (p - 1) / m
 
 
@@ -79,10 +98,14 @@ def warmup_forwards(schedule: str, stage: int, stages: int, m: int, v: int = 1) 
     left = stages - stage
     if schedule == "gpipe":
         return m
-    if schedule == "1f1b":
+    if schedule in ("1f1b", "zb_h1"):
         return min(m, left)
     if schedule == "eager_1f1b":
         return min(m, 2 * left - 1)
+    if schedule == "looped_bfs":
+        return m * v
+    if schedule == "interleaved_zb":
+        return min(m * v, (v - 1) * stages + left)
     return min(m * v, 2 * (left - 1) + (v - 1) * stages + 1)
 
 
@@ -95,6 +118,11 @@ def in_flight_microbatches(schedule: str, stage: int, stages: int, m: int, v: in
     (4, 8)
     >>> in_flight_microbatches("interleaved", 0, 4, 8, v=2)
     5.5
+    >>> in_flight_microbatches("zb_h1", 3, 4, 8), in_flight_microbatches("looped_bfs", 3, 4, 8, v=2)
+    (4, 8.0)
     """
+    if schedule in ("zb_h1", "interleaved_zb"):   # each deferred W holds its microbatch
+        _check(schedule, stages, m, v)
+        return min(m, stages)
     w = warmup_forwards(schedule, stage, stages, m, v)
-    return w / v if schedule == "interleaved" else w
+    return w / v if schedule in MULTI_CHUNK else w

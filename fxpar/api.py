@@ -252,8 +252,9 @@ def compile(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | tor
     **Pipelines**: a mesh with a ``"pp"`` axis (``mesh={"pp": 2, "dp": 1, "tp": 2}``) splits
     the model into ``pp·chunks`` stage chunks (at ``split_points``, module FQNs each chunk
     starts at, or balanced by the cost model), plans each on its stage's submesh and runs
-    ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"eager-1f1b"``, ``"zb-h1"``, or
-    a :class:`fxpar.Schedule`, e.g. written by hand)
+    ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"eager-1f1b"``, ``"zb-h1"``,
+    ``"looped-bfs"``, ``"interleaved-zb"`` (the last three and ``"interleaved"`` with
+    ``chunks > 1``), or a :class:`fxpar.Schedule`, e.g. written by hand)
     over ``microbatches`` slices of the batch (dim 0 of every tensor input); ``boundary=``
     ``"auto"``/``"send_recv"``/``"scatter_gather"`` says how values cross between stages.
     :mod:`fxpar.planner.stages` and :mod:`fxpar.runtime.interpreter` say how.

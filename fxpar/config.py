@@ -43,6 +43,7 @@ from dataclasses import dataclass, field, fields
 
 from fxpar.errors import PlanError
 from fxpar.layers import is_layer
+from fxpar.schedule.schedule import MULTI_CHUNK
 
 __all__ = ["ParallelConfig", "ScheduleKind", "recompute_set", "is_layer", "TUPLE_KEYS"]
 
@@ -55,6 +56,8 @@ class ScheduleKind(str, enum.Enum):
     INTERLEAVED = "interleaved"
     EAGER_1F1B = "eager-1f1b"
     ZB_H1 = "zb-h1"
+    LOOPED_BFS = "looped-bfs"
+    INTERLEAVED_ZB = "interleaved-zb"
     #: a hand-written schedule (:meth:`fxpar.Schedule.from_csv`): its action lists are the plan's
     CUSTOM = "custom"
 
@@ -133,11 +136,13 @@ class ParallelConfig:
             raise PlanError(f"ParallelConfig: state factors s_p={f[0]} | s_g={f[1]} | s_os={f[2]} "
                             f"must each divide the next and {what} (AMSP eq. 3); e.g. "
                             + " or ".join(str(x) for x in ok))
-        if self.chunks > 1 and self.schedule not in (ScheduleKind.INTERLEAVED, ScheduleKind.CUSTOM):
+        if self.chunks > 1 and str(self.schedule) not in MULTI_CHUNK | {"custom"}:
             raise PlanError(f"ParallelConfig: chunks={self.chunks} needs schedule='interleaved' "
-                            f"(got {self.schedule})")
-        if self.schedule is ScheduleKind.INTERLEAVED and self.pp > 1 and self.microbatches % self.pp:
-            raise PlanError(f"ParallelConfig: interleaved needs microbatches ({self.microbatches}) "
+                            f"or another of several chunks per rank ({', '.join(sorted(MULTI_CHUNK))}; "
+                            f"got {self.schedule})")
+        if (self.schedule in (ScheduleKind.INTERLEAVED, ScheduleKind.INTERLEAVED_ZB) and self.pp > 1
+                and self.microbatches % self.pp):
+            raise PlanError(f"ParallelConfig: {self.schedule} needs microbatches ({self.microbatches}) "
                             f"divisible by pp={self.pp}; e.g. microbatches="
                             f"{math.ceil(self.microbatches / self.pp) * self.pp}")
         if (self.pp > 1 or self.microbatches > 1) and self.s_p not in (1, self.dp):

@@ -16,15 +16,18 @@ from fxpar.errors import FxparError, ScheduleError
 from fxpar.schedule import GENERATORS, Action, Schedule, validate
 from tests import schedule_oracle
 
-NAMES = ["gpipe", "1f1b", "interleaved", "eager-1f1b", "zb-h1"]
+NAMES = ["gpipe", "1f1b", "interleaved", "eager-1f1b", "zb-h1", "looped-bfs", "interleaved-zb"]
+#: schedules with several chunks per rank; those of them that need ``p | m``
+MULTI = ("interleaved", "looped-bfs", "interleaved-zb")
+P_DIVIDES_M = ("interleaved", "interleaved-zb")
 
 
 def _valid_args():
     for name in NAMES:
         for p in range(1, 9):
             for m in range(1, 17):
-                for v in ((1, 2, 4) if name == "interleaved" else (1,)):
-                    if name == "interleaved" and m % p:
+                for v in ((1, 2, 4) if name in MULTI else (1,)):
+                    if name in P_DIVIDES_M and m % p:
                         continue
                     yield name, p, m, v
 
@@ -136,14 +139,70 @@ def test_every_generated_schedule_validates(name):
         for r in range(p):
             kinds = [a.kind for a in comp[r]]
             assert kinds.count("F") == m * v
-            if name == "zb-h1":
+            if name in ("zb-h1", "interleaved-zb"):
                 assert kinds.count("I") == kinds.count("W") == m * v and "B" not in kinds
             else:
                 assert kinds.count("B") == m * v
             assert {a.stage for a in comp[r]} == set(range(r, p * v, p))
             assert sum(a.kind == "REDUCE_GRAD" for a in s.actions[r]) == v
         n += 1
-    assert n == {"interleaved": 3 * sum(16 // p for p in range(1, 9))}.get(name, 8 * 16)
+    assert n == {"interleaved": 3 * sum(16 // p for p in range(1, 9)),
+                 "interleaved-zb": 3 * sum(16 // p for p in range(1, 9)),
+                 "looped-bfs": 3 * 8 * 16}.get(name, 8 * 16)
+
+
+def _torch_order(cls, p: int, m: int, v: int, r: int) -> list[str]:
+    """Rank ``r``'s compute order as torch.distributed.pipelining builds it (its
+    ``_calculate_single_rank_operations``, on the attributes it reads; idle steps dropped)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as ts
+
+    kinds = {ts._ComputationType.FORWARD: "F", ts._ComputationType.FULL_BACKWARD: "B",
+             ts._ComputationType.BACKWARD_INPUT: "I", ts._ComputationType.BACKWARD_WEIGHT: "W"}
+    ns = SimpleNamespace(_stages=[None] * v, n_local_stages=v, pp_group_size=p, _n_microbatches=m,
+                         microbatches_per_round=m // max(1, m // p))
+    return [f"{a.stage_index}{kinds[a.computation_type]}{a.microbatch_index}"
+            for a in cls._calculate_single_rank_operations(ns, r) if a is not None]
+
+
+@pytest.mark.parametrize("name,torch_cls", [("looped-bfs", "ScheduleLoopedBFS"),
+                                            ("interleaved-zb", "ScheduleInterleavedZeroBubble"),
+                                            ("interleaved", "ScheduleInterleaved1F1B")])
+def test_compute_order_equals_torchs(name, torch_cls):
+    """The orders torch.distributed.pipelining runs for the schedule of that name (their
+    generator is the oracle: the same schedule, so a benchmark against it compares runtimes);
+    interleaved zero-bubble with one chunk per rank is ZB-H1."""
+    from torch.distributed.pipelining import schedules as ts
+
+    cls = getattr(ts, torch_cls)
+    n = 0
+    for nm, p, m, v in _valid_args():
+        if nm != name or p > 6 or m > 12 or (name != "looped-bfs" and m % p):
+            continue
+        s = Schedule.build(name, stages=p, microbatches=m, chunks=v)
+        for r in range(p):
+            got = _strs(s.compute_only()[r])
+            assert got == _torch_order(cls, p, m, v, r), (name, p, m, v, r)
+            if name == "interleaved-zb" and v == 1:
+                assert got == _strs(Schedule.build("zb-h1", p, m).compute_only()[r])
+            n += 1
+    assert n > 100
+
+
+def test_receives_follow_the_senders_order():
+    """Interleaved zero-bubble on 2 ranks: rank 0 sends chunk 2's input gradient of microbatch
+    0 before chunk 0's output of microbatch 2, which rank 1 consumes first; lowering posts
+    rank 1's receives in rank 0's send order (NCCL matches a pair's messages in posting order),
+    moving the earlier-sent one up, and the schedule stays deadlock-free."""
+    s = Schedule.build("interleaved-zb", stages=2, microbatches=4, chunks=2)
+    sends = [a.matching() for a in s.actions[0] if a.is_send]
+    recvs = [a for a in s.actions[1] if a.is_recv]
+    assert recvs == sends
+    compute_first = [a for a in s.actions[1] if a.is_compute]
+    assert compute_first == list(fxpar.schedule.GENERATORS["interleaved-zb"](2, 4, 2)[1])
+    row = _strs(s.actions[1])
+    assert row.index("1RECV_B0") < row.index("1RECV_F2") < row.index("1F2") < row.index("1I0")
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "eager-1f1b", "interleaved"])
@@ -256,6 +315,7 @@ def test_rank_of_and_chunks():
     (dict(name="zb-h1", stages=2, microbatches=2, chunks=2), "chunks"),
     (dict(name="interleaved", stages=2, microbatches=4, chunks=0), "chunks"),
     (dict(name="interleaved", stages=4, microbatches=6, chunks=2), "microbatches"),
+    (dict(name="interleaved-zb", stages=4, microbatches=6, chunks=2), "microbatches"),
     (dict(name="pipedream", stages=2, microbatches=2), "name"),
     (dict(name="1f1b", stages=2.0, microbatches=2), "stages"),
 ])
@@ -269,6 +329,8 @@ def test_name_aliases():
     assert Schedule.build("ZB_H1", 2, 2).name == "zb-h1"
     assert Schedule.build("interleaved_1f1b", 2, 2, chunks=2).name == "interleaved"
     assert set(GENERATORS) == set(NAMES)
+    assert Schedule.build("LoopedBFS", 2, 2, chunks=2).name == "looped-bfs"
+    assert Schedule.build("InterleavedZeroBubble", 2, 2, chunks=2).name == "interleaved-zb"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -261,6 +261,37 @@ def test_peak_memory_interleaved_and_zb():
             assert zb == pytest.approx([min(m, p)] * p) and max(zb) == max(ref)
 
 
+def test_looped_bfs_bubble_and_memory():
+    """Looped BFS with ``m ≥ p``: a rank's next chunk always has queued microbatches while the
+    pipeline fills, so the bubble is ``(p−1)(t_f+t_b)`` over ``m·v(t_f+t_b)`` of work, as
+    interleaved 1F1B's; with ``m < p`` each of the first ``v−1`` rounds waits ``p`` slots for
+    its microbatch to come round (cost.pipeline's closed form). Every chunk's activations of
+    every microbatch are alive when the backward starts (``m·v`` chunk activations)."""
+    tf, tb = 0.5, 1.25
+    for p in range(1, 7):
+        for m in range(1, 13):
+            for v in (1, 2, 3):
+                s = Schedule.build("looped-bfs", stages=p, microbatches=m, chunks=v)
+                r = simulate(s, tf, tb, act_bytes=1.0)
+                if m >= p:
+                    assert r.bubble_fraction == pytest.approx((p - 1) / (v * m), abs=1e-9)
+                    assert r.step_time == pytest.approx((m * v + p - 1) * (tf + tb), abs=1e-9)
+                assert r.bubble_fraction == pytest.approx(
+                    cp.bubble_fraction("looped_bfs", p, m, v), abs=1e-9), (p, m, v)
+                assert r.peak_memory == pytest.approx([m * v] * p)
+                assert [cp.in_flight_microbatches("looped_bfs", q, p, m, v) for q in range(p)] \
+                    == pytest.approx([m] * p)
+
+
+def test_interleaved_zero_bubble_below_interleaved():
+    """Deferring the weight gradients into the bubble (with ``I + W = B``) never lengthens the
+    step of interleaved 1F1B and shortens it wherever there is a bubble (``p > 1``)."""
+    for p, m, v in [(2, 4, 2), (4, 8, 2), (4, 4, 3), (3, 6, 2), (1, 4, 2)]:
+        zb = simulate(Schedule.build("interleaved-zb", p, m, v), fwd=1.0, bwd=2.0).step_time
+        il = simulate(Schedule.build("interleaved", p, m, v), fwd=1.0, bwd=2.0).step_time
+        assert zb <= il + 1e-9 and (p == 1 or zb < il), (p, m, v, zb, il)
+
+
 def test_per_rank_static_and_per_chunk_activations():
     s = Schedule.build("interleaved", 2, 2, 2)     # rank 0 holds chunks 0 and 2
     r = simulate(s, act_bytes=[1.0, 0.0, 10.0, 0.0], static_bytes=[100.0, 200.0])

@@ -36,7 +36,7 @@ sharded inside groups of ``s_p`` replicas (HSDP / MiCS, AMSP's intra-node ``s_p`
   ``states + f_r·I_r + max_unit A`` with it (per-layer recomputation, as the runtime does:
   each unit's inputs kept, one unit's activations rebuilt at a time), where ``states =
   Φ_r·(k_p/s_p + k_g/s_g + k_os/s_os)`` plus, with ``s_p > 1``, the gathered parameters of
-  the largest unit twice (prefetch), ``f_r`` = :func:`fxpar.cost.pipeline.in_flight_microbatches`,
+  the largest unit twice (prefetch), ``f_r`` = :func:`fxpar.planner.price.in_flight`,
   ``A_r`` the rank's saved activations of one microbatch and ``I_r`` the inputs of its units;
 * data parallelism once per step: AMSP's ``T_p + T_g + T_os0 + T_os1`` for the rank's parameters
   (:func:`fxpar.cost.amsp.evaluate`, not overlapped: an upper bound);
@@ -71,19 +71,22 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.config import ParallelConfig, is_layer
 from fxpar.cost.memory import reduce_scale
-from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import (BUCKET, UnitCost, chunk_costs, dp_terms, microbatch_overhead,
                              overlapped_chunks, rank_memory, tiny_params, zero_units)
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.planner.intra_op import PlannerOptions, plan_and_keep
-from fxpar.planner.price import MEM_KEY, optimizer_seconds, price_config, replica_allreduce, state_bytes
+from fxpar.planner.price import in_flight, optimizer_seconds, price_config, replica_allreduce, state_bytes
+from fxpar.schedule import MULTI_CHUNK
 from fxpar.spec import Spec
 from fxpar.split import units
 
 __all__ = ["UnitCost", "Candidate", "SearchResult", "unit_costs", "search", "SCHEDULES"]
 
-#: schedules the search tries (``chunks > 1`` only for interleaved)
+#: the schedules that split the backward into ``I`` and ``W``
+SPLIT_BACKWARD = frozenset({"zb-h1", "interleaved-zb"})
+#: schedules the search tries (``chunks > 1`` only for interleaved); a user's ``plan=dict(
+#: schedule=...)`` may name any of :data:`fxpar.schedule.GENERATORS`
 SCHEDULES = ("1f1b", "interleaved", "eager-1f1b", "zb-h1")
 #: the intra-op budget of the cost-table plans: memory is the search's business (1 EiB)
 _NO_LIMIT = float(2**60)
@@ -643,12 +646,12 @@ def _shapes_at(space: _Space, us: Sequence[UnitCost], t: int, c: int, p: int, d:
         scale = b / space.probe_batch
         times = tuple((u.fwd + u.bwd) * scale + u.fwd_fixed for u in us)
         for sname in (space.schedules if p > 1 else space.schedules[:1]):
-            interleaved = sname == "interleaved"
+            interleaved = sname in MULTI_CHUNK
             for v in ([only["chunks"]] if "chunks" in only else _chunk_counts(len(us), p)) \
                     if interleaved else [1]:
-                if p * v > len(us) or (interleaved and (p == 1 or m % p)):
+                if p * v > len(us) or (interleaved and (p == 1 or (m % p and sname != "looped-bfs"))):
                     continue
-                states = _zero_options(d * c, only, p == 1 and m == 1, d0, sname == "zb-h1")
+                states = _zero_options(d * c, only, p == 1 and m == 1, d0, sname in SPLIT_BACKWARD)
                 if c > 1:   # parameters replicated over the sequence shards
                     states = [f for f in states if f[0] == 1]
                 yield _Shape(t, c, p, d, d0, b, m, sname, v, partition(times, p * v), scale,
@@ -740,7 +743,7 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
            for rc in (False, True)}
     xfer = 2 * sum(_xfer(ccs[False][k].out, k, p, s.replicas, s.t, pricing.cluster)
                    for k in range(n - 1))
-    fl = [in_flight_microbatches(MEM_KEY[s.schedule], r, p, s.m, s.v) for r in range(p)]
+    fl = [in_flight(s.schedule, r, p, s.m, s.v) for r in range(p)]
     layers_by = {}   # AMSP's L per s_p: the gather groups (a norm rides with the next unit)
     part = None  # partial recomputation tables, built when first needed
     for rc in s.recompute:

@@ -41,6 +41,7 @@ from fxpar.layers import layer_of
 from fxpar.cost.compute import node_dispatches, op_overheads
 from fxpar.cost.memory import STATE_BYTES_PER_PARAM, model_state_bytes, reduce_scale
 from fxpar.cost.overlap import coalesced_pricer
+from fxpar.cost.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import (BUCKET, DpTerms, StepTime, UnitCost, chunk_costs, dp_terms,
                              host_rate, microbatch_overhead, optimizer_time, split_backward,
@@ -49,7 +50,7 @@ from fxpar.spec import Replicate, Spec
 from fxpar.split import units
 
 __all__ = ["REPLICA_AXES", "replica_axes", "schedule_of", "unit_table", "replica_grid",
-           "price_config", "price_plan", "optimizer_seconds", "recomputed_units"]
+           "price_config", "price_plan", "optimizer_seconds", "recomputed_units", "in_flight"]
 
 #: mesh axes whose devices hold replicas of the batch split (data parallelism)
 REPLICA_AXES = ("dp", "dp_shard")
@@ -96,9 +97,18 @@ def replica_axes(plan) -> tuple[str, ...]:
     return named
 
 
-#: memory key of each schedule (:func:`fxpar.cost.pipeline.in_flight_microbatches`)
-MEM_KEY = {"1f1b": "1f1b", "interleaved": "interleaved", "eager-1f1b": "eager_1f1b",
-            "zb-h1": "1f1b", "gpipe": "gpipe"}
+def in_flight(schedule: str, r: int, p: int, m: int, v: int) -> float:
+    """Microbatches (through the whole stage) whose activations pipeline rank ``r`` holds at
+    its peak under ``schedule`` (:func:`fxpar.cost.pipeline.in_flight_microbatches`); a
+    hand-written schedule is priced as GPipe (every microbatch held).
+
+    >>> [in_flight("1f1b", r, 4, 8, 1) for r in range(4)], in_flight("zb-h1", 3, 4, 8, 1)
+    ([4, 3, 2, 1], 4)
+    """
+    key = schedule.replace("-", "_")
+    if key not in PIPELINE_SCHEDULES:
+        return in_flight_microbatches("gpipe", r, p, m, 1)
+    return in_flight_microbatches(key, r, p, m, v)
 
 
 def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
@@ -311,8 +321,7 @@ def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequenc
     k = reduce_scale(prec, getattr(options, "reduce_dtype", None))
     dp = [dp_terms(round(sum(c.params for c in chunks[r::p])), layers[r], m, d0, d1, *config.state,
                    cluster, prec, style, k) if config.replicas > 1 else DpTerms() for r in range(p)]
-    fl = [in_flight_microbatches(MEM_KEY.get(str(config.schedule), "gpipe"), r, p, m, v)
-          for r in range(p)]
+    fl = [in_flight(str(config.schedule), r, p, m, v) for r in range(p)]
     tmp = 2 * BUCKET + max(c.max_act for c in chunks)
     kb = state_bytes(options)
     mem = rank_memory(chunks, p, fl, kb, config.state, tmp)

@@ -24,11 +24,13 @@ from fxpar.schedule.actions import (COMM_KINDS, COMPUTE_KINDS, KINDS, Action, Ac
 from fxpar.schedule.eager_1f1b import eager_1f1b
 from fxpar.schedule.gpipe import gpipe
 from fxpar.schedule.interleaved import interleaved
+from fxpar.schedule.interleaved_zb import interleaved_zb
+from fxpar.schedule.looped_bfs import looped_bfs
 from fxpar.schedule.one_f_one_b import one_f_one_b
-from fxpar.schedule.schedule import GENERATORS, Schedule
+from fxpar.schedule.schedule import GENERATORS, MULTI_CHUNK, Schedule
 from fxpar.schedule.validate import validate
 from fxpar.schedule.zb_h1 import zb_h1
 
-__all__ = ["Action", "ActionKind", "Schedule", "GENERATORS", "KINDS", "COMPUTE_KINDS", "COMM_KINDS",
+__all__ = ["Action", "ActionKind", "Schedule", "GENERATORS", "MULTI_CHUNK", "KINDS", "COMPUTE_KINDS", "COMM_KINDS",
            "dependencies", "lower", "normalize_name", "validate", "gpipe", "one_f_one_b", "interleaved",
-           "eager_1f1b", "zb_h1"]
+           "eager_1f1b", "zb_h1", "looped_bfs", "interleaved_zb"]

@@ -257,13 +257,18 @@ def normalize_name(name: str) -> str:
 
     >>> normalize_name("ZB_H1"), normalize_name("Interleaved1F1B"), normalize_name("eager_1f1b")
     ('zb-h1', 'interleaved', 'eager-1f1b')
+    >>> normalize_name("LoopedBFS"), normalize_name("InterleavedZeroBubble")
+    ('looped-bfs', 'interleaved-zb')
     """
     if not isinstance(name, str):
         raise ScheduleError(f"schedule name must be a string, got {name!r}")
     n = name.strip().lower().replace("_", "-")
     aliases = {"interleaved-1f1b": "interleaved", "interleaved1f1b": "interleaved",
                "looped-1f1b": "interleaved", "zbh1": "zb-h1", "zero-bubble": "zb-h1",
-               "eager1f1b": "eager-1f1b", "one-f-one-b": "1f1b", "pipedream-flush": "1f1b"}
+               "eager1f1b": "eager-1f1b", "one-f-one-b": "1f1b", "pipedream-flush": "1f1b",
+               "loopedbfs": "looped-bfs", "breadth-first": "looped-bfs",
+               "interleavedzerobubble": "interleaved-zb", "interleaved-zero-bubble": "interleaved-zb",
+               "zb1p": "interleaved-zb"}
     return aliases.get(n, n)
 
 
@@ -275,8 +280,14 @@ def lower(compute: Mapping[int, Sequence[Action]], stages: int, microbatches: in
     ``I(k,i)`` (when the neighbour chunk lives on another rank; never out of the first chunk's
     backward or the last chunk's forward); ``RECV_F(k,i)`` right before ``F(k,i)`` and
     ``RECV_B(k,i)`` right before ``B(k,i)``/``I(k,i)``; ``REDUCE_GRAD(k)`` after the last
-    ``B``/``W`` of chunk ``k`` (and after that action's send). Nothing is checked here:
-    :func:`fxpar.schedule.validate.validate` does.
+    ``B``/``W`` of chunk ``k`` (and after that action's send). Then, between two ranks, a
+    receive is moved up to just before the first receive from the same rank whose send comes
+    after its own, so that each rank posts its receives from a peer in the order the peer
+    sends them (NCCL matches point-to-point operations between a pair of ranks in posting
+    order): a schedule whose ranks consume a peer's messages out of the order it sends them
+    (interleaved zero-bubble, where a rank sends forwards of one chunk and input gradients of
+    another to the same neighbour) receives early what it needs later. Nothing is checked
+    here: :func:`fxpar.schedule.validate.validate` does.
 
     >>> c = {0: [Action(0, "F", 0), Action(0, "B", 0)], 1: [Action(1, "F", 0), Action(1, "B", 0)]}
     >>> [[str(a) for a in acts] for acts in lower(c, stages=2, microbatches=1).values()]
@@ -310,6 +321,37 @@ def lower(compute: Mapping[int, Sequence[Action]], stages: int, microbatches: in
                 if seen[k] == n_final[k]:
                     row.append(Action(k, K.REDUCE_GRAD))
         out[rank] = tuple(row)
+    return _in_send_order(out, p)
+
+
+def _in_send_order(rows: dict[int, tuple[Action, ...]], p: int) -> dict[int, tuple[Action, ...]]:
+    """``rows`` with each receive moved up to just before the first receive from the same peer
+    whose send comes after its own (:func:`lower`); rows already in order come back equal."""
+    sent: dict[tuple[int, int], list[Action]] = {}   # (src, dst) -> receives, in send order
+    for r, row in rows.items():
+        for a in row:
+            if a.is_send:
+                sent.setdefault((r, a.peer_stage % p), []).append(a.matching())
+    rank_in = {a: t for order in sent.values() for t, a in enumerate(order)}
+    out: dict[int, tuple[Action, ...]] = {}
+    for r, row in rows.items():
+        nxt: dict[int, int] = {}      # src -> send-order index of the next receive not posted
+        posted: set[Action] = set()
+        new: list[Action] = []
+        for a in row:
+            if a.is_recv:
+                if a in posted:
+                    continue
+                src, t = a.peer_stage % p, rank_in.get(a)
+                if t is not None:
+                    for b in sent[src, r][nxt.get(src, 0):t]:   # sent before a: posted before it
+                        if b not in posted:
+                            new.append(b)
+                            posted.add(b)
+                    nxt[src] = max(nxt.get(src, 0), t + 1)
+                posted.add(a)
+            new.append(a)
+        out[r] = tuple(new)
     return out
 
 

@@ -16,11 +16,13 @@ from fxpar.schedule.actions import Action, ActionKind, lower, normalize_name
 from fxpar.schedule.eager_1f1b import eager_1f1b
 from fxpar.schedule.gpipe import gpipe
 from fxpar.schedule.interleaved import interleaved
+from fxpar.schedule.interleaved_zb import interleaved_zb
+from fxpar.schedule.looped_bfs import looped_bfs
 from fxpar.schedule.one_f_one_b import one_f_one_b
 from fxpar.schedule.validate import validate
 from fxpar.schedule.zb_h1 import zb_h1
 
-__all__ = ["GENERATORS", "Schedule"]
+__all__ = ["GENERATORS", "MULTI_CHUNK", "Schedule"]
 
 #: schedule name -> compute-only generator ``f(p, m, v)``
 GENERATORS = {
@@ -29,7 +31,12 @@ GENERATORS = {
     "interleaved": interleaved,
     "eager-1f1b": eager_1f1b,
     "zb-h1": zb_h1,
+    "looped-bfs": looped_bfs,
+    "interleaved-zb": interleaved_zb,
 }
+
+#: the schedules that run several chunks per rank (``chunks > 1``; chunk ``k`` on rank ``k % p``)
+MULTI_CHUNK = frozenset({"interleaved", "looped-bfs", "interleaved-zb"})
 
 
 @dataclass(frozen=True)
@@ -63,16 +70,17 @@ class Schedule:
     @classmethod
     def build(cls, name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
         """Generate schedule ``name`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``,
-        ``"eager-1f1b"``, ``"zb-h1"``) for ``stages`` pipeline ranks, ``microbatches``
-        microbatches and ``chunks`` chunks per rank (``>1`` only for ``"interleaved"``), lower it
-        (sends, receives, gradient reduction) and validate it.
+        ``"eager-1f1b"``, ``"zb-h1"``, ``"looped-bfs"``, ``"interleaved-zb"``) for ``stages``
+        pipeline ranks, ``microbatches`` microbatches and ``chunks`` chunks per rank (``>1``
+        only for the schedules of :data:`MULTI_CHUNK`), lower it (sends, receives, gradient
+        reduction) and validate it.
 
         >>> Schedule.build("1f1b", stages=4, microbatches=8)
         Schedule('1f1b', stages=4, microbatches=8, chunks=1)
         >>> Schedule.build("pipedream", stages=2, microbatches=2)
         Traceback (most recent call last):
         ...
-        fxpar.errors.ScheduleError: name: unknown schedule 'pipedream'; known: gpipe, 1f1b, interleaved, eager-1f1b, zb-h1
+        fxpar.errors.ScheduleError: name: unknown schedule 'pipedream'; known: gpipe, 1f1b, interleaved, eager-1f1b, zb-h1, looped-bfs, interleaved-zb
         """
         key = normalize_name(name)
         if key not in GENERATORS:
@@ -80,9 +88,9 @@ class Schedule:
         for arg, val in (("stages", stages), ("microbatches", microbatches), ("chunks", chunks)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ScheduleError(f"{arg} must be an int >= 1, got {val!r} (schedule {key!r})")
-        if key != "interleaved" and chunks != 1:
+        if key not in MULTI_CHUNK and chunks != 1:
             raise ScheduleError(f"chunks={chunks}: schedule {key!r} runs one chunk per rank; "
-                                "use 'interleaved' for several")
+                                f"use one of {sorted(MULTI_CHUNK)} for several")
         return _built(key, stages, microbatches, chunks)
 
     @classmethod
