@@ -85,9 +85,10 @@ __all__ = ["UnitCost", "Candidate", "SearchResult", "unit_costs", "search", "SCH
 
 #: the schedules that split the backward into ``I`` and ``W``
 SPLIT_BACKWARD = frozenset({"zb-h1", "interleaved-zb"})
-#: schedules the search tries (``chunks > 1`` only for interleaved); a user's ``plan=dict(
+#: schedules the search tries (``chunks > 1`` for the two interleaved ones; looped BFS, whose
+#: bubble is interleaved 1F1B's for more memory, is left out); a user's ``plan=dict(
 #: schedule=...)`` may name any of :data:`fxpar.schedule.GENERATORS`
-SCHEDULES = ("1f1b", "interleaved", "eager-1f1b", "zb-h1")
+SCHEDULES = ("1f1b", "interleaved", "eager-1f1b", "zb-h1", "interleaved-zb")
 #: the intra-op budget of the cost-table plans: memory is the search's business (1 EiB)
 _NO_LIMIT = float(2**60)
 #: the largest microbatch per replica tried (Megatron-LM §3.2: small ones win with pipelines)
@@ -372,8 +373,8 @@ def _zero_options(d: int, only: Mapping, spmd: bool, d0: int = 1,
       ``(4, 4, 8)`` and LLaMA-30B ``(8, 8, 32)``;
     * a pipeline or microbatches: ZeRO-3 ``(d, d, d)`` over a stage's replicas, whose
       parameters the runtime gathers again for every microbatch (AMSP's ``M·T_p``), except
-      under a split backward (``split_backward``, zb-h1: its weight pass re-reads what its
-      input pass already released).
+      under a split backward (``split_backward``, zb-h1 and interleaved-zb: the weight pass
+      re-reads what its input pass already released).
 
     The user's factors when they fit these rules.
 
@@ -632,7 +633,8 @@ def _shapes_at(space: _Space, us: Sequence[UnitCost], t: int, c: int, p: int, d:
     """:func:`_configurations` at one ``(t, p)``: each microbatch size ``b`` dividing a
     replica's share (at most :data:`MAX_MICROBATCH`, or the user's), each schedule (one
     without a pipeline: they are all the same there), each chunk count (2 or 4, or the
-    user's, for ``interleaved``, which needs ``p | m``: :func:`_chunk_counts`), at most one
+    user's, for ``interleaved`` and ``interleaved-zb``, which need ``p | m``:
+    :func:`_chunk_counts`), at most one
     chunk per unit; stage
     cuts by :func:`partition` on the units' time at ``b``."""
     only, share = space.only, space.batch // d
@@ -793,7 +795,7 @@ def _raise_if_nothing(space: _Space, cands: Sequence[Candidate], tried: int,
                         "node's replicas; with a pipeline or microbatches "
                         "s_p is 1 or dp = s_g = s_os (ZeRO-3 over a stage's replicas; parameters "
                         "sharded inside groups of replicas need pp=1 and one microbatch), and "
-                        "not under zb-h1's split backward")
+                        "not under a split backward (zb-h1, interleaved-zb)")
     if not tried:
         raise PlanError(_empty_space(only, space.n_dev, space.batch, space.tps, space.pps,
                                      space.n_units))
