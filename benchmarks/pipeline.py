@@ -20,15 +20,16 @@ looped-bfs     ``schedule="looped-bfs", chunks=2``      ``ScheduleLoopedBFS``, 2
 interleaved-zb ``schedule="interleaved-zb", chunks=2``  ``ScheduleInterleavedZeroBubble``, 2
                                                         stages/rank
 eager-1f1b     ``schedule="eager-1f1b"``                (no counterpart)
+zbv            ``schedule="zbv", chunks=2``             ``ScheduleZBVZeroBubble``, 2 stages/rank in
+                                                        a V (rank r: stages r and 2p−1−r)
 zb-h1          ``schedule="zb-h1"``                     (torch's interleaved zero-bubble with one
-                                                        stage per rank is the same order; torch's
-                                                        ``ScheduleZBVZeroBubble`` and
-                                                        ``ScheduleDualPipeV`` need a V-shaped stage
-                                                        placement, fxpar's is looped)
+                                                        stage per rank is the same order)
 =============  =======================================  ==========================================
 
 The orders of the schedules compared are the same on both sides (tests/test_schedule.py checks
-fxpar's generators against torch's).
+fxpar's generators against torch's). torch's one schedule not here is ``ScheduleDualPipeV``
+(a V whose steady state overlaps one microbatch's forward with another's backward in one
+action; fxpar has no such action).
 
 fxpar: ``fxpar.compile(model, Cluster.local(pp), (idx,), loss_fn=ce, example_targets=(tgt,),
 mesh={"pp": pp}, schedule=..., microbatches=m, split_points=[...])`` then
@@ -132,10 +133,10 @@ MODEL = dict(vocab=512, d_model=128, n_heads=4, n_layers=8, seq_len=64)
 BATCH = 16
 LR = 1e-3
 FX_SCHEDULES = ("gpipe", "1f1b", "interleaved", "eager-1f1b", "zb-h1", "looped-bfs",
-                "interleaved-zb")
+                "interleaved-zb", "zbv")
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
                    "interleaved": "ScheduleInterleaved1F1B", "looped-bfs": "ScheduleLoopedBFS",
-                   "interleaved-zb": "ScheduleInterleavedZeroBubble"}
+                   "interleaved-zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
 
 
 def _ce(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
@@ -196,7 +197,9 @@ class TorchSide:
         v = _chunks(schedule)
         n = pp * v
         bounds = [0, *_starts(n), MODEL["n_layers"]]
-        mine = [k for k in range(n) if k % pp == rank]
+        from fxpar.schedule import PLACEMENT_OF, chunk_rank
+
+        mine = [k for k in range(n) if chunk_rank(k, pp, PLACEMENT_OF.get(schedule, "loop")) == rank]
         self.stages = []
         params = []
         for k in mine:

@@ -74,7 +74,7 @@ from fxpar.defaults import (BUCKET_BYTES, CPU_STEP_PIECE, FIRST_BUCKET_BYTES, OS
 __all__ = ["UnitCost", "ChunkCost", "DpTerms", "StepTime", "chunk_costs", "dp_terms",
            "microbatch_overhead", "host_rate", "split_backward", "optimizer_time", "optimizer_price",
            "cluster_optimizer_price",
-           "param_units", "rank_memory", "step_time",
+           "param_units", "rank_chunks", "rank_memory", "step_time",
            "ZERO_STYLES", "LIST_MEMBER_OPS", "DEEPSPEED_ALLGATHER_ELEMENTS", "os_gather_time",
            "zero_units",
            "unit_overlap", "overlapped_chunk", "overlapped_chunks", "BUCKET"]
@@ -211,8 +211,24 @@ def gather_groups(moved: Sequence[float], tiny: float = TINY_GATHER_BYTES) -> li
     return out
 
 
-def param_units(chunks: Sequence[ChunkCost], p: int, tiny: float = 0.0) -> list[int]:
-    """Per pipeline rank (chunk ``k`` on rank ``k % p``), how many gather groups its units
+def rank_chunks(chunks: Sequence, p: int, ranks: Sequence[int] | None = None) -> list[list]:
+    """``chunks`` per pipeline rank: chunk ``k`` on rank ``ranks[k]`` (a schedule's
+    :attr:`~fxpar.schedule.Schedule.ranks`), by default ``k % p`` (the looping placement).
+
+    >>> rank_chunks("abcd", 2), rank_chunks("abcd", 2, ranks=(0, 1, 1, 0))
+    ([['a', 'c'], ['b', 'd']], [['a', 'd'], ['b', 'c']])
+    """
+    if ranks is None:
+        return [list(chunks[r::p]) for r in range(p)]
+    out: list[list] = [[] for _ in range(p)]
+    for c, r in zip(chunks, ranks, strict=True):
+        out[r].append(c)
+    return out
+
+
+def param_units(chunks: Sequence[ChunkCost], p: int, tiny: float = 0.0,
+                ranks: Sequence[int] | None = None) -> list[int]:
+    """Per pipeline rank (chunk ``k`` on rank ``k % p``, or ``ranks[k]``), how many gather groups its units
     holding parameters make, at least 1: AMSP's module count ``L`` (:func:`dp_terms`), for the
     runtime gathers and reduces each group's parameters together; a group takes units until
     it holds ``tiny`` parameters (:func:`gather_groups`, :func:`tiny_params`).
@@ -222,7 +238,7 @@ def param_units(chunks: Sequence[ChunkCost], p: int, tiny: float = 0.0) -> list[
     ([4, 2], [2, 1])
     """
     return [max(1, sum(len(gather_groups([x for x in c.unit_params if x > 0], tiny))
-                       for c in chunks[r::p])) for r in range(p)]
+                       for c in mine)) for mine in rank_chunks(chunks, p, ranks)]
 
 
 def tiny_params(s_p: int, precision: str = "mixed") -> float:
@@ -402,9 +418,10 @@ def unit_overlap(compute: Sequence[float], gather: Sequence[float],
 
 
 def overlapped_chunks(chunks: Sequence[ChunkCost], p: int, m: int, dp: Sequence[DpTerms],
-                      interference: float = 0.0, overlap: bool = True
+                      interference: float = 0.0, overlap: bool = True,
+                      ranks: Sequence[int] | None = None
                       ) -> tuple[list[float], list[float], list[float]]:
-    """Per chunk (chunk ``k`` on pipeline rank ``k % p``) ``(F, B, R)`` of
+    """Per chunk (chunk ``k`` on pipeline rank ``k % p``, or ``ranks[k]``) ``(F, B, R)`` of
     :func:`overlapped_chunk` with its share by parameters of its rank's data-parallel terms
     ``dp``: ZeRO-3's gathers ``T_p/2m`` per pass and microbatch, reductions ``T_g + T_os0``
     once; ``overlap=False``: every cost added (``c.fwd + gather``, ...). One SPMD step (``p =
@@ -412,10 +429,11 @@ def overlapped_chunks(chunks: Sequence[ChunkCost], p: int, m: int, dp: Sequence[
     (``held_last``), as fxpar's ZeRO-3 does (not DeepSpeed's style, ``rs_exposed``). Host
     work (``DpTerms.host``) is added to the passes, ``host/3m`` to a microbatch's forward and
     ``2·host/3m`` to its backward: it delays the compute issued after it."""
-    phi = [sum(x.params for x in chunks[r::p]) for r in range(p)]
+    phi = [sum(x.params for x in mine) for mine in rank_chunks(chunks, p, ranks)]
     out: tuple[list[float], list[float], list[float]] = ([], [], [])
     for k, c in enumerate(chunks):
-        d, share = dp[k % p], c.params / max(phi[k % p], 1e-30)
+        r = k % p if ranks is None else ranks[k]
+        d, share = dp[r], c.params / max(phi[r], 1e-30)
         # per microbatch: T_p/m, of which rs_share is the reduce-scatter (a third: ring RS and
         # AG of the same bytes cost the same), exposed in the backward when the runtime does
         # not overlap it; overlapped, the three are spread over the two passes alike
@@ -528,7 +546,8 @@ DEEPSPEED_ALLGATHER_ELEMENTS = 5e8
 LIST_MEMBER_OPS = 2
 
 
-def zero_units(chunks: Sequence[ChunkCost], p: int, style: str = "flat", tiny: float = 0.0
+def zero_units(chunks: Sequence[ChunkCost], p: int, style: str = "flat", tiny: float = 0.0,
+               ranks: Sequence[int] | None = None
                ) -> list[int]:
     """AMSP's ``L`` per pipeline rank under ``style`` (:data:`ZERO_STYLES`): gather groups of
     the units holding parameters (:func:`param_units`, ``tiny`` its threshold) or,
@@ -541,8 +560,8 @@ def zero_units(chunks: Sequence[ChunkCost], p: int, style: str = "flat", tiny: f
     if style not in ZERO_STYLES:
         raise ValueError(f"zero_style {style!r}: one of {ZERO_STYLES}")
     if style in _UNIT_GATHERS:
-        return param_units(chunks, p, tiny)
-    return [max(1, sum(c.tensors for c in chunks[r::p])) for r in range(p)]
+        return param_units(chunks, p, tiny, ranks)
+    return [max(1, sum(c.tensors for c in mine)) for mine in rank_chunks(chunks, p, ranks)]
 
 
 @functools.lru_cache(maxsize=8192)
@@ -635,14 +654,14 @@ def os_gather_time(nbytes: float, pieces: int, p: tuple[int, int], os: tuple[int
 
 def rank_memory(chunks: Sequence[ChunkCost], p: int, in_flight: Sequence[float],
                 state_bytes: tuple[float, float, float], state: tuple[int, int, int],
-                tmp: float) -> list[float]:
-    """Peak bytes per pipeline rank (module docstring); chunk ``k`` runs on rank ``k % p``;
-    ``state_bytes`` = ``(k_p, k_g, k_os)`` per parameter, ``state`` = ``(s_p, s_g, s_os)``."""
+                tmp: float, ranks: Sequence[int] | None = None) -> list[float]:
+    """Peak bytes per pipeline rank (module docstring); chunk ``k`` runs on rank ``k % p``
+    (or ``ranks[k]``); ``state_bytes`` = ``(k_p, k_g, k_os)`` per parameter, ``state`` =
+    ``(s_p, s_g, s_os)``."""
     kp, kg, kos = state_bytes
     s_p, s_g, s_os = state
     out = []
-    for r in range(p):
-        mine = chunks[r::p]
+    for r, mine in enumerate(rank_chunks(chunks, p, ranks)):
         phi = sum(c.params for c in mine)
         gathered = 2 * kp * max(c.max_params for c in chunks) if s_p > 1 else 0.0
         out.append(phi * (kp / s_p + kg / s_g + kos / s_os) + gathered + tmp
@@ -691,7 +710,8 @@ def step_time(schedule, chunks: Sequence[ChunkCost], xfer: Callable[[int], tuple
     from fxpar.sim import SimEvent, simulate
 
     p, m, n = schedule.stages, schedule.microbatches, len(chunks)
-    fwd, bwd, red = overlapped_chunks(chunks, p, m, dp, interference)
+    ranks = getattr(schedule, "ranks", None)
+    fwd, bwd, red = overlapped_chunks(chunks, p, m, dp, interference, ranks=ranks)
     xs = [xfer(k) for k in range(n - 1)]
 
     def comm(action) -> float:
@@ -721,7 +741,7 @@ def step_time(schedule, chunks: Sequence[ChunkCost], xfer: Callable[[int], tuple
              for r in range(p) if opt[r] > 0]
     done = max([float(res.step_time)] + [e.end for e in steps])
     tail = max(d.t_os1 for d in dp)
-    f0, b0, r0 = overlapped_chunks(chunks, p, m, dp, overlap=False)
+    f0, b0, r0 = overlapped_chunks(chunks, p, m, dp, overlap=False, ranks=ranks)
     summed = (m * sum(f0) + m * sum(b0) + sum(r0) + m * sum(a + b for a, b in xs) + tail
               + sum(opt))
     # the simulator's result with the step the model predicts (T_os1 after the last rank)

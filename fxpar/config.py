@@ -58,6 +58,7 @@ class ScheduleKind(str, enum.Enum):
     ZB_H1 = "zb-h1"
     LOOPED_BFS = "looped-bfs"
     INTERLEAVED_ZB = "interleaved-zb"
+    ZBV = "zbv"
     #: a hand-written schedule (:meth:`fxpar.Schedule.from_csv`): its action lists are the plan's
     CUSTOM = "custom"
 
@@ -140,6 +141,9 @@ class ParallelConfig:
             raise PlanError(f"ParallelConfig: chunks={self.chunks} needs schedule='interleaved' "
                             f"or another of several chunks per rank ({', '.join(sorted(MULTI_CHUNK))}; "
                             f"got {self.schedule})")
+        if self.schedule is ScheduleKind.ZBV and self.chunks != 2:
+            raise PlanError(f"ParallelConfig: zbv places two chunks per pipeline rank in a V; "
+                            f"chunks={self.chunks} (pass chunks=2)")
         if (self.schedule in (ScheduleKind.INTERLEAVED, ScheduleKind.INTERLEAVED_ZB) and self.pp > 1
                 and self.microbatches % self.pp):
             raise PlanError(f"ParallelConfig: {self.schedule} needs microbatches ({self.microbatches}) "

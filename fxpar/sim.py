@@ -233,7 +233,7 @@ def simulate(sched: Schedule, fwd=1.0, bwd=2.0, *, wgrad=None, comm=0.0, reduce=
         """What gates ``a`` besides its rank's lanes (a receive: its matching send's arrival)."""
         if a.is_recv:
             return [a.matching()]
-        return [d for _, d in dependencies(a, p, last, split)]
+        return [d for _, d in dependencies(a, p, last, split, sched.placement)]
 
     end: dict[Action, float] = {}          # completion (arrival for a send)
     pos = [0] * p

@@ -168,11 +168,13 @@ def test_pipeline_2_ranks(pools, name, schedule, m):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("schedule", ["looped-bfs", "interleaved-zb"])
+@pytest.mark.parametrize("schedule", ["looped-bfs", "interleaved-zb", "zbv"])
 def test_pipeline_2_ranks_two_chunks_each(pools, schedule):
-    """torch.distributed.pipelining's ``ScheduleLoopedBFS`` and ``ScheduleInterleavedZeroBubble``
-    orders (4 chunks, chunk ``k`` on rank ``k % 2``): breadth first; split backward with the
-    weight gradients deferred (every chunk but the first runs ``I`` then ``W``)."""
+    """torch.distributed.pipelining's ``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``
+    and ``ScheduleZBVZeroBubble`` orders (4 chunks; looped: chunk ``k`` on rank ``k % 2``; ZB-V:
+    chunks 0 and 3 on rank 0, 1 and 2 on rank 1, the turn from 1 to 2 without a transfer and
+    the loss on rank 0): breadth first; split backward with the weight gradients deferred
+    (every chunk but the first runs ``I`` then ``W``)."""
     _check(pools(2).run(run_pipeline, "gpt", {"pp": 2}, schedule, 4, 2))
 
 
@@ -288,6 +290,7 @@ def test_hand_written_schedule(pools):
     ("gpt", {"pp": 2, "dp": 2}, "zb-h1", 2, 1, "zero3"),   # ZeRO-3 chunks run I whole
     ("skip", {"pp": 4}, "gpipe", 2, 1, "auto"),
     ("gpt8", {"pp": 4}, "interleaved", 4, 2, "auto"),   # 8 chunks, chunk k on rank k % 4
+    ("gpt8", {"pp": 4}, "zbv", 3, 2, "auto"),           # 8 chunks in a V, fewer microbatches than 2p−1
 ])
 def test_pipeline_4_ranks(pools, name, mesh, schedule, m, chunks, plan):
     _check(pools(4).run(run_pipeline, name, mesh, schedule, m, chunks, None, plan))

@@ -16,7 +16,8 @@ from fxpar.errors import FxparError, ScheduleError
 from fxpar.schedule import GENERATORS, Action, Schedule, validate
 from tests import schedule_oracle
 
-NAMES = ["gpipe", "1f1b", "interleaved", "eager-1f1b", "zb-h1", "looped-bfs", "interleaved-zb"]
+NAMES = ["gpipe", "1f1b", "interleaved", "eager-1f1b", "zb-h1", "looped-bfs", "interleaved-zb",
+         "zbv"]
 #: schedules with several chunks per rank; those of them that need ``p | m``
 MULTI = ("interleaved", "looped-bfs", "interleaved-zb")
 P_DIVIDES_M = ("interleaved", "interleaved-zb")
@@ -26,7 +27,7 @@ def _valid_args():
     for name in NAMES:
         for p in range(1, 9):
             for m in range(1, 17):
-                for v in ((1, 2, 4) if name in MULTI else (1,)):
+                for v in ((1, 2, 4) if name in MULTI else (2,) if name == "zbv" else (1,)):
                     if name in P_DIVIDES_M and m % p:
                         continue
                     yield name, p, m, v
@@ -139,16 +140,50 @@ def test_every_generated_schedule_validates(name):
         for r in range(p):
             kinds = [a.kind for a in comp[r]]
             assert kinds.count("F") == m * v
-            if name in ("zb-h1", "interleaved-zb"):
+            if name in ("zb-h1", "interleaved-zb", "zbv"):
                 assert kinds.count("I") == kinds.count("W") == m * v and "B" not in kinds
             else:
                 assert kinds.count("B") == m * v
-            assert {a.stage for a in comp[r]} == set(range(r, p * v, p))
+            # looped: chunks r, r+p, ...; ZB-V: r going down and 2p−1−r coming back
+            want = {r, 2 * p - 1 - r} if name == "zbv" else set(range(r, p * v, p))
+            assert {a.stage for a in comp[r]} == want == set(s.chunks_of(r))
             assert sum(a.kind == "REDUCE_GRAD" for a in s.actions[r]) == v
         n += 1
     assert n == {"interleaved": 3 * sum(16 // p for p in range(1, 9)),
                  "interleaved-zb": 3 * sum(16 // p for p in range(1, 9)),
                  "looped-bfs": 3 * 8 * 16}.get(name, 8 * 16)
+
+
+def test_zbv_orders_equal_torchs():
+    """ZB-V against torch's ``ScheduleZBVZeroBubble`` generator (two chunks per rank in a V:
+    rank ``r`` holds ``r`` and ``2p−1−r``; the microbatches past ``m`` of torch's
+    ``max(m, 2p−1)`` slots dropped, as torch drops them)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as ts
+
+    kinds = {ts._ComputationType.FORWARD: "F", ts._ComputationType.BACKWARD_INPUT: "I",
+             ts._ComputationType.BACKWARD_WEIGHT: "W"}
+    for p in range(1, 7):
+        for m in range(1, 13):
+            s = Schedule.build("zbv", stages=p, microbatches=m, chunks=2)
+            ns = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
+            for r in range(p):
+                want = [f"{a.stage_index}{kinds[a.computation_type]}{a.microbatch_index}"
+                        for a in ts.ScheduleZBVZeroBubble._calculate_single_rank_operations(ns, r)
+                        if a is not None]
+                assert _strs(s.compute_only()[r]) == want, (p, m, r)
+    assert Schedule.build("zbv", 3, 4, 2).ranks == (0, 1, 2, 2, 1, 0)
+
+
+def test_zbv_turn_is_local_and_the_loss_is_on_rank_0():
+    """The V turns on the last rank without a transfer (chunks ``p−1`` and ``p`` share it), and
+    the last chunk (the loss) runs on rank 0, which also runs chunk 0."""
+    s = Schedule.build("zbv", stages=3, microbatches=3, chunks=2)
+    comms = {str(a) for row in s.actions.values() for a in row if a.is_comm}
+    assert not any(x.startswith(("2SEND_F", "3RECV_F", "3SEND_B", "2RECV_B")) for x in comms)
+    assert {"5RECV_F0", "5SEND_B0", "0SEND_F0", "0RECV_B0"} <= comms     # 4 <-> 5: ranks 1 and 0
+    assert {a.stage for a in s.actions[0] if a.is_compute} == {0, 5}
 
 
 def _torch_order(cls, p: int, m: int, v: int, r: int) -> list[str]:
@@ -316,6 +351,8 @@ def test_rank_of_and_chunks():
     (dict(name="interleaved", stages=2, microbatches=4, chunks=0), "chunks"),
     (dict(name="interleaved", stages=4, microbatches=6, chunks=2), "microbatches"),
     (dict(name="interleaved-zb", stages=4, microbatches=6, chunks=2), "microbatches"),
+    (dict(name="zbv", stages=2, microbatches=2, chunks=1), "chunks"),
+    (dict(name="zbv", stages=2, microbatches=2, chunks=3), "chunks"),
     (dict(name="pipedream", stages=2, microbatches=2), "name"),
     (dict(name="1f1b", stages=2.0, microbatches=2), "stages"),
 ])

@@ -292,6 +292,18 @@ def test_interleaved_zero_bubble_below_interleaved():
         assert zb <= il + 1e-9 and (p == 1 or zb < il), (p, m, v, zb, il)
 
 
+def test_zbv_below_zb_h1_at_the_same_work():
+    """ZB-V's two half-stage chunks per rank (per chunk ``t/2``) against ZB-H1's one stage
+    (``t``), ``I + W = B``: the V never lengthens the step and holds no more than ZB-H1's
+    ``min(m, p)`` microbatches of a stage (``2·min(m, p)`` half-stage chunks)."""
+    for p in range(1, 6):
+        for m in range(1, 11):
+            v = simulate(Schedule.build("zbv", p, m, 2), fwd=1.0, bwd=2.0, act_bytes=0.5)
+            h = simulate(Schedule.build("zb-h1", p, m), fwd=2.0, bwd=4.0, act_bytes=1.0)
+            assert v.step_time <= h.step_time + 1e-9, (p, m, v.step_time, h.step_time)
+            assert max(v.peak_memory) <= max(h.peak_memory) + 1e-9, (p, m)
+
+
 def test_per_rank_static_and_per_chunk_activations():
     s = Schedule.build("interleaved", 2, 2, 2)     # rank 0 holds chunks 0 and 2
     r = simulate(s, act_bytes=[1.0, 0.0, 10.0, 0.0], static_bytes=[100.0, 200.0])

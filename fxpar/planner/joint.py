@@ -77,7 +77,7 @@ from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.planner.intra_op import PlannerOptions, plan_and_keep
 from fxpar.planner.price import in_flight, optimizer_seconds, price_config, replica_allreduce, state_bytes
-from fxpar.schedule import MULTI_CHUNK
+from fxpar.schedule import MULTI_CHUNK, PLACEMENT_OF
 from fxpar.spec import Spec
 from fxpar.split import units
 
@@ -545,6 +545,10 @@ def _space(gm: fx.GraphModule, cluster, *, batch, probe_batch, devices, only, tp
     if "pp" in only:
         pps = [only["pp"]]
     scheds = [only["schedule"]] if "schedule" in only else list(schedules)
+    if any(str(x) in PLACEMENT_OF for x in scheds):
+        raise PlanError(f"schedule {str(only.get('schedule'))!r} places its chunks in a V; the joint "
+                        "search prices looped placements: pass schedule=..., chunks=2 with a "
+                        "'pp' mesh axis to fxpar.compile or fxpar.plan")
     recs = [bool(only["recompute"])] if "recompute" in only else list(recompute)
     why = ""
     if "cp" in only:

@@ -45,7 +45,7 @@ from fxpar.cost.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from fxpar.cost.pipeline import in_flight_microbatches
 from fxpar.cost.step import (BUCKET, DpTerms, StepTime, UnitCost, chunk_costs, dp_terms,
                              host_rate, microbatch_overhead, optimizer_time, split_backward,
-                             rank_memory, step_piece, step_time, tiny_params, zero_units)
+                             rank_chunks, rank_memory, step_piece, step_time, tiny_params, zero_units)
 from fxpar.spec import Replicate, Spec
 from fxpar.split import units
 
@@ -317,32 +317,34 @@ def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequenc
     d0, d1 = replica_grid(config.replicas, p, config.tp, cluster)
     style = getattr(options, "zero_style", "flat")
     prec = options.precision
-    layers = zero_units(chunks, p, style, tiny_params(config.state[0], prec))
+    ranks = sched.ranks
+    mine = rank_chunks(chunks, p, ranks)
+    layers = zero_units(chunks, p, style, tiny_params(config.state[0], prec), ranks)
     k = reduce_scale(prec, getattr(options, "reduce_dtype", None))
-    dp = [dp_terms(round(sum(c.params for c in chunks[r::p])), layers[r], m, d0, d1, *config.state,
+    dp = [dp_terms(round(sum(c.params for c in mine[r])), layers[r], m, d0, d1, *config.state,
                    cluster, prec, style, k) if config.replicas > 1 else DpTerms() for r in range(p)]
     fl = [in_flight(str(config.schedule), r, p, m, v) for r in range(p)]
     tmp = 2 * BUCKET + max(c.max_act for c in chunks)
     kb = state_bytes(options)
-    mem = rank_memory(chunks, p, fl, kb, config.state, tmp)
+    mem = rank_memory(chunks, p, fl, kb, config.state, tmp, ranks)
     kw = {}
     if memory:
         per = sum(k / s for k, s in zip(kb, config.state))
         kw = dict(act_bytes=[c.act for c in chunks],
-                  static_bytes=[per * sum(c.params for c in chunks[r::p]) for r in range(p)])
+                  static_bytes=[per * sum(c.params for c in mine[r]) for r in range(p)])
     st = step_time(sched, chunks, xfer or (lambda k: (0.0, 0.0)), dp,
                    interference=cluster.comm_interference,
                    optimizer=optimizer_seconds(chunks, p, config.state, cluster, prec,
-                                               state_bytes(options)),
+                                               state_bytes(options), ranks),
                    overhead=microbatch_overhead(cluster), split=split_backward(cluster),
                    rate=host_rate(cluster, config.devices // p), **kw)
     return st, mem
 
 
 def optimizer_seconds(chunks, p: int, state: tuple[int, int, int], cluster, precision: str,
-                      state_bytes: tuple[float, float, float] = STATE_BYTES_PER_PARAM["adam", "mixed"]
-                      ) -> list[float]:
-    """Per pipeline rank (chunk ``k`` on rank ``k % p``), the seconds of its optimizer step
+                      state_bytes: tuple[float, float, float] = STATE_BYTES_PER_PARAM["adam", "mixed"],
+                      ranks: Sequence[int] | None = None) -> list[float]:
+    """Per pipeline rank (chunk ``k`` on rank ``k % p``, or ``ranks[k]``), the seconds of its optimizer step
     (:func:`fxpar.cost.step.optimizer_time` over its chunks' local parameters, states sharded
     ``s_os`` ways, ``state = (s_p, s_g, s_os)``) at the price the cluster's measured compute
     gives (:attr:`fxpar.cluster.ComputeProfile.optimizer`), else, with physics, the
@@ -357,9 +359,8 @@ def optimizer_seconds(chunks, p: int, state: tuple[int, int, int], cluster, prec
     # stepped flat unless it shards their states further (ZeRO-1/2)
     flat = s_os == s_p and is_fp32(precision)
     piece = step_piece(getattr(cluster, "device_type", ""))
-    return [optimizer_time(sum(c.params for c in chunks[r::p]) / s_os,
-                           sum(c.tensors for c in chunks[r::p]), price, flat, piece=piece)
-            for r in range(p)]
+    return [optimizer_time(sum(c.params for c in mine) / s_os, sum(c.tensors for c in mine),
+                           price, flat, piece=piece) for mine in rank_chunks(chunks, p, ranks)]
 
 
 def schedule_of(plan):
@@ -369,7 +370,7 @@ def schedule_of(plan):
 
     sc = plan.schedule
     return Schedule.from_csv(sc["csv"], microbatches=sc["microbatches"], chunks=sc["chunks"],
-                             name=sc["name"])
+                             name=sc["name"], placement=sc.get("placement"))
 
 
 def mesh_config(plan) -> ParallelConfig:

@@ -5,8 +5,9 @@ intra-op plan, and the step predicted by the simulator over the schedule's actio
 ``pp`` axis of size ``p``:
 
 1. :func:`fxpar.stages.split_stages` cuts it into ``p·v`` chunks (user split points, or
-   balanced by the cost model); chunk ``k`` runs on pipeline rank ``k % p``, whose submesh is
-   the mesh at ``pp = k % p`` without the ``pp`` axis (all submeshes have one shape);
+   balanced by the cost model); chunk ``k`` runs on pipeline rank ``r = k % p`` (a V-shaped
+   schedule's: :meth:`fxpar.schedule.Schedule.rank_of`), whose submesh is the mesh at
+   ``pp = r`` without the ``pp`` axis (all submeshes have one shape);
 2. chunks are planned in order with :func:`fxpar.planner.plan_and_keep` on their submesh.
    A boundary value is pinned, on the receiving chunk, to the layout the sending chunk
    returns it in (its finalized spec), so a transfer is a plain send/recv of the local
@@ -142,7 +143,7 @@ def plan_pipeline(gm: fx.GraphModule, mesh: Mesh, *, schedule="1f1b",
     plans: list[Plan] = []
     cache = cache if cache is not None else BuildCache()
     for sg in graphs:
-        sub = subs[sg.index % p]
+        sub = subs[sched.rank_of(sg.index)]
         own = ir.params(sg.graph)
         names = {nd.name for nd in sg.graph.graph.nodes}
         pk: dict[str, object] = dict(baseline_pins(
@@ -175,7 +176,7 @@ def plan_pipeline(gm: fx.GraphModule, mesh: Mesh, *, schedule="1f1b",
             free = solve(pk)
             mine = {name: _placeholder_spec(free, name) for name in sg.inputs}
             if mine != {name: prev[name] for name in sg.inputs}:
-                src, dst = subs[(sg.index - 1) % p], sub
+                src, dst = subs[sched.rank_of(sg.index - 1)], sub
                 cost = [pl.time + sum(sum(_transfer(_meta(graphs[sg.index - 1], name), prev[name],
                                                     _placeholder_spec(pl, name), src, dst,
                                                     boundary)[2:4])
@@ -192,13 +193,22 @@ def plan_pipeline(gm: fx.GraphModule, mesh: Mesh, *, schedule="1f1b",
             if info is not None and info.fqn not in param_spec:
                 param_spec[info.fqn] = Spec.parse(nd.outputs[0])
     stages = []
+
+    def sub_of(k: int):
+        return subs[sched.rank_of(k)]
+
     for sg, plan in zip(graphs, plans):
         k = sg.index
-        xs = ([_transfer(_meta(sg, name), sent[k][name], recv[k + 1][name], subs[k % p],
-                         subs[(k + 1) % p], boundary) for name in sg.outputs]
-              if k + 1 < n else [])
+        r = sched.rank_of(k)
+        if k + 1 == n:
+            xs = []
+        elif sched.rank_of(k + 1) == r:   # the next chunk runs here too (a V's turn): no transfer
+            xs = [(0, "", 0.0, 0.0) for _ in sg.outputs]
+        else:
+            xs = [_transfer(_meta(sg, name), sent[k][name], recv[k + 1][name], sub_of(k),
+                            sub_of(k + 1), boundary) for name in sg.outputs]
         stages.append(StagePlan(
-            k, k % p, sg.layers, sg.inputs, sg.outputs, plan,
+            k, r, sg.layers, sg.inputs, sg.outputs, plan,
             # typed as StagePlan.from_dict reads them: the last chunk's empty sums are int 0,
             # which would print "0" where a plan from JSON (another rank's) prints "0.0"
             send_bytes=int(sum(x[0] for x in xs)), scatter=tuple(x[1] for x in xs),
@@ -301,7 +311,7 @@ def _pipeline_plan(kind, mesh, stages, sched) -> Plan:
                 memory=max(pl.memory for pl in plans), budget=min(budget) if budget else None,
                 status=status, stages=tuple(stages), options=plans[0].options,
                 schedule=dict(name=sched.name, microbatches=m, chunks=sched.chunks,
-                              csv=sched.to_csv()))
+                              csv=sched.to_csv(), placement=sched.placement))
     return with_step(plan)
 
 

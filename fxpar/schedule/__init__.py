@@ -19,18 +19,20 @@ Step 5: 0B2    1B2
 <BLANKLINE>
 """
 
-from fxpar.schedule.actions import (COMM_KINDS, COMPUTE_KINDS, KINDS, Action, ActionKind, dependencies, lower,
-                                    normalize_name)
+from fxpar.schedule.actions import (COMM_KINDS, COMPUTE_KINDS, KINDS, PLACEMENTS, Action, ActionKind,
+                                    chunk_rank, dependencies, lower, normalize_name)
 from fxpar.schedule.eager_1f1b import eager_1f1b
 from fxpar.schedule.gpipe import gpipe
 from fxpar.schedule.interleaved import interleaved
 from fxpar.schedule.interleaved_zb import interleaved_zb
 from fxpar.schedule.looped_bfs import looped_bfs
 from fxpar.schedule.one_f_one_b import one_f_one_b
-from fxpar.schedule.schedule import GENERATORS, MULTI_CHUNK, Schedule
+from fxpar.schedule.schedule import GENERATORS, MULTI_CHUNK, PLACEMENT_OF, Schedule
 from fxpar.schedule.validate import validate
 from fxpar.schedule.zb_h1 import zb_h1
+from fxpar.schedule.zbv import zbv
 
-__all__ = ["Action", "ActionKind", "Schedule", "GENERATORS", "MULTI_CHUNK", "KINDS", "COMPUTE_KINDS", "COMM_KINDS",
+__all__ = ["Action", "ActionKind", "Schedule", "GENERATORS", "MULTI_CHUNK", "PLACEMENT_OF", "PLACEMENTS",
+           "chunk_rank", "KINDS", "COMPUTE_KINDS", "COMM_KINDS",
            "dependencies", "lower", "normalize_name", "validate", "gpipe", "one_f_one_b", "interleaved",
-           "eager_1f1b", "zb_h1", "looped_bfs", "interleaved_zb"]
+           "eager_1f1b", "zb_h1", "looped_bfs", "interleaved_zb", "zbv"]

@@ -7,7 +7,9 @@ Actions print in ``torch.distributed.pipelining``'s notation ``{stage}{kind}{mic
 Conventions (the runtime interpreter and the simulator rely on them):
 
 - Stage *chunks* are numbered ``0 .. p·v−1`` (``p`` pipeline ranks, ``v`` chunks per rank);
-  chunk ``k`` lives on rank ``k % p`` (Megatron-LM's looping placement).
+  chunk ``k`` lives on rank ``k % p`` (Megatron-LM's looping placement), or, under the ``"v"``
+  placement of V-shaped schedules (ZB-V: two chunks per rank), on rank ``k`` for ``k < p``
+  and ``2p−1−k`` after (:func:`chunk_rank`): the first and the last chunk share rank 0.
 - Chunk ``k``'s forward input is chunk ``k−1``'s output (chunk 0: the user's microbatch); the
   last chunk computes the loss, so its backward needs only its own forward.
 - ``SEND_F(k,i)`` runs on ``rank_of(k)``: send chunk ``k``'s output of microbatch ``i`` to chunk
@@ -57,7 +59,8 @@ from fxpar.errors import ScheduleError
 from fxpar.kinds import StrKind
 
 __all__ = ["ActionKind", "KINDS", "COMPUTE_KINDS", "COMM_KINDS", "SEND_KINDS", "RECV_KINDS",
-           "WEIGHT_GRAD_KINDS", "Action", "dependencies", "lower", "normalize_name"]
+           "WEIGHT_GRAD_KINDS", "Action", "dependencies", "lower", "normalize_name", "PLACEMENTS",
+           "chunk_rank"]
 
 
 class ActionKind(StrKind):
@@ -208,18 +211,35 @@ def _backward(k: int, i: int, split) -> Action:
     return Action(k, K.I if (k, i) in split else K.B, i)
 
 
-def _deps_forward(k, i, p, last, split):
+#: chunk placements: ``"loop"`` (chunk ``k`` on rank ``k % p``) and ``"v"`` (:func:`chunk_rank`)
+PLACEMENTS = ("loop", "v")
+
+
+def chunk_rank(k: int, p: int, placement: str = "loop") -> int:
+    """The pipeline rank of chunk ``k`` of ``p`` ranks: ``k % p`` (``"loop"``), or, with two
+    chunks per rank in a V (``"v"``: ZB-V, DualPipeV), ``k`` for ``k < p`` and ``2p−1−k``
+    after, so that rank ``r`` holds chunks ``r`` and ``2p−1−r``.
+
+    >>> [chunk_rank(k, 3) for k in range(6)], [chunk_rank(k, 3, "v") for k in range(6)]
+    ([0, 1, 2, 0, 1, 2], [0, 1, 2, 2, 1, 0])
+    """
+    if placement == "v":
+        return k if k < p else 2 * p - 1 - k
+    return k % p
+
+
+def _deps_forward(k, i, rank, last, split):
     if k == 0:
         return []
-    if (k - 1) % p == k % p:
+    if rank(k - 1) == rank(k):
         return [("input", Action(k - 1, K.F, i))]
     return [("input", Action(k, K.RECV_F, i))]
 
 
-def _deps_backward(k, i, p, last, split):
+def _deps_backward(k, i, rank, last, split):
     out = [("forward", Action(k, K.F, i))]
     if k < last:
-        if (k + 1) % p == k % p:
+        if rank(k + 1) == rank(k):
             out.append(("output gradient", _backward(k + 1, i, split)))
         else:
             out.append(("output gradient", Action(k, K.RECV_B, i)))
@@ -230,26 +250,28 @@ _DEPS: dict[ActionKind, Callable[..., list[tuple[str, Action]]]] = {
     K.F: _deps_forward,
     K.B: _deps_backward,
     K.I: _deps_backward,
-    K.W: lambda k, i, p, last, split: [("input gradient", Action(k, K.I, i))],
-    K.SEND_F: lambda k, i, p, last, split: [("value", Action(k, K.F, i))],
-    K.SEND_B: lambda k, i, p, last, split: [("value", _backward(k, i, split))],
+    K.W: lambda k, i, rank, last, split: [("input gradient", Action(k, K.I, i))],
+    K.SEND_F: lambda k, i, rank, last, split: [("value", Action(k, K.F, i))],
+    K.SEND_B: lambda k, i, rank, last, split: [("value", _backward(k, i, split))],
 }
 
 
-def dependencies(a: Action, p: int, last: int, split: Collection[tuple[int, int]]) -> list[tuple[str, Action]]:
+def dependencies(a: Action, p: int, last: int, split: Collection[tuple[int, int]],
+                 placement: str = "loop") -> list[tuple[str, Action]]:
     """What ``a`` waits for on its own rank, as ``(role, action)``: ``F`` its input (the
     previous chunk's ``F`` on the same rank, else its ``RECV_F``), ``B``/``I`` its forward and
     its output gradient (none for the last chunk ``last``), ``W`` its ``I``, a send the action
     that computes its value. A receive waits only for its :meth:`Action.matching` send on
     another rank; ``REDUCE_GRAD`` for nothing here (the validator orders it after the chunk's
-    backwards). ``p`` ranks; ``split`` holds the ``(chunk, microbatch)`` pairs whose backward
-    is ``I`` + ``W``.
+    backwards). ``p`` ranks, chunks placed by ``placement`` (:func:`chunk_rank`); ``split``
+    holds the ``(chunk, microbatch)`` pairs whose backward is ``I`` + ``W``.
 
     >>> [(role, str(d)) for role, d in dependencies(Action(1, "B", 0), p=2, last=3, split=set())]
     [('forward', '1F0'), ('output gradient', '1RECV_B0')]
     """
     f = _DEPS.get(a.kind)
-    return [] if f is None else f(a.stage, a.microbatch, p, last, split)
+    return [] if f is None else f(a.stage, a.microbatch, lambda k: chunk_rank(k, p, placement),
+                                  last, split)
 
 
 def normalize_name(name: str) -> str:
@@ -273,7 +295,7 @@ def normalize_name(name: str) -> str:
 
 
 def lower(compute: Mapping[int, Sequence[Action]], stages: int, microbatches: int,
-          chunks: int = 1) -> dict[int, tuple[Action, ...]]:
+          chunks: int = 1, placement: str = "loop") -> dict[int, tuple[Action, ...]]:
     """Insert point-to-point actions and ``REDUCE_GRAD`` into a compute-only schedule.
 
     Rule: ``SEND_F(k,i)`` right after ``F(k,i)`` and ``SEND_B(k,i)`` right after ``B(k,i)`` /
@@ -296,7 +318,7 @@ def lower(compute: Mapping[int, Sequence[Action]], stages: int, microbatches: in
     p, last = stages, stages * chunks - 1
 
     def crosses(k: int, peer: int) -> bool:  # the neighbour chunk exists and lives on another rank
-        return 0 <= peer <= last and peer % p != k % p
+        return 0 <= peer <= last and chunk_rank(peer, p, placement) != chunk_rank(k, p, placement)
 
     # how many B or W each chunk runs in total (split backward: W's; else B's)
     n_final: dict[int, int] = {}
@@ -321,17 +343,18 @@ def lower(compute: Mapping[int, Sequence[Action]], stages: int, microbatches: in
                 if seen[k] == n_final[k]:
                     row.append(Action(k, K.REDUCE_GRAD))
         out[rank] = tuple(row)
-    return _in_send_order(out, p)
+    return _in_send_order(out, p, placement)
 
 
-def _in_send_order(rows: dict[int, tuple[Action, ...]], p: int) -> dict[int, tuple[Action, ...]]:
+def _in_send_order(rows: dict[int, tuple[Action, ...]], p: int,
+                   placement: str = "loop") -> dict[int, tuple[Action, ...]]:
     """``rows`` with each receive moved up to just before the first receive from the same peer
     whose send comes after its own (:func:`lower`); rows already in order come back equal."""
     sent: dict[tuple[int, int], list[Action]] = {}   # (src, dst) -> receives, in send order
     for r, row in rows.items():
         for a in row:
             if a.is_send:
-                sent.setdefault((r, a.peer_stage % p), []).append(a.matching())
+                sent.setdefault((r, chunk_rank(a.peer_stage, p, placement)), []).append(a.matching())
     rank_in = {a: t for order in sent.values() for t, a in enumerate(order)}
     out: dict[int, tuple[Action, ...]] = {}
     for r, row in rows.items():
@@ -342,7 +365,7 @@ def _in_send_order(rows: dict[int, tuple[Action, ...]], p: int) -> dict[int, tup
             if a.is_recv:
                 if a in posted:
                     continue
-                src, t = a.peer_stage % p, rank_in.get(a)
+                src, t = chunk_rank(a.peer_stage, p, placement), rank_in.get(a)
                 if t is not None:
                     for b in sent[src, r][nxt.get(src, 0):t]:   # sent before a: posted before it
                         if b not in posted:

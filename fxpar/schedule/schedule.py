@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from fxpar.errors import ScheduleError
-from fxpar.schedule.actions import Action, ActionKind, lower, normalize_name
+from fxpar.schedule.actions import PLACEMENTS, Action, ActionKind, chunk_rank, lower, normalize_name
 from fxpar.schedule.eager_1f1b import eager_1f1b
 from fxpar.schedule.gpipe import gpipe
 from fxpar.schedule.interleaved import interleaved
@@ -21,8 +21,9 @@ from fxpar.schedule.looped_bfs import looped_bfs
 from fxpar.schedule.one_f_one_b import one_f_one_b
 from fxpar.schedule.validate import validate
 from fxpar.schedule.zb_h1 import zb_h1
+from fxpar.schedule.zbv import zbv
 
-__all__ = ["GENERATORS", "MULTI_CHUNK", "Schedule"]
+__all__ = ["GENERATORS", "MULTI_CHUNK", "PLACEMENT_OF", "Schedule"]
 
 #: schedule name -> compute-only generator ``f(p, m, v)``
 GENERATORS = {
@@ -33,10 +34,13 @@ GENERATORS = {
     "zb-h1": zb_h1,
     "looped-bfs": looped_bfs,
     "interleaved-zb": interleaved_zb,
+    "zbv": zbv,
 }
 
-#: the schedules that run several chunks per rank (``chunks > 1``; chunk ``k`` on rank ``k % p``)
-MULTI_CHUNK = frozenset({"interleaved", "looped-bfs", "interleaved-zb"})
+#: the schedules that run several chunks per rank (``chunks > 1``)
+MULTI_CHUNK = frozenset({"interleaved", "looped-bfs", "interleaved-zb", "zbv"})
+#: how a schedule places its chunks when not looped (:func:`fxpar.schedule.actions.chunk_rank`)
+PLACEMENT_OF = {"zbv": "v"}
 
 
 @dataclass(frozen=True)
@@ -45,8 +49,9 @@ class Schedule:
 
     ``stages`` is the number of pipeline ranks ``p``, ``chunks`` the chunks per rank ``v``
     (``p·v`` stage chunks in all), ``microbatches`` ``m``; ``actions[rank]`` is a tuple of
-    :class:`Action` for ``rank`` in ``0 .. p−1``. Build with :meth:`build`,
-    :meth:`from_actions` or :meth:`from_csv`; every constructor validates.
+    :class:`Action` for ``rank`` in ``0 .. p−1``; ``placement`` where the chunks live
+    (``"loop"``: chunk ``k`` on rank ``k % p``; ``"v"``: ZB-V's, :func:`chunk_rank`). Build
+    with :meth:`build`, :meth:`from_actions` or :meth:`from_csv`; every constructor validates.
 
     >>> s = Schedule.build("interleaved", stages=2, microbatches=2, chunks=2)
     >>> s.num_chunks, s.rank_of(3), s.chunks_of(1)
@@ -65,12 +70,13 @@ class Schedule:
     microbatches: int
     chunks: int
     actions: dict[int, tuple[Action, ...]] = field(compare=True)
+    placement: str = "loop"
 
     # -- constructors ---------------------------------------------------------------------
     @classmethod
     def build(cls, name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
         """Generate schedule ``name`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``,
-        ``"eager-1f1b"``, ``"zb-h1"``, ``"looped-bfs"``, ``"interleaved-zb"``) for ``stages``
+        ``"eager-1f1b"``, ``"zb-h1"``, ``"looped-bfs"``, ``"interleaved-zb"``, ``"zbv"``) for ``stages``
         pipeline ranks, ``microbatches`` microbatches and ``chunks`` chunks per rank (``>1``
         only for the schedules of :data:`MULTI_CHUNK`), lower it (sends, receives, gradient
         reduction) and validate it.
@@ -80,7 +86,7 @@ class Schedule:
         >>> Schedule.build("pipedream", stages=2, microbatches=2)
         Traceback (most recent call last):
         ...
-        fxpar.errors.ScheduleError: name: unknown schedule 'pipedream'; known: gpipe, 1f1b, interleaved, eager-1f1b, zb-h1, looped-bfs, interleaved-zb
+        fxpar.errors.ScheduleError: name: unknown schedule 'pipedream'; known: gpipe, 1f1b, interleaved, eager-1f1b, zb-h1, looped-bfs, interleaved-zb, zbv
         """
         key = normalize_name(name)
         if key not in GENERATORS:
@@ -91,19 +97,24 @@ class Schedule:
         if key not in MULTI_CHUNK and chunks != 1:
             raise ScheduleError(f"chunks={chunks}: schedule {key!r} runs one chunk per rank; "
                                 f"use one of {sorted(MULTI_CHUNK)} for several")
+        if key == "zbv" and chunks != 2:
+            raise ScheduleError(f"chunks={chunks}: schedule 'zbv' runs exactly two chunks per "
+                                "rank (a V); pass chunks=2")
         return _built(key, stages, microbatches, chunks)
 
     @classmethod
     def from_actions(cls, actions_by_rank, *, microbatches: int | None = None,
                      chunks: int | None = None, name: str = "custom",
-                     lower_comms: bool | None = None) -> Schedule:
+                     lower_comms: bool | None = None, placement: str | None = None) -> Schedule:
         """A schedule from hand-written lists: a dict ``{rank: [actions]}`` or a list of lists,
         each action an :class:`Action` or its string (``"0F1"``). Ranks are ``0 .. p−1``.
 
         ``microbatches`` / ``chunks`` default to what the actions use (largest microbatch + 1;
         chunk count / ranks). ``lower_comms``: ``True`` treats the lists as compute-only and
         inserts sends, receives and ``REDUCE_GRAD`` (:func:`lower`); ``None`` (default) does so
-        exactly when no list holds any send, receive or ``REDUCE_GRAD``. Validated.
+        exactly when no list holds any send, receive or ``REDUCE_GRAD``. ``placement``:
+        where the chunks live (``"loop"`` or ``"v"``; default: the named schedule's,
+        :data:`PLACEMENT_OF`, else ``"loop"``). Validated.
 
         >>> s = Schedule.from_actions([["0F0", "0B0"], ["1F0", "1B0"]])
         >>> [str(a) for a in s.actions[0]]
@@ -147,18 +158,25 @@ class Schedule:
                 raise ScheduleError(f"{arg} must be an int >= 1, got {val!r}")
         if lower_comms is None:
             lower_comms = not any(a.is_comm or a.kind is ActionKind.REDUCE_GRAD for a in all_acts)
+        if placement is None:
+            placement = PLACEMENT_OF.get(name, "loop")
+        if placement not in PLACEMENTS:
+            raise ScheduleError(f"placement {placement!r}: one of {PLACEMENTS}")
+        if placement == "v" and chunks != 2:
+            raise ScheduleError(f"placement 'v' places two chunks per rank, got chunks={chunks}")
         if lower_comms:
             extra = [a for a in all_acts if not a.is_compute]
             if extra:
                 raise ScheduleError(f"lower_comms=True expects compute-only lists, found {extra[0]}")
-            parsed = lower(parsed, p, microbatches, chunks)
-        sched = cls(name, p, microbatches, chunks, parsed)
+            parsed = lower(parsed, p, microbatches, chunks, placement)
+        sched = cls(name, p, microbatches, chunks, parsed, placement)
         sched.validate()
         return sched
 
     @classmethod
     def from_csv(cls, text: str, *, microbatches: int | None = None, chunks: int | None = None,
-                 name: str = "custom", lower_comms: bool | None = None) -> Schedule:
+                 name: str = "custom", lower_comms: bool | None = None,
+                 placement: str | None = None) -> Schedule:
         """Inverse of :meth:`to_csv`: one line per rank, comma-separated action strings (empty
         cells, as torch writes for idle steps, are skipped). Arguments as :meth:`from_actions`.
 
@@ -171,7 +189,7 @@ class Schedule:
             lines.pop()
         rows = [[c for c in (x.strip() for x in line.split(",")) if c] for line in lines]
         return cls.from_actions(rows, microbatches=microbatches, chunks=chunks, name=name,
-                                lower_comms=lower_comms)
+                                lower_comms=lower_comms, placement=placement)
 
     # -- queries ----------------------------------------------------------------------------
     @property
@@ -180,19 +198,26 @@ class Schedule:
         return self.stages * self.chunks
 
     def rank_of(self, chunk: int) -> int:
-        """The pipeline rank holding ``chunk``: ``chunk % p``."""
+        """The pipeline rank holding ``chunk``: ``chunk % p``, or by the V
+        (:func:`~fxpar.schedule.actions.chunk_rank`)."""
         if not 0 <= chunk < self.num_chunks:
             raise ScheduleError(f"chunk {chunk} not in 0..{self.num_chunks - 1}")
-        return chunk % self.stages
+        return chunk_rank(chunk, self.stages, self.placement)
 
     def chunks_of(self, rank: int) -> tuple[int, ...]:
-        """Chunks on ``rank``, in model order: ``rank, rank+p, rank+2p, ...``."""
-        return tuple(range(rank, self.num_chunks, self.stages))
+        """Chunks on ``rank``, in model order: ``rank, rank+p, rank+2p, ...`` (looped), or
+        ``rank, 2p−1−rank`` (V)."""
+        return tuple(k for k in range(self.num_chunks) if self.rank_of(k) == rank)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The rank of every chunk, in chunk order (:meth:`rank_of`)."""
+        return tuple(self.rank_of(k) for k in range(self.num_chunks))
 
     def peer_rank(self, action: Action) -> int | None:
         """For a send/receive, the rank on the other end; else ``None``."""
         k = action.peer_stage
-        return None if k is None else k % self.stages
+        return None if k is None else self.rank_of(k)
 
     @property
     def split_backward(self) -> bool:
@@ -229,7 +254,7 @@ class Schedule:
         return "\n".join(",".join(str(a) for a in self.actions[r]) for r in sorted(self.actions)) + "\n"
 
     def __hash__(self) -> int:
-        return hash((self.name, self.stages, self.microbatches, self.chunks,
+        return hash((self.name, self.stages, self.microbatches, self.chunks, self.placement,
                      tuple(tuple(self.actions[r]) for r in sorted(self.actions))))
 
     def __repr__(self) -> str:
@@ -243,6 +268,8 @@ def _built(key: str, stages: int, microbatches: int, chunks: int) -> Schedule:
     schedule is immutable, and the joint search prices its finalists' schedules again (a
     validation of 12 stages × 384 microbatches × 8 chunks takes ~1.4 s)."""
     compute = GENERATORS[key](stages, microbatches, chunks)
-    sched = Schedule(key, stages, microbatches, chunks, lower(compute, stages, microbatches, chunks))
+    placement = PLACEMENT_OF.get(key, "loop")
+    sched = Schedule(key, stages, microbatches, chunks,
+                     lower(compute, stages, microbatches, chunks, placement), placement)
     sched.validate()
     return sched

@@ -3,7 +3,8 @@
 :func:`validate` raises :class:`fxpar.errors.ScheduleError` naming the rank, the step index (the
 position in that rank's list), the action and why. Checks, in order:
 
-1. **Each action** is well placed: its chunk exists and lives on this rank (``k % p``), its
+1. **Each action** is well placed: its chunk exists and lives on this rank (``k % p``, or
+   the V of ``sched.placement``), its
    microbatch is in ``0 .. m−1``, a send/receive crosses ranks (no ``SEND_F`` out of the last
    chunk, no ``RECV_F`` into chunk 0, none between two chunks of one rank), no action twice.
 2. **Completeness**: every (chunk, microbatch) has one ``F`` and either one ``B`` or one ``I``
@@ -34,7 +35,7 @@ fxpar.errors.ScheduleError: schedule 'custom': rank 1 step 0: 1F0 runs before it
 from __future__ import annotations
 
 from fxpar.errors import ScheduleError
-from fxpar.schedule.actions import WEIGHT_GRAD_KINDS, Action, dependencies
+from fxpar.schedule.actions import WEIGHT_GRAD_KINDS, Action, chunk_rank, dependencies
 from fxpar.schedule.actions import ActionKind as K
 
 __all__ = ["validate"]
@@ -51,6 +52,10 @@ def validate(sched, *, fifo: bool = True) -> None:
     that matches messages by tag)."""
     p, m, v = sched.stages, sched.microbatches, sched.chunks
     n = p * v
+    placement = getattr(sched, "placement", "loop")
+
+    def rank_of(k: int) -> int:
+        return chunk_rank(k, p, placement)
     last = n - 1
     acts = sched.actions
     if sorted(acts) != list(range(p)):
@@ -66,15 +71,15 @@ def validate(sched, *, fifo: bool = True) -> None:
             k = a.stage
             if k >= n:
                 _fail(sched, f"{at}: chunk {k} does not exist (p·v = {p}·{v} = {n} chunks)")
-            if k % p != r:
-                _fail(sched, f"{at}: chunk {k} lives on rank {k % p}, not rank {r}")
+            if k < n and rank_of(k) != r:
+                _fail(sched, f"{at}: chunk {k} lives on rank {rank_of(k)}, not rank {r}")
             if a.microbatch is not None and a.microbatch >= m:
                 _fail(sched, f"{at}: microbatch {a.microbatch} not in 0..{m - 1}")
             peer = a.peer_stage
             if peer is not None:
                 if not 0 <= peer < n:
                     _fail(sched, f"{at}: chunk {k} has no neighbour chunk {peer} to exchange with")
-                if peer % p == r:
+                if rank_of(peer) == r:
                     _fail(sched, f"{at}: chunks {k} and {peer} are both on rank {r}; "
                                  "nothing is sent between them")
             if a in where:
@@ -84,7 +89,7 @@ def validate(sched, *, fifo: bool = True) -> None:
     # 2. completeness ------------------------------------------------------------------------
     split: set[tuple[int, int]] = set()  # (chunk, microbatch) whose backward is I + W
     for k in range(n):
-        r = k % p
+        r = rank_of(k)
         for i in range(m):
             f, b, inp, w = (Action(k, x, i) in where for x in (K.F, K.B, K.I, K.W))
             if not f:
@@ -105,7 +110,7 @@ def validate(sched, *, fifo: bool = True) -> None:
         mate = a.matching()
         if mate is None or mate in where:
             continue
-        q = mate.stage % p
+        q = rank_of(mate.stage)
         if a.is_recv:
             _fail(sched, f"rank {r} step {j}: {a} waits for {mate}, which rank {q} never runs")
         _fail(sched, f"rank {r} step {j}: {a} sends to chunk {mate.stage} on rank {q}, "
@@ -114,7 +119,7 @@ def validate(sched, *, fifo: bool = True) -> None:
     # 3. same-rank order ---------------------------------------------------------------------
     for r in range(p):
         for j, a in enumerate(acts[r]):
-            for role, d in dependencies(a, p, last, split):
+            for role, d in dependencies(a, p, last, split, placement):
                 jd = where.get(d, (None, None))[1]
                 if jd is None:
                     _fail(sched, f"rank {r} step {j}: {a} needs its {role} {d}, which rank {r} never runs")
@@ -141,7 +146,7 @@ def validate(sched, *, fifo: bool = True) -> None:
             if a.is_recv:
                 ready = a.matching() in done
             else:
-                ready = all(d in done for _, d in dependencies(a, p, last, split))
+                ready = all(d in done for _, d in dependencies(a, p, last, split, placement))
             if ready:
                 done.add(a)
                 pos[r] += 1
@@ -152,7 +157,7 @@ def validate(sched, *, fifo: bool = True) -> None:
                 if pos[r] >= len(acts[r]):
                     continue
                 a = acts[r][pos[r]]
-                d = a.matching() if a.is_recv else next(d for _, d in dependencies(a, p, last, split) if d not in done)
+                d = a.matching() if a.is_recv else next(d for _, d in dependencies(a, p, last, split, placement) if d not in done)
                 q, jd = where[d]
                 waits.append(f"rank {r} step {pos[r]}: {a} waits for {d} (rank {q} step {jd}, "
                              f"blocked behind {acts[q][pos[q]]} at step {pos[q]})")
@@ -165,9 +170,9 @@ def validate(sched, *, fifo: bool = True) -> None:
         for r in range(p):
             for j, a in enumerate(acts[r]):
                 if a.is_send:
-                    sends.setdefault((r, a.peer_stage % p), []).append((j, a))
+                    sends.setdefault((r, rank_of(a.peer_stage)), []).append((j, a))
                 elif a.is_recv:
-                    recvs.setdefault((a.peer_stage % p, r), []).append((j, a))
+                    recvs.setdefault((rank_of(a.peer_stage), r), []).append((j, a))
         for (src, dst), ss in sorted(sends.items()):
             rr = recvs.get((src, dst), [])
             for t, ((js, s), (jr, rcv)) in enumerate(zip(ss, rr)):
