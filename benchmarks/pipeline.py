@@ -7,8 +7,7 @@ On ``pp`` gloo processes of this machine (one intra-op thread each; a
 cut into ``pp·v`` stage chunks at the same layers on both sides (chunk 0 also holds the
 embeddings, the last chunk ``ln_f``, the LM head and the loss; the blocks are divided evenly).
 
-**(a) fxpar vs torch** at ``m=4`` (``pp=2`` also ``m=8``), per pipeline width (``pp=2``,
-``pp=4``):
+**(a) fxpar vs torch** at ``m=4`` and ``m=8``, per pipeline width (``pp=2``, ``pp=4``):
 
 =============  =======================================  ==========================================
 schedule       fxpar                                    torch.distributed.pipelining
@@ -22,14 +21,15 @@ interleaved-zb ``schedule="interleaved-zb", chunks=2``  ``ScheduleInterleavedZer
 eager-1f1b     ``schedule="eager-1f1b"``                (no counterpart)
 zbv            ``schedule="zbv", chunks=2``             ``ScheduleZBVZeroBubble``, 2 stages/rank in
                                                         a V (rank r: stages r and 2p−1−r)
+dualpipev      ``schedule="dualpipev", chunks=2``       ``ScheduleDualPipeV``, the same V (its
+                                                        overlapped F+B actions run F then B, as
+                                                        torch runs them; ``m ≥ 2p``)
 zb-h1          ``schedule="zb-h1"``                     (torch's interleaved zero-bubble with one
                                                         stage per rank is the same order)
 =============  =======================================  ==========================================
 
 The orders of the schedules compared are the same on both sides (tests/test_schedule.py checks
-fxpar's generators against torch's). torch's one schedule not here is ``ScheduleDualPipeV``
-(a V whose steady state overlaps one microbatch's forward with another's backward in one
-action; fxpar has no such action).
+fxpar's generators against torch's): every schedule torch.distributed.pipelining has.
 
 fxpar: ``fxpar.compile(model, Cluster.local(pp), (idx,), loss_fn=ce, example_targets=(tgt,),
 mesh={"pp": pp}, schedule=..., microbatches=m, split_points=[...])`` then
@@ -133,10 +133,11 @@ MODEL = dict(vocab=512, d_model=128, n_heads=4, n_layers=8, seq_len=64)
 BATCH = 16
 LR = 1e-3
 FX_SCHEDULES = ("gpipe", "1f1b", "interleaved", "eager-1f1b", "zb-h1", "looped-bfs",
-                "interleaved-zb", "zbv")
+                "interleaved-zb", "zbv", "dualpipev")
 TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B",
                    "interleaved": "ScheduleInterleaved1F1B", "looped-bfs": "ScheduleLoopedBFS",
-                   "interleaved-zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble"}
+                   "interleaved-zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+                   "dualpipev": "ScheduleDualPipeV"}
 
 
 def _ce(out: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
@@ -160,7 +161,8 @@ def _starts(n_chunks: int) -> list[int]:
 
 
 def _valid(schedule: str, pp: int, m: int) -> bool:
-    return not (schedule in ("interleaved", "interleaved-zb") and m % pp)
+    return not ((schedule in ("interleaved", "interleaved-zb") and m % pp)
+                or (schedule == "dualpipev" and m < 2 * pp))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -611,7 +613,7 @@ def _plan_groups(args) -> list[dict]:
     if args.quick:
         plan = {2: ((2, 4), (4,))}
     else:
-        plan = {2: ((1, 2, 4, 8), (4, 8)), 4: ((4, 8), (4,))}
+        plan = {2: ((1, 2, 4, 8), (4, 8)), 4: ((4, 8), (4, 8))}
         if args.no_pp4:
             del plan[4]
     groups = []

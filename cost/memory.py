@@ -546,7 +546,7 @@ def schedule_activation_peak(schedule: str, stage: int, stages: int, m: int,
     """The most activation bytes stage ``stage`` holds at once under ``schedule``: its compute
     order (:class:`fxpar.schedule.Schedule`'s, as the runtime runs it) walked with
     ``chunk_bytes[c]`` added at each forward of its local chunk ``c`` and released when that
-    chunk's backward ends (``B``; ``W`` when split). Equal chunks give
+    chunk's backward ends (``B``, or ``W`` where split). Equal chunks give
     ``in_flight_microbatches × Σ chunk_bytes``; unequal ones (the last chunk holds the loss)
     give what the schedule really keeps, which that closed form over- or under-states
     (measured: tests/test_memory_measured.py).
@@ -560,13 +560,13 @@ def schedule_activation_peak(schedule: str, stage: int, stages: int, m: int,
     from fxpar.schedule.actions import ActionKind as K
 
     sched = Schedule.build(normalize_name(schedule), stages=stages, microbatches=m, chunks=v)
-    split = sched.split_backward
+    local = {k: j for j, k in enumerate(sched.chunks_of(stage))}
     live = peak = 0
     for a in sched.compute_only()[stage]:
-        c = a.stage // stages
+        c = local[a.stage]
         if a.kind is K.F:
             live += chunk_bytes[c]
-        elif a.kind is (K.W if split else K.B):
+        elif a.kind in (K.B, K.W):   # a backward's last pass (DualPipeV splits only some)
             live -= chunk_bytes[c]
         peak = max(peak, live)
     return peak

@@ -9,7 +9,7 @@ device): the bubble fraction ``t_pb / t_id`` is ``(p−1)/m`` for GPipe and 1F1B
 Looped breadth-first (Lamy-Poirier 2022) runs every microbatch through a rank's first chunk,
 then its second, ...: a step of ``(v−1)·max(m, p) + p − 1 + m`` chunk slots against interleaved
 1F1B's ``v·m + p − 1`` (equal when ``m ≥ p``). Zero-bubble schedules (ZB-H1, interleaved
-zero-bubble, ZB-V) fill the bubble with weight gradients: their step depends on how a backward splits,
+zero-bubble, ZB-V, DualPipeV) fill the bubble with weight gradients: their step depends on how a backward splits,
 which only :func:`fxpar.sim.simulate` prices.
 
 Warm-up (forwards a stage runs before its first backward, ``I`` for the zero-bubble ones;
@@ -27,6 +27,7 @@ zb_h1           ``min(m, p−s)``                             ``min(m, p)``: a m
 looped_bfs      ``m·v`` chunks                              ``m``
 interleaved_zb  ``min(m·v, (v−1)·p + p−s)`` chunks           ``min(m, p)`` (``p | m``)
 zbv             ``min(m, 2p−s−1) + min(m, s+1)`` chunks     ``min(2p, m+1+s, 2m) / 2``
+dualpipev       ``2p`` chunks (the last stage ``2p+1``)     ``(2p+1) / 2`` (``m ≥ 2p``)
 ==============  ==========================================  ====================================
 
 Exact step times of a schedule with arbitrary per-chunk times and communication are
@@ -48,11 +49,11 @@ __all__ = [
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "eager_1f1b", "zb_h1", "looped_bfs", "interleaved_zb",
-             "zbv")
+             "zbv", "dualpipev")
 #: the schedules with several chunks per device
-MULTI_CHUNK = ("interleaved", "looped_bfs", "interleaved_zb", "zbv")
-#: the zero-bubble schedules (backward split into I and W)
-ZERO_BUBBLE = ("zb_h1", "interleaved_zb", "zbv")
+MULTI_CHUNK = ("interleaved", "looped_bfs", "interleaved_zb", "zbv", "dualpipev")
+#: the schedules that split (some) backwards into I and W
+ZERO_BUBBLE = ("zb_h1", "interleaved_zb", "zbv", "dualpipev")
 
 
 def _check(schedule: str, p: int, m: int, v: int = 1) -> None:
@@ -62,8 +63,10 @@ def _check(schedule: str, p: int, m: int, v: int = 1) -> None:
         raise ValueError(f"stages, microbatches and chunks must be >= 1 (p={p}, m={m}, v={v})")
     if schedule not in MULTI_CHUNK and v != 1:
         raise ValueError(f"{schedule} has one chunk per device (v={v}); use one of {MULTI_CHUNK}")
-    if schedule == "zbv" and v != 2:
-        raise ValueError(f"zbv places two chunks per device in a V (v={v})")
+    if schedule in ("zbv", "dualpipev") and v != 2:
+        raise ValueError(f"{schedule} places two chunks per device in a V (v={v})")
+    if schedule == "dualpipev" and m < 2 * p:
+        raise ValueError(f"dualpipev needs m >= 2p microbatches (m={m}, p={p})")
 
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
@@ -114,6 +117,8 @@ def warmup_forwards(schedule: str, stage: int, stages: int, m: int, v: int = 1) 
         return min(m * v, (v - 1) * stages + left)
     if schedule == "zbv":   # the first chunk's forwards, then the second's up to its first I
         return min(m, stages + left - 1) + min(m, stage + 1)
+    if schedule == "dualpipev":   # the last rank starts its steady state with F c0, B c1
+        return 2 * stages + (stage == stages - 1)
     return min(m * v, 2 * (left - 1) + (v - 1) * stages + 1)
 
 
@@ -135,5 +140,8 @@ def in_flight_microbatches(schedule: str, stage: int, stages: int, m: int, v: in
     if schedule == "zbv":
         _check(schedule, stages, m, v)
         return min(2 * stages, m + 1 + stage, 2 * m) / 2
+    if schedule == "dualpipev":
+        _check(schedule, stages, m, v)
+        return (2 * stages + 1) / 2
     w = warmup_forwards(schedule, stage, stages, m, v)
     return w / v if schedule in MULTI_CHUNK else w

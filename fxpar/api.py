@@ -253,9 +253,9 @@ def compile(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | tor
     the model into ``pp·chunks`` stage chunks (at ``split_points``, module FQNs each chunk
     starts at, or balanced by the cost model), plans each on its stage's submesh and runs
     ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"eager-1f1b"``, ``"zb-h1"``,
-    ``"looped-bfs"``, ``"interleaved-zb"``, ``"zbv"`` (the last three and ``"interleaved"``
-    with ``chunks > 1``; ``"zbv"`` places its two chunks per rank in a V), or a
-    :class:`fxpar.Schedule`, e.g. written by hand)
+    ``"looped-bfs"``, ``"interleaved-zb"``, ``"zbv"``, ``"dualpipev"`` (the last four and
+    ``"interleaved"`` with ``chunks > 1``; ``"zbv"`` and ``"dualpipev"`` place their two chunks
+    per rank in a V), or a :class:`fxpar.Schedule`, e.g. written by hand)
     over ``microbatches`` slices of the batch (dim 0 of every tensor input); ``boundary=``
     ``"auto"``/``"send_recv"``/``"scatter_gather"`` says how values cross between stages.
     :mod:`fxpar.planner.stages` and :mod:`fxpar.runtime.interpreter` say how.

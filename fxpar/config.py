@@ -43,7 +43,7 @@ from dataclasses import dataclass, field, fields
 
 from fxpar.errors import PlanError
 from fxpar.layers import is_layer
-from fxpar.schedule.schedule import MULTI_CHUNK
+from fxpar.schedule.schedule import MULTI_CHUNK, PLACEMENT_OF
 
 __all__ = ["ParallelConfig", "ScheduleKind", "recompute_set", "is_layer", "TUPLE_KEYS"]
 
@@ -59,6 +59,7 @@ class ScheduleKind(str, enum.Enum):
     LOOPED_BFS = "looped-bfs"
     INTERLEAVED_ZB = "interleaved-zb"
     ZBV = "zbv"
+    DUALPIPEV = "dualpipev"
     #: a hand-written schedule (:meth:`fxpar.Schedule.from_csv`): its action lists are the plan's
     CUSTOM = "custom"
 
@@ -141,9 +142,9 @@ class ParallelConfig:
             raise PlanError(f"ParallelConfig: chunks={self.chunks} needs schedule='interleaved' "
                             f"or another of several chunks per rank ({', '.join(sorted(MULTI_CHUNK))}; "
                             f"got {self.schedule})")
-        if self.schedule is ScheduleKind.ZBV and self.chunks != 2:
-            raise PlanError(f"ParallelConfig: zbv places two chunks per pipeline rank in a V; "
-                            f"chunks={self.chunks} (pass chunks=2)")
+        if str(self.schedule) in PLACEMENT_OF and self.chunks != 2:
+            raise PlanError(f"ParallelConfig: {self.schedule} places two chunks per pipeline rank "
+                            f"in a V; chunks={self.chunks} (pass chunks=2)")
         if (self.schedule in (ScheduleKind.INTERLEAVED, ScheduleKind.INTERLEAVED_ZB) and self.pp > 1
                 and self.microbatches % self.pp):
             raise PlanError(f"ParallelConfig: {self.schedule} needs microbatches ({self.microbatches}) "

@@ -104,8 +104,8 @@ def run_pipeline(name: str, mesh: dict, schedule: str, m: int, chunks: int = 1,
     if prog.schedule.split_backward:   # chunks with boundary inputs: I, then W
         # (except chunks that gather parameters: ZeRO-3 runs I whole)
         split = not any(c.gathers for c in runner.chunks.values())
-        inner = sum(k > 0 for k in runner.chunks)
-        assert runner.split_backwards == (steps * m * inner if split else 0), runner.split_backwards
+        inner = sum(a.kind == "I" and a.stage > 0 for a in prog.schedule.actions[runner.pp_rank])
+        assert runner.split_backwards == (steps * inner if split else 0), runner.split_backwards
         if split and name in ("gpt", "gpt2", "llama"):   # every matrix used by a linear: deferred
             inner = [c.deferred for k, c in runner.chunks.items() if k > 0]
             assert all(inner), inner
@@ -168,13 +168,14 @@ def test_pipeline_2_ranks(pools, name, schedule, m):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("schedule", ["looped-bfs", "interleaved-zb", "zbv"])
+@pytest.mark.parametrize("schedule", ["looped-bfs", "interleaved-zb", "zbv", "dualpipev"])
 def test_pipeline_2_ranks_two_chunks_each(pools, schedule):
-    """torch.distributed.pipelining's ``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``
-    and ``ScheduleZBVZeroBubble`` orders (4 chunks; looped: chunk ``k`` on rank ``k % 2``; ZB-V:
-    chunks 0 and 3 on rank 0, 1 and 2 on rank 1, the turn from 1 to 2 without a transfer and
-    the loss on rank 0): breadth first; split backward with the weight gradients deferred
-    (every chunk but the first runs ``I`` then ``W``)."""
+    """torch.distributed.pipelining's ``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``,
+    ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` orders (4 chunks; looped: chunk ``k``
+    on rank ``k % 2``; a V: chunks 0 and 3 on rank 0, 1 and 2 on rank 1, the turn from 1 to 2
+    without a transfer and the loss on rank 0): breadth first; split backward with the
+    weight gradients deferred (every chunk but the first runs ``I`` then ``W``; DualPipeV
+    only its tail's)."""
     _check(pools(2).run(run_pipeline, "gpt", {"pp": 2}, schedule, 4, 2))
 
 
@@ -291,6 +292,7 @@ def test_hand_written_schedule(pools):
     ("skip", {"pp": 4}, "gpipe", 2, 1, "auto"),
     ("gpt8", {"pp": 4}, "interleaved", 4, 2, "auto"),   # 8 chunks, chunk k on rank k % 4
     ("gpt8", {"pp": 4}, "zbv", 3, 2, "auto"),           # 8 chunks in a V, fewer microbatches than 2p−1
+    ("gpt8", {"pp": 4}, "dualpipev", 8, 2, "auto"),     # a V, B's and a split tail
 ])
 def test_pipeline_4_ranks(pools, name, mesh, schedule, m, chunks, plan):
     _check(pools(4).run(run_pipeline, name, mesh, schedule, m, chunks, None, plan))

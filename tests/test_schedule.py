@@ -17,7 +17,9 @@ from fxpar.schedule import GENERATORS, Action, Schedule, validate
 from tests import schedule_oracle
 
 NAMES = ["gpipe", "1f1b", "interleaved", "eager-1f1b", "zb-h1", "looped-bfs", "interleaved-zb",
-         "zbv"]
+         "zbv", "dualpipev"]
+#: two chunks per rank in a V
+V_SHAPED = ("zbv", "dualpipev")
 #: schedules with several chunks per rank; those of them that need ``p | m``
 MULTI = ("interleaved", "looped-bfs", "interleaved-zb")
 P_DIVIDES_M = ("interleaved", "interleaved-zb")
@@ -27,8 +29,8 @@ def _valid_args():
     for name in NAMES:
         for p in range(1, 9):
             for m in range(1, 17):
-                for v in ((1, 2, 4) if name in MULTI else (2,) if name == "zbv" else (1,)):
-                    if name in P_DIVIDES_M and m % p:
+                for v in ((1, 2, 4) if name in MULTI else (2,) if name in V_SHAPED else (1,)):
+                    if (name in P_DIVIDES_M and m % p) or (name == "dualpipev" and m < 2 * p):
                         continue
                     yield name, p, m, v
 
@@ -142,38 +144,48 @@ def test_every_generated_schedule_validates(name):
             assert kinds.count("F") == m * v
             if name in ("zb-h1", "interleaved-zb", "zbv"):
                 assert kinds.count("I") == kinds.count("W") == m * v and "B" not in kinds
+            elif name == "dualpipev":   # whole backwards, some split in the tail
+                assert kinds.count("B") + kinds.count("I") == m * v
+                assert kinds.count("I") == kinds.count("W") > 0
             else:
                 assert kinds.count("B") == m * v
-            # looped: chunks r, r+p, ...; ZB-V: r going down and 2p−1−r coming back
-            want = {r, 2 * p - 1 - r} if name == "zbv" else set(range(r, p * v, p))
+            # looped: chunks r, r+p, ...; a V: r going down and 2p−1−r coming back
+            want = {r, 2 * p - 1 - r} if name in V_SHAPED else set(range(r, p * v, p))
             assert {a.stage for a in comp[r]} == want == set(s.chunks_of(r))
             assert sum(a.kind == "REDUCE_GRAD" for a in s.actions[r]) == v
         n += 1
     assert n == {"interleaved": 3 * sum(16 // p for p in range(1, 9)),
                  "interleaved-zb": 3 * sum(16 // p for p in range(1, 9)),
-                 "looped-bfs": 3 * 8 * 16}.get(name, 8 * 16)
+                 "looped-bfs": 3 * 8 * 16,
+                 "dualpipev": sum(17 - 2 * p for p in range(1, 9))}.get(name, 8 * 16)
 
 
-def test_zbv_orders_equal_torchs():
-    """ZB-V against torch's ``ScheduleZBVZeroBubble`` generator (two chunks per rank in a V:
-    rank ``r`` holds ``r`` and ``2p−1−r``; the microbatches past ``m`` of torch's
-    ``max(m, 2p−1)`` slots dropped, as torch drops them)."""
+@pytest.mark.parametrize("name,torch_cls", [("zbv", "ScheduleZBVZeroBubble"),
+                                            ("dualpipev", "ScheduleDualPipeV")])
+def test_v_shaped_orders_equal_torchs(name, torch_cls):
+    """ZB-V and DualPipeV against torch's generators (two chunks per rank in a V: rank ``r``
+    holds ``r`` and ``2p−1−r``). ZB-V: the microbatches past ``m`` of torch's ``max(m, 2p−1)``
+    slots dropped, as torch drops them; DualPipeV: torch's overlapped forward+backward
+    actions as the two actions torch runs in that order."""
     from types import SimpleNamespace
 
     from torch.distributed.pipelining import schedules as ts
 
-    kinds = {ts._ComputationType.FORWARD: "F", ts._ComputationType.BACKWARD_INPUT: "I",
-             ts._ComputationType.BACKWARD_WEIGHT: "W"}
+    cls = getattr(ts, torch_cls)
+    kinds = {ts._ComputationType.FORWARD: "F", ts._ComputationType.FULL_BACKWARD: "B",
+             ts._ComputationType.BACKWARD_INPUT: "I", ts._ComputationType.BACKWARD_WEIGHT: "W"}
+    n = 0
     for p in range(1, 7):
-        for m in range(1, 13):
-            s = Schedule.build("zbv", stages=p, microbatches=m, chunks=2)
+        for m in range(2 * p if name == "dualpipev" else 1, 13):
+            s = Schedule.build(name, stages=p, microbatches=m, chunks=2)
             ns = SimpleNamespace(pp_group_size=p, _n_microbatches=m, num_stages=2 * p)
             for r in range(p):
-                want = [f"{a.stage_index}{kinds[a.computation_type]}{a.microbatch_index}"
-                        for a in ts.ScheduleZBVZeroBubble._calculate_single_rank_operations(ns, r)
-                        if a is not None]
+                want = [f"{b.stage_index}{kinds[b.computation_type]}{b.microbatch_index}"
+                        for a in cls._calculate_single_rank_operations(ns, r) if a is not None
+                        for b in (a.sub_actions or (a,))]
                 assert _strs(s.compute_only()[r]) == want, (p, m, r)
-    assert Schedule.build("zbv", 3, 4, 2).ranks == (0, 1, 2, 2, 1, 0)
+                n += 1
+    assert n > 50 and Schedule.build(name, 3, 6, 2).ranks == (0, 1, 2, 2, 1, 0)
 
 
 def test_zbv_turn_is_local_and_the_loss_is_on_rank_0():
@@ -353,6 +365,7 @@ def test_rank_of_and_chunks():
     (dict(name="interleaved-zb", stages=4, microbatches=6, chunks=2), "microbatches"),
     (dict(name="zbv", stages=2, microbatches=2, chunks=1), "chunks"),
     (dict(name="zbv", stages=2, microbatches=2, chunks=3), "chunks"),
+    (dict(name="dualpipev", stages=2, microbatches=3, chunks=2), "microbatches"),
     (dict(name="pipedream", stages=2, microbatches=2), "name"),
     (dict(name="1f1b", stages=2.0, microbatches=2), "stages"),
 ])

@@ -358,7 +358,7 @@ def test_an_inputs_gather_is_hidden_behind_the_units_before_its_use(peak):
 
 @pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("eager-1f1b", 1), ("zb-h1", 1),
                                     ("interleaved", 2), ("looped-bfs", 2), ("interleaved-zb", 2),
-                                    ("zbv", 2)])
+                                    ("zbv", 2), ("dualpipev", 2)])
 def test_in_flight_activations_are_what_the_schedule_keeps(name, v):
     """The step model's activation count per rank (``price.in_flight``: closed form or a walk
     of the compute order) equals the simulator's peak over the lowered schedule (chunks of
@@ -367,7 +367,8 @@ def test_in_flight_activations_are_what_the_schedule_keeps(name, v):
     from fxpar.planner.price import in_flight
 
     for p in (1, 2, 3, 4):
-        for m in sorted({1, p, p + 1, 2 * p, 3 * p} if name == "zbv" else {p, 2 * p, 3 * p}):
+        for m in sorted({1, p, p + 1, 2 * p, 3 * p} if name == "zbv" else
+                        {2 * p, 2 * p + 1, 3 * p} if name == "dualpipev" else {p, 2 * p, 3 * p}):
             sim = fxpar.simulate(Schedule.build(name, p, m, v), act_bytes=1.0 / v).peak_memory
             assert [in_flight(name, r, p, m, v) for r in range(p)] == pytest.approx(sim), (p, m)
     assert [in_flight("zb-h1", r, 4, 8, 1) for r in range(4)] == [4, 4, 4, 4]

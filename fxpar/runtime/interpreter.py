@@ -572,7 +572,15 @@ class PipelineRunner(RankRunner):
         self._forward(k, i, batch)
 
     def _act_backward(self, k, i, batch) -> None:
-        self._backward(k, i, split=False)
+        if self.chunks[k].deferred:
+            # a chunk whose linears leave their weight gradients to W (it runs some I's, as
+            # DualPipeV's tail) runs a whole backward as its I and W back to back
+            n = self.split_backwards
+            self._backward(k, i, split=True)
+            self._weight(k, i)
+            self.split_backwards = n
+        else:
+            self._backward(k, i, split=False)
 
     def _act_input_grad(self, k, i, batch) -> None:
         # a chunk that gathers parameters (ZeRO-3) runs I whole: a split W would re-read

@@ -21,6 +21,7 @@ Step 5: 0B2    1B2
 
 from fxpar.schedule.actions import (COMM_KINDS, COMPUTE_KINDS, KINDS, PLACEMENTS, Action, ActionKind,
                                     chunk_rank, dependencies, lower, normalize_name)
+from fxpar.schedule.dualpipev import dualpipev
 from fxpar.schedule.eager_1f1b import eager_1f1b
 from fxpar.schedule.gpipe import gpipe
 from fxpar.schedule.interleaved import interleaved
@@ -35,4 +36,4 @@ from fxpar.schedule.zbv import zbv
 __all__ = ["Action", "ActionKind", "Schedule", "GENERATORS", "MULTI_CHUNK", "PLACEMENT_OF", "PLACEMENTS",
            "chunk_rank", "KINDS", "COMPUTE_KINDS", "COMM_KINDS",
            "dependencies", "lower", "normalize_name", "validate", "gpipe", "one_f_one_b", "interleaved",
-           "eager_1f1b", "zb_h1", "looped_bfs", "interleaved_zb", "zbv"]
+           "eager_1f1b", "zb_h1", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]

@@ -8,7 +8,7 @@ Conventions (the runtime interpreter and the simulator rely on them):
 
 - Stage *chunks* are numbered ``0 .. p·v−1`` (``p`` pipeline ranks, ``v`` chunks per rank);
   chunk ``k`` lives on rank ``k % p`` (Megatron-LM's looping placement), or, under the ``"v"``
-  placement of V-shaped schedules (ZB-V: two chunks per rank), on rank ``k`` for ``k < p``
+  placement of V-shaped schedules (ZB-V, DualPipeV: two chunks per rank), on rank ``k`` for ``k < p``
   and ``2p−1−k`` after (:func:`chunk_rank`): the first and the last chunk share rank 0.
 - Chunk ``k``'s forward input is chunk ``k−1``'s output (chunk 0: the user's microbatch); the
   last chunk computes the loss, so its backward needs only its own forward.
@@ -290,7 +290,8 @@ def normalize_name(name: str) -> str:
                "eager1f1b": "eager-1f1b", "one-f-one-b": "1f1b", "pipedream-flush": "1f1b",
                "loopedbfs": "looped-bfs", "breadth-first": "looped-bfs",
                "interleavedzerobubble": "interleaved-zb", "interleaved-zero-bubble": "interleaved-zb",
-               "zb1p": "interleaved-zb"}
+               "zb1p": "interleaved-zb", "zbvzerobubble": "zbv", "zb-v": "zbv",
+               "dualpipe-v": "dualpipev", "dual-pipe-v": "dualpipev"}
     return aliases.get(n, n)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from fxpar.errors import ScheduleError
 from fxpar.schedule.actions import PLACEMENTS, Action, ActionKind, chunk_rank, lower, normalize_name
+from fxpar.schedule.dualpipev import dualpipev
 from fxpar.schedule.eager_1f1b import eager_1f1b
 from fxpar.schedule.gpipe import gpipe
 from fxpar.schedule.interleaved import interleaved
@@ -35,12 +36,13 @@ GENERATORS = {
     "looped-bfs": looped_bfs,
     "interleaved-zb": interleaved_zb,
     "zbv": zbv,
+    "dualpipev": dualpipev,
 }
 
 #: the schedules that run several chunks per rank (``chunks > 1``)
-MULTI_CHUNK = frozenset({"interleaved", "looped-bfs", "interleaved-zb", "zbv"})
+MULTI_CHUNK = frozenset({"interleaved", "looped-bfs", "interleaved-zb", "zbv", "dualpipev"})
 #: how a schedule places its chunks when not looped (:func:`fxpar.schedule.actions.chunk_rank`)
-PLACEMENT_OF = {"zbv": "v"}
+PLACEMENT_OF = {"zbv": "v", "dualpipev": "v"}
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class Schedule:
     ``stages`` is the number of pipeline ranks ``p``, ``chunks`` the chunks per rank ``v``
     (``p·v`` stage chunks in all), ``microbatches`` ``m``; ``actions[rank]`` is a tuple of
     :class:`Action` for ``rank`` in ``0 .. p−1``; ``placement`` where the chunks live
-    (``"loop"``: chunk ``k`` on rank ``k % p``; ``"v"``: ZB-V's, :func:`chunk_rank`). Build
+    (``"loop"``: chunk ``k`` on rank ``k % p``; ``"v"``: ZB-V's and DualPipeV's, :func:`chunk_rank`). Build
     with :meth:`build`, :meth:`from_actions` or :meth:`from_csv`; every constructor validates.
 
     >>> s = Schedule.build("interleaved", stages=2, microbatches=2, chunks=2)
@@ -76,7 +78,8 @@ class Schedule:
     @classmethod
     def build(cls, name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
         """Generate schedule ``name`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``,
-        ``"eager-1f1b"``, ``"zb-h1"``, ``"looped-bfs"``, ``"interleaved-zb"``, ``"zbv"``) for ``stages``
+        ``"eager-1f1b"``, ``"zb-h1"``, ``"looped-bfs"``, ``"interleaved-zb"``, ``"zbv"``,
+        ``"dualpipev"``) for ``stages``
         pipeline ranks, ``microbatches`` microbatches and ``chunks`` chunks per rank (``>1``
         only for the schedules of :data:`MULTI_CHUNK`), lower it (sends, receives, gradient
         reduction) and validate it.
@@ -86,7 +89,7 @@ class Schedule:
         >>> Schedule.build("pipedream", stages=2, microbatches=2)
         Traceback (most recent call last):
         ...
-        fxpar.errors.ScheduleError: name: unknown schedule 'pipedream'; known: gpipe, 1f1b, interleaved, eager-1f1b, zb-h1, looped-bfs, interleaved-zb, zbv
+        fxpar.errors.ScheduleError: name: unknown schedule 'pipedream'; known: gpipe, 1f1b, interleaved, eager-1f1b, zb-h1, looped-bfs, interleaved-zb, zbv, dualpipev
         """
         key = normalize_name(name)
         if key not in GENERATORS:
@@ -97,8 +100,8 @@ class Schedule:
         if key not in MULTI_CHUNK and chunks != 1:
             raise ScheduleError(f"chunks={chunks}: schedule {key!r} runs one chunk per rank; "
                                 f"use one of {sorted(MULTI_CHUNK)} for several")
-        if key == "zbv" and chunks != 2:
-            raise ScheduleError(f"chunks={chunks}: schedule 'zbv' runs exactly two chunks per "
+        if PLACEMENT_OF.get(key) == "v" and chunks != 2:
+            raise ScheduleError(f"chunks={chunks}: schedule {key!r} runs exactly two chunks per "
                                 "rank (a V); pass chunks=2")
         return _built(key, stages, microbatches, chunks)
 
