@@ -9,8 +9,8 @@ device): the bubble fraction ``t_pb / t_id`` is ``(p−1)/m`` for GPipe and 1F1B
 Looped breadth-first (Lamy-Poirier 2022) runs every microbatch through a rank's first chunk,
 then its second, ...: a step of ``(v−1)·max(m, p) + p − 1 + m`` chunk slots against interleaved
 1F1B's ``v·m + p − 1`` (equal when ``m ≥ p``). Zero-bubble schedules (ZB-H1, interleaved
-zero-bubble, ZB-V, DualPipeV) fill the bubble with weight gradients: their step depends on how a backward splits,
-which only :func:`fxpar.sim.simulate` prices.
+zero-bubble, ZB-V, DualPipeV) fill the bubble with weight gradients: their step depends on how
+a backward splits, which only :func:`fxpar.sim.simulate` prices.
 
 Warm-up (forwards a stage runs before its first backward, ``I`` for the zero-bubble ones;
 stages ``s = 0 .. p−1``):
@@ -71,8 +71,9 @@ def _check(schedule: str, p: int, m: int, v: int = 1) -> None:
 
 def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
     """Idle fraction ``t_pb / t_id`` with equal stages (Megatron-LM §2.2.1 and §2.2.2):
-    ``(p−1)/m``, or ``(1/v)·(p−1)/m`` interleaved; looped BFS ``((v−1)(max(m,p)−m) + p−1)/(v·m)``
-    (the module docstring); none for the zero-bubble schedules (a :class:`ValueError`).
+    ``(p−1)/m``, or ``(1/v)·(p−1)/m`` interleaved; looped BFS
+    ``((v−1)(max(m,p)−m) + p−1)/(v·m)`` (the module docstring); none for the zero-bubble
+    schedules (a :class:`ValueError`).
 
     >>> bubble_fraction("gpipe", 8, 32), bubble_fraction("looped_bfs", 4, 2, v=2)
     (0.21875, 1.25)

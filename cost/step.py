@@ -228,10 +228,11 @@ def rank_chunks(chunks: Sequence, p: int, ranks: Sequence[int] | None = None) ->
 
 def param_units(chunks: Sequence[ChunkCost], p: int, tiny: float = 0.0,
                 ranks: Sequence[int] | None = None) -> list[int]:
-    """Per pipeline rank (chunk ``k`` on rank ``k % p``, or ``ranks[k]``), how many gather groups its units
-    holding parameters make, at least 1: AMSP's module count ``L`` (:func:`dp_terms`), for the
-    runtime gathers and reduces each group's parameters together; a group takes units until
-    it holds ``tiny`` parameters (:func:`gather_groups`, :func:`tiny_params`).
+    """Per pipeline rank (chunk ``k`` on rank ``k % p``, or ``ranks[k]``), how many gather
+    groups its units holding parameters make, at least 1: AMSP's module count ``L``
+    (:func:`dp_terms`), for the runtime gathers and reduces each group's parameters together;
+    a group takes units until it holds ``tiny`` parameters (:func:`gather_groups`,
+    :func:`tiny_params`).
 
     >>> c = ChunkCost(0, 0, 0, 3, 0, 0, 0, unit_params=(0.0, 2.0, 1.0))
     >>> param_units([c, c, c], 2), param_units([c, c, c], 2, tiny=2.5)

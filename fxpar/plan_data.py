@@ -146,8 +146,9 @@ def _fmt_ms(t: float) -> str:
 @dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage chunk: ``index`` (0..p·v−1), the pipeline rank ``rank`` it runs on
-    (``index % p``, or the schedule's V), the ``layers`` it runs, the boundary values it receives (``inputs``) and
-    sends (``outputs``) by node name, and its intra-op ``plan`` on the stage's submesh."""
+    (``index % p``, or the schedule's V), the ``layers`` it runs, the boundary values it
+    receives (``inputs``) and sends (``outputs``) by node name, and its intra-op ``plan`` on
+    the stage's submesh."""
 
     index: int
     rank: int

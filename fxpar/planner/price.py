@@ -344,8 +344,8 @@ def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequenc
 def optimizer_seconds(chunks, p: int, state: tuple[int, int, int], cluster, precision: str,
                       state_bytes: tuple[float, float, float] = STATE_BYTES_PER_PARAM["adam", "mixed"],
                       ranks: Sequence[int] | None = None) -> list[float]:
-    """Per pipeline rank (chunk ``k`` on rank ``k % p``, or ``ranks[k]``), the seconds of its optimizer step
-    (:func:`fxpar.cost.step.optimizer_time` over its chunks' local parameters, states sharded
+    """Per pipeline rank (chunk ``k`` on rank ``k % p``, or ``ranks[k]``), the seconds of its
+    optimizer step (:func:`fxpar.cost.step.optimizer_time` over its chunks' local parameters, states sharded
     ``s_os`` ways, ``state = (s_p, s_g, s_os)``) at the price the cluster's measured compute
     gives (:attr:`fxpar.cluster.ComputeProfile.optimizer`), else, with physics, the
     memory-bound one of its ``state_bytes`` (:func:`fxpar.cost.step.cluster_optimizer_price`),

@@ -7,9 +7,10 @@ Actions print in ``torch.distributed.pipelining``'s notation ``{stage}{kind}{mic
 Conventions (the runtime interpreter and the simulator rely on them):
 
 - Stage *chunks* are numbered ``0 .. p·v−1`` (``p`` pipeline ranks, ``v`` chunks per rank);
-  chunk ``k`` lives on rank ``k % p`` (Megatron-LM's looping placement), or, under the ``"v"``
-  placement of V-shaped schedules (ZB-V, DualPipeV: two chunks per rank), on rank ``k`` for ``k < p``
-  and ``2p−1−k`` after (:func:`chunk_rank`): the first and the last chunk share rank 0.
+  chunk ``k`` lives on rank ``k % p`` (Megatron-LM's looping placement), or, under the
+  ``"v"`` placement of V-shaped schedules (ZB-V, DualPipeV: two chunks per rank), on rank
+  ``k`` for ``k < p`` and ``2p−1−k`` after (:func:`chunk_rank`): the first and the last chunk
+  share rank 0.
 - Chunk ``k``'s forward input is chunk ``k−1``'s output (chunk 0: the user's microbatch); the
   last chunk computes the loss, so its backward needs only its own forward.
 - ``SEND_F(k,i)`` runs on ``rank_of(k)``: send chunk ``k``'s output of microbatch ``i`` to chunk
