@@ -41,37 +41,21 @@ def zbv(p: int, m: int, v: int = 2) -> dict[int, list[Action]]:
         nxt = {(c, kind): 0 for c in (c0, c1) for kind in "FIW"}
         acts: list[Action] = []
 
-        def run(c: int, kind: str, i: int | None = None) -> None:
-            if i is None:
-                i = nxt[c, kind]
+        def run(*steps: tuple[int, str]) -> None:   # (chunk, kind): its next microbatch
+            for c, kind in steps:
+                acts.append(Action(c, kind, nxt[c, kind]))
                 nxt[c, kind] += 1
-            acts.append(Action(c, kind, i))
 
-        for _ in range(2 * (p - r) - 1):
-            run(c0, "F")
-        for _ in range(r):
-            run(c1, "F")
-            run(c0, "F")
-        for _ in range(p - r):
-            run(c1, "F")
-            run(c1, "I")
-            run(c1, "W")
+        run(*[(c0, "F")] * (2 * (p - r) - 1))
+        run(*[(c1, "F"), (c0, "F")] * r)
+        run(*[(c1, "F"), (c1, "I"), (c1, "W")] * (p - r))
         while nxt[c1, "F"] < nxt[c0, "F"] or nxt[c0, "F"] < n:
             if nxt[c0, "F"] < n:
-                run(c0, "F")
-            for c in (c0, c1):
-                if c == c1:
-                    run(c1, "F")
-                run(c, "I")
-                run(c, "W")
-        for _ in range(r):
-            run(c0, "I")
-            run(c1, "I")
-        for _ in range(p - r):
-            run(c0, "I")
-            run(c0, "W")
-        for c in (c1, c0):
-            while nxt[c, "W"] < nxt[c, "I"]:
-                run(c, "W")
+                run((c0, "F"))
+            run((c0, "I"), (c0, "W"), (c1, "F"), (c1, "I"), (c1, "W"))
+        run(*[(c0, "I"), (c1, "I")] * r)
+        run(*[(c0, "I"), (c0, "W")] * (p - r))
+        for c in (c1, c0):   # the weight gradients left, in order
+            run(*[(c, "W")] * (nxt[c, "I"] - nxt[c, "W"]))
         out[r] = [a for a in acts if a.microbatch < m]
     return out
