@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import fxpar  # noqa: E402
 import reproductions as R  # noqa: E402
-from fxpar.planner.joint import search  # noqa: E402
+from fxpar.planner.joint import SCHEDULES, search  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "published.json"
 A100 = ("dgx-a100", "perlmutter", "a800")
@@ -88,6 +88,10 @@ DEEPSPEED_LISTS = ("T2 zero3",)
 #: (AMSP §IV-C2: ``"amsp"``), DeepSpeed's ZeRO-1 all-gathers them in ``allgather_bucket_size``
 #: pieces (``"deepspeed"``); the other rows shard no optimizer state beyond their parameters.
 STYLES = {"AMSP amsp": "amsp", "AMSP zero1": "deepspeed"}
+#: The pipeline schedules a row's system ran, where the row leaves the schedule to the search:
+#: Megatron-LM's 1F1B and interleaved 1F1B (the zero-bubble schedules came later). Rows not
+#: named here pin their schedule or run no pipeline.
+SYSTEM_SCHEDULES = {"AxoNN megatron": ("1f1b", "interleaved")}
 
 
 @dataclasses.dataclass
@@ -116,6 +120,12 @@ class Row:
         if self.name.startswith(DEEPSPEED_ZERO3):
             style = "deepspeed-list" if self.name.startswith(DEEPSPEED_LISTS) else "deepspeed"
         return fxpar.PlannerOptions(zero_style=style) if style else None
+
+    @property
+    def schedules(self) -> tuple[str, ...]:
+        """The schedules the search may give the row (:data:`SYSTEM_SCHEDULES`)."""
+        return next((v for k, v in SYSTEM_SCHEDULES.items() if self.name.startswith(k)),
+                    SCHEDULES)
 
     @property
     def overlap(self) -> bool:
@@ -228,7 +238,8 @@ def predict(row: Row, physics: dict, auto: bool = False) -> dict:
             r = R.axonn_step(a["heads"], a["h"], a["l"], a["G"], cl, row.batch, a["b"])
             step, config = r["step_s"], f"axonn grid {a['G']} b={a['b']}"
         else:
-            c = search(gm, cl, batch=row.batch, only=row.only, options=row.options).best
+            c = search(gm, cl, batch=row.batch, only=row.only, options=row.options,
+                       schedules=row.schedules).best
             step, config = c.step, c.name
     except fxpar.FxparError as e:
         return {"error": str(e)[:200]}
