@@ -91,7 +91,7 @@ STYLES = {"AMSP amsp": "amsp", "AMSP zero1": "deepspeed"}
 #: The pipeline schedules a row's system ran, where the row leaves the schedule to the search:
 #: Megatron-LM's 1F1B and interleaved 1F1B (the zero-bubble schedules came later). Rows not
 #: named here pin their schedule or run no pipeline.
-SYSTEM_SCHEDULES = {"AxoNN megatron": ("1f1b", "interleaved")}
+SYSTEM_SCHEDULES = {"AxoNN megatron": R.MEGATRON_SCHEDULES}
 
 
 @dataclasses.dataclass

@@ -106,9 +106,15 @@ def capture_gpt(heads: int, h: int, layers: int):
         return fxpar.capture(model, (ids,))
 
 
-def price(gm, cluster, batch: int, only: dict | None) -> dict:
+#: the pipeline schedules Megatron-LM ran where a row leaves the schedule to the search (the
+#: zero-bubble ones came later)
+MEGATRON_SCHEDULES = ("1f1b", "interleaved")
+
+
+def price(gm, cluster, batch: int, only: dict | None, schedules=None) -> dict:
     t0 = time.perf_counter()
-    res = search(gm, cluster, batch=batch, only=only or {})
+    kw = {} if schedules is None else {"schedules": schedules}
+    res = search(gm, cluster, batch=batch, only=only or {}, **kw)
     c = res.best
     return {"config": c.name, "step_s": c.step, "memory_gib": c.memory / 2**30,
             "search_s": round(time.perf_counter() - t0, 2)}
@@ -434,7 +440,7 @@ def table4() -> list[dict]:
                  "auto": None}
         for k, only in cases.items():
             try:
-                row[k] = price(gm, cl, B, only)
+                row[k] = price(gm, cl, B, only, MEGATRON_SCHEDULES if k == "megatron" else None)
             except fxpar.FxparError as e:
                 row[k] = {"error": str(e)[:300]}
         row.update(searched(gm, cl, B))
