@@ -108,7 +108,11 @@ class _Phases:
 
         print(f"[fxpar] {name} ...", end="\n" if lines else "", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        out = fn(*a, **kw)
+        try:
+            out = fn(*a, **kw)
+        except BaseException:
+            print(f"{f'[fxpar] {name}:' if lines else ''} failed", file=sys.stderr, flush=True)
+            raise
         self.times[name] = time.perf_counter() - t0
         print(f"{f'[fxpar] {name}:' if lines else ''} {self.times[name]:.2f} s", file=sys.stderr, flush=True)
         return out
@@ -382,7 +386,9 @@ def main(argv: list[str] | None = None) -> None:
         q.add_argument("--time-limit", type=float, default=60.0, help="solver seconds per mesh")
         q.add_argument("--schedule", default="1f1b", help="pipeline schedule (a pp axis in --mesh)")
         q.add_argument("--microbatches", type=int, default=1, help="pipeline microbatches")
-        q.add_argument("--chunks", type=int, default=1, help="chunks per pipeline rank (interleaved)")
+        q.add_argument("--chunks", type=int, default=None,
+                   help="chunks per pipeline rank (interleaved; default: the schedule's, "
+                   "two for zbv and dualpipev)")
         if name == "plan":
             q.add_argument("--json", help="write the plan here")
         else:
@@ -398,16 +404,24 @@ def main(argv: list[str] | None = None) -> None:
     v.add_argument("--timeout", type=float, default=600.0, help="seconds before the ranks are killed")
     v.add_argument("--schedule", default="1f1b", help="pipeline schedule (a pp axis in --mesh)")
     v.add_argument("--microbatches", type=int, default=1, help="pipeline microbatches")
-    v.add_argument("--chunks", type=int, default=1, help="chunks per pipeline rank (interleaved)")
+    v.add_argument("--chunks", type=int, default=None,
+                   help="chunks per pipeline rank (interleaved; default: the schedule's, "
+                   "two for zbv and dualpipev)")
     e = sub.add_parser("explain", help="print a saved plan")
     e.add_argument("plan", help="plan JSON (fxpar plan --json, or Program.save)")
     c = sub.add_parser("compare", help="two plans of one model side by side")
     c.add_argument("a")
     c.add_argument("b")
     args = ap.parse_args(argv)
-    {"demo": cmd_demo, "presets": cmd_presets, "reshard": cmd_reshard, "plan": cmd_plan,
-     "explain": cmd_explain, "compare": cmd_compare, "dump": cmd_dump,
-     "verify": cmd_verify}[args.cmd](args)
+    cmd = {"demo": cmd_demo, "presets": cmd_presets, "reshard": cmd_reshard, "plan": cmd_plan,
+           "explain": cmd_explain, "compare": cmd_compare, "dump": cmd_dump,
+           "verify": cmd_verify}[args.cmd]
+    from fxpar.errors import FxparError
+
+    try:
+        cmd(args)
+    except FxparError as e:   # bad input: its message, not a traceback (exit status 1)
+        raise SystemExit(f"fxpar {args.cmd}: {type(e).__name__}: {e}") from e
 
 
 _EXAMPLES = {

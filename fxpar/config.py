@@ -13,7 +13,8 @@ devices, ``extra`` any other mesh axes as ``(name, degree)`` pairs (AxoNN's grid
 context parallelism: the sequence split over ``cp`` devices between ``dp`` and ``tp``, whose
 parameter gradients are reduced with the ``dp`` replicas', :attr:`ParallelConfig.replicas`);
 ``microbatch`` samples per replica per microbatch (``None``: not fixed),
-``microbatches``; ``schedule`` a :class:`ScheduleKind`; ``chunks`` per pipeline rank;
+``microbatches``; ``schedule`` a :class:`ScheduleKind`; ``chunks`` per pipeline rank
+(``None``: the schedule's own, two for zbv and dualpipev, else one);
 ``recompute`` the layers whose forward runs again in backward (:func:`recompute_set`);
 ``s_p | s_g | s_os`` AMSP's sharding factors of parameters, gradients and optimizer states
 over a parameter's ``replicas`` (``dp``, times ``cp``; eq. 3): DDP ``(1, 1, 1)``, ZeRO-1
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field, fields
 
 from fxpar.errors import PlanError
 from fxpar.layers import is_layer
-from fxpar.schedule.schedule import MULTI_CHUNK, PLACEMENT_OF
+from fxpar.schedule.schedule import GENERATORS, MULTI_CHUNK, PLACEMENT_OF, default_chunks
 
 __all__ = ["ParallelConfig", "ScheduleKind", "recompute_set", "is_layer", "TUPLE_KEYS"]
 
@@ -106,7 +107,7 @@ class ParallelConfig:
     microbatch: int | None = None
     microbatches: int = 1
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
-    chunks: int = 1
+    chunks: int | None = None
     recompute: frozenset[str] = field(default_factory=frozenset)
     s_p: int = 1
     s_g: int = 1
@@ -116,6 +117,9 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "schedule", ScheduleKind.parse(self.schedule))
+        if self.chunks is None:   # the schedule's own: two for a V
+            set_(self, "chunks", default_chunks(str(self.schedule)) if str(self.schedule) in GENERATORS
+                 else 1)
         set_(self, "recompute", recompute_set(self.recompute))
         set_(self, "extra", tuple((str(a), int(k)) for a, k in self.extra))
         for f in ("pp", "dp", "tp", "microbatches", "chunks", "s_p", "s_g", "s_os"):

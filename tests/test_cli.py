@@ -83,6 +83,25 @@ def test_bad_target_is_a_clear_exit(tmp_path):
         main(["plan", f"{tmp_path / 'x.py'}:build", *COMMON])
 
 
+def test_bad_input_is_one_line_not_a_traceback(target):
+    """An fxpar error (here an unknown schedule) exits with its type and message."""
+    _, t = target
+    with pytest.raises(SystemExit, match="fxpar plan: ScheduleError: .*unknown schedule 'bogus'"):
+        main(["plan", t, "--cluster", "local", "--nodes", "2", "--mesh", "pp=2",
+              "--schedule", "bogus"])
+
+
+def test_v_schedule_needs_no_chunks_flag(tmp_path, capsys):
+    """``--schedule zbv`` without ``--chunks`` plans two chunks per rank in a V."""
+    (tmp_path / "deep.py").write_text(MODEL.replace(
+        "nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)",
+        "*(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(4))"))
+    main(["plan", f"{tmp_path / 'deep.py'}:build", "--cluster", "local", "--nodes", "2",
+          "--mesh", "pp=2", "--schedule", "zbv", "--microbatches", "2"])
+    out = capsys.readouterr().out
+    assert "pipeline of 4 stage chunks, schedule zbv (chunks 2)" in out
+
+
 @pytest.mark.slow
 def test_pipeline_plan_and_dump(target, tmp_path, capsys):
     """A pp axis in --mesh plans a pipeline (explain says so) and dumps one program per stage

@@ -33,6 +33,16 @@ def test_invalid_configurations_name_the_rule(kw, match):
         ParallelConfig(**kw)
 
 
+def test_v_schedules_default_to_two_chunks():
+    """``chunks`` left out is the schedule's own (two for a V, one otherwise); a V with another
+    explicit count is refused."""
+    v = ParallelConfig(pp=2, microbatches=4, schedule="dualpipev")
+    assert v.chunks == 2 and v == ParallelConfig(pp=2, microbatches=4, schedule="dualpipev", chunks=2)
+    assert ParallelConfig(pp=2, microbatches=4).chunks == 1
+    with pytest.raises(PlanError, match="dualpipev places two chunks per pipeline rank"):
+        ParallelConfig(pp=2, microbatches=4, schedule="dualpipev", chunks=1)
+
+
 def test_degrees_name_and_round_trip():
     c = ParallelConfig(dp=8, tp=2, s_p=4, s_g=4, s_os=8, recompute={"blocks.0", "(top)"})
     assert c.degrees == {"dp": 2, "dp_shard": 4, "tp": 2} and c.devices == 16

@@ -13,7 +13,7 @@ import pytest
 import fxpar
 from fxpar.cost import pipeline as cp
 from fxpar.errors import FxparError, ScheduleError
-from fxpar.schedule import GENERATORS, Action, Schedule, validate
+from fxpar.schedule import GENERATORS, Action, Schedule, default_chunks, validate
 from tests import schedule_oracle
 
 NAMES = ["gpipe", "1f1b", "interleaved", "eager-1f1b", "zb-h1", "looped-bfs", "interleaved-zb",
@@ -372,6 +372,16 @@ def test_rank_of_and_chunks():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ScheduleError, match=match):
         Schedule.build(**kwargs)
+
+
+def test_chunks_default_to_the_schedules_own():
+    """``chunks=None`` (the default): two for the V schedules, whose torch classes take exactly
+    two stages per rank, one for the rest; an explicit count is kept and checked."""
+    assert [Schedule.build(n, 2, 4).chunks for n in ("zbv", "dualpipev", "1f1b", "interleaved")] \
+        == [2, 2, 1, 1]
+    assert Schedule.build("zbv", 2, 4) == Schedule.build("zbv", 2, 4, chunks=2)
+    assert Schedule.build("interleaved", 2, 4, chunks=3).chunks == 3
+    assert default_chunks("DualPipe-V") == 2 and default_chunks("zbv", 2) == 2
 
 
 def test_name_aliases():

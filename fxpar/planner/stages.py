@@ -93,7 +93,7 @@ def _boundary_spec(plan: Plan, name: str) -> Spec:
 
 
 def plan_pipeline(gm: fx.GraphModule, mesh: Mesh, *, schedule="1f1b",
-                  microbatches: int = 1, chunks: int = 1,
+                  microbatches: int = 1, chunks: int | None = None,
                   split_points: Sequence[str] | None = None,
                   pins: Mapping[str, object] | None = None,
                   options: PlannerOptions | None = None,
@@ -103,7 +103,8 @@ def plan_pipeline(gm: fx.GraphModule, mesh: Mesh, *, schedule="1f1b",
                   strategies=None) -> tuple[Plan, list[StageGraph]]:
     """Plan ``gm`` (captured at the microbatch shape) as a pipeline (module docstring);
     returns the pipeline :class:`Plan` (``plan.stages``) and the chunk graphs. ``schedule``:
-    a name for :meth:`Schedule.build` (with ``microbatches`` and ``chunks``) or a
+    a name for :meth:`Schedule.build` (with ``microbatches`` and ``chunks``, ``None``: the
+    schedule's own, two for a V) or a
     :class:`~fxpar.schedule.Schedule` (e.g. hand-written with ``Schedule.from_csv``).
     ``boundary``: how boundary values cross (:func:`_transfer`): ``"auto"`` plans each
     receiving chunk twice, pinned to the sender's layouts and free, and keeps the cheaper with

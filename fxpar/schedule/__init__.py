@@ -28,12 +28,12 @@ from fxpar.schedule.interleaved import interleaved
 from fxpar.schedule.interleaved_zb import interleaved_zb
 from fxpar.schedule.looped_bfs import looped_bfs
 from fxpar.schedule.one_f_one_b import one_f_one_b
-from fxpar.schedule.schedule import GENERATORS, MULTI_CHUNK, PLACEMENT_OF, Schedule
+from fxpar.schedule.schedule import GENERATORS, MULTI_CHUNK, PLACEMENT_OF, Schedule, default_chunks
 from fxpar.schedule.validate import validate
 from fxpar.schedule.zb_h1 import zb_h1
 from fxpar.schedule.zbv import zbv
 
 __all__ = ["Action", "ActionKind", "Schedule", "GENERATORS", "MULTI_CHUNK", "PLACEMENT_OF", "PLACEMENTS",
-           "chunk_rank", "KINDS", "COMPUTE_KINDS", "COMM_KINDS",
+           "chunk_rank", "default_chunks", "KINDS", "COMPUTE_KINDS", "COMM_KINDS",
            "dependencies", "lower", "normalize_name", "validate", "gpipe", "one_f_one_b", "interleaved",
            "eager_1f1b", "zb_h1", "looped_bfs", "interleaved_zb", "zbv", "dualpipev"]

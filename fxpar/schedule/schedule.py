@@ -24,7 +24,7 @@ from fxpar.schedule.validate import validate
 from fxpar.schedule.zb_h1 import zb_h1
 from fxpar.schedule.zbv import zbv
 
-__all__ = ["GENERATORS", "MULTI_CHUNK", "PLACEMENT_OF", "Schedule"]
+__all__ = ["GENERATORS", "MULTI_CHUNK", "PLACEMENT_OF", "Schedule", "default_chunks"]
 
 #: schedule name -> compute-only generator ``f(p, m, v)``
 GENERATORS = {
@@ -43,6 +43,19 @@ GENERATORS = {
 MULTI_CHUNK = frozenset({"interleaved", "looped-bfs", "interleaved-zb", "zbv", "dualpipev"})
 #: how a schedule places its chunks when not looped (:func:`fxpar.schedule.actions.chunk_rank`)
 PLACEMENT_OF = {"zbv": "v", "dualpipev": "v"}
+
+
+def default_chunks(name: str, chunks: int | None = None) -> int:
+    """``chunks`` per rank, or where ``None`` the schedule's own: two for a V
+    (:data:`PLACEMENT_OF`: torch's ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV`` take
+    exactly two stages per rank), else one (interleaving is a choice: pass ``chunks``).
+
+    >>> default_chunks("zbv"), default_chunks("interleaved"), default_chunks("interleaved", 4)
+    (2, 1, 4)
+    """
+    if chunks is not None:
+        return chunks
+    return 2 if PLACEMENT_OF.get(normalize_name(name)) == "v" else 1
 
 
 @dataclass(frozen=True)
@@ -76,16 +89,19 @@ class Schedule:
 
     # -- constructors ---------------------------------------------------------------------
     @classmethod
-    def build(cls, name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
+    def build(cls, name: str, stages: int, microbatches: int, chunks: int | None = None) -> Schedule:
         """Generate schedule ``name`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``,
         ``"eager-1f1b"``, ``"zb-h1"``, ``"looped-bfs"``, ``"interleaved-zb"``, ``"zbv"``,
         ``"dualpipev"``) for ``stages``
         pipeline ranks, ``microbatches`` microbatches and ``chunks`` chunks per rank (``>1``
-        only for the schedules of :data:`MULTI_CHUNK`), lower it (sends, receives, gradient
+        only for the schedules of :data:`MULTI_CHUNK`; ``None``: :func:`default_chunks`, two
+        for a V), lower it (sends, receives, gradient
         reduction) and validate it.
 
         >>> Schedule.build("1f1b", stages=4, microbatches=8)
         Schedule('1f1b', stages=4, microbatches=8, chunks=1)
+        >>> Schedule.build("zbv", stages=2, microbatches=4).chunks
+        2
         >>> Schedule.build("pipedream", stages=2, microbatches=2)
         Traceback (most recent call last):
         ...
@@ -94,6 +110,7 @@ class Schedule:
         key = normalize_name(name)
         if key not in GENERATORS:
             raise ScheduleError(f"name: unknown schedule {name!r}; known: {', '.join(GENERATORS)}")
+        chunks = default_chunks(key, chunks)
         for arg, val in (("stages", stages), ("microbatches", microbatches), ("chunks", chunks)):
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
                 raise ScheduleError(f"{arg} must be an int >= 1, got {val!r} (schedule {key!r})")
