@@ -162,21 +162,82 @@ def cmd_explain(args) -> None:
     print(_read_plan(args.plan).explain())
 
 
+def _plan_parts(plan):
+    """``(nodes, layer rows)`` of a plan; a pipeline's are its stage chunks' together (a
+    boundary value once, as its producer's node; a pseudo layer several chunks have, such as
+    ``(inputs)``, summed over them)."""
+    if not plan.stages:
+        return list(plan.nodes), plan.layers()
+    nodes, rows = [], {}
+    for st in plan.stages:
+        nodes += st.plan.nodes
+    # a boundary value is a placeholder of the chunk that receives it: keep its producer
+    made = {n.name for n in nodes if n.op != "placeholder"}
+    nodes = [n for n in nodes if n.op != "placeholder" or n.name not in made]
+    for st in plan.stages:
+        for r in st.plan.layers():
+            if r["layer"] in rows:
+                acc = rows[r["layer"]]
+                acc.update(fwd=acc["fwd"] + r["fwd"], bwd=acc["bwd"] + r["bwd"],
+                           memory=acc["memory"] + r["memory"],
+                           comm={k: acc["comm"].get(k, 0.0) + r["comm"].get(k, 0.0)
+                                 for k in {**acc["comm"], **r["comm"]}})
+            else:
+                rows[r["layer"]] = dict(r)
+    return nodes, list(rows.values())
+
+
+def _pipeline_rows(a, b, ms) -> list[str]:
+    """The configurations, schedules and stage chunks of two plans (either may be a pipeline):
+    per chunk its rank and layers and its forward + backward ms."""
+    def sched(p):
+        s = p.schedule
+        if not s:
+            return "-"
+        v = f" v={s['chunks']}" if s.get("chunks", 1) > 1 else ""
+        place = f" ({s['placement']})" if s.get("placement", "loop") != "loop" else ""
+        return f"{s['name']}{v}{place} m={s['microbatches']}"
+
+    def bubble(p):
+        return f"{100 * p.schedule['bubble']:.1f}%" if "bubble" in p.schedule else "-"
+
+    def chunk(p, k):
+        if k >= len(p.stages):
+            return "-"
+        st = p.stages[k]
+        span = st.layers[0] if len(st.layers) == 1 else f"{st.layers[0]}..{st.layers[-1]}"
+        return f"r{st.rank} {span} {ms(st.plan.compute_fwd + st.plan.compute_bwd)}"
+
+    lines = [f"  {'config':<10}A: {a.config.name if a.config else '-'}",
+             f"  {'':<10}B: {b.config.name if b.config else '-'}",
+             f"  {'schedule':<10}{sched(a):>24}{sched(b):>24}",
+             f"  {'bubble':<10}{bubble(a):>24}{bubble(b):>24}",
+             "", "stage chunks: rank, layers, fwd+bwd ms"]
+    for k in range(max(len(a.stages), len(b.stages))):
+        lines.append(f"  {k:<4}A {chunk(a, k):<40} B {chunk(b, k)}")
+    return lines
+
+
 def compare_plans(a, b, names=("A", "B")) -> str:
     """Two plans of one model side by side (as autoparallel's ``diff_solutions``): totals with
-    deltas, per-layer compute/comm/memory deltas, then every node whose strategy differs."""
+    deltas (pipelines: also configuration, schedule, bubble and stage chunks), per-layer
+    compute/comm/memory deltas, then every node whose strategy differs."""
     from fxpar.units import fmt_bytes
 
     def ms(t):
         return f"{t * 1e3:.4g}"
 
-    lines = [f"{names[0]}: {a}", f"{names[1]}: {b}", "",
-             f"  {'':<10}{names[0]:>12}{names[1]:>12}{'delta':>12}"]
+    lines = [f"A = {names[0]}: {a}", f"B = {names[1]}: {b}", "",
+             f"  {'':<10}{'A':>12}{'B':>12}{'B - A':>12}"]
     for label, x, y, f in (("step ms", a.time, b.time, ms), ("compute ms", a.compute, b.compute, ms),
                            ("comm ms", a.comm, b.comm, ms), ("memory", a.memory, b.memory, fmt_bytes)):
         d = y - x
         lines.append(f"  {label:<10}{f(x):>12}{f(y):>12}{('+' if d >= 0 else '-') + f(abs(d)):>12}")
-    la, lb = {r["layer"]: r for r in a.layers()}, {r["layer"]: r for r in b.layers()}
+    if a.stages or b.stages:
+        lines += [""] + _pipeline_rows(a, b, ms)
+    na, rows_a = _plan_parts(a)
+    nb_, rows_b = _plan_parts(b)
+    la, lb = {r["layer"]: r for r in rows_a}, {r["layer"]: r for r in rows_b}
     lines += ["", "per layer (B - A): compute ms, comm ms, memory"]
     for layer in list(la) + [x for x in lb if x not in la]:
         ra, rb = la.get(layer), lb.get(layer)
@@ -187,11 +248,11 @@ def compare_plans(a, b, names=("A", "B")) -> str:
         if (ca, ma, mema) != (cb, mb, memb):
             lines.append(f"  {layer:<24} compute {ms(cb - ca):>9}  comm {ms(mb - ma):>9}  "
                          f"memory {'+' if memb >= mema else '-'}{fmt_bytes(abs(memb - mema))}")
-    nb = {n.name: n for n in b.nodes}
-    diff = [(n, nb[n.name]) for n in a.nodes if n.name in nb and n.strategy != nb[n.name].strategy]
-    lines += ["", f"nodes whose strategy differs: {len(diff)} of {len(a.nodes)}"]
+    nb = {n.name: n for n in nb_}
+    diff = [(n, nb[n.name]) for n in na if n.name in nb and n.strategy != nb[n.name].strategy]
+    lines += ["", f"nodes whose strategy differs: {len(diff)} of {len(na)}"]
     lines += [f"  {x.name} ({x.op}, {x.layer}): {x.strategy}  ->  {y.strategy}" for x, y in diff]
-    missing = sorted(set(nb) ^ {n.name for n in a.nodes})
+    missing = sorted(set(nb) ^ {n.name for n in na})
     if missing:
         lines.append(f"nodes in only one plan (plans of different models?): {missing[:8]}")
     return "\n".join(lines)

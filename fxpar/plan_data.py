@@ -434,13 +434,18 @@ class Plan:
         lines += self._config_lines()
         for st in self.stages:
             lines.append(f"-- stage {st.index} --")
-            lines.append(st.plan.explain(max_ops))
+            # a chunk's own configuration (one stage, one microbatch) would contradict the
+            # pipeline's above, which holds its dp and tp
+            lines += [x for x in st.plan.explain(max_ops).splitlines()
+                      if not x.startswith("configuration: ")]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
     def __str__(self) -> str:
+        what = (f"{len(self.stages)} stage chunks, {sum(len(s.plan.nodes) for s in self.stages)} nodes"
+                if self.stages else f"{len(self.nodes)} nodes")
         return (f"Plan({self.kind} on {self.mesh_str}: {self.time * 1e3:.4g} ms, "
-                f"{fmt_bytes(self.memory)}/device, {len(self.nodes)} nodes)")
+                f"{fmt_bytes(self.memory)}/device, {what})")
 
     # -- serialisation -----------------------------------------------------------------
     def to_dict(self, with_stats: bool = True) -> dict:

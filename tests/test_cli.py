@@ -91,15 +91,49 @@ def test_bad_input_is_one_line_not_a_traceback(target):
               "--schedule", "bogus"])
 
 
-def test_v_schedule_needs_no_chunks_flag(tmp_path, capsys):
-    """``--schedule zbv`` without ``--chunks`` plans two chunks per rank in a V."""
-    (tmp_path / "deep.py").write_text(MODEL.replace(
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    d = tmp_path_factory.mktemp("deep")
+    (d / "deep.py").write_text(MODEL.replace(
         "nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)",
         "*(nn.Sequential(nn.Linear(16, 16), nn.GELU()) for _ in range(4))"))
-    main(["plan", f"{tmp_path / 'deep.py'}:build", "--cluster", "local", "--nodes", "2",
-          "--mesh", "pp=2", "--schedule", "zbv", "--microbatches", "2"])
+    return d, f"{d / 'deep.py'}:build"
+
+
+def test_v_schedule_needs_no_chunks_flag(deep, capsys):
+    """``--schedule zbv`` without ``--chunks`` plans two chunks per rank in a V."""
+    d, t = deep
+    pp = ["--cluster", "local", "--nodes", "2", "--mesh", "pp=2", "--microbatches", "2"]
+    main(["plan", t, *pp, "--schedule", "zbv", "--json", str(d / "zbv.json")])
     out = capsys.readouterr().out
     assert "pipeline of 4 stage chunks, schedule zbv (chunks 2)" in out
+    # one configuration, the pipeline's (not each chunk's own pp=1 m=1)
+    assert [x for x in out.splitlines() if x.startswith("configuration: ")] == \
+        ["configuration: pp=2 dp=1 tp=1 m=2 zbv v=2 zero(g=1,os=1)"]
+
+
+def test_compare_pipelines_by_schedule_and_chunk(deep, capsys):
+    """Two pipelines of one model: their schedules, bubbles and stage chunks side by side, and
+    each node once (a boundary value as its producer), as many as a plan without stages has."""
+    d, t = deep
+    pp = ["--cluster", "local", "--nodes", "2", "--microbatches", "2"]
+    main(["plan", t, *pp, "--mesh", "pp=2", "--schedule", "zbv", "--json", str(d / "zbv.json")])
+    main(["plan", t, *pp, "--mesh", "pp=2", "--schedule", "1f1b", "--json", str(d / "1f1b.json")])
+    main(["plan", t, *pp, "--mesh", "dp=2", "--plan", "dp", "--json", str(d / "dp.json")])
+    capsys.readouterr()
+    main(["compare", str(d / "zbv.json"), str(d / "1f1b.json")])
+    out = capsys.readouterr().out
+    zbv, one = (Plan.from_json((d / f"{s}.json").read_text()) for s in ("zbv", "1f1b"))
+    dp = Plan.from_json((d / "dp.json").read_text())
+    row = next(x for x in out.splitlines() if x.strip().startswith("schedule"))
+    assert row.split()[1:] == ["zbv", "v=2", "(v)", "m=2", "1f1b", "m=2"]
+    bub = next(x for x in out.splitlines() if x.strip().startswith("bubble")).split()
+    assert bub[1:] == [f"{100 * p.schedule['bubble']:.1f}%" for p in (zbv, one)]
+    chunks = [x.split() for x in out.splitlines() if x.startswith("  ") and " A r" in x]
+    # the V: chunks 0..3 on ranks 0, 1, 1, 0; 1F1B has two chunks, then "-"
+    assert [c[2] for c in chunks] == ["r0", "r1", "r1", "r0"]
+    assert [c[c.index("B") + 1] for c in chunks] == ["r0", "r1", "-", "-"]
+    assert f"nodes whose strategy differs: 0 of {len(dp.nodes)}" in out
 
 
 @pytest.mark.slow
