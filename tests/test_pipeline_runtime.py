@@ -179,6 +179,23 @@ def test_pipeline_2_ranks_two_chunks_each(pools, schedule):
     _check(pools(2).run(run_pipeline, "gpt", {"pp": 2}, schedule, 4, 2))
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("schedule,m", [("zbv", 2), ("dualpipev", 4)])
+def test_tied_embeddings_in_a_v(pools, schedule, m):
+    """GPT-2 ties its token embedding to its LM head; in a V both ends are chunks of rank 0
+    (chunks 0 and 3), so that rank's one tensor takes both chunks' gradients each microbatch
+    (checked against one process, gradients and parameters, every step)."""
+    _check(pools(2).run(run_pipeline, "gpt2", {"pp": 2}, schedule, m, 2, on_runner=_shares_wte))
+
+
+def _shares_wte(runner):
+    """Rank 0 runs chunks 0 and 3, and one parameter (the tied embedding) is used by both."""
+    if runner.pp_rank == 0:
+        assert set(runner.chunks) == {0, 3}, set(runner.chunks)
+        shared = set(runner.chunks[0].order) & set(runner.chunks[3].order)
+        assert any("wte" in f for f in shared), shared
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_clip_grad_norm_with_tied_embeddings(pools):
