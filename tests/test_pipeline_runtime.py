@@ -310,6 +310,8 @@ def test_hand_written_schedule(pools):
     ("gpt8", {"pp": 4}, "interleaved", 4, 2, "auto"),   # 8 chunks, chunk k on rank k % 4
     ("gpt8", {"pp": 4}, "zbv", 3, 2, "auto"),           # 8 chunks in a V, fewer microbatches than 2p−1
     ("gpt8", {"pp": 4}, "dualpipev", 8, 2, "auto"),     # a V, B's and a split tail
+    ("gpt", {"pp": 2, "dp": 2}, "zbv", 2, 2, "zero3"),   # a V whose stages shard over dp
+    ("gpt", {"pp": 2, "tp": 2}, "dualpipev", 4, 2, "megatron"),   # a V of tp=2 stages
 ])
 def test_pipeline_4_ranks(pools, name, mesh, schedule, m, chunks, plan):
     _check(pools(4).run(run_pipeline, name, mesh, schedule, m, chunks, None, plan))
