@@ -52,13 +52,15 @@ def load_worker(path: str, plan: str, mesh: dict, s_os: int = 1):
     return [runner.step(*b).item() for b in batches[2:]]
 
 
-def pipeline_worker(path: str, again: str):
+def pipeline_worker(path: str, again: str, schedule: str = "1f1b"):
     """Load into a 2-stage pipeline (2 microbatches), run the STEPS batches, save again."""
     import fxpar
 
     m, batches = _gpt(1)
     prog = fxpar.compile(m, fxpar.Cluster.local(dist.get_world_size()), batches[0],
-                         mesh={"pp": 2}, microbatches=2, optimizer=_opt, time_limit=20)
+                         mesh={"pp": 2}, microbatches=2, optimizer=_opt, time_limit=20,
+                         schedule=schedule)
+    assert [st.rank for st in prog.plan.stages] == ([0, 1, 1, 0] if schedule == "zbv" else [0, 1])
     runner = prog.runner()
     runner.load_checkpoint(path)
     losses = [runner.step(*b).item() for b in batches[2:]]
@@ -112,15 +114,17 @@ def test_load_into_a_plain_module(saved):
 
 
 @pytest.mark.timeout(300)
-def test_pipeline_loads_and_saves(pools, saved, tmp_path):
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_pipeline_loads_and_saves(pools, saved, tmp_path, schedule):
     """A checkpoint from a megatron plan loads into a pp=2 pipeline (each stage reads its
-    layers); the pipeline's own checkpoint then loads into a plain module whose weights equal
-    the pipeline's after its steps: a second plain step from either gives the same loss."""
+    layers; zbv: four chunks in a V, rank 0 holding the first and the last); the pipeline's
+    own checkpoint then loads into a plain module whose weights equal the pipeline's after its
+    steps: a second plain step from either gives the same loss."""
     import torch.distributed.checkpoint as dcp
 
     path, want = saved
     again = str(tmp_path / "pp")
-    for got in pools(2).run(pipeline_worker, path, again):
+    for got in pools(2).run(pipeline_worker, path, again, schedule):
         assert got == pytest.approx(want, rel=1e-5)
     model, batches = _gpt(1)
     sd = {"model": model.state_dict()}
