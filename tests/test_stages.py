@@ -211,11 +211,12 @@ def test_simulated_memory_follows_the_schedule():
     assert peaks["gpipe"] - peaks["1f1b"] == pytest.approx(2 * act0)
 
 
-def test_pipeline_program_saves_and_loads(tmp_path):
+@pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
+def test_pipeline_program_saves_and_loads(tmp_path, schedule):
     """A saved pipeline program loads back with the same plan and, per stage chunk and rank,
     the same emitted graph (the model re-captured at the microbatch shape, split where the
-    plan's chunks start)."""
-    prog = _gpt_prog(mesh={"pp": 2, "tp": 2}, microbatches=4, schedule="interleaved", chunks=2)
+    plan's chunks start; zbv: its V placement too)."""
+    prog = _gpt_prog(mesh={"pp": 2, "tp": 2}, microbatches=4, schedule=schedule, chunks=2)
     path = tmp_path / "pp.json"
     prog.save(path)
     from examples.models import GPT
@@ -223,6 +224,7 @@ def test_pipeline_program_saves_and_loads(tmp_path):
     torch.manual_seed(0)
     again = fxpar.load(path, GPT(vocab=64, d_model=32, n_heads=4, n_layers=4, seq_len=16))
     assert again.plan == prog.plan and again.schedule == prog.schedule
+    assert again.schedule.placement == ("v" if schedule == "zbv" else "loop")
     for st in prog.plan.stages:
         for rank in st.plan.mesh["devices"]:
             a = prog.rank_graph(rank, chunk=st.index).print_readable(print_output=False)
