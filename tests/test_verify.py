@@ -71,9 +71,11 @@ def test_correct_programs_verify_clean(pools, plan, mesh):
 
 
 @pytest.mark.dist
-def test_pipeline_verifies_clean(pools):
+@pytest.mark.parametrize("schedule", ["1f1b", "zbv"])
+def test_pipeline_verifies_clean(pools, schedule):
+    """zbv: four chunks in a V, the first and the last (the loss) on rank 0."""
     for ok, text, first, values, grads, params in pools(2).run(_verify, "auto", {"pp": 2},
-                                                               microbatches=2):
+                                                               microbatches=2, schedule=schedule):
         assert ok, text
         assert values > 100 and grads > 60 and params > 10, text   # 2 microbatches
 
