@@ -433,7 +433,7 @@ class Plan:
         lines += _search_lines(sc.get("search"))
         lines += self._config_lines()
         for st in self.stages:
-            lines.append(f"-- stage {st.index} --")
+            lines.append(f"-- stage {st.index} (pipeline rank {st.rank}) --")
             # a chunk's own configuration (one stage, one microbatch) would contradict the
             # pipeline's above, which holds its dp and tp
             lines += [x for x in st.plan.explain(max_ops).splitlines()

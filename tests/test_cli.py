@@ -107,7 +107,10 @@ def test_v_schedule_needs_no_chunks_flag(deep, capsys):
     main(["plan", t, *pp, "--schedule", "zbv", "--json", str(d / "zbv.json")])
     out = capsys.readouterr().out
     assert "pipeline of 4 stage chunks, schedule zbv (chunks 2)" in out
-    # one configuration, the pipeline's (not each chunk's own pp=1 m=1)
+    # the V: chunk k's section names its rank; one configuration, the pipeline's (not each
+    # chunk's own pp=1 m=1)
+    assert [x for x in out.splitlines() if x.startswith("-- stage ")] == \
+        [f"-- stage {k} (pipeline rank {r}) --" for k, r in enumerate((0, 1, 1, 0))]
     assert [x for x in out.splitlines() if x.startswith("configuration: ")] == \
         ["configuration: pp=2 dp=1 tp=1 m=2 zbv v=2 zero(g=1,os=1)"]
 

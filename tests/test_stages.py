@@ -163,7 +163,7 @@ def test_megatron_pipeline_plan():
     assert sent.replace("P(sum)", "R") == got
     assert fxpar.Plan.from_json(plan.to_json()) == plan
     text = prog.explain()
-    assert "schedule 1f1b" in text and "-- stage 1 --" in text
+    assert "schedule 1f1b" in text and "-- stage 1 (pipeline rank 1) --" in text
     assert prog.simulate().step_time == pytest.approx(plan.time)
 
 
