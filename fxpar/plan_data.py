@@ -419,7 +419,7 @@ class Plan:
                  f"chunks, schedule {sc.get('name')} (chunks {sc.get('chunks', 1)}), "
                  f"{sc.get('microbatches')} microbatches; predicted step {_fmt_ms(self.time)} ms, "
                  f"bubble {100 * sc.get('bubble', 0.0):.1f}%, memory {fmt_bytes(self.memory)} "
-                 "per device (largest stage, one microbatch live)"]
+                 "per device (the busiest rank's chunks, one microbatch live in each)"]
         table = [("stage", "rank", "layers", "fwd ms", "bwd ms", "comm ms", "receives", "sends")]
         for st in self.stages:
             p = st.plan

@@ -211,6 +211,20 @@ def test_simulated_memory_follows_the_schedule():
     assert peaks["gpipe"] - peaks["1f1b"] == pytest.approx(2 * act0)
 
 
+@pytest.mark.parametrize("schedule,ranks", [("1f1b", (0, 1)), ("interleaved", (0, 1, 0, 1)),
+                                            ("zbv", (0, 1, 1, 0))])
+def test_pipeline_memory_is_the_busiest_ranks(schedule, ranks):
+    """A pipeline plan's memory per device is its busiest rank's: the sum over the chunks it
+    runs (two per rank here, but 1F1B's one), each chunk's states and one microbatch live."""
+    plan = _gpt_prog(mesh={"pp": 2}, microbatches=4, schedule=schedule,
+                     chunks=1 if schedule == "1f1b" else 2).plan
+    assert tuple(st.rank for st in plan.stages) == ranks
+    per_rank = [sum(st.plan.memory for st in plan.stages if st.rank == r) for r in (0, 1)]
+    assert plan.memory == max(per_rank)
+    if len(ranks) > 2:
+        assert plan.memory > max(st.plan.memory for st in plan.stages)
+
+
 @pytest.mark.parametrize("schedule", ["interleaved", "zbv"])
 def test_pipeline_program_saves_and_loads(tmp_path, schedule):
     """A saved pipeline program loads back with the same plan and, per stage chunk and rank,

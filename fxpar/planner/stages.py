@@ -309,7 +309,9 @@ def _pipeline_plan(kind, mesh, stages, sched) -> Plan:
                 compute_fwd=m * sum(s.plan.compute_fwd for s in busiest),
                 compute_bwd=m * sum(s.plan.compute_bwd for s in busiest),
                 comm=m * sum(s.plan.comm for s in busiest),
-                memory=max(pl.memory for pl in plans), budget=min(budget) if budget else None,
+                # a rank holds every chunk it runs (interleaved, a V: several)
+                memory=max(sum(s.plan.memory for s in sts) for sts in per_rank),
+                budget=min(budget) if budget else None,
                 status=status, stages=tuple(stages), options=plans[0].options,
                 schedule=dict(name=sched.name, microbatches=m, chunks=sched.chunks,
                               csv=sched.to_csv(), placement=sched.placement))
