@@ -147,6 +147,8 @@ def test_search_step_equals_realized_plan_time(gpt, kind):
     dict(pp=2, dp=8, tp=1, microbatch=1, schedule="interleaved", chunks=2, recompute=True),
     dict(pp=1, dp=8, tp=2, s_g=8, s_os=8),
     dict(pp=1, dp=16, tp=1, s_p=8, s_g=8, s_os=16, recompute=True),
+    dict(pp=2, dp=8, tp=1, microbatch=1, schedule="zbv"),          # two chunks a rank, a V
+    dict(pp=2, dp=4, tp=2, microbatch=1, schedule="dualpipev", recompute=True),
 ])
 def test_user_tuples_realize_what_the_search_priced(gpt, tup):
     cl = fxpar.Cluster.preset("dgx-a100", nodes=2)
@@ -156,6 +158,8 @@ def test_user_tuples_realize_what_the_search_priced(gpt, tup):
     assert (c.pp, c.dp, c.tp) == (tup["pp"], tup["dp"], tup["tp"])
     assert c.state == tuple(tup.get(k, 1) for k in ("s_p", "s_g", "s_os")) or "s_g" not in tup
     assert bool(c.recompute) == bool(tup.get("recompute"))
+    if tup.get("schedule") in ("zbv", "dualpipev"):   # realized in its V
+        assert c.chunks == 2 and [st.rank for st in p.stages] == [0, 1, 1, 0]
     assert fxpar.Plan.from_json(p.to_json()) == p
 
 

@@ -20,7 +20,8 @@ its heads split, as the intra-op planner prices cheaper; parameters are replicat
 **Configurations.** ``N = p·d·t`` devices: ``p`` pipeline ranks (outermost, across nodes
 first), ``d`` data-parallel replicas, ``t`` tensor-parallel devices (innermost, inside a node);
 ``b`` per replica per microbatch with ``m = B/(d·b)`` microbatches; a schedule with ``v``
-chunks per rank; recomputation of every layer, of none, or (over the budget without it) of
+chunks per rank (chunk ``k`` on rank ``k mod p``, or in a V for zbv and dualpipev: rank ``r``
+holds chunks ``r`` and ``2p−1−r``, :func:`fxpar.schedule.chunk_rank`); recomputation of every layer, of none, or (over the budget without it) of
 each rank's cheapest set of units that fits (:func:`_partial_tables`); AMSP's factors ``(s_p, s_g, s_os)``
 over ``d``: DDP ``(1, 1, 1)``, ZeRO-1 ``(1, 1, d)``, ZeRO-2 ``(1, d, d)``, their partial forms
 inside a node ``(1, 1, d₀)``, ``(1, d₀, d₀)``, ZeRO-3 ``(d, d, d)`` (with microbatches its
@@ -30,7 +31,7 @@ sharded inside groups of ``s_p`` replicas (HSDP / MiCS, AMSP's intra-node ``s_p`
 
 * stage cuts: the exact linear-partition DP over units (:func:`fxpar.split._balanced`) on the
   units' time at this ``(t, b)``, for ``p·v`` chunks;
-* per rank ``r``: work ``W_r = Σ_chunks (F + B)``, with recomputation ``B += F``;
+* per rank ``r``: work ``W_r = Σ_{its chunks} (F + B)``, with recomputation ``B += F``;
 * memory of rank ``r`` (Megatron-LM §2.2 and §3.5; AMSP §IV-D):
   ``states(Φ_r; s_g, s_os) + f_r·A_r`` without recomputation,
   ``states + f_r·I_r + max_unit A`` with it (per-layer recomputation, as the runtime does:
@@ -77,18 +78,19 @@ from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.planner.intra_op import PlannerOptions, plan_and_keep
 from fxpar.planner.price import in_flight, optimizer_seconds, price_config, replica_allreduce, state_bytes
-from fxpar.schedule import MULTI_CHUNK, PLACEMENT_OF
+from fxpar.schedule import MULTI_CHUNK, PLACEMENT_OF, chunk_rank
 from fxpar.spec import Spec
 from fxpar.split import units
 
 __all__ = ["UnitCost", "Candidate", "SearchResult", "unit_costs", "search", "SCHEDULES"]
 
 #: the schedules that split the backward into ``I`` and ``W``
-SPLIT_BACKWARD = frozenset({"zb-h1", "interleaved-zb"})
-#: schedules the search tries (``chunks > 1`` for the two interleaved ones; looped BFS, whose
-#: bubble is interleaved 1F1B's for more memory, is left out); a user's ``plan=dict(
-#: schedule=...)`` may name any of :data:`fxpar.schedule.GENERATORS`
-SCHEDULES = ("1f1b", "interleaved", "eager-1f1b", "zb-h1", "interleaved-zb")
+SPLIT_BACKWARD = frozenset({"zb-h1", "interleaved-zb", "zbv", "dualpipev"})
+#: schedules the search tries (``chunks > 1`` for the two interleaved ones, two in a V for
+#: zbv and dualpipev; looped BFS, whose bubble is interleaved 1F1B's for more memory, is left
+#: out); a user's ``plan=dict(schedule=...)`` may name any of
+#: :data:`fxpar.schedule.GENERATORS`
+SCHEDULES = ("1f1b", "interleaved", "eager-1f1b", "zb-h1", "interleaved-zb", "zbv", "dualpipev")
 #: the intra-op budget of the cost-table plans: memory is the search's business (1 EiB)
 _NO_LIMIT = float(2**60)
 #: the largest microbatch per replica tried (Megatron-LM §3.2: small ones win with pipelines)
@@ -373,7 +375,7 @@ def _zero_options(d: int, only: Mapping, spmd: bool, d0: int = 1,
       ``(4, 4, 8)`` and LLaMA-30B ``(8, 8, 32)``;
     * a pipeline or microbatches: ZeRO-3 ``(d, d, d)`` over a stage's replicas, whose
       parameters the runtime gathers again for every microbatch (AMSP's ``M·T_p``), except
-      under a split backward (``split_backward``, zb-h1 and interleaved-zb: the weight pass
+      under a split backward (``split_backward``, :data:`SPLIT_BACKWARD`: the weight pass
       re-reads what its input pass already released).
 
     The user's factors when they fit these rules.
@@ -545,10 +547,9 @@ def _space(gm: fx.GraphModule, cluster, *, batch, probe_batch, devices, only, tp
     if "pp" in only:
         pps = [only["pp"]]
     scheds = [only["schedule"]] if "schedule" in only else list(schedules)
-    if any(str(x) in PLACEMENT_OF for x in scheds):
-        raise PlanError(f"schedule {str(only.get('schedule'))!r} places its chunks in a V; the joint "
-                        "search prices looped placements: pass schedule=..., chunks=2 with a "
-                        "'pp' mesh axis to fxpar.compile or fxpar.plan")
+    if any(str(x) in PLACEMENT_OF for x in scheds) and only.get("chunks", 2) != 2:
+        raise PlanError(f"plan={only}: {only.get('schedule')} places two chunks per pipeline "
+                        f"rank in a V, not {only['chunks']}")
     recs = [bool(only["recompute"])] if "recompute" in only else list(recompute)
     why = ""
     if "cp" in only:
@@ -638,7 +639,7 @@ def _shapes_at(space: _Space, us: Sequence[UnitCost], t: int, c: int, p: int, d:
     replica's share (at most :data:`MAX_MICROBATCH`, or the user's), each schedule (one
     without a pipeline: they are all the same there), each chunk count (2 or 4, or the
     user's, for ``interleaved`` and ``interleaved-zb``, which need ``p | m``:
-    :func:`_chunk_counts`), at most one
+    :func:`_chunk_counts`; two in a V for zbv and dualpipev, the latter with ``m ≥ 2p``), at most one
     chunk per unit; stage
     cuts by :func:`partition` on the units' time at ``b``."""
     only, share = space.only, space.batch // d
@@ -652,10 +653,11 @@ def _shapes_at(space: _Space, us: Sequence[UnitCost], t: int, c: int, p: int, d:
         scale = b / space.probe_batch
         times = tuple((u.fwd + u.bwd) * scale + u.fwd_fixed for u in us)
         for sname in (space.schedules if p > 1 else space.schedules[:1]):
-            interleaved = sname in MULTI_CHUNK
-            for v in ([only["chunks"]] if "chunks" in only else _chunk_counts(len(us), p)) \
-                    if interleaved else [1]:
-                if p * v > len(us) or (interleaved and (p == 1 or (m % p and sname != "looped-bfs"))):
+            interleaved, vee = sname in MULTI_CHUNK, sname in PLACEMENT_OF
+            for v in ([2] if vee else [only["chunks"]] if "chunks" in only
+                      else _chunk_counts(len(us), p)) if interleaved else [1]:
+                if p * v > len(us) or (interleaved and (p == 1 or (m % p and sname not in (
+                        "looped-bfs", "zbv", "dualpipev")))) or (sname == "dualpipev" and m < 2 * p):
                     continue
                 states = _zero_options(d * c, only, p == 1 and m == 1, d0, sname in SPLIT_BACKWARD)
                 if c > 1:   # parameters replicated over the sequence shards
@@ -742,44 +744,47 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
     transfers and in-flight counts are computed once for ``s``, the per-rank sums once per
     recomputation choice."""
     us, p, n = pricing.table[s.key], s.p, s.p * s.v
+    ranks = tuple(chunk_rank(k, p, PLACEMENT_OF.get(s.schedule, "loop")) for k in range(n))
+    mine = [[k for k in range(n) if ranks[k] == r] for r in range(p)]
     tmp = 2 * BUCKET + max(u.act for u in us) * s.scale  # buckets, one unit's backward
     # the one memory function's chunks, without and with recomputation
     ccs = {rc: chunk_costs(us, s.starts, s.scale, pricing.recomputable[s.key] if rc else (), s.sync,
                            microbatch_overhead(pricing.cluster))
            for rc in (False, True)}
     xfer = 2 * sum(_xfer(ccs[False][k].out, k, p, s.replicas, s.t, pricing.cluster)
-                   for k in range(n - 1))
+                   for k in range(n - 1) if ranks[k] != ranks[k + 1])   # a V turns in place
     fl = [in_flight(s.schedule, r, p, s.m, s.v) for r in range(p)]
     layers_by = {}   # AMSP's L per s_p: the gather groups (a norm rides with the next unit)
     part = None  # partial recomputation tables, built when first needed
     for rc in s.recompute:
         ch = ccs[rc]
-        phi = [sum(ch[k].params for k in range(r, n, p)) for r in range(p)]
-        red = [sum(ch[k].reduce for k in range(r, n, p)) for r in range(p)]
+        phi = [sum(ch[k].params for k in mine[r]) for r in range(p)]
+        red = [sum(ch[k].reduce for k in mine[r]) for r in range(p)]
         for s_p, s_g, s_os in s.states:
             if s_p not in layers_by:
                 layers_by[s_p] = zero_units(ccs[False], p, pricing.zero_style,
-                                            tiny_params(s_p, pricing.precision))
+                                            tiny_params(s_p, pricing.precision), ranks)
             layers = layers_by[s_p]
-            mems = rank_memory(ch, p, fl, pricing.state_bytes, (s_p, s_g, s_os), tmp)
+            mems = rank_memory(ch, p, fl, pricing.state_bytes, (s_p, s_g, s_os), tmp, ranks)
             dpr = [dp_terms(round(phi[r]), layers[r], s.m, s.d0, s.replicas // s.d0, s_p, s_g, s_os,
                             pricing.cluster, pricing.precision, pricing.zero_style,
                             pricing.reduce_scale) for r in range(p)]
             dpt = max(red[r] + dpr[r].total for r in range(p))
             # the estimate overlaps as the step model does (cost.step.overlapped_chunks): the
             # gathers per pass and microbatch, what the reductions leave exposed once
-            F, B, R = overlapped_chunks(ch, p, s.m, dpr, pricing.cluster.comm_interference)
-            Wo = [sum(F[k] + B[k] for k in range(r, n, p)) for r in range(p)]
+            F, B, R = overlapped_chunks(ch, p, s.m, dpr, pricing.cluster.comm_interference,
+                                        ranks=ranks)
+            Wo = [sum(F[k] + B[k] for k in mine[r]) for r in range(p)]
             est_o = s.m * max(Wo) + (sum(Wo) - max(Wo)) / s.v + xfer
             opt = optimizer_seconds(ch, p, (s_p, s_g, s_os), pricing.cluster, pricing.precision,
-                                    pricing.state_bytes)
-            tail = (max(sum(R[r::p]) for r in range(p)) + max(opt)
+                                    pricing.state_bytes, ranks)
+            tail = (max(sum(R[k] for k in mine[r]) for r in range(p)) + max(opt)
                     + max(d.t_os1 for d in dpr))
             c = Candidate(p, s.d, s.t, s.b, s.m, s.schedule, s.v, rc, s_g, s_os, est_o + tail,
                           max(mems), est_o, dpt, s.starts, s_p=s_p, cp=s.c)
             some = None
             if pricing.partial and not rc and not c.memory <= pricing.budget:
-                part = part or _partial_tables(us, s.starts, p, s.scale, fl)
+                part = part or _partial_tables(us, s.starts, p, s.scale, fl, ranks)
                 some = _recompute_some(c, part, mems, pricing.budget, Wo, s.v, xfer)
             yield c, some
 
@@ -799,7 +804,7 @@ def _raise_if_nothing(space: _Space, cands: Sequence[Candidate], tried: int,
                         "node's replicas; with a pipeline or microbatches "
                         "s_p is 1 or dp = s_g = s_os (ZeRO-3 over a stage's replicas; parameters "
                         "sharded inside groups of replicas need pp=1 and one microbatch), and "
-                        "not under a split backward (zb-h1, interleaved-zb)")
+                        f"not under a split backward ({', '.join(sorted(SPLIT_BACKWARD))})")
     if not tried:
         raise PlanError(_empty_space(only, space.n_dev, space.batch, space.tps, space.pps,
                                      space.n_units))
@@ -919,7 +924,7 @@ class _Partial:
 
 
 def _partial_tables(us: Sequence[UnitCost], starts, p: int, scale: float,
-                    in_flight: Sequence[int]) -> list[_Partial]:
+                    in_flight: Sequence[int], ranks: Sequence[int] | None = None) -> list[_Partial]:
     """Per rank, its :class:`_Partial`. Recomputing a set ``S`` of the rank's units frees
     ``f·Σ_S (A_u − I_u) − max_S A_u`` bytes (``f`` microbatches in flight: each keeps only the
     unit's input ``I_u``, the previous unit's output, instead of its saved ``A_u``; one unit
@@ -933,8 +938,9 @@ def _partial_tables(us: Sequence[UnitCost], starts, p: int, scale: float,
 
     bounds = list(starts) + [len(us)]
     out = []
-    for r in range(p):
-        mine = [u for k in range(r, len(starts), p) for u in range(bounds[k], bounds[k + 1])]
+    for r in range(p):   # chunk k on rank k % p, or ranks[k]
+        mine = [u for k in range(len(starts)) if (ranks[k] if ranks else k % p) == r
+                for u in range(bounds[k], bounds[k + 1])]
         key = {u: (us[u].act * scale, us[u - 1].out * scale if u else 0.0,
                    us[u].forward(scale)) for u in mine}
         classes: dict[tuple, list[int]] = {}
