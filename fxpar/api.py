@@ -90,7 +90,8 @@ def plan(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | torch.
          time_limit: float | None = 60.0, options: PlannerOptions | None = None,
          strategies: Callable | None = None, graph: fx.GraphModule | None = None,
          progress: Callable[[str], None] | None = None, schedule="1f1b",
-         microbatches: int = 1, chunks: int | None = None, split_points: Sequence[str] | None = None,
+         microbatches: int = 1, chunks: int | None = None,
+         split_points: Sequence[str] | None = None,
          boundary: str = "auto", broadcast: bool = True,
          sequence_parallel: bool = False) -> Planned:
     """Capture ``model`` and plan it on ``cluster`` (module docstring for ``plan=`` kinds).
@@ -234,7 +235,8 @@ def compile(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | tor
             example_kwargs: Mapping[str, Any] | None = None, *, loss_fn: Callable | None = None,
             example_targets: Sequence[Any] = (), optimizer: Callable | None = None,
             plan: str | Plan = "auto", training: bool = True, prefetch: int = 1,
-            emit: bool = True, schedule: str = "1f1b", microbatches: int = 1, chunks: int | None = None,
+            emit: bool = True, schedule: str = "1f1b", microbatches: int = 1,
+            chunks: int | None = None,
             split_points: Sequence[str] | None = None, **kwargs):
     """Compile ``model`` for ``cluster``: plan it and return a :class:`fxpar.program.Program`
     (``.plan``, ``.explain()``, ``.rank_graph(r)``, ``.save(path)``, ``.runner()``).
@@ -255,7 +257,8 @@ def compile(model: torch.nn.Module, cluster, example_inputs: Sequence[Any] | tor
     ``schedule`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``, ``"eager-1f1b"``, ``"zb-h1"``,
     ``"looped-bfs"``, ``"interleaved-zb"``, ``"zbv"``, ``"dualpipev"`` (the last four and
     ``"interleaved"`` with ``chunks > 1``; ``"zbv"`` and ``"dualpipev"`` place their two chunks
-    per rank in a V, and ``chunks=None`` gives them two, the rest one), or a :class:`fxpar.Schedule`, e.g. written by hand)
+    per rank in a V, and ``chunks=None`` gives them two, the rest one), or a
+    :class:`fxpar.Schedule`, e.g. written by hand)
     over ``microbatches`` slices of the batch (dim 0 of every tensor input); ``boundary=``
     ``"auto"``/``"send_recv"``/``"scatter_gather"`` says how values cross between stages.
     :mod:`fxpar.planner.stages` and :mod:`fxpar.runtime.interpreter` say how.

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, fields
 
 from fxpar.errors import PlanError
 from fxpar.layers import is_layer
-from fxpar.schedule.schedule import GENERATORS, MULTI_CHUNK, PLACEMENT_OF, default_chunks
+from fxpar.schedule.schedule import MULTI_CHUNK, PLACEMENT_OF, default_chunks
 
 __all__ = ["ParallelConfig", "ScheduleKind", "recompute_set", "is_layer", "TUPLE_KEYS"]
 
@@ -118,8 +118,7 @@ class ParallelConfig:
         set_ = object.__setattr__
         set_(self, "schedule", ScheduleKind.parse(self.schedule))
         if self.chunks is None:   # the schedule's own: two for a V
-            set_(self, "chunks", default_chunks(str(self.schedule)) if str(self.schedule) in GENERATORS
-                 else 1)
+            set_(self, "chunks", default_chunks(str(self.schedule)))
         set_(self, "recompute", recompute_set(self.recompute))
         set_(self, "extra", tuple((str(a), int(k)) for a, k in self.extra))
         for f in ("pp", "dp", "tp", "microbatches", "chunks", "s_p", "s_g", "s_os"):

@@ -442,8 +442,8 @@ class Plan:
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        what = (f"{len(self.stages)} stage chunks, {sum(len(s.plan.nodes) for s in self.stages)} nodes"
-                if self.stages else f"{len(self.nodes)} nodes")
+        nodes = sum(len(s.plan.nodes) for s in self.stages) if self.stages else len(self.nodes)
+        what = f"{len(self.stages)} stage chunks, " * bool(self.stages) + f"{nodes} nodes"
         return (f"Plan({self.kind} on {self.mesh_str}: {self.time * 1e3:.4g} ms, "
                 f"{fmt_bytes(self.memory)}/device, {what})")
 

@@ -21,8 +21,9 @@ its heads split, as the intra-op planner prices cheaper; parameters are replicat
 first), ``d`` data-parallel replicas, ``t`` tensor-parallel devices (innermost, inside a node);
 ``b`` per replica per microbatch with ``m = B/(d·b)`` microbatches; a schedule with ``v``
 chunks per rank (chunk ``k`` on rank ``k mod p``, or in a V for zbv and dualpipev: rank ``r``
-holds chunks ``r`` and ``2p−1−r``, :func:`fxpar.schedule.chunk_rank`); recomputation of every layer, of none, or (over the budget without it) of
-each rank's cheapest set of units that fits (:func:`_partial_tables`); AMSP's factors ``(s_p, s_g, s_os)``
+holds chunks ``r`` and ``2p−1−r``, :func:`fxpar.schedule.chunk_rank`); recomputation of
+every layer, of none, or (over the budget without it) of each rank's cheapest set of units
+that fits (:func:`_partial_tables`); AMSP's factors ``(s_p, s_g, s_os)``
 over ``d``: DDP ``(1, 1, 1)``, ZeRO-1 ``(1, 1, d)``, ZeRO-2 ``(1, d, d)``, their partial forms
 inside a node ``(1, 1, d₀)``, ``(1, d₀, d₀)``, ZeRO-3 ``(d, d, d)`` (with microbatches its
 gathers are paid per microbatch) and, for one SPMD step (``p = 1``, ``m = 1``), parameters
@@ -639,7 +640,8 @@ def _shapes_at(space: _Space, us: Sequence[UnitCost], t: int, c: int, p: int, d:
     replica's share (at most :data:`MAX_MICROBATCH`, or the user's), each schedule (one
     without a pipeline: they are all the same there), each chunk count (2 or 4, or the
     user's, for ``interleaved`` and ``interleaved-zb``, which need ``p | m``:
-    :func:`_chunk_counts`; two in a V for zbv and dualpipev, the latter with ``m ≥ 2p``), at most one
+    :func:`_chunk_counts`; two in a V for zbv and dualpipev, the latter with ``m ≥ 2p``), at
+    most one
     chunk per unit; stage
     cuts by :func:`partition` on the units' time at ``b``."""
     only, share = space.only, space.batch // d
@@ -657,7 +659,8 @@ def _shapes_at(space: _Space, us: Sequence[UnitCost], t: int, c: int, p: int, d:
             for v in ([2] if vee else [only["chunks"]] if "chunks" in only
                       else _chunk_counts(len(us), p)) if interleaved else [1]:
                 if p * v > len(us) or (interleaved and (p == 1 or (m % p and sname not in (
-                        "looped-bfs", "zbv", "dualpipev")))) or (sname == "dualpipev" and m < 2 * p):
+                        "looped-bfs", "zbv", "dualpipev")))) or (
+                        sname == "dualpipev" and m < 2 * p):
                     continue
                 states = _zero_options(d * c, only, p == 1 and m == 1, d0, sname in SPLIT_BACKWARD)
                 if c > 1:   # parameters replicated over the sequence shards

@@ -89,7 +89,8 @@ class Schedule:
 
     # -- constructors ---------------------------------------------------------------------
     @classmethod
-    def build(cls, name: str, stages: int, microbatches: int, chunks: int | None = None) -> Schedule:
+    def build(cls, name: str, stages: int, microbatches: int,
+              chunks: int | None = None) -> Schedule:
         """Generate schedule ``name`` (``"gpipe"``, ``"1f1b"``, ``"interleaved"``,
         ``"eager-1f1b"``, ``"zb-h1"``, ``"looped-bfs"``, ``"interleaved-zb"``, ``"zbv"``,
         ``"dualpipev"``) for ``stages``
