@@ -67,7 +67,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import fxpar  # noqa: E402
-from fxpar.planner.joint import search  # noqa: E402
+from fxpar.planner.joint import SCHEDULES, search  # noqa: E402
 
 OUT = ROOT / "benchmarks" / "results" / "reproductions.json"
 PEAK = 312e12  # A100 bf16 dense
@@ -111,10 +111,9 @@ def capture_gpt(heads: int, h: int, layers: int):
 MEGATRON_SCHEDULES = ("1f1b", "interleaved")
 
 
-def price(gm, cluster, batch: int, only: dict | None, schedules=None) -> dict:
+def price(gm, cluster, batch: int, only: dict | None, schedules=SCHEDULES) -> dict:
     t0 = time.perf_counter()
-    kw = {} if schedules is None else {"schedules": schedules}
-    res = search(gm, cluster, batch=batch, only=only or {}, **kw)
+    res = search(gm, cluster, batch=batch, only=only or {}, schedules=schedules)
     c = res.best
     return {"config": c.name, "step_s": c.step, "memory_gib": c.memory / 2**30,
             "search_s": round(time.perf_counter() - t0, 2)}
@@ -440,7 +439,8 @@ def table4() -> list[dict]:
                  "auto": None}
         for k, only in cases.items():
             try:
-                row[k] = price(gm, cl, B, only, MEGATRON_SCHEDULES if k == "megatron" else None)
+                row[k] = price(gm, cl, B, only,
+                               MEGATRON_SCHEDULES if k == "megatron" else SCHEDULES)
             except fxpar.FxparError as e:
                 row[k] = {"error": str(e)[:300]}
         row.update(searched(gm, cl, B))

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, fields
 
 from fxpar.errors import PlanError
 from fxpar.layers import is_layer
-from fxpar.schedule.schedule import MULTI_CHUNK, PLACEMENT_OF, default_chunks
+from fxpar.schedule.schedule import DIVIDES_M, MULTI_CHUNK, PLACEMENT_OF, default_chunks
 
 __all__ = ["ParallelConfig", "ScheduleKind", "recompute_set", "is_layer", "TUPLE_KEYS"]
 
@@ -117,8 +117,7 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "schedule", ScheduleKind.parse(self.schedule))
-        if self.chunks is None:   # the schedule's own: two for a V
-            set_(self, "chunks", default_chunks(str(self.schedule)))
+        set_(self, "chunks", default_chunks(str(self.schedule), self.chunks))  # None: a V's two
         set_(self, "recompute", recompute_set(self.recompute))
         set_(self, "extra", tuple((str(a), int(k)) for a, k in self.extra))
         for f in ("pp", "dp", "tp", "microbatches", "chunks", "s_p", "s_g", "s_os"):
@@ -148,8 +147,7 @@ class ParallelConfig:
         if str(self.schedule) in PLACEMENT_OF and self.chunks != 2:
             raise PlanError(f"ParallelConfig: {self.schedule} places two chunks per pipeline rank "
                             f"in a V; chunks={self.chunks} (pass chunks=2)")
-        if (self.schedule in (ScheduleKind.INTERLEAVED, ScheduleKind.INTERLEAVED_ZB) and self.pp > 1
-                and self.microbatches % self.pp):
+        if str(self.schedule) in DIVIDES_M and self.pp > 1 and self.microbatches % self.pp:
             raise PlanError(f"ParallelConfig: {self.schedule} needs microbatches ({self.microbatches}) "
                             f"divisible by pp={self.pp}; e.g. microbatches="
                             f"{math.ceil(self.microbatches / self.pp) * self.pp}")

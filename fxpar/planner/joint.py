@@ -74,12 +74,14 @@ from fxpar import ir
 from fxpar.config import ParallelConfig, is_layer
 from fxpar.cost.memory import reduce_scale
 from fxpar.cost.step import (BUCKET, UnitCost, chunk_costs, dp_terms, microbatch_overhead,
-                             overlapped_chunks, rank_memory, tiny_params, zero_units)
+                             overlapped_chunks, rank_chunks, rank_memory, tiny_params,
+                             zero_units)
 from fxpar.errors import PlanError
 from fxpar.mesh import Mesh
 from fxpar.planner.intra_op import PlannerOptions, plan_and_keep
 from fxpar.planner.price import in_flight, optimizer_seconds, price_config, replica_allreduce, state_bytes
 from fxpar.schedule import MULTI_CHUNK, PLACEMENT_OF, chunk_rank
+from fxpar.schedule.schedule import DIVIDES_M
 from fxpar.spec import Spec
 from fxpar.split import units
 
@@ -658,9 +660,8 @@ def _shapes_at(space: _Space, us: Sequence[UnitCost], t: int, c: int, p: int, d:
             interleaved, vee = sname in MULTI_CHUNK, sname in PLACEMENT_OF
             for v in ([2] if vee else [only["chunks"]] if "chunks" in only
                       else _chunk_counts(len(us), p)) if interleaved else [1]:
-                if p * v > len(us) or (interleaved and (p == 1 or (m % p and sname not in (
-                        "looped-bfs", "zbv", "dualpipev")))) or (
-                        sname == "dualpipev" and m < 2 * p):
+                if (p * v > len(us) or (interleaved and p == 1) or (sname in DIVIDES_M and m % p)
+                        or (sname == "dualpipev" and m < 2 * p)):
                     continue
                 states = _zero_options(d * c, only, p == 1 and m == 1, d0, sname in SPLIT_BACKWARD)
                 if c > 1:   # parameters replicated over the sequence shards
@@ -748,7 +749,7 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
     recomputation choice."""
     us, p, n = pricing.table[s.key], s.p, s.p * s.v
     ranks = tuple(chunk_rank(k, p, PLACEMENT_OF.get(s.schedule, "loop")) for k in range(n))
-    mine = [[k for k in range(n) if ranks[k] == r] for r in range(p)]
+    mine = rank_chunks(range(n), p, ranks)
     tmp = 2 * BUCKET + max(u.act for u in us) * s.scale  # buckets, one unit's backward
     # the one memory function's chunks, without and with recomputation
     ccs = {rc: chunk_costs(us, s.starts, s.scale, pricing.recomputable[s.key] if rc else (), s.sync,
@@ -941,9 +942,8 @@ def _partial_tables(us: Sequence[UnitCost], starts, p: int, scale: float,
 
     bounds = list(starts) + [len(us)]
     out = []
-    for r in range(p):   # chunk k on rank k % p, or ranks[k]
-        mine = [u for k in range(len(starts)) if (ranks[k] if ranks else k % p) == r
-                for u in range(bounds[k], bounds[k + 1])]
+    for r, ks in enumerate(rank_chunks(range(len(starts)), p, ranks)):
+        mine = [u for k in ks for u in range(bounds[k], bounds[k + 1])]
         key = {u: (us[u].act * scale, us[u - 1].out * scale if u else 0.0,
                    us[u].forward(scale)) for u in mine}
         classes: dict[tuple, list[int]] = {}

@@ -24,7 +24,7 @@ from fxpar.schedule.validate import validate
 from fxpar.schedule.zb_h1 import zb_h1
 from fxpar.schedule.zbv import zbv
 
-__all__ = ["GENERATORS", "MULTI_CHUNK", "PLACEMENT_OF", "Schedule", "default_chunks"]
+__all__ = ["GENERATORS", "MULTI_CHUNK", "PLACEMENT_OF", "DIVIDES_M", "Schedule", "default_chunks"]
 
 #: schedule name -> compute-only generator ``f(p, m, v)``
 GENERATORS = {
@@ -43,6 +43,9 @@ GENERATORS = {
 MULTI_CHUNK = frozenset({"interleaved", "looped-bfs", "interleaved-zb", "zbv", "dualpipev"})
 #: how a schedule places its chunks when not looped (:func:`fxpar.schedule.actions.chunk_rank`)
 PLACEMENT_OF = {"zbv": "v", "dualpipev": "v"}
+#: the schedules whose microbatch count the pipeline ranks must divide (Megatron-LM's
+#: interleaving, and its zero-bubble form)
+DIVIDES_M = frozenset({"interleaved", "interleaved-zb"})
 
 
 def default_chunks(name: str, chunks: int | None = None) -> int:
