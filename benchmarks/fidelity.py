@@ -15,8 +15,9 @@ gradient sync, AdamW step) is compared with two predictions of the same plan:
   runtime runs under compute not counted);
 * ``refined``: the closed loop (issue #24 item 6): after the measured rounds,
   ``runner.profile()`` of three plans (:data:`REFINE_ON`: ``dp`` and one pipeline at two
-  microbatch counts, which fit the per-action fixed cost) on the 4 ranks,
-  ``Cluster.refine`` of the calibrated cluster on them, and every plan's same choice priced
+  microbatch counts, which fit the per-action fixed cost; dp's compute beside the
+  pipelines' actions fits ``comm_interference`` from the gradient reductions it hides) on
+  the 4 ranks, ``Cluster.refine`` of the calibrated cluster on them, and every plan's same choice priced
   again on the refined cluster (those three in-sample, the others predicted).
 
 Besides the SPMD plans, six pipelines (issue #24 item 5: schedules x microbatch counts on

@@ -590,8 +590,12 @@ class Cluster:
         :meth:`Physics.nominal`'s, which prices compute and communication as it did and adds the
         optimizer step), and profiles of a zero-bubble schedule the cost of its split backward
         (``physics.split_backward``, from its ``I`` and ``W`` actions against the rate its
-        ``F`` and ``B`` actions give). A kind the profiles did not
-        measure is left as it is. The profiles must come from plans priced on this cluster.
+        ``F`` and ``B`` actions give). SPMD profiles of plans that hide different shares of
+        their communication also fit ``comm_interference`` (what one second of hidden
+        communication adds to compute: ``"interference"`` of :meth:`fxpar.Profile.scales`,
+        over ``s_comm`` so that it multiplies the refined collectives' seconds). A kind the
+        profiles did not measure is left as it is. The profiles must come from plans priced
+        on this cluster.
 
         >>> from fxpar.runtime.profile import NodeTime, Profile
         >>> p = Profile((NodeTime("mm", "fc", "compute", None, 2e-3, 4e-3, 1e-3, 2e-3),), 0.01, 3)
@@ -637,6 +641,8 @@ class Cluster:
                 profile=Profile(tuple(dataclasses.replace(e, bandwidth=e.bandwidth / sm,
                                                           latency=e.latency * sm)
                                       for e in self.profile.entries)))
+        if "interference" in s:
+            out = dataclasses.replace(out, comm_interference=s["interference"] / (sm or 1.0))
         return dataclasses.replace(out, name=f"{self.name} (refined)") if out is not self else out
 
     def placement_agnostic(self) -> Cluster:

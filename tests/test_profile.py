@@ -155,6 +155,44 @@ def test_refine_fits_the_per_action_overhead_from_two_microbatch_counts():
     assert flat.physics is None and flat.peak_flops == pytest.approx(c.peak_flops / 2)
 
 
+def _spmd_profile(pred, hidden, measured, comm=None):
+    """An SPMD rank's profile: compute predicted ``pred`` s and measured ``measured``, under
+    ``hidden`` s of predicted bucketed gradient reductions; ``comm``: a blocking collective
+    ``(measured, predicted)``."""
+    from fxpar.runtime.profile import NodeTime, Profile
+
+    nodes = [NodeTime("mm", "fc", "compute", None, measured, 0.0, pred, 0.0),
+             NodeTime("(gradient sync)", "(params)", "comm", "(gradient sync)", 0.0, 1e-4, 0.0, hidden)]
+    if comm is not None:
+        nodes.append(NodeTime("ar", "fc", "comm", "mm->add", comm[0], 0.0, comm[1], 0.0))
+    return Profile(tuple(nodes), 0.1, 3)
+
+
+def test_refine_fits_the_interference_of_hidden_communication():
+    """Two plans, compute predicted 10 ms each, measured 1.5x that plus 0.4 s of compute per
+    second of communication hidden under it (0 and 5 ms predicted hidden; collectives at 2x
+    their predicted time): the refined cluster computes at 1/1.5 of the rate and its
+    ``comm_interference``, which multiplies the refined (2x) collective seconds, is 0.2. One
+    plan cannot tell interference from rate (the ratio stands, ``comm_interference`` kept);
+    compute slower where less is hidden fits no negative interference: 0."""
+    import dataclasses
+
+    import fxpar
+
+    c = dataclasses.replace(fxpar.Cluster.local(2), comm_interference=0.7)
+    a = _spmd_profile(10e-3, 0.0, 15e-3, comm=(2e-3, 1e-3))
+    b = _spmd_profile(10e-3, 5e-3, 15e-3 + 0.4 * 5e-3)
+    assert a.scales(b) == pytest.approx({"compute": 1.5, "comm": 2.0, "interference": 0.4})
+    r = c.refine(a, b)
+    assert r.peak_flops == pytest.approx(c.peak_flops / 1.5)
+    assert r.intra_node_bandwidth == pytest.approx(c.intra_node_bandwidth / 2)
+    assert r.comm_interference == pytest.approx(0.2)
+    assert "interference" not in b.scales() and c.refine(b).comm_interference == 0.7
+    faster = _spmd_profile(10e-3, 5e-3, 14e-3)
+    assert a.scales(faster)["interference"] == 0.0
+    assert c.refine(a, faster).comm_interference == 0.0
+
+
 def test_nominal_physics_prices_as_no_physics():
     """``Physics.nominal()`` (what a refined cluster without physics gets) changes no price
     of compute or communication: the same plan on a preset without physics and with it. It

@@ -16,9 +16,10 @@ an edge's ``EdgePlan.time`` for the collective node that runs it). From it:
 * :meth:`Profile.compare` prints predicted against measured per layer and per collective and
   writes a Chrome trace (``chrome://tracing``, Perfetto) with a measured and a predicted lane;
 * :meth:`Profile.scales` gives ``measured / predicted`` of compute and of communication (ratios
-  of sums), and from pipeline profiles the fixed seconds of an action, which
-  :meth:`fxpar.Cluster.refine` applies to the cluster's rates and its
-  ``physics.microbatch_overhead``.
+  of sums), from pipeline profiles the fixed seconds of an action, and from plans hiding
+  different shares of their communication what hidden communication adds to compute, which
+  :meth:`fxpar.Cluster.refine` applies to the cluster's rates, its
+  ``physics.microbatch_overhead`` and its ``comm_interference``.
 
 >>> from fxpar.runtime.profile import NodeTime, Profile
 >>> p = Profile((NodeTime("mm", "fc", "compute", None, 2e-3, 4e-3, 1e-3, 2e-3),
@@ -141,6 +142,14 @@ class Profile:
         the compute scale; at one microbatch count the fixed part cannot be told from the
         rate, and a fit with a negative overhead keeps the ratio.
 
+        SPMD profiles whose plans overlap different shares of their communication also give
+        ``"interference"`` (``Cluster.comm_interference``): the seconds of compute one second
+        of hidden communication adds, the ``κ`` of ``measured = s·predicted + κ·H`` over their
+        compute (``H``: the predicted seconds of the communication the plan runs under
+        compute, its overlapped edges and the bucketed gradient reductions), fitted with
+        ``s`` (and the overhead) where the profiles tell them apart; a negative ``κ`` is 0
+        (overlap does not speed compute up).
+
         Zero-bubble profiles also give ``"split"``: what the halves of their split backwards
         (``I`` and ``W`` of a chunk after the first) measured, less their overheads, over
         ``s`` times what they were predicted at; the factor the plan's
@@ -152,6 +161,12 @@ class Profile:
         ...                    microbatches=m)
         >>> {k: round(v, 6) for k, v in pipe(2, 0.01).scales(pipe(4, 0.005)).items()}
         {'compute': 2.0, 'overhead': 0.003}
+        >>> mm = NodeTime("mm", "fc", "compute", None, 12e-3, 0.0, 10e-3, 0.0)
+        >>> spmd = Profile((mm,), 0.1, 3)   # compute predicted 10 ms, measured 12 ms
+        >>> sync = NodeTime(_SYNC, "(params)", "comm", _SYNC, 0.0, 1e-3, 0.0, 4e-3)
+        >>> slowed = Profile((replace(mm, fwd=14e-3), sync), 0.1, 3)   # + 2 ms under 4 ms hidden
+        >>> {k: round(v, 6) for k, v in spmd.scales(slowed).items()}
+        {'compute': 1.2, 'interference': 0.5}
         >>> zb = Profile((), 0.1, 3, actions=(ActionTime("F", 1, 0, 0.02, 0.01),
         ...     ActionTime("I", 1, 0, 0.03, 0.01), ActionTime("W", 1, 0, 0.03, 0.01)))
         >>> {k: round(v, 6) for k, v in zb.scales().items()}   # I + W at 1.5x the rate F gives
@@ -171,9 +186,7 @@ class Profile:
                 meas += sum(a.measured for a in acts)
             if pred > 0 and meas > 0:
                 out[kind] = meas / pred
-        fit = _fit_overhead(profiles)
-        if fit is not None:
-            out["compute"], out["overhead"] = fit
+        out.update(_fit(profiles))
         halves = [a for pr in profiles for a in pr.actions if _split(a) and a.predicted > 0]
         if halves and out.get("compute"):
             net = sum(a.measured for a in halves) - len(halves) * out.get("overhead", 0.0)
@@ -257,23 +270,57 @@ def _split(a: ActionTime) -> bool:
     return a.kind in ("I", "W") and a.stage > 0
 
 
-def _fit_overhead(profiles) -> tuple[float, float] | None:
-    """``(s, overhead)`` of :meth:`Profile.scales`, ``None`` without pipeline profiles of two
-    microbatch counts or where the fit's overhead is not positive."""
+def _hidden(p: Profile) -> float:
+    """Predicted seconds of the communication an SPMD profile's plan runs under compute: its
+    overlapped edges and the bucketed gradient reductions (the gradient sync's prediction)."""
+    return sum(n.pred_fwd + n.pred_bwd for n in p.nodes
+               if n.kind == "comm" and (not n.blocking or n.edge == _SYNC))
+
+
+def _fit(profiles) -> dict[str, float]:
+    """``compute`` (``s``), ``overhead`` and ``interference`` of :meth:`Profile.scales`: a
+    least-squares fit of ``measured = s·predicted + o·[a pipeline F/B action] + κ·H`` over
+    the pipeline profiles' ``F``/``B`` actions (``H = 0``) and the SPMD profiles' compute
+    (``o`` not paid: nodes are timed one by one); ``o`` only from two microbatch counts,
+    ``κ`` only where some plan hides communication, each only where the rows tell it from
+    the others. A fit with ``o ≤ 0`` drops it; ``κ < 0`` is 0. ``{}``: nothing fitted (the
+    ratio of sums stands)."""
     import numpy as np
 
-    if len({p.microbatches for p in profiles if p.actions}) < 2:
-        return None
-    rows = [(a.predicted, 1.0, a.measured) for p in profiles for a in p.actions
+    rows = [(a.predicted, 1.0, 0.0, a.measured) for p in profiles for a in p.actions
             if a.kind in ("F", "B") and a.predicted > 0]
-    for p in profiles:   # an SPMD profile's compute: no per-action part
-        pred = sum(n.pred_fwd + n.pred_bwd for n in p.nodes if n.kind == "compute")
-        if pred > 0:
-            rows.append((pred, 0.0, sum(n.fwd + n.bwd for n in p.nodes
-                                        if n.kind == "compute" and n.pred_fwd + n.pred_bwd > 0)))
+    for p in profiles:
+        priced = [n for n in p.nodes if n.kind == "compute" and n.pred_fwd + n.pred_bwd > 0]
+        if priced:
+            rows.append((sum(n.pred_fwd + n.pred_bwd for n in priced), 0.0, _hidden(p),
+                         sum(n.fwd + n.bwd for n in priced)))
+    if not rows:
+        return {}
     a = np.asarray(rows)
-    (s, o), *_ = np.linalg.lstsq(a[:, :2], a[:, 2], rcond=None)
-    return (float(s), float(o)) if s > 0 and o > 0 else None
+    cols = ([0] + ([1] if len({p.microbatches for p in profiles if p.actions}) >= 2 else [])
+            + ([2] if (a[:, 2] > 0).any() else []))
+    no_interference = False
+    while len(cols) > 1:
+        x = a[:, cols]
+        if np.linalg.matrix_rank(x) < len(cols):   # not told apart: the last added goes
+            cols.pop()
+            continue
+        fit = dict(zip(cols, (float(v) for v in np.linalg.lstsq(x, a[:, 3], rcond=None)[0])))
+        if fit.get(2, 0.0) < 0:
+            cols.remove(2)
+            no_interference = True
+        elif fit.get(1, 1.0) <= 0:
+            cols.remove(1)
+        elif fit[0] <= 0:
+            break
+        else:
+            out = {"compute": fit[0]}
+            if 1 in fit:
+                out["overhead"] = fit[1]
+            if 2 in fit or no_interference:
+                out["interference"] = fit.get(2, 0.0)
+            return out
+    return {"interference": 0.0} if no_interference else {}
 
 
 def _per_rank(path: str) -> str:
