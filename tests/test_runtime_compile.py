@@ -56,6 +56,25 @@ def test_compiled_runner_trains_like_eager(pools, plan, mesh, kw):
         assert losses[0][0] != losses[-1][0]   # it trains
 
 
+def _one_rank_pieces():
+    from examples.models import GPT
+
+    torch.manual_seed(0)
+    m = GPT(vocab=512, d_model=128, n_heads=4, n_layers=2, seq_len=64)
+    idx = torch.randint(0, 512, (4, 64))
+    prog = fxpar.compile(m, fxpar.Cluster.local(1), (idx, idx.roll(1, 1)), plan="dp",
+                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-2))
+    gm = prog.runner(compile="aot_eager").gm
+    return type(gm).__name__, fxpar.ir.SOURCE in gm.meta
+
+
+def test_compiled_runner_is_one_piece_with_nothing_to_reduce(pools):
+    """The dp program whose 2-rank runner compiles in two pieces (its first bucket's
+    reduction starts during the backward) compiles whole on one rank: no other rank reduces
+    its gradients, so a piece would be overhead only."""
+    assert pools(1).run(_one_rank_pieces)[0] == ("OptimizedModule", False)
+
+
 def test_bucket_pieces_cut_where_a_bucket_fills():
     """``runner(compile=True)`` splits a graph whose leaves take gradients where their bytes,
     counted from the last layer back, fill the first bucket and then each next one (as

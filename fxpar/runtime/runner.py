@@ -180,9 +180,14 @@ class Runner(RankRunner):
         #: the layers whose forward is recomputed in backward (:mod:`fxpar.runtime.recompute`)
         self.recompute = recompute_layers(program, recompute, known_layers(gm))
         self._rc = None
-        # in pieces at bucket boundaries where leaves take gradients (hooks fire per piece)
-        self.gm = compiled(gm, compile, self.recompute,
-                           split=bool(program.training and param_uses(gm, self._order)[1]))
+        replica = gm.meta.get(ir.REPLICA_AXES, {})
+        groups = {f: replica_group(mesh, replica.get(f, ()), rank) for f in self._order}
+        # in pieces at bucket boundaries where leaves take gradients that other ranks reduce
+        # (hooks fire per piece); with nothing to reduce a piece is only overhead (a Dynamo
+        # frame and its guards: 1 ms of a 16 ms step of benchmarks/runtime.py's GPT, 1 rank)
+        self.gm = compiled(gm, compile, self.recompute, split=program.training and any(
+            groups[f] is not None and len(groups[f].ranks) > 1
+            for f in param_uses(gm, self._order)[1]))
         edges = gm.meta.get(ir.EDGES, {})
         #: whether a training step enters Regather's saved-tensor hooks (only if it gathers
         #: a parameter: the hooks cost a Python call per saved tensor)
@@ -196,8 +201,7 @@ class Runner(RankRunner):
                                  fresh_grads=bool(compile))
         if program.training:
             params = self._trainable()
-            replica = gm.meta.get(ir.REPLICA_AXES, {})
-            groups = {f: replica_group(mesh, replica.get(f, ()), rank) for f in params}
+            groups = {f: groups[f] for f in params}
             # A use through a communication op sends its gradient to the sink; the other
             # uses accumulate on the leaf, whose post-accumulate hook sends the sum (once).
             self._init_model_states(params, groups, [(gm, 1)], s_g=s_g, s_os=s_os,
