@@ -83,6 +83,9 @@ is not edited; a wrapper costs two ``perf_counter`` calls). Predicted step times
   ``physics.split_backward`` from its ``I``/``W`` actions), every fxpar side planned again on
   the refined cluster: its ``prog.simulate().step_time``. Three of the points calibrate, the
   rest are predicted.
+* ``plan·r·s``: the closed loop on the calibration with shared cores: ``plan·shr``'s cluster
+  refined on the same profiles (they measure actions, whose prediction the speed with ``k``
+  ranks busy does not change), every side's ``prog.simulate().step_time`` on it.
 
 Every column twice: from all measured steps (medians), and ``q_`` from each side's quiet steps
 only (the fastest third by step time; action medians over those steps) — on a machine shared
@@ -426,9 +429,15 @@ def run_group(spec: dict) -> dict:
                                                      if refined.physics else 0.0),
                               split_backward=(refined.physics.split_backward
                                               if refined.physics else 1.0))
+        # the same profiles refine the calibration with shared cores too (they measured
+        # actions, which the speed with k ranks busy does not price)
+        refined_shared = shared.refine(*profiles) if shared is not None else None
         for key, info in out["sides"].items():
             if info["lib"] == "fxpar" and "error" not in info:
                 info["plan_refined_s"] = build(refined, info["schedule"], info["m"]).simulate().step_time
+                if refined_shared is not None:
+                    info["plan_refined_shared_s"] = build(
+                        refined_shared, info["schedule"], info["m"]).simulate().step_time
     dist.barrier()
     return out
 
@@ -553,6 +562,8 @@ def _predict(groups: dict) -> list[dict]:
                 rec["plan_ref_ms"] = 1e3 * row["plan_refined_s"]
             if "plan_shared_s" in row:
                 rec["plan_shr_ms"] = 1e3 * row["plan_shared_s"]
+            if "plan_refined_shared_s" in row:
+                rec["plan_ref_shr_ms"] = 1e3 * row["plan_refined_shared_s"]
             for pre, src in (("", ""), ("q_", "quiet_")):
                 am = row[src + "action_median_ms"]
                 fwd = [am.get(f"F{k}", 0.0) / 1e3 for k in range(n)]
@@ -585,7 +596,7 @@ def _corr_summary(pred: list[dict]) -> dict:
         for pre in ("", "q_"):
             meas = [r[pre + "measured_ms"] for r in rs]
             for col in (pre + "sim_own_ms", pre + "sim_cal_ms", "plan_ms", "plan_ref_ms",
-                        "plan_shr_ms"):
+                        "plan_shr_ms", "plan_ref_shr_ms"):
                 if not all(col in r for r in rs):
                     continue
                 p = [r[col] for r in rs]
@@ -744,17 +755,20 @@ def main() -> None:
           "(--nominal: Cluster.local's roofline, judge it by rank); plan·ref: the same plans on "
           "that cluster refined by cluster.refine() on runner.profile() of 1f1b at the smallest "
           "and the largest m and of zb-h1 at the largest (3 of the points); plan·shr: the plan's "
-          "units on the calibration with shared cores (calibrate(share_cores=True)). q_: the same from the quiet "
+          "units on the calibration with shared cores (calibrate(share_cores=True)); plan·r·s: "
+          "that calibration refined on the same profiles. q_: the same from the quiet "
           "steps only (fastest third "
           "of each side's steps).")
     print(f"{'pp':>2} {'m':>2} {'schedule':<12} {'measured':>9} {'sim·own':>8} {'sim·cal':>8} "
-          f"{'plan':>8} {'plan·ref':>8} {'plan·shr':>8} {'bubble':>6} | {'q_meas':>7} {'q_own':>7} "
+          f"{'plan':>8} {'plan·ref':>8} {'plan·shr':>8} {'plan·r·s':>8} {'bubble':>6} | "
+          f"{'q_meas':>7} {'q_own':>7} "
           f"{'q_cal':>7}")
     for r in pred:
         print(f"{r['pp']:>2} {r['m']:>2} {r['schedule']:<12} {r['measured_ms']:>9.1f} "
               f"{r['sim_own_ms']:>8.1f} {r.get('sim_cal_ms', float('nan')):>8.1f} "
               f"{r['plan_ms']:>8.1f} {r.get('plan_ref_ms', float('nan')):>8.1f} "
-              f"{r.get('plan_shr_ms', float('nan')):>8.1f} {r['plan_bubble']:>6.2f} | {r['q_measured_ms']:>7.1f} "
+              f"{r.get('plan_shr_ms', float('nan')):>8.1f} {r.get('plan_ref_shr_ms', float('nan')):>8.1f} "
+              f"{r['plan_bubble']:>6.2f} | {r['q_measured_ms']:>7.1f} "
               f"{r['q_sim_own_ms']:>7.1f} {r.get('q_sim_cal_ms', float('nan')):>7.1f}")
     for pp, d in corr.items():
         print(f"pp={pp} ({d['points']} points):")
