@@ -74,13 +74,15 @@ __all__ = ["SimEvent", "SimResult", "simulate"]
 class SimEvent:
     """One timed action: ``rank``, ``lane`` (``"compute"`` or ``"comm"``), ``name`` (the action
     as printed, ``"0F1"``), ``start``/``end`` in seconds. A receive is an instant on the comm
-    lane at the moment its data is there."""
+    lane at the moment its data is there. ``work``: a compute action's own duration (at rate
+    1); ``end − start`` is that over the speed ``rate`` gave it while it ran."""
 
     rank: int
     lane: str
     name: str
     start: float
     end: float
+    work: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -207,7 +209,7 @@ def simulate(sched: Schedule, fwd=1.0, bwd=2.0, *, wgrad=None, comm=0.0, reduce=
         busy[r] += stop - start
         if a.kind in WEIGHT_GRAD_KINDS:
             last_bw[a.stage] = max(last_bw.get(a.stage, 0.0), stop)
-        events.append(SimEvent(r, "compute", str(a), start, stop))
+        events.append(SimEvent(r, "compute", str(a), start, stop, duration[a.kind](a)))
 
     # one function per other lane: (rank, action, issue time, inputs ready) -> (lane, start, end)
     def run_send(r: int, a: Action, issue: float, ready: float):

@@ -155,6 +155,47 @@ def test_refine_fits_the_per_action_overhead_from_two_microbatch_counts():
     assert flat.physics is None and flat.peak_flops == pytest.approx(c.peak_flops / 2)
 
 
+def shared_cores_worker():
+    """A GPipe pp=2 m=2 profile's predicted actions on a cluster whose two ranks share one
+    core's worth of speed (alone a rank computes 2x as fast) and on the same without it."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    import fxpar
+    from fxpar.cluster import ComputeProfile
+
+    cp = ComputeProfile(gemm=((1e3, 1e9), (1e9, 1e10)), memory=((1e3, 1e9), (1e9, 1e10)),
+                        op_overhead=1e-6, bwd_op_overhead=2e-6, ranks=2, shared=(2.0, 1.0))
+    out = []
+    for shared in (cp.shared, ()):
+        cluster = fxpar.Cluster.local(dist.get_world_size(),
+                                      compute=dataclasses.replace(cp, shared=shared))
+        m, batch = _gpt()
+        prog = fxpar.compile(m, cluster, batch, mesh={"pp": 2}, schedule="gpipe",
+                             microbatches=2, optimizer=_opt, time_limit=20)
+        prof = prog.runner().profile(*batch, steps=1)
+        out.append({f"{a.kind}{a.stage}.{a.microbatch}": a.predicted for a in prof.actions
+                    if a.kind in ("F", "B")})
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_profile_predicts_actions_at_the_shared_speed(pools):
+    """Where ranks share a host's cores the plan runs an action alone at the speed the others
+    leave it, and its profile predicts it so: in GPipe rank 0's first forward (rank 1 waits
+    for it) and last backward (rank 1 done), rank 1's last forward (rank 0 done) and first
+    backward (rank 0 waits for it) run alone, predicted at half the time of the same plan
+    without sharing; the others overlap, at most as fast. So refine fits the rate at every
+    rank busy, which the simulation speeds up again."""
+    for rank, (shared, plain) in enumerate(pools(2).run(shared_cores_worker)):
+        assert shared.keys() == plain.keys() and plain
+        ratio = {k: shared[k] / plain[k] for k in plain}
+        alone = ("F0.0", "B0.1") if rank == 0 else ("F1.1", "B1.0")
+        assert all(ratio[k] == pytest.approx(0.5) for k in alone), ratio
+        assert all(0.5 - 1e-9 <= r <= 1.0 + 1e-9 for r in ratio.values()), ratio
+
+
 def _spmd_profile(pred, hidden, measured, comm=None):
     """An SPMD rank's profile: compute predicted ``pred`` s and measured ``measured``, under
     ``hidden`` s of predicted bucketed gradient reductions; ``comm``: a blocking collective

@@ -72,7 +72,8 @@ class NodeTime:
 @dataclass(frozen=True)
 class ActionTime:
     """One action of a pipeline rank's list (``kind`` of chunk ``stage``, a microbatch's median
-    over the steps): measured seconds and the chunk plan's prediction for it (``F``: the
+    over the steps): measured seconds and the chunk plan's prediction for it (at the speed the
+    plan's simulation ran it where ranks share a host's cores, else as priced; ``F``: the
     chunk's forward compute and forward collectives; ``B``: backward; ``I``/``W``: half the
     backward compute times ``physics.split_backward`` each, ``I`` with the backward
     collectives (chunk 0: ``I`` the whole backward, ``W`` 0); ``SEND_F``/``SEND_B``: the
@@ -565,6 +566,7 @@ def profile_pipeline(runner, args, kwargs, steps: int = 3) -> Profile:
     (:class:`ActionTime`; one warm-up step first)."""
     sync = _sync_for(runner, steps)
     times: dict[tuple[str, int, int], list[float]] = defaultdict(list)
+    names: dict[tuple[str, int, int], str] = {}
     run = runner._run
     walls, opts = [], []
 
@@ -573,7 +575,8 @@ def profile_pipeline(runner, args, kwargs, steps: int = 3) -> Profile:
         t = time.perf_counter()
         run(action, batch)
         sync()
-        rec.append((str(action.kind), action.stage, action.microbatch or 0, time.perf_counter() - t))
+        rec.append((str(action.kind), action.stage, action.microbatch or 0, time.perf_counter() - t,
+                    str(action)))
     try:
         for k in range(steps + 1):
             rec: list = []
@@ -586,8 +589,9 @@ def profile_pipeline(runner, args, kwargs, steps: int = 3) -> Profile:
             sync()
             t2 = time.perf_counter()
             if k:
-                for kind, st, mb, d in rec:
+                for kind, st, mb, d, name in rec:
                     times[kind, st, mb].append(d)
+                    names[kind, st, mb] = name
                 walls.append(t2 - t0)
                 opts.append(t2 - t1)
     finally:
@@ -607,7 +611,14 @@ def profile_pipeline(runner, args, kwargs, steps: int = 3) -> Profile:
                               SEND_F=st.send_time, SEND_B=0.0)
         if st.index:
             pred[st.index]["SEND_B"] = plan.stages[st.index - 1].back_time
-    acts = tuple(ActionTime(kind, st, mb, _median(ts), pred.get(st, {}).get(kind, 0.0))
+    # where the plan runs compute at the speed the ranks busy at once leave it (ranks sharing
+    # a host's cores: cost.step.host_rate), an action is predicted at the speed its simulated
+    # run had, as the step's prediction takes it (the rate the refit finds is then the rate
+    # at all ranks busy, which the simulation scales again)
+    speed = {e.name: e.work / (e.end - e.start) for e in runner.program.simulate().events
+             if e.rank == runner.pp_rank and e.lane == "compute" and e.work > 0 and e.end > e.start}
+    acts = tuple(ActionTime(kind, st, mb, _median(ts), pred.get(st, {}).get(kind, 0.0)
+                            / speed.get(names[kind, st, mb], 1.0))
                  for (kind, st, mb), ts in sorted(times.items()))
     return Profile((), statistics.median(walls), steps, statistics.median(opts), plan.time, acts,
                    plan.schedule["microbatches"])
