@@ -84,8 +84,9 @@ is not edited; a wrapper costs two ``perf_counter`` calls). Predicted step times
   the refined cluster: its ``prog.simulate().step_time``. Three of the points calibrate, the
   rest are predicted.
 * ``plan·r·s``: the closed loop on the calibration with shared cores: ``plan·shr``'s cluster
-  refined on the same profiles (they measure actions, whose prediction the speed with ``k``
-  ranks busy does not change), every side's ``prog.simulate().step_time`` on it.
+  refined on ``runner.profile()`` of the same three sides planned on it (their actions
+  predicted at the speed its simulation gives each), every side's
+  ``prog.simulate().step_time`` on it.
 
 Every column twice: from all measured steps (medians), and ``q_`` from each side's quiet steps
 only (the fastest third by step time; action medians over those steps) — on a machine shared
@@ -429,9 +430,16 @@ def run_group(spec: dict) -> dict:
                                                      if refined.physics else 0.0),
                               split_backward=(refined.physics.split_backward
                                               if refined.physics else 1.0))
-        # the same profiles refine the calibration with shared cores too (they measured
-        # actions, which the speed with k ranks busy does not price)
-        refined_shared = shared.refine(*profiles) if shared is not None else None
+        # the calibration with shared cores is refined on profiles of the same sides planned
+        # on it (refine's contract: their actions predicted at the speed its simulation gives
+        # them, not at every rank busy)
+        refined_shared = None
+        if shared is not None:
+            mine = [build(shared, out["sides"][k]["schedule"], out["sides"][k]["m"]).runner()
+                    .profile(*batches[0], steps=3).to_dict() for k in cal]
+            every = [None] * pp
+            dist.all_gather_object(every, mine)
+            refined_shared = shared.refine(*[fxpar.Profile.from_dict(d) for r in every for d in r])
         for key, info in out["sides"].items():
             if info["lib"] == "fxpar" and "error" not in info:
                 info["plan_refined_s"] = build(refined, info["schedule"], info["m"]).simulate().step_time
@@ -756,7 +764,8 @@ def main() -> None:
           "that cluster refined by cluster.refine() on runner.profile() of 1f1b at the smallest "
           "and the largest m and of zb-h1 at the largest (3 of the points); plan·shr: the plan's "
           "units on the calibration with shared cores (calibrate(share_cores=True)); plan·r·s: "
-          "that calibration refined on the same profiles. q_: the same from the quiet "
+          "that calibration refined on profiles of the same sides planned on it. q_: the same "
+          "from the quiet "
           "steps only (fastest third "
           "of each side's steps).")
     print(f"{'pp':>2} {'m':>2} {'schedule':<12} {'measured':>9} {'sim·own':>8} {'sim·cal':>8} "
