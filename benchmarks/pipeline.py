@@ -420,10 +420,14 @@ def run_group(spec: dict) -> dict:
     if f"fxpar:zb-h1:m{ms[-1] if ms else 0}" in sides:
         cal.append(f"fxpar:zb-h1:m{ms[-1]}")
     if spec.get("calibrate") and len(set(cal[:2])) == 2 and all(k in sides for k in cal):
-        mine = [sides[k].__self__.profile(*batches[0], steps=3).to_dict() for k in cal]
-        every: list = [None] * pp
-        dist.all_gather_object(every, mine)
-        profiles = [fxpar.Profile.from_dict(d) for r in every for d in r]
+        def gathered(runners) -> list:
+            """Every rank's ``runner.profile()`` of each of ``runners``."""
+            every: list = [None] * pp
+            dist.all_gather_object(every, [r.profile(*batches[0], steps=3).to_dict()
+                                           for r in runners])
+            return [fxpar.Profile.from_dict(d) for r in every for d in r]
+
+        profiles = gathered([sides[k].__self__ for k in cal])
         refined = cluster.refine(*profiles)
         out["refined"] = dict(calibration=cal, scales=profiles[0].scales(*profiles[1:]),
                               microbatch_overhead_s=(refined.physics.microbatch_overhead
@@ -433,13 +437,9 @@ def run_group(spec: dict) -> dict:
         # the calibration with shared cores is refined on profiles of the same sides planned
         # on it (refine's contract: their actions predicted at the speed its simulation gives
         # them, not at every rank busy)
-        refined_shared = None
-        if shared is not None:
-            mine = [build(shared, out["sides"][k]["schedule"], out["sides"][k]["m"]).runner()
-                    .profile(*batches[0], steps=3).to_dict() for k in cal]
-            every = [None] * pp
-            dist.all_gather_object(every, mine)
-            refined_shared = shared.refine(*[fxpar.Profile.from_dict(d) for r in every for d in r])
+        refined_shared = None if shared is None else shared.refine(*gathered(
+            [build(shared, out["sides"][k]["schedule"], out["sides"][k]["m"]).runner()
+             for k in cal]))
         for key, info in out["sides"].items():
             if info["lib"] == "fxpar" and "error" not in info:
                 info["plan_refined_s"] = build(refined, info["schedule"], info["m"]).simulate().step_time
@@ -765,9 +765,7 @@ def main() -> None:
           "and the largest m and of zb-h1 at the largest (3 of the points); plan·shr: the plan's "
           "units on the calibration with shared cores (calibrate(share_cores=True)); plan·r·s: "
           "that calibration refined on profiles of the same sides planned on it. q_: the same "
-          "from the quiet "
-          "steps only (fastest third "
-          "of each side's steps).")
+          "from the quiet steps only (fastest third of each side's steps).")
     print(f"{'pp':>2} {'m':>2} {'schedule':<12} {'measured':>9} {'sim·own':>8} {'sim·cal':>8} "
           f"{'plan':>8} {'plan·ref':>8} {'plan·shr':>8} {'plan·r·s':>8} {'bubble':>6} | "
           f"{'q_meas':>7} {'q_own':>7} "

@@ -443,7 +443,7 @@ class Plan:
 
     def __str__(self) -> str:
         nodes = sum(len(s.plan.nodes) for s in self.stages) if self.stages else len(self.nodes)
-        what = f"{len(self.stages)} stage chunks, " * bool(self.stages) + f"{nodes} nodes"
+        what = (f"{len(self.stages)} stage chunks, " if self.stages else "") + f"{nodes} nodes"
         return (f"Plan({self.kind} on {self.mesh_str}: {self.time * 1e3:.4g} ms, "
                 f"{fmt_bytes(self.memory)}/device, {what})")
 

@@ -657,9 +657,10 @@ def _shapes_at(space: _Space, us: Sequence[UnitCost], t: int, c: int, p: int, d:
         scale = b / space.probe_batch
         times = tuple((u.fwd + u.bwd) * scale + u.fwd_fixed for u in us)
         for sname in (space.schedules if p > 1 else space.schedules[:1]):
-            interleaved, vee = sname in MULTI_CHUNK, sname in PLACEMENT_OF
-            for v in ([2] if vee else [only["chunks"]] if "chunks" in only
-                      else _chunk_counts(len(us), p)) if interleaved else [1]:
+            interleaved = sname in MULTI_CHUNK
+            vs = ([1] if not interleaved else [2] if sname in PLACEMENT_OF
+                  else [only["chunks"]] if "chunks" in only else _chunk_counts(len(us), p))
+            for v in vs:
                 if (p * v > len(us) or (interleaved and p == 1) or (sname in DIVIDES_M and m % p)
                         or (sname == "dualpipev" and m < 2 * p)):
                     continue
