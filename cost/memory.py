@@ -63,6 +63,8 @@ __all__ = [
     "saved_storage",
     "RecomputeMemory",
     "recompute_memory",
+    "GRANULARITIES",
+    "selective_keeps",
     "schedule_activation_peak",
     "stage_peak_memory",
     "in_flight_microbatches",
@@ -447,6 +449,60 @@ def activation_memory(gm: fx.GraphModule, *,
                             int(input_bytes), tuple(r.name for r in saved))
 
 
+#: What a recomputed layer re-runs in backward (``recompute_granularity``): ``"full"`` its
+#: whole forward, keeping only its inputs; ``"selective"`` all but the ops
+#: :func:`selective_keeps` names, whose outputs it keeps (Megatron-LM's "selective"
+#: granularity, torchtitan's per-op activation checkpointing).
+GRANULARITIES = ("full", "selective")
+
+#: the ops whose outputs selective recomputation keeps, by namespace: the GEMMs of linear
+#: layers, fused attention kernels and convolutions (nearly all of a layer's FLOPs), and
+#: communication (no collective runs twice); ``matmul`` only where it lowers to a GEMM
+#: (an operand of at most 2 dims), so an attention core written out (``QKᵀ``, softmax, ``·V``:
+#: batched matmuls, ``s×s`` scores) is recomputed, as Megatron-LM's selective granularity does
+_KEEPS = {
+    "aten": frozenset({
+        "mm", "addmm", "linear", "matmul",
+        "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_fused_attention_overrideable",
+        "convolution", "_convolution", "conv1d", "conv2d", "conv3d",
+        "conv_transpose1d", "conv_transpose2d", "conv_transpose3d"}),
+    "fxpar": frozenset({"start", "wait", "redistribute", "cp_swap", "ring_sdpa_fwd"}),
+}
+
+
+def selective_keeps(target, ndims: Sequence[int] = ()) -> bool:
+    """Whether selective recomputation keeps the output of a call of ``target`` (an ATen or
+    ``fxpar`` overload or packet; ``ndims``: its tensor operands' dims, which decide
+    ``matmul``) instead of recomputing it: the same rule for a graph's nodes (the memory
+    model) and for the ops the runtime dispatches (:mod:`fxpar.runtime.recompute`).
+
+    >>> aten = torch.ops.aten
+    >>> selective_keeps(aten.addmm.default), selective_keeps(aten.gelu.default)
+    (True, False)
+    >>> selective_keeps(aten.matmul.default, (3, 2)), selective_keeps(aten.matmul.default, (4, 4))
+    (True, False)
+    """
+    packet = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
+    if not isinstance(packet, torch._ops.OpOverloadPacket):
+        return False
+    name = packet.__name__
+    if name not in _KEEPS.get(packet._qualified_op_name.split("::")[0], ()):
+        return False
+    return name != "matmul" or min(ndims, default=3) <= 2
+
+
+def _kept_bytes(n: fx.Node) -> int:
+    """What selective recomputation keeps of a node it keeps: its outputs, and an attention
+    kernel's fp32 logsumexp (which its call returns beside the output)."""
+    v = _val(n)
+    out = _nbytes_val(v) if isinstance(v, torch.Tensor) else sum(_nbytes_val(e) for e in v or ())
+    if saves_of(n.target) is Saves.QKVO:
+        out += 4 * math.prod(int(s) for s in _val(n.all_input_nodes[0]).shape[:-1])
+    return out
+
+
 @dataclass(frozen=True)
 class RecomputeMemory:
     """Activation bytes of one microbatch when ``layers`` are recomputed (each under its own
@@ -456,8 +512,12 @@ class RecomputeMemory:
       (activations entering its node range; parameters are model states) and what the other
       nodes save, each storage once;
     * ``rebuilt_bytes``: the largest recomputed layer's own saved bytes, live while that layer's
-      backward runs (one layer at a time);
+      backward runs (one layer at a time; selective: less what the layer kept);
     * ``layers``: the recomputed layers found in the graph.
+
+    ``granularity="selective"`` (:data:`GRANULARITIES`): each recomputed layer also keeps the
+    outputs of its nodes :func:`selective_keeps` names (an attention node's with its fp32
+    logsumexp), each storage once.
     """
 
     stash_bytes: int
@@ -466,7 +526,8 @@ class RecomputeMemory:
 
 
 def recompute_memory(gm: fx.GraphModule, layers: Iterable[str], *,
-                     requires_grad: Iterable[fx.Node] | Callable[[fx.Node], bool] = ()) -> RecomputeMemory:
+                     requires_grad: Iterable[fx.Node] | Callable[[fx.Node], bool] = (),
+                     granularity: str = "full") -> RecomputeMemory:
     """Per-layer recomputation's activation bytes for one microbatch (:class:`RecomputeMemory`).
 
     A layer's node range runs from its first to its last node (:func:`fxpar.layers.layer_of`);
@@ -493,8 +554,14 @@ def recompute_memory(gm: fx.GraphModule, layers: Iterable[str], *,
     >>> rm = recompute_memory(gm, ["blocks.0", "blocks.1"])
     >>> rm.stash_bytes // 2048, rm.rebuilt_bytes // 2048   # the block inputs; one block's saves
     (2, 2)
+    >>> rm = recompute_memory(gm, ["blocks.0", "blocks.1"], granularity="selective")
+    >>> rm.stash_bytes // 2048, rm.rebuilt_bytes // 2048   # and each linear's output
+    (4, 2)
     """
     from fxpar.layers import layer_of
+
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"recompute_memory: granularity {granularity!r}, one of {GRANULARITIES}")
 
     nodes = list(gm.graph.nodes)
     want = set(layers)
@@ -522,9 +589,23 @@ def recompute_memory(gm: fx.GraphModule, layers: Iterable[str], *,
                 continue
             kept.add(r.name)
             stash += _nbytes_val(_val(r))
-    rebuilt = max((activation_memory(gm, requires_grad=requires_grad,
-                                     only=lambda n, lay=lay: region.get(n) == lay).saved_bytes
-                   for lay in span), default=0)
+    held: dict[str, set[str]] = {lay: set() for lay in span}   # per layer: storages it keeps
+    if granularity == "selective":
+        for n, lay in region.items():
+            ndims = [_val(a).dim() for a in n.all_input_nodes if isinstance(_val(a), torch.Tensor)]
+            if n.op == "call_function" and selective_keeps(n.target, ndims):
+                r = root.get(n, n)
+                held[lay].add(r.name)
+                if r.name not in kept:
+                    kept.add(r.name)
+                    stash += _kept_bytes(n)
+    flags = grad_flags(gm, requires_grad)
+
+    def rebuilt_of(lay: str) -> int:   # what the layer's recomputation saves anew
+        saved, extra = saved_storage(gm, flags, only=lambda n: region.get(n) == lay,
+                                     roots=(root, is_param))
+        return sum(_nbytes_val(_val(r)) for r in saved if r.name not in held[lay]) + sum(extra.values())
+    rebuilt = max((rebuilt_of(lay) for lay in span), default=0)
     return RecomputeMemory(int(stash), int(rebuilt), tuple(sorted(span)))
 
 

@@ -212,7 +212,8 @@ class Program:
                local_batch: bool = False, device: str | None = None,
                bucket_bytes: int = BUCKET_BYTES, regather: bool = True,
                recompute=None, compile: bool | str = False,
-               reduce_dtype: torch.dtype | None = None) -> Runner:
+               reduce_dtype: torch.dtype | None = None,
+               recompute_granularity: str = "full") -> Runner:
         """This rank's :class:`Runner` (collective: every rank of the mesh calls it).
 
         ``weights``: ``None`` (the model's own real tensors), a state dict of full tensors, a
@@ -222,7 +223,11 @@ class Program:
         a gathered parameter after its forward use and gather it again in backward (what the
         planner prices, ZeRO-3); ``False`` keeps it for backward (more memory, less traffic).
         ``s_g``/``s_os``/``recompute`` left out: what the plan chose (``plan.config``'s state
-        factors and recomputed layers), else 1, 1 and none. ``compile``: the rank graph (a
+        factors and recomputed layers), else 1, 1 and none. ``recompute_granularity``:
+        ``"full"`` (a recomputed layer keeps its inputs, re-runs its whole forward) or
+        ``"selective"`` (it also keeps its GEMMs', attention kernels' and collectives' outputs
+        and re-runs the rest, as Megatron-LM's selective granularity; not where the layer
+        gathers sharded parameters: :mod:`fxpar.runtime.recompute`). ``compile``: the rank graph (a
         pipeline: each stage chunk's) through ``torch.compile``, ``True`` for inductor or a
         backend's name (:func:`fxpar.runtime.runner.compiled`; not with recomputed layers),
         and the optimizer step with it (a built-in element-wise optimizer:
@@ -250,10 +255,12 @@ class Program:
             return PipelineRunner(self, weights, s_g=s_g, s_os=s_os, seed=seed, device=device,
                                   bucket_bytes=bucket_bytes, regather=regather,
                                   recompute=recompute, compile=compile,
-                                  reduce_dtype=reduce_dtype)
+                                  reduce_dtype=reduce_dtype,
+                                  recompute_granularity=recompute_granularity)
         return Runner(self, weights, s_g=s_g, s_os=s_os, seed=seed, local_batch=local_batch,
                       device=device, bucket_bytes=bucket_bytes, regather=regather,
-                      recompute=recompute, compile=compile, reduce_dtype=reduce_dtype)
+                      recompute=recompute, compile=compile, reduce_dtype=reduce_dtype,
+                      recompute_granularity=recompute_granularity)
 
     # -- save / load -----------------------------------------------------------------------
     def save(self, path) -> None:

@@ -131,3 +131,61 @@ def test_stage_peak_memory_1f1b_and_recompute():
     assert stage_peak_memory(1000, am, 4, recompute=True) < peaks[0]
     gp = stage_peak_memory(1000, am, in_flight_microbatches("gpipe", 0, p, m))
     assert gp == 1000 + m * 100 + 30
+
+
+def _export(model, args):
+    """An exported training graph and the tensors its parameter and buffer inputs take."""
+    from torch.export.graph_signature import InputKind
+
+    ep = torch.export.export(model, args)
+    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    return ep.graph_module, [state[s.target] for s in ep.graph_signature.input_specs
+                             if s.kind in (InputKind.PARAMETER, InputKind.BUFFER)]
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "math"])
+def test_selective_recompute_memory_is_what_the_runtime_keeps(attention):
+    """``recompute_memory(granularity=...)`` against the bytes the runtime's recomputation
+    holds after the forward (:class:`fxpar.runtime.memory.SavedBytes`: saved tensors, the
+    regions' inputs, selective's kept outputs), for none, full and selective on a GPT with
+    fused attention (kept: the kernel's output and logsumexp) and with the attention core
+    written out (its ``s×s`` scores recomputed). Gradients equal the plain graph's; the
+    selective backward runs no linear's forward GEMM again (``addmm``), the full one each."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from examples.models import GPT
+    from fxpar.cost.memory import recompute_memory
+    from fxpar.runtime.memory import SavedBytes
+    from fxpar.runtime.recompute import Recompute
+
+    class Addmm(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n = getattr(self, "n", 0) + (func is torch.ops.aten.addmm.default)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = GPT(vocab=64, d_model=32, n_heads=4, n_layers=2, seq_len=16, attention=attention)
+    idx = torch.randint(0, 64, (4, 16))
+    gm, params = _export(model, (idx, idx.roll(1, 1)))
+    layers = ["blocks.0", "blocks.1"]
+    held, grads, redone = {}, {}, {}
+    for gran in ("none", "full", "selective"):
+        run = gm if gran == "none" else Recompute(gm, layers, granularity=gran)
+        for p in params:
+            p.grad = None
+        with SavedBytes(exclude=params) as sb:
+            loss = run(*params, idx, idx.roll(1, 1))[0]
+            held[gran] = sb.sample()
+            with Addmm() as count:
+                loss.backward()
+            assert sb.sample() == 0
+        grads[gran], redone[gran] = [p.grad for p in params], getattr(count, "n", 0)
+    predicted = {"none": activation_memory(gm).saved_bytes,
+                 **{g: recompute_memory(gm, layers, granularity=g).stash_bytes for g in ("full", "selective")}}
+    for gran in held:   # the one miss, the same in all three: the loss keeps its integer targets and a scalar
+        assert predicted[gran] == pytest.approx(held[gran], abs=516), (gran, predicted, held)
+        assert predicted[gran] - predicted["none"] == held[gran] - held["none"], (gran, predicted, held)
+    assert held["full"] < held["selective"] < held["none"], held
+    for gran in ("full", "selective"):
+        assert all(torch.equal(a, b) for a, b in zip(grads["none"], grads[gran])), gran
+    assert redone == {"none": 0, "full": 8, "selective": 0}, redone

@@ -86,8 +86,30 @@ def _layers(runner) -> int:
     return len(runner.recompute)
 
 
-def run_spmd(name: str, plan: str, mesh: dict, p: float, recompute, steps: int = 3):
-    """Worker: a recomputing and a plain runner of one program, trained side by side."""
+def _collectives_in(fn) -> int:
+    """How many collectives ``fn()`` issues: fxpar's communication ops (a collective each,
+    the kernels inside them unseen) and functional collectives called directly."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if (func.namespace == "_c10d_functional" and "wait" not in func.__name__
+                    or func.namespace == "fxpar" and func._opname in ("start", "redistribute", "edge_grad")):
+                Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n
+
+
+def run_spmd(name: str, plan: str, mesh: dict, p: float, recompute, steps: int = 3,
+             granularity: str = "full"):
+    """Worker: a recomputing and a plain runner of one program, trained side by side;
+    returns the losses, the bytes each holds for backward after its forward and the
+    collectives each issues in its backward."""
     import fxpar
     from fxpar.runtime.bindings import bind
     from fxpar.runtime.memory import SavedBytes
@@ -99,7 +121,7 @@ def run_spmd(name: str, plan: str, mesh: dict, p: float, recompute, steps: int =
     prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), inputs,
                          loss_fn=loss_fn, example_targets=targets, plan=plan, mesh=mesh,
                          optimizer=opt, time_limit=20)
-    rc = prog.runner(recompute=recompute)
+    rc = prog.runner(recompute=recompute, recompute_granularity=granularity)
     plain = prog.runner()
     assert rc.recompute and not plain.recompute
     losses = _side_by_side(rc, plain, ref, opt, inputs, targets, loss_fn, steps, p == 0.0)
@@ -114,17 +136,18 @@ def run_spmd(name: str, plan: str, mesh: dict, p: float, recompute, steps: int =
             want = distribute(ref_state[fqn].detach(), rc.specs[fqn], rc.mesh.shape, rc.coord)
             torch.testing.assert_close(t.detach(), want, **TOL, msg=lambda s: f"param {fqn}: {s}")
     # bytes held for backward after the forward (regather off: its hooks would hide them)
-    held = []
-    for r in (prog.runner(recompute=recompute, regather=False), prog.runner(regather=False)):
+    held, comm = [], []
+    for r in (prog.runner(recompute=recompute, regather=False, recompute_granularity=granularity),
+              prog.runner(regather=False)):
         with SavedBytes(exclude=r.state.values()) as sb:
             out = r.forward(*inputs, *targets)
             held.append(sb.sample())
             with bind(r.bindings):
-                out[0].backward()
+                comm.append(_collectives_in(out[0].backward))
             after = sb.sample()
         r.states.finish_backward()
         assert after == 0, f"{after} bytes still held after backward"
-    return losses, held
+    return losses, held, comm
 
 
 def _agree(res):
@@ -141,9 +164,25 @@ def test_megatron_dropout_recompute_all(pools, p):
     replicated block output. p=0.2: recompute equals no recompute; p=0: both equal one
     process. Saved bytes drop (each block keeps only its input)."""
     res = _agree(pools(2).run(run_spmd, "drop", "megatron", {"tp": 2}, p, "all"))
-    for _, (with_rc, without) in res:
+    for _, (with_rc, without), (comm_rc, comm) in res:
         print(f"saved bytes after forward: recompute {with_rc}, without {without}")
         assert with_rc < 0.5 * without, (with_rc, without)
+        assert comm_rc > comm, (comm_rc, comm)   # the blocks' all-reduces issued again
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("p", [0.2, 0.0])
+def test_megatron_selective(pools, p):
+    """Selective granularity on tp=2: parity as above, and each block keeps its GEMMs'
+    outputs and its all-reduce's (more than its input alone, less than everything it saves),
+    so its backward issues no collective the plain runner's does not."""
+    res = _agree(pools(2).run(run_spmd, "drop", "megatron", {"tp": 2}, p, "all", 3, "selective"))
+    full = pools(2).run(run_spmd, "drop", "megatron", {"tp": 2}, p, "all")
+    for (_, (sel, without), (comm_sel, comm)), (_, (with_full, _), _) in zip(res, full):
+        print(f"saved bytes after forward: full {with_full}, selective {sel}, none {without}; "
+              f"backward collectives: selective {comm_sel}, none {comm}")
+        assert with_full < sel < without, (with_full, sel, without)
+        assert comm_sel == comm, (comm_sel, comm)
 
 
 @pytest.mark.timeout(300)
@@ -151,7 +190,7 @@ def test_gpt_megatron_one_layer(pools):
     """Attention block recomputed alone (``blocks.1``), the other kept: parity with one
     process and the plain runner."""
     res = _agree(pools(2).run(run_spmd, "gpt", "megatron", {"tp": 2}, 0.0, ["blocks.1"]))
-    for _, (with_rc, without) in res:
+    for _, (with_rc, without), _ in res:
         assert with_rc < without, (with_rc, without)
 
 
@@ -160,6 +199,33 @@ def test_zero3_prefetch_regather(pools):
     """ZeRO-3 with prefetch: a recomputed block's parameters are gathered ahead of use (their
     start lies in the previous layer) and gathered again inside the recomputation."""
     _agree(pools(2).run(run_spmd, "drop", "zero3", {"dp": 2}, 0.0, "all"))
+
+
+def selective_zero3():
+    import fxpar
+    from fxpar.runtime.recompute import RecomputeError
+
+    model, inputs, targets, loss_fn = _build("drop", 0.0)
+    prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), inputs,
+                         loss_fn=loss_fn, example_targets=targets, plan="zero3", mesh={"dp": 2},
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    msgs = []
+    for gran in ("selective", "fine"):
+        try:
+            prog.runner(recompute="all", recompute_granularity=gran)
+        except RecomputeError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+@pytest.mark.timeout(300)
+def test_selective_refuses_gathered_parameters(pools):
+    """Selective recomputation keeps a region's collectives' outputs: under ZeRO-3 that
+    would hold each block's gathered parameters to the backward, so it is refused on every
+    rank, naming the layer and the parameter; an unknown granularity too."""
+    for sel, bad in pools(2).run(selective_zero3):
+        assert "'selective'" in sel and "model.blocks.0" in sel and "gathers parameter" in sel, sel
+        assert "'fine'" in bad and "'full', 'selective'" in bad, bad
 
 
 def unknown_layer():
@@ -192,7 +258,8 @@ def test_unknown_layer_and_plan_choice(pools):
 
 
 def run_pipe(name: str, mesh: dict, schedule: str, m: int, recompute, plan: str = "auto",
-             p: float = 0.0, chunks: int = 1, n_layers: int = 4, steps: int = 3):
+             p: float = 0.0, chunks: int = 1, n_layers: int = 4, steps: int = 3,
+             granularity: str = "full"):
     """Worker: a pipeline program's recomputing and plain runners side by side (and, without
     dropout, the single-process reference)."""
     import fxpar
@@ -205,7 +272,7 @@ def run_pipe(name: str, mesh: dict, schedule: str, m: int, recompute, plan: str 
                          loss_fn=loss_fn, example_targets=targets, plan=plan, mesh=mesh,
                          optimizer=opt, schedule=schedule, microbatches=m, chunks=chunks,
                          time_limit=20)
-    rc, plain = prog.runner(recompute=recompute), prog.runner()
+    rc, plain = prog.runner(recompute=recompute, recompute_granularity=granularity), prog.runner()
     losses = _side_by_side(rc, plain, ref, opt, inputs, targets, loss_fn, steps, p == 0.0)
     from fxpar.runtime.recompute import known_layers
 
@@ -239,6 +306,14 @@ def test_pipeline_2_ranks(pools, name, schedule, m, p):
     """pp=2: every block recomputed, per microbatch, in the schedule's backward order; with
     dropout the recomputed masks are the forward's (equal to the plain runner)."""
     _agree([[x] for x in pools(2).run(run_pipe, name, {"pp": 2}, schedule, m, "all", "auto", p)])
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_selective(pools):
+    """Selective granularity per microbatch in a pipeline (1F1B, pp=2, dropout): the
+    recomputed masks and the kept outputs give the plain runner's training."""
+    _agree([[x] for x in pools(2).run(run_pipe, "drop", {"pp": 2}, "1f1b", 4, "all", "auto",
+                                      0.2, 1, 4, 3, "selective")])
 
 
 @pytest.mark.timeout(400)

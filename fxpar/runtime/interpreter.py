@@ -134,7 +134,7 @@ class PipelineRunner(RankRunner):
 
     def __init__(self, program, weights=None, *, s_g=1, s_os=1, seed=0, device=None,
                  bucket_bytes=BUCKET_BYTES, regather=True, recompute=None, compile=False,
-                 reduce_dtype=None) -> None:
+                 reduce_dtype=None, recompute_granularity="full") -> None:
         super().__init__(program, device=device, seed=seed)
         self.regather = regather
         self._peers: dict[int, int] = {}     # chunk -> the rank this rank exchanges with there
@@ -177,11 +177,11 @@ class PipelineRunner(RankRunner):
         known = {lay for st in program.plan.stages for lay in st.layers}
         for c in self.chunks.values():
             known |= known_layers(c.gm)
-        self.recompute = recompute_layers(program, recompute, known)
+        self.recompute = recompute_layers(program, recompute, known, recompute_granularity)
         for c in self.chunks.values():
             mine = self.recompute & known_layers(c.gm)
             c.run = (compiled(c.gm, compile, mine) if compile
-                     else Recompute(c.gm, mine) if mine else c.gm)
+                     else Recompute(c.gm, mine, recompute_granularity) if mine else c.gm)
             c.gathers = gathers_params(c.gm.meta.get(ir.EDGES, {}))
         #: boundary values whose layouts differ across a link: their cross-mesh plans
         self._xm = self._cross_mesh_plans()
@@ -251,7 +251,7 @@ class PipelineRunner(RankRunner):
         c.gm, c.deferred = gm, fqns
         c.inputs = [n for n in c.gm.graph.find_nodes(op="placeholder") if ir.INPUT in n.meta]
         if isinstance(c.run, Recompute):   # its segments are copies of the graph
-            c.run = Recompute(c.gm, c.run.layers)
+            c.run = Recompute(c.gm, c.run.layers, c.run.granularity)
         else:
             c.run = c.gm
 

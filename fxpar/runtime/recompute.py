@@ -26,6 +26,16 @@ recomputed forward is a variant of the region (:func:`_rebuild`):
   ahead of use, or its input) gets a fresh ``start`` of the same edges right before it: the
   parameter is gathered again from its shard, as ZeRO-3's backward gathers do.
 
+Selective granularity (``granularity="selective"``: Megatron-LM's, torchtitan's per-op
+checkpointing). A recomputed layer keeps, besides its inputs, the outputs of the ops
+:func:`fxpar.cost.memory.selective_keeps` names (linear layers' GEMMs, fused attention,
+convolutions, communication) and re-runs only the rest in backward (norms, activations,
+dropout, residual adds, an attention core written out), through torch's selective
+checkpointing (``create_selective_checkpoint_contexts``): the recomputation replays the region
+as it ran, a kept op returning its forward output, so no collective runs twice and no variant
+is needed. A region that waits for a gathered parameter (ZeRO-3) is refused: keeping the
+gathered parameter to the backward is what ZeRO-3 must not do.
+
 Dropout masks are drawn from the RNG tracker by (step, microbatch, site, shard)
 (:mod:`fxpar.runtime.rng`), so the recomputed forward draws the same masks; the runners set
 the microbatch before every backward.
@@ -47,6 +57,9 @@ the microbatch before every backward.
 >>> run(x).backward(); g = x.grad; x.grad = None
 >>> gm(x).backward(); torch.equal(g, x.grad), run.recomputed       # blocks.0 ran twice
 (True, 1)
+>>> sel = Recompute(gm, {"blocks.0", "blocks.1"}, granularity="selective")
+>>> x.grad = None; sel(x).backward(); torch.equal(g, x.grad), sel.recomputed  # addmm kept
+(True, 2)
 >>> try:
 ...     resolve(["blocks.7"], known_layers(gm))
 ... except RecomputeError as e:
@@ -63,7 +76,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from fxpar.cost.memory import GRANULARITIES, selective_keeps
 from fxpar.errors import FxparError
+from fxpar.ir import EDGES
 from fxpar.layers import layer_of, split_repeat
 from fxpar.runtime.comm import REDISTRIBUTE, START, WAIT
 
@@ -198,11 +213,15 @@ class Recompute:
     """Runs a rank graph with ``layers`` recomputed in backward (module docstring).
 
     ``Recompute(gm, layers)(*args)`` returns what ``gm(*args)`` returns; with grad disabled
-    (inference) it calls ``gm`` itself. Build once per graph (cutting it copies nodes)."""
+    (inference) it calls ``gm`` itself. Build once per graph (cutting it copies nodes).
+    ``granularity``: ``"full"`` or ``"selective"`` (module docstring)."""
 
-    def __init__(self, gm: fx.GraphModule, layers: Iterable[str]) -> None:
+    def __init__(self, gm: fx.GraphModule, layers: Iterable[str], granularity: str = "full") -> None:
+        if granularity not in GRANULARITIES:
+            raise RecomputeError(f"recompute_granularity={granularity!r}: one of {GRANULARITIES}")
         self.gm = gm
         self.layers = frozenset(layers)
+        self.granularity = granularity
         lay = node_layers(gm)
         nodes = list(gm.graph.nodes)
         self._placeholders = [n for n in nodes if n.op == "placeholder"]
@@ -249,6 +268,9 @@ class Recompute:
         #: per segment: the values no later segment needs (freed after it ran)
         self._free: list[list[fx.Node]] = []
         defined = set(self._placeholders)
+        selective = granularity == "selective"
+        if selective:
+            _refuse_gathered_params(gm, runs)
         for k, (layer, seg) in enumerate(runs):
             mine = set(seg)
             inputs = list(dict.fromkeys(a for n in seg for a in n.all_input_nodes if a not in mine))
@@ -257,7 +279,8 @@ class Recompute:
             defined |= mine
             self.segments.append(_Segment(
                 layer, _subgraph(gm, seg, inputs, outputs),
-                _rebuild(gm, seg, inputs) if layer is not None else None, inputs, outputs))
+                _rebuild(gm, seg, inputs) if layer is not None and not selective else None,
+                inputs, outputs))
             self._free.append([a for a in inputs if last_use.get(a, -1) <= k])
 
     def __call__(self, *args):
@@ -273,15 +296,66 @@ class Recompute:
             else:
                 # early stop off: a recomputation cut short could leave a started collective
                 # unwaited; the whole region runs again, every collective in it included
+                sel = _Selective() if seg.rec is None else None
                 with set_checkpoint_early_stop(False):
-                    outs = checkpoint(_Once(self, seg.gm, seg.rec), *ins, use_reentrant=False)
+                    outs = checkpoint(_Once(self, seg.gm, seg.rec or seg.gm), *ins,
+                                      use_reentrant=False, **({"context_fn": sel} if sel else {}))
                 for obs in _OBSERVERS:
-                    obs(ins)
+                    obs(ins + (sel.kept() if sel else []))
             del ins
             env.update(zip(seg.outputs, outs))
             for x in free:
                 env.pop(x, None)
         return fx.node.map_arg(self._out_args, env.__getitem__)
+
+
+def _refuse_gathered_params(gm: fx.GraphModule, runs) -> None:
+    """Selective recomputation keeps a region's communication results: refuse a recomputed
+    region holding a wait for a gathered parameter (ZeRO-3), which it would keep."""
+    edges = gm.meta.get(EDGES, {})
+    for layer, seg in runs:
+        for n in seg if layer is not None else ():
+            edge = edges.get(n.args[2] if n.target is WAIT else n.args[1]) \
+                if n.op == "call_function" and n.target in (WAIT, REDISTRIBUTE) else None
+            if edge is not None and edge.param is not None and (edge.collective or edge.fwd.nbytes):
+                raise RecomputeError(
+                    f"recompute_granularity='selective' on layer {layer!r}: its node {n.name!r} "
+                    f"gathers parameter {edge.param!r} (sharded, ZeRO-3), which selective "
+                    "recomputation would keep to the backward; use granularity 'full' there")
+
+
+def _keep_policy(ctx, func, *args, **kwargs):
+    """Selective recomputation's policy: keep what :func:`~fxpar.cost.memory.selective_keeps`
+    names, recompute the rest."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    ndims = [a.dim() for a in args if isinstance(a, torch.Tensor)]
+    return CheckpointPolicy.MUST_SAVE if selective_keeps(func, ndims) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _Selective:
+    """``checkpoint``'s ``context_fn`` for one selectively recomputed region
+    (``create_selective_checkpoint_contexts`` with :func:`_keep_policy`)."""
+
+    __slots__ = ("modes",)
+
+    def __init__(self) -> None:
+        self.modes = None
+
+    def __call__(self):
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        self.modes = create_selective_checkpoint_contexts(_keep_policy)
+        return self.modes
+
+    def kept(self) -> list[torch.Tensor]:
+        """The outputs the region keeps, as the cache holds them (each released when the
+        recomputation takes it: what memory accounting must follow). Read from torch's cache
+        (``storage`` of its caching mode), so only when someone observes."""
+        storage = getattr(self.modes[0], "storage", None) if self.modes else None
+        entries = (e for per in (storage or {}).values() for e in per.values())
+        wrappers = (w for e in entries for w in (e if isinstance(e, (tuple, list)) else (e,)))
+        return [v for v in (getattr(w, "val", None) for w in wrappers) if isinstance(v, torch.Tensor)]
 
 
 class _Once:

@@ -32,6 +32,7 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from fxpar import ir
+from fxpar.cost.memory import GRANULARITIES
 from fxpar.defaults import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from fxpar.errors import FxparError
 from fxpar.mesh import Mesh
@@ -39,7 +40,7 @@ from fxpar.runtime.bindings import Bindings, bind
 from fxpar.runtime.comm import gathers_params
 from fxpar.runtime.rank import (RankRunner, check_world, clip_grad_norm, loss_prefix, param_uses,
                                 param_layouts)
-from fxpar.runtime.recompute import Recompute, known_layers, resolve
+from fxpar.runtime.recompute import Recompute, RecomputeError, known_layers, resolve
 
 __all__ = ["Runner", "TrainingSteps", "replica_group", "check_world", "clip_grad_norm",
            "recompute_layers", "compiled"]
@@ -79,8 +80,6 @@ def compiled(gm: fx.GraphModule, compile, recompute: frozenset[str], split: bool
     if not compile:
         return gm
     if recompute:
-        from fxpar.runtime.recompute import RecomputeError
-
         raise RecomputeError(f"compile={compile!r} with recomputed layers {sorted(recompute)[:4]}: "
                              "not supported; pass recompute=False (or compile=False)")
     backend = "inductor" if compile is True else compile
@@ -132,11 +131,14 @@ def _bucket_pieces(gm: fx.GraphModule, first: int = FIRST_BUCKET_BYTES,
     return out
 
 
-def recompute_layers(program, recompute, known) -> frozenset[str]:
+def recompute_layers(program, recompute, known, granularity: str = "full") -> frozenset[str]:
     """The layers a runner recomputes: ``recompute`` as given (``"all"``, layer names, or
     ``()``/``False`` for none), or with ``None`` the plan's choice
     (``plan.config.recompute``, what the joint planner writes), checked against the
-    program's layers ``known`` (:func:`fxpar.runtime.recompute.resolve`)."""
+    program's layers ``known`` (:func:`fxpar.runtime.recompute.resolve`); ``granularity``
+    checked against :data:`fxpar.cost.memory.GRANULARITIES`."""
+    if granularity not in GRANULARITIES:
+        raise RecomputeError(f"recompute_granularity={granularity!r}: one of {GRANULARITIES}")
     if recompute is None:
         cfg = getattr(program.plan, "config", None)
         recompute = sorted(cfg.recompute) if cfg is not None and cfg.recompute else None
@@ -150,7 +152,8 @@ class Runner(RankRunner):
 
     def __init__(self, program, weights=None, *, s_g=1, s_os=1, seed=0,
                  local_batch=False, device=None, bucket_bytes=BUCKET_BYTES,
-                 regather=True, recompute=None, compile=False, reduce_dtype=None) -> None:
+                 regather=True, recompute=None, compile=False, reduce_dtype=None,
+                 recompute_granularity="full") -> None:
         super().__init__(program, device=device, seed=seed)
         mesh, rank = self.mesh, self.rank
         self.coord = mesh.coord(rank)
@@ -178,8 +181,11 @@ class Runner(RankRunner):
                                        mesh.shape, self.coord, weights, seed)
         self._order = [n.meta[ir.PARAM].fqn for n in holders]
         #: the layers whose forward is recomputed in backward (:mod:`fxpar.runtime.recompute`)
-        self.recompute = recompute_layers(program, recompute, known_layers(gm))
+        self.recompute = recompute_layers(program, recompute, known_layers(gm), recompute_granularity)
+        self.recompute_granularity = recompute_granularity
         self._rc = None
+        if self.recompute:   # checked now, not at the first step
+            self._rc = Recompute(gm, self.recompute, recompute_granularity)
         replica = gm.meta.get(ir.REPLICA_AXES, {})
         groups = {f: replica_group(mesh, replica.get(f, ()), rank) for f in self._order}
         # in pieces at bucket boundaries where leaves take gradients that other ranks reduce
@@ -248,7 +254,7 @@ class Runner(RankRunner):
         fn = self.gm
         if self.recompute:
             if self._rc is None or self._rc.gm is not self.gm:
-                self._rc = Recompute(self.gm, self.recompute)
+                self._rc = Recompute(self.gm, self.recompute, self.recompute_granularity)
             fn = self._rc
         with bind(self.bindings):
             return fn(*[self.state[f] for f in self._order], *ins)
