@@ -47,7 +47,7 @@ import torch.fx as fx
 
 from fxpar.cost.compute import Saves, _node_target, _val, is_view, is_view_if_contiguous, saves_of
 from fxpar.cost.norms import STAT_BYTES, norm_stat_rows
-from fxpar.ir import grad_flags, is_trainable_param
+from fxpar.ir import EDGES, grad_flags, is_trainable_param
 from fxpar.cost.pipeline import in_flight_microbatches
 
 __all__ = [
@@ -366,8 +366,9 @@ def saved_storage(gm: fx.GraphModule, flags, *, only: Callable[[fx.Node], bool] 
         target = _node_target(n, gm) if n.op != "call_module" else None
         kind = saves_of(target)
         ins = [a for a in n.all_input_nodes if isinstance(_val(a), torch.Tensor)]
-        if kind is None:
-            kind = Saves.PARTNERS if n.op == "call_module" else Saves.ALL
+        if kind is None:   # fxpar's own ops hand their backward shapes only (runtime.library)
+            kind = (Saves.PARTNERS if n.op == "call_module" else
+                    Saves.NOTHING if getattr(target, "namespace", None) == "fxpar" else Saves.ALL)
         chosen, more = _SAVED.get(kind, _saves_nothing)(n, ins, flags)
         if more:
             extra[n] = more
@@ -472,11 +473,13 @@ _KEEPS = {
 }
 
 
-def selective_keeps(target, ndims: Sequence[int] = ()) -> bool:
+def selective_keeps(target, ndims: Sequence[int] = (), *, gathers_param: bool = False) -> bool:
     """Whether selective recomputation keeps the output of a call of ``target`` (an ATen or
     ``fxpar`` overload or packet; ``ndims``: its tensor operands' dims, which decide
     ``matmul``) instead of recomputing it: the same rule for a graph's nodes (the memory
-    model) and for the ops the runtime dispatches (:mod:`fxpar.runtime.recompute`).
+    model) and for the ops the runtime dispatches (:mod:`fxpar.runtime.recompute`). A
+    communication op that ``gathers_param`` (ZeRO-3's gathers) is recomputed: keeping the
+    gathered parameter to the backward is what sharding it avoids.
 
     >>> aten = torch.ops.aten
     >>> selective_keeps(aten.addmm.default), selective_keeps(aten.gelu.default)
@@ -488,9 +491,20 @@ def selective_keeps(target, ndims: Sequence[int] = ()) -> bool:
     if not isinstance(packet, torch._ops.OpOverloadPacket):
         return False
     name = packet.__name__
-    if name not in _KEEPS.get(packet._qualified_op_name.split("::")[0], ()):
+    if gathers_param or name not in _KEEPS.get(packet._qualified_op_name.split("::")[0], ()):
         return False
     return name != "matmul" or min(ndims, default=3) <= 2
+
+
+def _gathers_param(n: fx.Node, edges) -> bool:
+    """Whether a rank graph's node waits for or redistributes a gathered parameter (its
+    edge, ``fxpar.wait``'s third argument or ``fxpar.redistribute``'s second:
+    ``Edge.gathers_param``)."""
+    name = getattr(n.target, "_opname", None)
+    if getattr(n.target, "namespace", None) != "fxpar" or name not in ("wait", "redistribute"):
+        return False
+    e = edges.get(n.args[2 if name == "wait" else 1])
+    return e is not None and e.gathers_param
 
 
 def _kept_bytes(n: fx.Node) -> int:
@@ -591,9 +605,11 @@ def recompute_memory(gm: fx.GraphModule, layers: Iterable[str], *,
             stash += _nbytes_val(_val(r))
     held: dict[str, set[str]] = {lay: set() for lay in span}   # per layer: storages it keeps
     if granularity == "selective":
+        edges = gm.meta.get(EDGES, {})
         for n, lay in region.items():
             ndims = [_val(a).dim() for a in n.all_input_nodes if isinstance(_val(a), torch.Tensor)]
-            if n.op == "call_function" and selective_keeps(n.target, ndims):
+            if n.op == "call_function" and selective_keeps(n.target, ndims,
+                                                           gathers_param=_gathers_param(n, edges)):
                 r = root.get(n, n)
                 held[lay].add(r.name)
                 if r.name not in kept:

@@ -87,8 +87,9 @@ def _layers(runner) -> int:
 
 
 def _collectives_in(fn) -> int:
-    """How many collectives ``fn()`` issues: fxpar's communication ops (a collective each,
-    the kernels inside them unseen) and functional collectives called directly."""
+    """How many collectives ``fn()`` issues: fxpar's communication ops that run (a collective
+    each, the kernels inside them unseen; a wait selective recomputation answers from its
+    cache does not run) and functional collectives called directly."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -96,7 +97,8 @@ def _collectives_in(fn) -> int:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             if (func.namespace == "_c10d_functional" and "wait" not in func.__name__
-                    or func.namespace == "fxpar" and func._opname in ("start", "redistribute", "edge_grad")):
+                    or func.namespace == "fxpar" and func._opname in ("start", "wait", "redistribute",
+                                                                      "edge_grad")):
                 Count.n += 1
             return func(*args, **(kwargs or {}))
 
@@ -108,8 +110,9 @@ def _collectives_in(fn) -> int:
 def run_spmd(name: str, plan: str, mesh: dict, p: float, recompute, steps: int = 3,
              granularity: str = "full"):
     """Worker: a recomputing and a plain runner of one program, trained side by side;
-    returns the losses, the bytes each holds for backward after its forward and the
-    collectives each issues in its backward."""
+    returns the losses, the bytes each holds for backward after its forward (measured, and
+    as the memory model prices its rank graph) and the collectives each issues in its
+    backward."""
     import fxpar
     from fxpar.runtime.bindings import bind
     from fxpar.runtime.memory import SavedBytes
@@ -136,9 +139,13 @@ def run_spmd(name: str, plan: str, mesh: dict, p: float, recompute, steps: int =
             want = distribute(ref_state[fqn].detach(), rc.specs[fqn], rc.mesh.shape, rc.coord)
             torch.testing.assert_close(t.detach(), want, **TOL, msg=lambda s: f"param {fqn}: {s}")
     # bytes held for backward after the forward (regather off: its hooks would hide them)
-    held, comm = [], []
+    from fxpar.cost.memory import activation_memory, recompute_memory
+
+    held, comm, priced = [], [], []
     for r in (prog.runner(recompute=recompute, regather=False, recompute_granularity=granularity),
               prog.runner(regather=False)):
+        priced.append(recompute_memory(r.gm, r.recompute, granularity=granularity).stash_bytes
+                      if r.recompute else activation_memory(r.gm).saved_bytes)
         with SavedBytes(exclude=r.state.values()) as sb:
             out = r.forward(*inputs, *targets)
             held.append(sb.sample())
@@ -147,7 +154,7 @@ def run_spmd(name: str, plan: str, mesh: dict, p: float, recompute, steps: int =
             after = sb.sample()
         r.states.finish_backward()
         assert after == 0, f"{after} bytes still held after backward"
-    return losses, held, comm
+    return losses, held, comm, priced
 
 
 def _agree(res):
@@ -164,7 +171,7 @@ def test_megatron_dropout_recompute_all(pools, p):
     replicated block output. p=0.2: recompute equals no recompute; p=0: both equal one
     process. Saved bytes drop (each block keeps only its input)."""
     res = _agree(pools(2).run(run_spmd, "drop", "megatron", {"tp": 2}, p, "all"))
-    for _, (with_rc, without), (comm_rc, comm) in res:
+    for _, (with_rc, without), (comm_rc, comm), _ in res:
         print(f"saved bytes after forward: recompute {with_rc}, without {without}")
         assert with_rc < 0.5 * without, (with_rc, without)
         assert comm_rc > comm, (comm_rc, comm)   # the blocks' all-reduces issued again
@@ -178,11 +185,12 @@ def test_megatron_selective(pools, p):
     so its backward issues no collective the plain runner's does not."""
     res = _agree(pools(2).run(run_spmd, "drop", "megatron", {"tp": 2}, p, "all", 3, "selective"))
     full = pools(2).run(run_spmd, "drop", "megatron", {"tp": 2}, p, "all")
-    for (_, (sel, without), (comm_sel, comm)), (_, (with_full, _), _) in zip(res, full):
+    for (_, (sel, without), (comm_sel, comm), priced), (_, (with_full, _), _, _) in zip(res, full):
         print(f"saved bytes after forward: full {with_full}, selective {sel}, none {without}; "
               f"backward collectives: selective {comm_sel}, none {comm}")
         assert with_full < sel < without, (with_full, sel, without)
         assert comm_sel == comm, (comm_sel, comm)
+        assert priced[0] == pytest.approx(sel, rel=0.05), (priced, sel)   # the memory model
 
 
 @pytest.mark.timeout(300)
@@ -190,7 +198,7 @@ def test_gpt_megatron_one_layer(pools):
     """Attention block recomputed alone (``blocks.1``), the other kept: parity with one
     process and the plain runner."""
     res = _agree(pools(2).run(run_spmd, "gpt", "megatron", {"tp": 2}, 0.0, ["blocks.1"]))
-    for _, (with_rc, without), _ in res:
+    for _, (with_rc, without), _, _ in res:
         assert with_rc < without, (with_rc, without)
 
 
@@ -201,34 +209,7 @@ def test_zero3_prefetch_regather(pools):
     _agree(pools(2).run(run_spmd, "drop", "zero3", {"dp": 2}, 0.0, "all"))
 
 
-def selective_zero3():
-    import fxpar
-    from fxpar.runtime.recompute import RecomputeError
-
-    model, inputs, targets, loss_fn = _build("drop", 0.0)
-    prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), inputs,
-                         loss_fn=loss_fn, example_targets=targets, plan="zero3", mesh={"dp": 2},
-                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-    msgs = []
-    for gran in ("selective", "fine"):
-        try:
-            prog.runner(recompute="all", recompute_granularity=gran)
-        except RecomputeError as e:
-            msgs.append(str(e))
-    return msgs
-
-
-@pytest.mark.timeout(300)
-def test_selective_refuses_gathered_parameters(pools):
-    """Selective recomputation keeps a region's collectives' outputs: under ZeRO-3 that
-    would hold each block's gathered parameters to the backward, so it is refused on every
-    rank, naming the layer and the parameter; an unknown granularity too."""
-    for sel, bad in pools(2).run(selective_zero3):
-        assert "'selective'" in sel and "model.blocks.0" in sel and "gathers parameter" in sel, sel
-        assert "'fine'" in bad and "'full', 'selective'" in bad, bad
-
-
-def unknown_layer():
+def bad_granularity():
     import fxpar
     from fxpar.runtime.recompute import RecomputeError
 
@@ -237,24 +218,27 @@ def unknown_layer():
                          loss_fn=loss_fn, example_targets=targets, plan="dp", mesh={"dp": 2},
                          optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
     try:
-        prog.runner(recompute=["blocks.9"])
+        prog.runner(recompute="all", recompute_granularity="fine")
     except RecomputeError as e:
-        msg = str(e)
-    else:
-        raise AssertionError("no error for an unknown layer")
-    # the plan's choice is used when none is given (the joint planner writes it there)
-    import dataclasses
-
-    prog.plan = dataclasses.replace(prog.plan, config=dataclasses.replace(prog.plan.config,
-                                                                          recompute={"blocks.1"}))
-    return msg, sorted(prog.runner().recompute), sorted(prog.runner(recompute=()).recompute)
+        return str(e)
+    return None
 
 
 @pytest.mark.timeout(300)
-def test_unknown_layer_and_plan_choice(pools):
-    for msg, from_plan, off in pools(2).run(unknown_layer):
-        assert "'blocks.9'" in msg and "model.blocks.0" in msg, msg
-        assert from_plan == ["model.blocks.1"] and off == []
+def test_zero3_selective(pools):
+    """Selective granularity under ZeRO-3 with prefetch: the gathered parameters are not kept
+    (each block's waits run again in backward and gather at once), the GEMMs' outputs are:
+    parity with one process, more bytes held than full, fewer than none, and the backward
+    gathers again (more collectives than the plain runner's, which keeps them:
+    ``regather=False``). An unknown granularity is refused on every rank."""
+    res = _agree(pools(2).run(run_spmd, "drop", "zero3", {"dp": 2}, 0.0, "all", 3, "selective"))
+    full = pools(2).run(run_spmd, "drop", "zero3", {"dp": 2}, 0.0, "all")
+    for (_, (sel, without), (comm_sel, comm), priced), (_, (with_full, _), _, _) in zip(res, full):
+        assert with_full < sel < without, (with_full, sel, without)
+        assert comm_sel > comm, (comm_sel, comm)
+        assert priced[0] == pytest.approx(sel, rel=0.05), (priced, sel)   # the memory model
+    for msg in pools(2).run(bad_granularity):
+        assert msg is not None and "'fine'" in msg and "'full', 'selective'" in msg, msg
 
 
 def run_pipe(name: str, mesh: dict, schedule: str, m: int, recompute, plan: str = "auto",

@@ -42,7 +42,7 @@ from typing import Any
 
 from fxpar.errors import FxparError
 
-__all__ = ["Bindings", "bind", "current"]
+__all__ = ["Bindings", "active", "bind", "current"]
 
 
 @dataclass(eq=False)
@@ -63,6 +63,9 @@ class Bindings:
     #: buffer's memory once its graph is done with it, while the sink may hold the gradient
     #: until its bucket launches; eager autograd never writes a gradient it has handed over
     fresh_grads: bool = False
+    #: a selective recomputation is running (:mod:`fxpar.runtime.recompute`): a wait for a
+    #: gathered parameter, whose start it does not run again, gathers the parameter at once
+    regathering: bool = False
     _device_mesh: Any = field(default=None, repr=False)
 
     @property
@@ -91,6 +94,11 @@ def current() -> Bindings:
         raise FxparError("no fxpar Bindings active: run a rank graph through its Runner, or "
                          "inside `with fxpar.runtime.bindings.bind(Bindings(...))`")
     return _STACK[-1]
+
+
+def active() -> Bindings | None:
+    """The active :class:`Bindings`, or ``None`` (a graph without communication runs bare)."""
+    return _STACK[-1] if _STACK else None
 
 
 @contextlib.contextmanager

@@ -123,6 +123,12 @@ class Edge:
         return bool(self.fwd.steps) and self.fwd.steps[0].kind not in LOCAL_KINDS
 
     @property
+    def gathers_param(self) -> bool:
+        """Whether it gathers a parameter (its source one, its forward moving or copying
+        bytes: sharded in storage, needed whole or laid out otherwise)."""
+        return self.param is not None and bool(self.collective or self.fwd.nbytes)
+
+    @property
     def grad_mode(self) -> GradMode:
         """One of :data:`GRAD_MODES` (module docstring)."""
         if self.bwd is None:
@@ -272,7 +278,7 @@ class Regather:
 def gathers_params(edges) -> bool:
     """Whether a graph with these edges registers gathered parameters with :class:`Regather`
     (as :func:`_registered` does): without any, its hooks would only cost time."""
-    return any(e.param is not None and (e.collective or e.fwd.nbytes) for e in edges.values())
+    return any(e.gathers_param for e in edges.values())
 
 
 def _registered(b, out: torch.Tensor, x: torch.Tensor, edge: Edge, pending=None,
@@ -311,6 +317,8 @@ def _wait(token: torch.Tensor, x: torch.Tensor, edge: str, shape, grad: str) -> 
     try:
         pending, index = b.pending.pop(edge)
     except KeyError:
+        if b.regathering and e.param is not None:   # selective recomputation: gather again
+            return _fresh(rt.execute(e.fwd, x.detach(), b.device_mesh), x)
         raise RuntimeError(f"fxpar.wait({edge!r}): no start of this edge is in flight") from None
     if b.deferred is not None and e.consumer == "output":
         out = rt.in_flight(pending)

@@ -32,9 +32,10 @@ checkpointing). A recomputed layer keeps, besides its inputs, the outputs of the
 convolutions, communication) and re-runs only the rest in backward (norms, activations,
 dropout, residual adds, an attention core written out), through torch's selective
 checkpointing (``create_selective_checkpoint_contexts``): the recomputation replays the region
-as it ran, a kept op returning its forward output, so no collective runs twice and no variant
-is needed. A region that waits for a gathered parameter (ZeRO-3) is refused: keeping the
-gathered parameter to the backward is what ZeRO-3 must not do.
+as it ran, a kept op returning its forward output, so no activation's collective runs twice
+and no variant is needed. A gathered parameter (ZeRO-3) is not kept, which is what ZeRO-3
+must not do: its wait runs again and, its start not re-run, gathers it at once
+(``Bindings.regathering``), as the full granularity's variant does.
 
 Dropout masks are drawn from the RNG tracker by (step, microbatch, site, shard)
 (:mod:`fxpar.runtime.rng`), so the recomputed forward draws the same masks; the runners set
@@ -78,8 +79,8 @@ import torch.fx as fx
 
 from fxpar.cost.memory import GRANULARITIES, selective_keeps
 from fxpar.errors import FxparError
-from fxpar.ir import EDGES
 from fxpar.layers import layer_of, split_repeat
+from fxpar.runtime.bindings import active, current
 from fxpar.runtime.comm import REDISTRIBUTE, START, WAIT
 
 __all__ = ["RecomputeError", "Recompute", "known_layers", "node_layers", "observe", "resolve"]
@@ -269,8 +270,6 @@ class Recompute:
         self._free: list[list[fx.Node]] = []
         defined = set(self._placeholders)
         selective = granularity == "selective"
-        if selective:
-            _refuse_gathered_params(gm, runs)
         for k, (layer, seg) in enumerate(runs):
             mine = set(seg)
             inputs = list(dict.fromkeys(a for n in seg for a in n.all_input_nodes if a not in mine))
@@ -298,7 +297,7 @@ class Recompute:
                 # unwaited; the whole region runs again, every collective in it included
                 sel = _Selective() if seg.rec is None else None
                 with set_checkpoint_early_stop(False):
-                    outs = checkpoint(_Once(self, seg.gm, seg.rec or seg.gm), *ins,
+                    outs = checkpoint(_Once(self, seg.gm, seg.rec), *ins,
                                       use_reentrant=False, **({"context_fn": sel} if sel else {}))
                 for obs in _OBSERVERS:
                     obs(ins + (sel.kept() if sel else []))
@@ -309,28 +308,15 @@ class Recompute:
         return fx.node.map_arg(self._out_args, env.__getitem__)
 
 
-def _refuse_gathered_params(gm: fx.GraphModule, runs) -> None:
-    """Selective recomputation keeps a region's communication results: refuse a recomputed
-    region holding a wait for a gathered parameter (ZeRO-3), which it would keep."""
-    edges = gm.meta.get(EDGES, {})
-    for layer, seg in runs:
-        for n in seg if layer is not None else ():
-            edge = edges.get(n.args[2] if n.target is WAIT else n.args[1]) \
-                if n.op == "call_function" and n.target in (WAIT, REDISTRIBUTE) else None
-            if edge is not None and edge.param is not None and (edge.collective or edge.fwd.nbytes):
-                raise RecomputeError(
-                    f"recompute_granularity='selective' on layer {layer!r}: its node {n.name!r} "
-                    f"gathers parameter {edge.param!r} (sharded, ZeRO-3), which selective "
-                    "recomputation would keep to the backward; use granularity 'full' there")
-
-
 def _keep_policy(ctx, func, *args, **kwargs):
     """Selective recomputation's policy: keep what :func:`~fxpar.cost.memory.selective_keeps`
     names, recompute the rest."""
     from torch.utils.checkpoint import CheckpointPolicy
 
     ndims = [a.dim() for a in args if isinstance(a, torch.Tensor)]
-    return CheckpointPolicy.MUST_SAVE if selective_keeps(func, ndims) else CheckpointPolicy.PREFER_RECOMPUTE
+    param = func in (WAIT, REDISTRIBUTE) and current().edge(args[2 if func is WAIT else 1]).gathers_param
+    return (CheckpointPolicy.MUST_SAVE if selective_keeps(func, ndims, gathers_param=param)
+            else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
 class _Selective:
@@ -360,7 +346,8 @@ class _Selective:
 
 class _Once:
     """The function checkpoint calls: the region's forward the first time, its recomputation
-    variant after (in backward)."""
+    variant after (in backward); ``rec=None`` (selective): the forward again, gathering
+    parameters at once (``Bindings.regathering``)."""
 
     __slots__ = ("owner", "fwd", "rec", "ran")
 
@@ -370,6 +357,15 @@ class _Once:
     def __call__(self, *args):
         if self.ran:
             self.owner.recomputed += 1
-            return self.rec(*args)
+            if self.rec is not None:
+                return self.rec(*args)
+            b = active()
+            if b is None:   # a graph without communication
+                return self.fwd(*args)
+            b.regathering = True
+            try:
+                return self.fwd(*args)
+            finally:
+                b.regathering = False
         self.ran = True
         return self.fwd(*args)
