@@ -112,6 +112,13 @@ class UnitCost:
     bwd_lat: float = 0.0
     #: parameter tensors counted in ``params`` (what an optimizer steps one by one)
     tensors: int = 0
+    #: selective recomputation (:data:`fxpar.cost.memory.GRANULARITIES`): the bytes it keeps
+    #: besides the unit's input (outputs of GEMMs, attention kernels and activation
+    #: collectives: :func:`fxpar.cost.memory.selective_keeps`), and the seconds of the
+    #: forward it runs again (the other ops; ``sel_lat`` their fixed part, as ``fwd_lat``)
+    sel_act: float = 0.0
+    sel_fwd: float = 0.0
+    sel_lat: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "reused", tuple(tuple(x) for x in self.reused))
@@ -124,6 +131,14 @@ class UnitCost:
     def backward(self, scale: float) -> float:
         """Seconds of its backward at ``scale`` times the priced batch (no reductions)."""
         return (self.bwd - self.bwd_lat) * scale + self.bwd_lat
+
+    def recompute(self, scale: float, granularity: str = "full") -> float:
+        """Seconds its recomputation adds to its backward at ``scale``: its whole forward
+        (``"full"``), or under ``"selective"`` the ops it does not keep plus its parameters'
+        gathers again (``fwd_fixed``: a gathered parameter is never kept)."""
+        if granularity == "full":
+            return self.forward(scale)
+        return (self.sel_fwd - self.sel_lat) * scale + self.sel_lat + self.fwd_fixed
 
 
 @dataclass(frozen=True)
@@ -155,8 +170,10 @@ class ChunkCost:
 def chunk_costs(units: Sequence[UnitCost], starts: Sequence[int], scale: float = 1.0,
                 recomputed: Collection[int] = (),
                 replica_reduce: Callable[[float], float] | None = None,
-                overhead: float = 0.0) -> list[ChunkCost]:
-    """Per chunk its :class:`ChunkCost` (module docstring; ``recomputed``: unit indices;
+                overhead: float = 0.0, granularity: str = "full") -> list[ChunkCost]:
+    """Per chunk its :class:`ChunkCost` (module docstring; ``recomputed``: unit indices, at
+    ``granularity``: a recomputed unit keeps its input, and under ``"selective"`` its
+    ``sel_act`` too, and its backward pays :meth:`UnitCost.recompute`;
     ``replica_reduce(nbytes)``: seconds of an all-reduce over the data-parallel replicas, paid
     in backward for each of the units' ``replica_grads``; ``overhead``: seconds each pipeline
     action pays whatever its size, ``Physics.microbatch_overhead``, on the chunk's first unit
@@ -168,11 +185,12 @@ def chunk_costs(units: Sequence[UnitCost], starts: Sequence[int], scale: float =
         idx = range(bounds[k], bounds[k + 1])
         us = [units[u] for u in idx]
         ufwd = tuple(u.forward(scale) + (overhead if j == 0 else 0.0) for j, u in enumerate(us))
-        ubwd = tuple(units[u].backward(scale) + (units[u].forward(scale) if u in rec else 0.0)
+        ubwd = tuple(units[u].backward(scale) + (units[u].recompute(scale, granularity) if u in rec else 0.0)
                      + (sum(replica_reduce(b) for b in units[u].replica_grads) if replica_reduce else 0.0)
                      + (overhead if u == bounds[k + 1] - 1 else 0.0)
                      for u in idx)
-        act = sum((units[u - 1].out if u else 0.0) if u in rec else units[u].act for u in idx)
+        kept = (lambda u: units[u].sel_act) if granularity == "selective" else (lambda u: 0.0)
+        act = sum((units[u - 1].out if u else 0.0) + kept(u) if u in rec else units[u].act for u in idx)
         copies = {name: n for u in us for name, first, n in u.reused if first < bounds[k]}
         out.append(ChunkCost(
             fwd=sum(ufwd), bwd=sum(ubwd),

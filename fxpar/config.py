@@ -15,7 +15,10 @@ parameter gradients are reduced with the ``dp`` replicas', :attr:`ParallelConfig
 ``microbatch`` samples per replica per microbatch (``None``: not fixed),
 ``microbatches``; ``schedule`` a :class:`ScheduleKind`; ``chunks`` per pipeline rank
 (``None``: the schedule's own, two for zbv and dualpipev, else one);
-``recompute`` the layers whose forward runs again in backward (:func:`recompute_set`);
+``recompute`` the layers whose forward runs again in backward (:func:`recompute_set`), at
+``recompute_granularity`` (``"full"``: all of it; ``"selective"``: all but the GEMMs,
+attention kernels and collectives, whose outputs the layer keeps,
+:data:`fxpar.cost.memory.GRANULARITIES`);
 ``s_p | s_g | s_os`` AMSP's sharding factors of parameters, gradients and optimizer states
 over a parameter's ``replicas`` (``dp``, times ``cp``; eq. 3): DDP ``(1, 1, 1)``, ZeRO-1
 ``(1, 1, dp)``, ZeRO-2 ``(1, dp, dp)``, ZeRO-3
@@ -42,6 +45,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 
+from fxpar.cost.memory import GRANULARITIES
 from fxpar.errors import PlanError
 from fxpar.layers import is_layer
 from fxpar.schedule.schedule import DIVIDES_M, MULTI_CHUNK, PLACEMENT_OF, default_chunks
@@ -113,6 +117,7 @@ class ParallelConfig:
     s_g: int = 1
     s_os: int = 1
     extra: tuple[tuple[str, int], ...] = ()
+    recompute_granularity: str = "full"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -124,6 +129,9 @@ class ParallelConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise PlanError(f"ParallelConfig: {f}={v!r} must be a positive integer")
+        if self.recompute_granularity not in GRANULARITIES:
+            raise PlanError(f"ParallelConfig: recompute_granularity={self.recompute_granularity!r}, "
+                            f"one of {GRANULARITIES}")
         if self.microbatch is not None and (not isinstance(self.microbatch, int) or self.microbatch < 1):
             raise PlanError(f"ParallelConfig: microbatch={self.microbatch!r} must be a positive integer")
         for a, k in self.extra:
@@ -204,7 +212,8 @@ class ParallelConfig:
         b = f" b={self.microbatch}" if self.microbatch is not None else ""
         v = f" v={self.chunks}" if self.chunks > 1 else ""
         ex = "".join(f" {a}={k}" for a, k in self.extra)
-        r = f" recompute({len(self.recompute)} layers)" if self.recompute else ""
+        g = "selective, " if self.recompute_granularity == "selective" else ""
+        r = f" recompute({g}{len(self.recompute)} layers)" if self.recompute else ""
         return (f"pp={self.pp} dp={self.dp} tp={self.tp}{ex}{b} m={self.microbatches} "
                 f"{self.schedule}{v}{r} zero({'p=%d,' % self.s_p if self.s_p > 1 else ''}"
                 f"g={self.s_g},os={self.s_os})")
@@ -261,7 +270,8 @@ class ParallelConfig:
     @classmethod
     def from_tuple(cls, only: Mapping) -> dict:
         """Check a user tuple's keys and values (``TUPLE_KEYS``; the rest searched) and return
-        it normalized (``schedule`` a :class:`ScheduleKind`, ``recompute`` a bool)."""
+        it normalized (``schedule`` a :class:`ScheduleKind`, ``recompute`` a bool, or
+        ``"selective"`` for that granularity; ``"full"`` is ``True``)."""
         bad = set(only) - set(TUPLE_KEYS)
         if bad:
             raise PlanError(f"plan={dict(only)}: unknown keys {sorted(bad)}; a degree tuple takes "
@@ -273,7 +283,11 @@ class ParallelConfig:
             if k in out and (not isinstance(out[k], int) or isinstance(out[k], bool) or out[k] < 1):
                 raise PlanError(f"plan={dict(only)}: {k}={out[k]!r} must be a positive integer")
         if "recompute" in out:
-            out["recompute"] = bool(out["recompute"])
+            r = out["recompute"]
+            if isinstance(r, str) and r not in GRANULARITIES:
+                raise PlanError(f"plan={dict(only)}: recompute={r!r} must be a bool or one of "
+                                f"{GRANULARITIES}")
+            out["recompute"] = "selective" if r == "selective" else bool(r)
         return out
 
     def to_dict(self) -> dict:

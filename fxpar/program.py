@@ -213,7 +213,7 @@ class Program:
                bucket_bytes: int = BUCKET_BYTES, regather: bool = True,
                recompute=None, compile: bool | str = False,
                reduce_dtype: torch.dtype | None = None,
-               recompute_granularity: str = "full") -> Runner:
+               recompute_granularity: str | None = None) -> Runner:
         """This rank's :class:`Runner` (collective: every rank of the mesh calls it).
 
         ``weights``: ``None`` (the model's own real tensors), a state dict of full tensors, a
@@ -222,12 +222,12 @@ class Program:
         replica group (AMSP; ZeRO-1 = ``(1, N)``, ZeRO-2 = ``(N, N)``). ``regather``: free
         a gathered parameter after its forward use and gather it again in backward (what the
         planner prices, ZeRO-3); ``False`` keeps it for backward (more memory, less traffic).
-        ``s_g``/``s_os``/``recompute`` left out: what the plan chose (``plan.config``'s state
-        factors and recomputed layers), else 1, 1 and none. ``recompute_granularity``:
-        ``"full"`` (a recomputed layer keeps its inputs, re-runs its whole forward) or
-        ``"selective"`` (it also keeps its GEMMs', attention kernels' and collectives' outputs
-        and re-runs the rest, as Megatron-LM's selective granularity; not where the layer
-        gathers sharded parameters: :mod:`fxpar.runtime.recompute`). ``compile``: the rank graph (a
+        ``s_g``/``s_os``/``recompute``/``recompute_granularity`` left out: what the plan chose
+        (``plan.config``'s state factors, recomputed layers and granularity), else 1, 1, none
+        and ``"full"``. ``recompute_granularity``: ``"full"`` (a recomputed layer keeps its
+        inputs, re-runs its whole forward) or ``"selective"`` (it also keeps its GEMMs',
+        attention kernels' and activations' collectives' outputs and re-runs the rest, as
+        Megatron-LM's selective granularity: :mod:`fxpar.runtime.recompute`). ``compile``: the rank graph (a
         pipeline: each stage chunk's) through ``torch.compile``, ``True`` for inductor or a
         backend's name (:func:`fxpar.runtime.runner.compiled`; not with recomputed layers),
         and the optimizer step with it (a built-in element-wise optimizer:
@@ -242,6 +242,8 @@ class Program:
         if reduce_dtype is None and self.plan.options.get("reduce_dtype"):
             reduce_dtype = getattr(torch, self.plan.options["reduce_dtype"])
         cfg = self.plan.config
+        if recompute_granularity is None:
+            recompute_granularity = cfg.recompute_granularity if cfg is not None else "full"
         # the plan's factors are over dp; the runner's are inside each parameter's replica
         # group, which parameters sharded over s_p of the replicas (ZeRO-3) shrink by s_p
         sp, g, o = cfg.state if cfg is not None else (1, 1, 1)

@@ -396,6 +396,41 @@ def test_recomputation_keeps_each_units_inputs_and_rebuilds_one_unit(gpt):
     assert rc.memory < full.memory
 
 
+def test_selective_recomputation_keeps_what_the_runtime_keeps(gpt):
+    """``recompute="selective"``: each recomputed unit keeps its input and what selective
+    recomputation keeps of it (``sel_act``: its GEMMs' and attention's outputs), by hand as
+    above; the same bytes the memory model finds on the graph
+    (``recompute_memory(granularity="selective")``, itself checked against the runtime in
+    tests/test_cost_memory.py); between none and full in memory, between them in step (its
+    backward re-runs only what it does not keep). The plan's configuration carries it."""
+    from fxpar.cost.memory import recompute_memory
+
+    model, gm = gpt
+    cl = fxpar.Cluster.preset("dgx-a100")
+    only = dict(pp=1, tp=1, microbatch=8, s_g=1, s_os=1)
+    res = search(gm, cl, batch=64, only=only, keep=50)
+    none = next(c for c in res.ranked if not c.recompute)
+    every = next(c for c in res.ranked if c.recompute and not c.recomputed)
+    sel = search(gm, cl, batch=64, only=dict(only, recompute="selective")).best
+    assert sel.recompute and sel.granularity == "selective" and "recompute(selective)" in sel.name
+    us, _ = unit_costs(gm, fxpar.Mesh(cl, dp=1))
+    rec = [i for i, u in enumerate(us) if not u.layer.startswith("(")]
+    I_ = [us[i - 1].out if i else 0.0 for i in range(len(us))]
+    states = model_state_bytes(sum(u.params for u in us)).total
+    tmp = 2 * 25 * 2**20 + 8 * max(u.act for u in us)
+    kept = sum(I_[i] + u.sel_act if i in rec else u.act for i, u in enumerate(us))
+    assert sel.memory == pytest.approx(states + tmp + 8 * kept + 8 * max(us[i].act for i in rec), rel=1e-9)
+    blocks = [i for i in rec if us[i].layer.startswith("blocks.")]
+    graph = recompute_memory(gm, [us[i].layer for i in blocks], granularity="selective").stash_bytes
+    full_graph = recompute_memory(gm, [us[i].layer for i in blocks]).stash_bytes
+    assert sum(us[i].sel_act for i in blocks) == pytest.approx(graph - full_graph, rel=0.02)
+    assert every.memory < sel.memory < none.memory and none.step < sel.step < every.step
+    x = torch.randint(0, 64, (64, 16))
+    cfg = fxpar.plan(model, cl, (x,), plan=dict(only, recompute="selective")).plan.config
+    assert cfg.recompute_granularity == "selective" and cfg.recompute
+    assert fxpar.config.ParallelConfig.from_dict(cfg.to_dict()) == cfg
+
+
 def test_partial_recomputation_is_the_cheapest_subset_that_fits(gpt):
     """Under a budget between recomputing every layer and none, the search recomputes some
     units: its memory is the formula by hand (no recomputation, less ``Σ(A_u − I_u)`` of the

@@ -209,7 +209,9 @@ def test_zero3_prefetch_regather(pools):
     _agree(pools(2).run(run_spmd, "drop", "zero3", {"dp": 2}, 0.0, "all"))
 
 
-def bad_granularity():
+def unknown_layer():
+    import dataclasses
+
     import fxpar
     from fxpar.runtime.recompute import RecomputeError
 
@@ -217,11 +219,31 @@ def bad_granularity():
     prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), inputs,
                          loss_fn=loss_fn, example_targets=targets, plan="dp", mesh={"dp": 2},
                          optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
-    try:
-        prog.runner(recompute="all", recompute_granularity="fine")
-    except RecomputeError as e:
-        return str(e)
-    return None
+    msgs = []
+    for kw in (dict(recompute=["blocks.9"]), dict(recompute="all", recompute_granularity="fine")):
+        try:
+            prog.runner(**kw)
+        except RecomputeError as e:
+            msgs.append(str(e))
+        else:
+            raise AssertionError(f"no error for {kw}")
+    # the plan's choice is used when none is given (the joint planner writes it there)
+    prog.plan = dataclasses.replace(prog.plan, config=dataclasses.replace(
+        prog.plan.config, recompute={"blocks.1"}, recompute_granularity="selective"))
+    r = prog.runner()
+    return (msgs, sorted(r.recompute), sorted(prog.runner(recompute=()).recompute),
+            r.recompute_granularity, prog.runner(recompute_granularity="full").recompute_granularity)
+
+
+@pytest.mark.timeout(300)
+def test_unknown_layer_and_plan_choice(pools):
+    """An unknown layer or granularity is refused on every rank; left out, the runner takes
+    the plan's recomputed layers and granularity."""
+    for (layer, gran), from_plan, off, planned, given in pools(2).run(unknown_layer):
+        assert "'blocks.9'" in layer and "model.blocks.0" in layer, layer
+        assert "'fine'" in gran and "'full', 'selective'" in gran, gran
+        assert from_plan == ["model.blocks.1"] and off == []
+        assert (planned, given) == ("selective", "full")
 
 
 @pytest.mark.timeout(300)
@@ -230,15 +252,13 @@ def test_zero3_selective(pools):
     (each block's waits run again in backward and gather at once), the GEMMs' outputs are:
     parity with one process, more bytes held than full, fewer than none, and the backward
     gathers again (more collectives than the plain runner's, which keeps them:
-    ``regather=False``). An unknown granularity is refused on every rank."""
+    ``regather=False``)."""
     res = _agree(pools(2).run(run_spmd, "drop", "zero3", {"dp": 2}, 0.0, "all", 3, "selective"))
     full = pools(2).run(run_spmd, "drop", "zero3", {"dp": 2}, 0.0, "all")
     for (_, (sel, without), (comm_sel, comm), priced), (_, (with_full, _), _, _) in zip(res, full):
         assert with_full < sel < without, (with_full, sel, without)
         assert comm_sel > comm, (comm_sel, comm)
         assert priced[0] == pytest.approx(sel, rel=0.05), (priced, sel)   # the memory model
-    for msg in pools(2).run(bad_granularity):
-        assert msg is not None and "'fine'" in msg and "'full', 'selective'" in msg, msg
 
 
 def run_pipe(name: str, mesh: dict, schedule: str, m: int, recompute, plan: str = "auto",

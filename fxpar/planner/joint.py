@@ -23,7 +23,9 @@ first), ``d`` data-parallel replicas, ``t`` tensor-parallel devices (innermost, 
 chunks per rank (chunk ``k`` on rank ``k mod p``, or in a V for zbv and dualpipev: rank ``r``
 holds chunks ``r`` and ``2p−1−r``, :func:`fxpar.schedule.chunk_rank`); recomputation of
 every layer, of none, or (over the budget without it) of each rank's cheapest set of units
-that fits (:func:`_partial_tables`); AMSP's factors ``(s_p, s_g, s_os)``
+that fits (:func:`_partial_tables`), or of every layer at the selective granularity (over
+the budget without recomputation: each layer keeps its GEMMs', attention kernels' and
+collectives' outputs and re-runs the rest, ``UnitCost.sel_act``/``sel_fwd``); AMSP's factors ``(s_p, s_g, s_os)``
 over ``d``: DDP ``(1, 1, 1)``, ZeRO-1 ``(1, 1, d)``, ZeRO-2 ``(1, d, d)``, their partial forms
 inside a node ``(1, 1, d₀)``, ``(1, d₀, d₀)``, ZeRO-3 ``(d, d, d)`` (with microbatches its
 gathers are paid per microbatch) and, for one SPMD step (``p = 1``, ``m = 1``), parameters
@@ -32,11 +34,13 @@ sharded inside groups of ``s_p`` replicas (HSDP / MiCS, AMSP's intra-node ``s_p`
 
 * stage cuts: the exact linear-partition DP over units (:func:`fxpar.split._balanced`) on the
   units' time at this ``(t, b)``, for ``p·v`` chunks;
-* per rank ``r``: work ``W_r = Σ_{its chunks} (F + B)``, with recomputation ``B += F``;
+* per rank ``r``: work ``W_r = Σ_{its chunks} (F + B)``, with recomputation ``B += F``
+  (selective: ``B +=`` the forward of what it does not keep);
 * memory of rank ``r`` (Megatron-LM §2.2 and §3.5; AMSP §IV-D):
   ``states(Φ_r; s_g, s_os) + f_r·A_r`` without recomputation,
   ``states + f_r·I_r + max_unit A`` with it (per-layer recomputation, as the runtime does:
-  each unit's inputs kept, one unit's activations rebuilt at a time), where ``states =
+  each unit's inputs kept, one unit's activations rebuilt at a time; selective:
+  ``I_r`` plus what the units keep), where ``states =
   Φ_r·(k_p/s_p + k_g/s_g + k_os/s_os)`` plus, with ``s_p > 1``, the gathered parameters of
   the largest unit twice (prefetch), ``f_r`` = :func:`fxpar.planner.price.in_flight`,
   ``A_r`` the rank's saved activations of one microbatch and ``I_r`` the inputs of its units;
@@ -144,6 +148,8 @@ class Candidate:
     #: context-parallel devices per replica: the sequence split over ``cp`` (between ``dp``
     #: and ``tp``; parameters replicated over it, gradients reduced over ``dp·cp``)
     cp: int = 1
+    #: with ``recompute``: ``"full"`` or ``"selective"`` (:data:`fxpar.cost.memory.GRANULARITIES`)
+    granularity: str = "full"
 
     @property
     def key(self) -> tuple[int, int]:
@@ -176,12 +182,14 @@ class Candidate:
                               microbatches=self.microbatches, schedule=self.schedule,
                               chunks=self.chunks, recompute=frozenset(layers), s_p=self.s_p,
                               s_g=self.s_g, s_os=self.s_os,
-                              extra=(("cp", self.cp),) if self.cp > 1 else ())
+                              extra=(("cp", self.cp),) if self.cp > 1 else (),
+                              recompute_granularity=self.granularity)
 
     @property
     def name(self) -> str:
-        r = ((f" recompute({len(self.recomputed)} units)" if self.recomputed else " recompute")
-             if self.recompute else "")
+        g = "selective" if self.granularity == "selective" else ""
+        r = ((f" recompute({g + ', ' if g else ''}{len(self.recomputed)} units)" if self.recomputed
+              else f" recompute({g})" if g else " recompute") if self.recompute else "")
         v = f" v={self.chunks}" if self.chunks > 1 else ""
         cp = f" cp={self.cp}" if self.cp > 1 else ""
         return (f"pp={self.pp} dp={self.dp} tp={self.tp}{cp} b={self.microbatch} m={self.microbatches} "
@@ -407,14 +415,18 @@ def _zero_options(d: int, only: Mapping, spmd: bool, d0: int = 1,
 def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
            options: PlannerOptions | None = None, schedules: Sequence[str] = SCHEDULES,
            pps: Sequence[int] | None = None, tps: Sequence[int] | None = None,
-           microbatches: Sequence[int] | None = None, recompute: Sequence[bool] = (False, True),
+           microbatches: Sequence[int] | None = None,
+           recompute: Sequence[bool | str] = (False, True, "selective"),
            only: Mapping | None = None, keep: int = 8, devices: int | None = None,
            cps: Sequence[int] | None = None) -> SearchResult:
     """Search the configurations of the module docstring for ``gm`` captured with
     ``probe_batch`` samples per replica, a global batch of ``batch``, on ``cluster``
     (``devices``: how many of its devices, default all). ``pps``/``tps``/``cps``/``microbatches``
     restrict the degrees tried (``microbatches``: per-replica microbatch sizes ``b``; ``cps``:
-    context-parallel degrees, by default :func:`cp_degrees`);
+    context-parallel degrees, by default :func:`cp_degrees`); ``recompute``: the
+    recomputation tried (``False``; ``True``, every layer in full; ``"selective"``, every layer
+    at that granularity, priced where the same configuration without recomputation is over
+    the budget: within it selective only adds work);
     ``only``: a user tuple (``{"tp": 8, "pp": 16, "dp": 8, "microbatch": 1, "schedule":
     "interleaved", "chunks": 2, "recompute": True, "s_g": 1, "s_os": 8}``; missing keys are
     searched). Every configuration is enumerated (:func:`_configurations`) and priced by the
@@ -463,7 +475,7 @@ class _Space:
     tps: list[int]
     pps: list[int]
     schedules: list[str]
-    recompute: list[bool]
+    recompute: list[bool | str]
     microbatches: Sequence[int] | None
     #: context-parallel degrees tried (1 always unless the user fixed one) and why not more
     cps: list[int] = field(default_factory=lambda: [1])
@@ -553,7 +565,7 @@ def _space(gm: fx.GraphModule, cluster, *, batch, probe_batch, devices, only, tp
     if any(str(x) in PLACEMENT_OF for x in scheds) and only.get("chunks", 2) != 2:
         raise PlanError(f"plan={only}: {only.get('schedule')} places two chunks per pipeline "
                         f"rank in a V, not {only['chunks']}")
-    recs = [bool(only["recompute"])] if "recompute" in only else list(recompute)
+    recs = [only["recompute"]] if "recompute" in only else list(recompute)
     why = ""
     if "cp" in only:
         cps = [_check_cp(gm, only, n_dev)]
@@ -600,7 +612,7 @@ class _Shape:
     starts: tuple[int, ...]
     scale: float
     sync: Callable[[float], float] | None
-    recompute: tuple[bool, ...]
+    recompute: tuple[bool | str, ...]
     states: tuple[tuple[int, int, int], ...]
 
     @property
@@ -752,20 +764,24 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
     ranks = tuple(chunk_rank(k, p, PLACEMENT_OF.get(s.schedule, "loop")) for k in range(n))
     mine = rank_chunks(range(n), p, ranks)
     tmp = 2 * BUCKET + max(u.act for u in us) * s.scale  # buckets, one unit's backward
-    # the one memory function's chunks, without and with recomputation
+    # the one memory function's chunks, without and with recomputation (at each granularity)
     ccs = {rc: chunk_costs(us, s.starts, s.scale, pricing.recomputable[s.key] if rc else (), s.sync,
-                           microbatch_overhead(pricing.cluster))
-           for rc in (False, True)}
+                           microbatch_overhead(pricing.cluster),
+                           "selective" if rc == "selective" else "full")
+           for rc in {False, *s.recompute}}
     xfer = 2 * sum(_xfer(ccs[False][k].out, k, p, s.replicas, s.t, pricing.cluster)
                    for k in range(n - 1) if ranks[k] != ranks[k + 1])   # a V turns in place
     fl = [in_flight(s.schedule, r, p, s.m, s.v) for r in range(p)]
     layers_by = {}   # AMSP's L per s_p: the gather groups (a norm rides with the next unit)
     part = None  # partial recomputation tables, built when first needed
-    for rc in s.recompute:
+    fits: dict[tuple[int, int, int], bool] = {}   # per state factors: fits without recomputation
+    for rc in sorted(s.recompute, key=lambda r: (r != False, str(r))):  # noqa: E712 (False first)
         ch = ccs[rc]
         phi = [sum(ch[k].params for k in mine[r]) for r in range(p)]
         red = [sum(ch[k].reduce for k in mine[r]) for r in range(p)]
         for s_p, s_g, s_os in s.states:
+            if rc == "selective" and fits.get((s_p, s_g, s_os)):
+                continue
             if s_p not in layers_by:
                 layers_by[s_p] = zero_units(ccs[False], p, pricing.zero_style,
                                             tiny_params(s_p, pricing.precision), ranks)
@@ -785,8 +801,11 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
                                     pricing.state_bytes, ranks)
             tail = (max(sum(R[k] for k in mine[r]) for r in range(p)) + max(opt)
                     + max(d.t_os1 for d in dpr))
-            c = Candidate(p, s.d, s.t, s.b, s.m, s.schedule, s.v, rc, s_g, s_os, est_o + tail,
-                          max(mems), est_o, dpt, s.starts, s_p=s_p, cp=s.c)
+            c = Candidate(p, s.d, s.t, s.b, s.m, s.schedule, s.v, bool(rc), s_g, s_os, est_o + tail,
+                          max(mems), est_o, dpt, s.starts, s_p=s_p, cp=s.c,
+                          granularity="selective" if rc == "selective" else "full")
+            if rc is False:
+                fits[s_p, s_g, s_os] = c.memory <= pricing.budget
             some = None
             if pricing.partial and not rc and not c.memory <= pricing.budget:
                 part = part or _partial_tables(us, s.starts, p, s.scale, fl, ranks)

@@ -38,8 +38,8 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.config import ParallelConfig
 from fxpar.layers import layer_of
-from fxpar.cost.compute import node_dispatches, op_overheads
-from fxpar.cost.memory import STATE_BYTES_PER_PARAM, model_state_bytes, reduce_scale
+from fxpar.cost.compute import Saves, node_dispatches, op_overheads, saves_of
+from fxpar.cost.memory import STATE_BYTES_PER_PARAM, model_state_bytes, reduce_scale, selective_keeps
 from fxpar.cost.overlap import coalesced_pricer
 from fxpar.cost.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from fxpar.cost.pipeline import in_flight_microbatches
@@ -137,7 +137,8 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
                 if a.name in unit_of:
                     last_use[a.name] = max(last_use.get(a.name, -1), i)
     acc = [dict(fwd=0.0, bwd=0.0, fwd_fixed=0.0, bwd_fixed=0.0, act=0.0, params=0.0, out=0.0,
-                fwd_lat=0.0, bwd_lat=0.0, tensors=0) for _ in us]
+                fwd_lat=0.0, bwd_lat=0.0, tensors=0, sel_act=0.0, sel_fwd=0.0, sel_lat=0.0)
+           for _ in us]
     users: dict[str, set[int]] = {}
     for i, (_, unodes) in enumerate(us):
         for nd in unodes:
@@ -169,9 +170,19 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
             # the per-op host work of its kernels and backward nodes (op_time's dispatches)
             kf, kb = (node_dispatches(nodes[n.name], requires_grad=flags) or (1, 1)
                       if counted else (1, 1))
-            a["fwd_lat"] += min(n.fwd_time, max(kf, 1) * fixed_f) if n.fwd_time > 0 else 0.0
+            lat_f = min(n.fwd_time, max(kf, 1) * fixed_f) if n.fwd_time > 0 else 0.0
+            a["fwd_lat"] += lat_f
             a["bwd_lat"] += min(n.bwd_time, max(kb, 1) * fixed_b) if n.bwd_time > 0 else 0.0
             a["act"] += n.memory
+            # selective recomputation: what it keeps of this node, or re-runs
+            nd = nodes[n.name]
+            ndims = [a_.meta[ir.VAL].dim() for a_ in nd.all_input_nodes
+                     if isinstance(a_.meta.get(ir.VAL), torch.Tensor)]
+            if nd.op == "call_function" and selective_keeps(nd.target, ndims):
+                a["sel_act"] += _kept_local_bytes(nd, n.outputs[0], shape)
+            else:
+                a["sel_fwd"] += n.fwd_time
+                a["sel_lat"] += lat_f
     # activation gradients summed over the batch: reduced over the replicas, priced by the
     # configuration (the search's probe has no replica axis to show them)
     batch = _batch_derived(gm)
@@ -192,6 +203,7 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
     # a unit's parameter collectives of one kind and axis run as one (the runtime gathers a
     # layer's parameters together and reduces its gradients in buckets): priced coalesced
     coalesced: dict[tuple, list] = {}
+    kept_edges: set[tuple[str, str]] = set()
     for e in plan.edges:
         fixed = e.producer in params
         keep_replica = not fixed and (e.direction == "fwd" or (e.producer, e.consumer) not in sync)
@@ -205,6 +217,10 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
         if d == "fwd" and e.producer in inputs:
             early.append((u, steps))
             continue
+        if d == "fwd" and steps and (e.producer, e.dst_spec) not in kept_edges:
+            # an activation's collective: selective recomputation keeps what it delivered
+            kept_edges.add((e.producer, e.dst_spec))
+            acc[u]["sel_act"] += _local_bytes(nodes[e.producer].meta.get(ir.VAL), e.dst_spec, shape)
         acc[u][d] += sum(s.time for s in steps)
         acc[u][d + "_lat"] += sum(min(lat(s), s.time) for s in steps)
     for u, steps in early:   # started at the top: hidden behind the units before its use
@@ -223,6 +239,23 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
             acc[k]["out"] += nb
     return [UnitCost(lay, nodes_[0].name, **a, reused=tuple(r), replica_grads=tuple(g))
             for (lay, nodes_), a, r, g in zip(us, acc, reused, grads)]
+
+
+def _local_bytes(val, spec: str, mesh_shape) -> float:
+    """Bytes of one device's piece of ``val`` laid out as ``spec`` (0 for a non-tensor)."""
+    if not isinstance(val, torch.Tensor):
+        return 0.0
+    return float(Spec.parse(spec).local_numel(tuple(val.shape), mesh_shape) * val.dtype.itemsize)
+
+
+def _kept_local_bytes(node: fx.Node, spec: str, mesh_shape) -> float:
+    """What selective recomputation keeps of ``node`` on one device: its output, and an
+    attention kernel's fp32 logsumexp (one per output row) beside it."""
+    val = node.meta.get(ir.VAL)
+    out = _local_bytes(val, spec, mesh_shape)
+    if out and saves_of(node.target) is Saves.QKVO:
+        out += 4 * out / val.dtype.itemsize / max(1, int(val.shape[-1]))
+    return out
 
 
 def _cluster_of(plan):
@@ -312,7 +345,7 @@ def price_config(config: ParallelConfig, us: Sequence[UnitCost], starts: Sequenc
     p, m, v = config.pp, config.microbatches, config.chunks
     rec = recomputed_units(us, config.recompute) if recomputed is None else recomputed
     chunks = chunk_costs(us, starts, scale, rec, replica_allreduce(config, cluster),
-                         microbatch_overhead(cluster))
+                         microbatch_overhead(cluster), config.recompute_granularity)
     sched = schedule or Schedule.build(str(config.schedule), stages=p, microbatches=m, chunks=v)
     d0, d1 = replica_grid(config.replicas, p, config.tp, cluster)
     style = getattr(options, "zero_style", "flat")
