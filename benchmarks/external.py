@@ -25,11 +25,15 @@ config on ``meta``, bf16, sequence 8192, AdamW with fp32 master states):
   parameters with fp32 masters: 82.6 ms per step; predicted by ``plan="dp"`` on the
   ``dgx-h100`` preset with the H200's memory and bandwidth (as ``benchmarks/gpu.py`` does).
 
-**Selective checkpointing** recomputes part of the forward, which the search cannot express
-(it recomputes whole units or none): those rows are priced both ways, full checkpointing
-(more recomputation than the run: a lower bound) and none (an upper bound, memory ignored
-where it would not fit), and the check is that the published figure lies between them; the
-error printed is the nearer bound's.
+**Selective checkpointing.** torchtitan's two selective modes are not fxpar's: "per-layer"
+recomputes every other layer whole, "per-op" keeps the outputs of every other matmul and of
+attention and recomputes the rest; fxpar's selective granularity keeps every GEMM's output
+(``recompute="selective"``, :func:`fxpar.cost.memory.selective_keeps`). Both of torchtitan's
+recompute more than fxpar's selective and less than full checkpointing, so those rows are
+priced three ways: full (a lower bound), fxpar's selective (the upper bound, within the
+device's memory) and none (shown; memory ignored where it would not fit). The check is that
+the published figure lies between full and selective; the error printed is the nearer
+bound's.
 
     python benchmarks/external.py [--out F]
 """
@@ -89,7 +93,7 @@ def _capture(shape, seq, cache={}):  # noqa: B006 — one capture per shape
 
 
 def price(row) -> dict:
-    """Tokens/s/GPU of one row, full and no recomputation where it is selective."""
+    """Tokens/s/GPU of one row; a selective row's bounds (module docstring)."""
     name, source, shape, seq, preset, nodes, batch, dp, rec, pub = row
     gm = _capture(shape, seq)
     cl = fxpar.Cluster.preset(preset, nodes=nodes)
@@ -97,14 +101,15 @@ def price(row) -> dict:
     only = dict(tp=1, pp=1, dp=dp, s_p=dp, s_g=dp, s_os=dp, microbatch=batch // dp)
     out = dict(source=source, published=pub, preset=preset, gpus=gpus, batch=batch, seq=seq,
                recompute=rec)
-    for way in (("full", "none") if rec == "selective" else (rec,)):
-        # an upper bound is priced whatever memory it would take
+    for way in (("full", "selective", "none") if rec == "selective" else (rec,)):
+        # no recomputation is priced whatever memory it would take
         opts = fxpar.PlannerOptions(memory_budget=math.inf) if way == "none" else None
-        c = search(gm, cl, batch=batch, only=dict(only, recompute=way == "full"), options=opts).best
+        r = {"full": True, "none": False}.get(way, way)
+        c = search(gm, cl, batch=batch, only=dict(only, recompute=r), options=opts).best
         out[way] = dict(tokens_per_s=batch * seq / (c.step * gpus), step_s=c.step, config=c.name,
                         memory_gib=c.memory / GiB)
     if rec == "selective":
-        lo, hi = out["full"]["tokens_per_s"], out["none"]["tokens_per_s"]
+        lo, hi = out["full"]["tokens_per_s"], out["selective"]["tokens_per_s"]
         out["within_bounds"] = lo <= pub <= hi
         out["error"] = 0.0 if out["within_bounds"] else min((lo / pub - 1, hi / pub - 1), key=abs)
     else:
@@ -140,16 +145,16 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     rows = {}
-    print(f"{'row':28s} {'published':>9s} {'full AC':>8s} {'no AC':>8s}  error  config")
+    print(f"{'row':28s} {'published':>9s} {'full AC':>8s} {'sel. AC':>8s} {'no AC':>8s}  error  config")
     for row in ROWS:
         r = rows[row[0]] = price(row)
-        full, none = r.get("full", {}), r.get("none", {})
-        cfg = (full or none)["config"]
-        print(f"{row[0]:28s} {r['published']:>9.0f} {full.get('tokens_per_s', float('nan')):>8.0f} "
-              f"{none.get('tokens_per_s', float('nan')):>8.0f} {r['error']:+6.0%}  {cfg}", flush=True)
+        tps = [r.get(w, {}).get("tokens_per_s", float("nan")) for w in ("full", "selective", "none")]
+        cfg = next(r[w]["config"] for w in ("full", "selective", "none") if w in r)
+        print(f"{row[0]:28s} {r['published']:>9.0f} " + " ".join(f"{x:>8.0f}" for x in tps)
+              + f" {r['error']:+6.0%}  {cfg}", flush=True)
     h = rows["fxpar H200 step"] = price_h200()
     print(f"{'fxpar H200 step (ms)':28s} {h['published_ms']:>9.1f} {h['predicted_ms']:>8.1f} "
-          f"{'':>8s} {h['error']:+6.0%}  plan dp, one device")
+          f"{'':>17s} {h['error']:+6.0%}  plan dp, one device")
     errs = sorted(abs(r["error"]) for r in rows.values())
     summary = dict(rows=len(rows), median_abs_error=errs[len(errs) // 2],
                    max_abs_error=errs[-1], total_s=round(time.perf_counter() - t0, 1),

@@ -313,11 +313,13 @@ def test_pipeline_2_ranks(pools, name, schedule, m, p):
 
 
 @pytest.mark.timeout(300)
-def test_pipeline_selective(pools):
-    """Selective granularity per microbatch in a pipeline (1F1B, pp=2, dropout): the
-    recomputed masks and the kept outputs give the plain runner's training."""
-    _agree([[x] for x in pools(2).run(run_pipe, "drop", {"pp": 2}, "1f1b", 4, "all", "auto",
-                                      0.2, 1, 4, 3, "selective")])
+@pytest.mark.parametrize("name,schedule,p", [("drop", "1f1b", 0.2), ("gpt", "zb-h1", 0.0)])
+def test_pipeline_selective(pools, name, schedule, p):
+    """Selective granularity per microbatch in a pipeline (pp=2; with dropout, and with the
+    zero-bubble schedule's split backward): the recomputed masks and the kept outputs give
+    the plain runner's training (and, without dropout, one process's)."""
+    _agree([[x] for x in pools(2).run(run_pipe, name, {"pp": 2}, schedule, 4, "all", "auto",
+                                      p, 1, 4, 3, "selective")])
 
 
 @pytest.mark.timeout(400)
