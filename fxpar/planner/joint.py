@@ -425,8 +425,9 @@ def search(gm: fx.GraphModule, cluster, *, batch: int, probe_batch: int = 1,
     restrict the degrees tried (``microbatches``: per-replica microbatch sizes ``b``; ``cps``:
     context-parallel degrees, by default :func:`cp_degrees`); ``recompute``: the
     recomputation tried (``False``; ``True``, every layer in full; ``"selective"``, every layer
-    at that granularity, priced where the same configuration without recomputation is over
-    the budget: within it selective only adds work);
+    at that granularity, priced where the same configuration is over the budget without
+    recomputation and within it with full recomputation: elsewhere it only adds work, or
+    cannot fit either);
     ``only``: a user tuple (``{"tp": 8, "pp": 16, "dp": 8, "microbatch": 1, "schedule":
     "interleaved", "chunks": 2, "recompute": True, "s_g": 1, "s_os": 8}``; missing keys are
     searched). Every configuration is enumerated (:func:`_configurations`) and priced by the
@@ -774,13 +775,16 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
     fl = [in_flight(s.schedule, r, p, s.m, s.v) for r in range(p)]
     layers_by = {}   # AMSP's L per s_p: the gather groups (a norm rides with the next unit)
     part = None  # partial recomputation tables, built when first needed
-    fits: dict[tuple[int, int, int], bool] = {}   # per state factors: fits without recomputation
+    # per (recomputation, state factors): whether it fits; selective keeps more than full and
+    # less than none, so it is priced only where none is over the budget and full is not
+    fits: dict[tuple, bool] = {}
     for rc in sorted(s.recompute, key=lambda r: (r != False, str(r))):  # noqa: E712 (False first)
         ch = ccs[rc]
         phi = [sum(ch[k].params for k in mine[r]) for r in range(p)]
         red = [sum(ch[k].reduce for k in mine[r]) for r in range(p)]
         for s_p, s_g, s_os in s.states:
-            if rc == "selective" and fits.get((s_p, s_g, s_os)):
+            if rc == "selective" and (fits.get((False, s_p, s_g, s_os))
+                                      or fits.get((True, s_p, s_g, s_os)) is False):
                 continue
             if s_p not in layers_by:
                 layers_by[s_p] = zero_units(ccs[False], p, pricing.zero_style,
@@ -804,8 +808,7 @@ def _price(s: _Shape, pricing: _Pricing) -> Iterator[tuple[Candidate, Candidate 
             c = Candidate(p, s.d, s.t, s.b, s.m, s.schedule, s.v, bool(rc), s_g, s_os, est_o + tail,
                           max(mems), est_o, dpt, s.starts, s_p=s_p, cp=s.c,
                           granularity="selective" if rc == "selective" else "full")
-            if rc is False:
-                fits[s_p, s_g, s_os] = c.memory <= pricing.budget
+            fits[rc, s_p, s_g, s_os] = c.memory <= pricing.budget
             some = None
             if pricing.partial and not rc and not c.memory <= pricing.budget:
                 part = part or _partial_tables(us, s.starts, p, s.scale, fl, ranks)
