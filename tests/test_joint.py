@@ -396,6 +396,17 @@ def test_recomputation_keeps_each_units_inputs_and_rebuilds_one_unit(gpt):
     assert rc.memory < full.memory
 
 
+def _none_and_every(gm):
+    """One SPMD shape of the GPT on a DGX A100 (microbatch 8, no state sharding) and its
+    candidates without recomputation and recomputing every layer."""
+    cl = fxpar.Cluster.preset("dgx-a100")
+    only = dict(pp=1, tp=1, microbatch=8, s_g=1, s_os=1)
+    res = search(gm, cl, batch=64, only=only, keep=50)
+    none = next(c for c in res.ranked if not c.recompute)
+    every = next(c for c in res.ranked if c.recompute and not c.recomputed)
+    return cl, only, none, every
+
+
 def test_selective_recomputation_keeps_what_the_runtime_keeps(gpt):
     """``recompute="selective"``: each recomputed unit keeps its input and what selective
     recomputation keeps of it (``sel_act``: its GEMMs' and attention's outputs), by hand as
@@ -406,11 +417,7 @@ def test_selective_recomputation_keeps_what_the_runtime_keeps(gpt):
     from fxpar.cost.memory import recompute_memory
 
     model, gm = gpt
-    cl = fxpar.Cluster.preset("dgx-a100")
-    only = dict(pp=1, tp=1, microbatch=8, s_g=1, s_os=1)
-    res = search(gm, cl, batch=64, only=only, keep=50)
-    none = next(c for c in res.ranked if not c.recompute)
-    every = next(c for c in res.ranked if c.recompute and not c.recomputed)
+    cl, only, none, every = _none_and_every(gm)
     sel = search(gm, cl, batch=64, only=dict(only, recompute="selective")).best
     assert sel.recompute and sel.granularity == "selective" and "recompute(selective)" in sel.name
     us, _ = unit_costs(gm, fxpar.Mesh(cl, dp=1))
@@ -438,11 +445,7 @@ def test_partial_recomputation_is_the_cheapest_subset_that_fits(gpt):
     cheapest over every subset of the named units that fits (brute force), and it is faster
     than recomputing everything. The plan lists exactly those layers for the runner."""
     model, gm = gpt
-    cl = fxpar.Cluster.preset("dgx-a100")
-    only = dict(pp=1, tp=1, microbatch=8, s_g=1, s_os=1)
-    res = search(gm, cl, batch=64, only=only, keep=50)
-    none = next(c for c in res.ranked if not c.recompute)
-    every = next(c for c in res.ranked if c.recompute and not c.recomputed)
+    cl, only, none, every = _none_and_every(gm)
     budget = (none.memory + every.memory) / 2
     opts = fxpar.planner.PlannerOptions(memory_budget=budget)
     best = search(gm, cl, batch=64, only=only, options=opts).best
