@@ -187,7 +187,8 @@ def rows() -> list[Row]:
     n, B, s = 1024, 1024, 4096
     for name, h, l, heads, ffn, own, p_amsp, p_z1, p_z3 in R.AMSP_ROWS:
         key = ("llama", h, l, heads, ffn, s)
-        flat = dict(tp=1, pp=1, dp=n, microbatch=1)
+        # AMSP §VI (Table IV): full recomputation for LLaMA-30B, none for 7B and 13B
+        flat = dict(tp=1, pp=1, dp=n, microbatch=1, recompute=name == "llama-30b")
         work = None  # set after capture (needs the parameter count)
         for sysname, pub, only in (("amsp", p_amsp, dict(flat, s_p=own[0], s_g=own[1], s_os=own[2])),
                                    ("zero1", p_z1, dict(flat, s_p=1, s_g=1, s_os=n)),

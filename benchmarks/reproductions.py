@@ -243,7 +243,8 @@ def table3() -> list[dict]:
             warnings.simplefilter("ignore")
             gm = fxpar.capture(model, (torch.zeros(1, s, dtype=torch.long, device="meta"),))
         model_flops = B * s * (6 * phi + 12 * l * h * s)
-        flat = dict(tp=1, pp=1, dp=n, microbatch=1)
+        # AMSP §VI (Table IV): full recomputation for LLaMA-30B, none for 7B and 13B
+        flat = dict(tp=1, pp=1, dp=n, microbatch=1, recompute=name == "llama-30b")
         cases = {"zero1": dict(flat, s_p=1, s_g=1, s_os=n), "zero3": dict(flat, s_p=n, s_g=n, s_os=n),
                  "auto": None}
         if own:

@@ -399,7 +399,7 @@ PHYSICS_SOURCES: dict[str, str] = {
         "gemm_tile 256x128 and tile quantization: NVIDIA, Matrix Multiplication Background "
         "User's Guide (its A100 examples). gemm_efficiency 0.626, attention_efficiency 0.626: "
         "fitted to 8 of 37 published A100 training rows of the four seeds "
-        "(benchmarks/published.py; held-out median error 6.2%); microbatch_overhead 0: not "
+        "(benchmarks/published.py; held-out median error 6.9%); microbatch_overhead 0: not "
         "fitted (no published figure isolates it). memory_efficiency 0.85: STREAM-type kernels reach "
         "85-90% of A100 HBM bandwidth. intra_comm_efficiency 0.77: nccl-tests all-reduce bus "
         "bandwidth ~230 GB/s of NVLink3's 300 GB/s per direction on DGX A100; "
