@@ -77,7 +77,8 @@ def _build(name: str, p: float = 0.2, n_layers: int = 2):
                 nn.functional.mse_loss)
     from examples.models import GPT
 
-    m = GPT(vocab=64, d_model=32, n_heads=4, n_layers=n_layers, seq_len=16)
+    m = GPT(vocab=64, d_model=32, n_heads=4, n_layers=n_layers, seq_len=16,
+            attention="math" if name == "gpt-math" else "sdpa")
     idx = torch.randint(0, 64, (8, 16))
     return m, (idx, idx.roll(1, 1)), (), None
 
@@ -198,6 +199,17 @@ def test_gpt_megatron_one_layer(pools):
     """Attention block recomputed alone (``blocks.1``), the other kept: parity with one
     process and the plain runner."""
     res = _agree(pools(2).run(run_spmd, "gpt", "megatron", {"tp": 2}, 0.0, ["blocks.1"]))
+    for _, (with_rc, without), _, _ in res:
+        assert with_rc < without, (with_rc, without)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("granularity", ["full", "selective"])
+def test_gpt_math_attention(pools, granularity):
+    """The attention written out: each block's causal mask is a constant the capture folds
+    (``get_attr``) and places apart from its block; it belongs to no recomputed region (it
+    made every block after the first non-contiguous). Parity with one process, fewer bytes."""
+    res = _agree(pools(2).run(run_spmd, "gpt-math", "dp", {"dp": 2}, 0.0, "all", 3, granularity))
     for _, (with_rc, without), _, _ in res:
         assert with_rc < without, (with_rc, without)
 

@@ -71,6 +71,7 @@ recompute: unknown layer 'blocks.7'; the program's layers: ['blocks.0', 'blocks.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -228,7 +229,10 @@ class Recompute:
         self._placeholders = [n for n in nodes if n.op == "placeholder"]
         out = next(iter(gm.graph.find_nodes(op="output")))
         self._out_args = out.args[0]
-        body = [n for n in nodes if n.op not in ("placeholder", "output")]
+        # constants (get_attr: a folded causal mask, say) belong to no region: read once per
+        # call and handed to the segments as inputs, wherever the graph placed them
+        self._constants = [n for n in nodes if n.op == "get_attr"]
+        body = [n for n in nodes if n.op not in ("placeholder", "output", "get_attr")]
         span: dict[str, list[int]] = {}
         for i, n in enumerate(body):
             if lay[n] in self.layers:
@@ -268,7 +272,7 @@ class Recompute:
         self.segments: list[_Segment] = []
         #: per segment: the values no later segment needs (freed after it ran)
         self._free: list[list[fx.Node]] = []
-        defined = set(self._placeholders)
+        defined = set(self._placeholders) | set(self._constants)
         selective = granularity == "selective"
         for k, (layer, seg) in enumerate(runs):
             mine = set(seg)
@@ -288,6 +292,7 @@ class Recompute:
         from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
         env = dict(zip(self._placeholders, args, strict=True))
+        env.update((c, functools.reduce(getattr, c.target.split("."), self.gm)) for c in self._constants)
         for seg, free in zip(self.segments, self._free):
             ins = [env[x] for x in seg.inputs]
             if seg.layer is None:
@@ -299,8 +304,9 @@ class Recompute:
                 with set_checkpoint_early_stop(False):
                     outs = checkpoint(_Once(self, seg.gm, seg.rec), *ins,
                                       use_reentrant=False, **({"context_fn": sel} if sel else {}))
-                for obs in _OBSERVERS:
-                    obs(ins + (sel.kept() if sel else []))
+                for obs in _OBSERVERS:   # the activations it keeps (constants are the model's)
+                    obs([x for x, n in zip(ins, seg.inputs) if n.op != "get_attr"]
+                        + (sel.kept() if sel else []))
             del ins
             env.update(zip(seg.outputs, outs))
             for x in free:
