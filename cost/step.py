@@ -185,7 +185,8 @@ def chunk_costs(units: Sequence[UnitCost], starts: Sequence[int], scale: float =
         idx = range(bounds[k], bounds[k + 1])
         us = [units[u] for u in idx]
         ufwd = tuple(u.forward(scale) + (overhead if j == 0 else 0.0) for j, u in enumerate(us))
-        ubwd = tuple(units[u].backward(scale) + (units[u].recompute(scale, granularity) if u in rec else 0.0)
+        ubwd = tuple(units[u].backward(scale)
+                     + (units[u].recompute(scale, granularity) if u in rec else 0.0)
                      + (sum(replica_reduce(b) for b in units[u].replica_grads) if replica_reduce else 0.0)
                      + (overhead if u == bounds[k + 1] - 1 else 0.0)
                      for u in idx)

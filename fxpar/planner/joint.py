@@ -25,8 +25,8 @@ holds chunks ``r`` and ``2p−1−r``, :func:`fxpar.schedule.chunk_rank`); recom
 every layer, of none, or (over the budget without it) of each rank's cheapest set of units
 that fits (:func:`_partial_tables`), or of every layer at the selective granularity (over
 the budget without recomputation: each layer keeps its GEMMs', attention kernels' and
-collectives' outputs and re-runs the rest, ``UnitCost.sel_act``/``sel_fwd``); AMSP's factors ``(s_p, s_g, s_os)``
-over ``d``: DDP ``(1, 1, 1)``, ZeRO-1 ``(1, 1, d)``, ZeRO-2 ``(1, d, d)``, their partial forms
+collectives' outputs and re-runs the rest, ``UnitCost.sel_act``/``sel_fwd``); AMSP's
+factors ``(s_p, s_g, s_os)`` over ``d``: DDP ``(1, 1, 1)``, ZeRO-1 ``(1, 1, d)``, ZeRO-2 ``(1, d, d)``, their partial forms
 inside a node ``(1, 1, d₀)``, ``(1, d₀, d₀)``, ZeRO-3 ``(d, d, d)`` (with microbatches its
 gathers are paid per microbatch) and, for one SPMD step (``p = 1``, ``m = 1``), parameters
 sharded inside groups of ``s_p`` replicas (HSDP / MiCS, AMSP's intra-node ``s_p``;
