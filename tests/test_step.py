@@ -29,6 +29,22 @@ def test_chunk_costs_by_hand():
     assert (b.fwd, b.bwd, b.act, b.rebuilt) == (6.0, 12.0 + 6.0, 8.0, 60.0)
 
 
+def test_selective_chunk_costs_by_hand():
+    """Selective recomputation: a recomputed unit keeps its input and ``sel_act``, and its
+    backward re-runs ``sel_fwd`` (its fixed part ``sel_lat`` not scaled) and its parameters'
+    gathers (``fwd_fixed``), not its whole forward."""
+    import dataclasses
+
+    us = [dataclasses.replace(_unit("a", 1, 2, 10, 5, 3), sel_act=4.0, sel_fwd=0.4),
+          dataclasses.replace(_unit("b", 2, 4, 20, 7, 4), sel_act=6.0, sel_fwd=0.5, sel_lat=0.1,
+                              fwd_fixed=0.25)]
+    (c,) = chunk_costs(us, (0,), scale=2.0, recomputed={1}, granularity="selective")
+    assert c.bwd == 2 * 2 + 4 * 2 + ((0.5 - 0.1) * 2 + 0.1 + 0.25)
+    assert c.act == 2 * (10 + 3 + 6)   # unit 0 all it saves, unit 1 its input and what it keeps
+    (f,) = chunk_costs(us, (0,), scale=2.0, recomputed={1})
+    assert f.bwd == 2 * 2 + 4 * 2 + (2 * 2 + 0.25) and f.act == 2 * (10 + 3)
+
+
 def test_reused_parameters_counted_in_every_chunk_that_holds_a_copy():
     emb = UnitCost("emb", "e", 1, 1, 0, 0, 1, params=100, out=1)
     head = UnitCost("head", "h", 1, 1, 0, 0, 1, params=0, out=1, reused=(("p_w", 0, 100.0),))
