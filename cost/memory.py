@@ -37,6 +37,7 @@ forward.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections.abc import Callable, Iterable, Sequence
@@ -65,6 +66,7 @@ __all__ = [
     "recompute_memory",
     "GRANULARITIES",
     "selective_keeps",
+    "kept_bytes",
     "schedule_activation_peak",
     "stage_peak_memory",
     "in_flight_microbatches",
@@ -487,13 +489,19 @@ def selective_keeps(target, ndims: Sequence[int] = (), *, gathers_param: bool = 
     >>> selective_keeps(aten.matmul.default, (3, 2)), selective_keeps(aten.matmul.default, (4, 4))
     (True, False)
     """
+    name = None if gathers_param else _kept_name(target)
+    return name is not None and (name != "matmul" or min(ndims, default=3) <= 2)
+
+
+@functools.lru_cache(maxsize=None)
+def _kept_name(target) -> str | None:
+    """``target``'s op name if :data:`_KEEPS` names it (per op, once: the runtime asks on
+    every op a recomputed region dispatches)."""
     packet = target.overloadpacket if isinstance(target, torch._ops.OpOverload) else target
     if not isinstance(packet, torch._ops.OpOverloadPacket):
-        return False
+        return None
     name = packet.__name__
-    if gathers_param or name not in _KEEPS.get(packet._qualified_op_name.split("::")[0], ()):
-        return False
-    return name != "matmul" or min(ndims, default=3) <= 2
+    return name if name in _KEEPS.get(packet._qualified_op_name.split("::")[0], ()) else None
 
 
 def _gathers_param(n: fx.Node, edges) -> bool:
@@ -507,13 +515,15 @@ def _gathers_param(n: fx.Node, edges) -> bool:
     return e is not None and e.gathers_param
 
 
-def _kept_bytes(n: fx.Node) -> int:
-    """What selective recomputation keeps of a node it keeps: its outputs, and an attention
-    kernel's fp32 logsumexp (which its call returns beside the output)."""
+def kept_bytes(n: fx.Node, out: float | None = None) -> float:
+    """What selective recomputation keeps of a node it keeps: its output (``out`` bytes, by
+    default the whole value's; a device's piece under a layout), and beside an attention
+    kernel's output its fp32 logsumexp, one per output row."""
     v = _val(n)
-    out = _nbytes_val(v) if isinstance(v, torch.Tensor) else sum(_nbytes_val(e) for e in v or ())
-    if saves_of(n.target) is Saves.QKVO:
-        out += 4 * math.prod(int(s) for s in _val(n.all_input_nodes[0]).shape[:-1])
+    if out is None:
+        out = _nbytes_val(v) if isinstance(v, torch.Tensor) else sum(_nbytes_val(e) for e in v or ())
+    if out and isinstance(v, torch.Tensor) and saves_of(n.target) is Saves.QKVO:
+        out += 4 * out / v.dtype.itemsize / max(1, int(v.shape[-1]))
     return out
 
 
@@ -614,7 +624,7 @@ def recompute_memory(gm: fx.GraphModule, layers: Iterable[str], *,
                 held[lay].add(r.name)
                 if r.name not in kept:
                     kept.add(r.name)
-                    stash += _kept_bytes(n)
+                    stash += kept_bytes(n)
     flags = grad_flags(gm, requires_grad)
 
     def rebuilt_of(lay: str) -> int:   # what the layer's recomputation saves anew

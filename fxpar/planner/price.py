@@ -38,8 +38,9 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.config import ParallelConfig
 from fxpar.layers import layer_of
-from fxpar.cost.compute import Saves, node_dispatches, op_overheads, saves_of
-from fxpar.cost.memory import STATE_BYTES_PER_PARAM, model_state_bytes, reduce_scale, selective_keeps
+from fxpar.cost.compute import node_dispatches, op_overheads
+from fxpar.cost.memory import (STATE_BYTES_PER_PARAM, kept_bytes, model_state_bytes, reduce_scale,
+                               selective_keeps)
 from fxpar.cost.overlap import coalesced_pricer
 from fxpar.cost.pipeline import SCHEDULES as PIPELINE_SCHEDULES
 from fxpar.cost.pipeline import in_flight_microbatches
@@ -179,7 +180,7 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
             ndims = [a_.meta[ir.VAL].dim() for a_ in nd.all_input_nodes
                      if isinstance(a_.meta.get(ir.VAL), torch.Tensor)]
             if nd.op == "call_function" and selective_keeps(nd.target, ndims):
-                a["sel_act"] += _kept_local_bytes(nd, n.outputs[0], shape)
+                a["sel_act"] += kept_bytes(nd, _local_bytes(nd.meta.get(ir.VAL), n.outputs[0], shape))
             else:
                 a["sel_fwd"] += n.fwd_time
                 a["sel_lat"] += lat_f
@@ -246,16 +247,6 @@ def _local_bytes(val, spec: str, mesh_shape) -> float:
     if not isinstance(val, torch.Tensor):
         return 0.0
     return float(Spec.parse(spec).local_numel(tuple(val.shape), mesh_shape) * val.dtype.itemsize)
-
-
-def _kept_local_bytes(node: fx.Node, spec: str, mesh_shape) -> float:
-    """What selective recomputation keeps of ``node`` on one device: its output, and an
-    attention kernel's fp32 logsumexp (one per output row) beside it."""
-    val = node.meta.get(ir.VAL)
-    out = _local_bytes(val, spec, mesh_shape)
-    if out and saves_of(node.target) is Saves.QKVO:
-        out += 4 * out / val.dtype.itemsize / max(1, int(val.shape[-1]))
-    return out
 
 
 def _cluster_of(plan):

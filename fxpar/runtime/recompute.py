@@ -77,6 +77,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts,
+                                    set_checkpoint_early_stop)
 
 from fxpar.cost.memory import GRANULARITIES, selective_keeps
 from fxpar.errors import FxparError
@@ -84,12 +86,21 @@ from fxpar.layers import layer_of, split_repeat
 from fxpar.runtime.bindings import active, current
 from fxpar.runtime.comm import REDISTRIBUTE, START, WAIT
 
-__all__ = ["RecomputeError", "Recompute", "known_layers", "node_layers", "observe", "resolve"]
+__all__ = ["RecomputeError", "Recompute", "check_granularity", "known_layers", "node_layers",
+           "observe", "resolve"]
 
 
 class RecomputeError(FxparError, ValueError):
     """A recomputation request the runtime cannot honour (an unknown layer, a layer whose nodes
     are not contiguous in the rank graph, a combination not supported)."""
+
+
+def check_granularity(granularity: str) -> str:
+    """``granularity`` if it is one of :data:`fxpar.cost.memory.GRANULARITIES`, else a
+    :class:`RecomputeError` naming them."""
+    if granularity not in GRANULARITIES:
+        raise RecomputeError(f"recompute_granularity={granularity!r}: one of {GRANULARITIES}")
+    return granularity
 
 
 def _named(layer: str) -> bool:
@@ -219,8 +230,7 @@ class Recompute:
     ``granularity``: ``"full"`` or ``"selective"`` (module docstring)."""
 
     def __init__(self, gm: fx.GraphModule, layers: Iterable[str], granularity: str = "full") -> None:
-        if granularity not in GRANULARITIES:
-            raise RecomputeError(f"recompute_granularity={granularity!r}: one of {GRANULARITIES}")
+        check_granularity(granularity)
         self.gm = gm
         self.layers = frozenset(layers)
         self.granularity = granularity
@@ -289,8 +299,6 @@ class Recompute:
     def __call__(self, *args):
         if not torch.is_grad_enabled():
             return self.gm(*args)
-        from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
-
         env = dict(zip(self._placeholders, args, strict=True))
         env.update((c, functools.reduce(getattr, c.target.split("."), self.gm)) for c in self._constants)
         for seg, free in zip(self.segments, self._free):
@@ -317,8 +325,6 @@ class Recompute:
 def _keep_policy(ctx, func, *args, **kwargs):
     """Selective recomputation's policy: keep what :func:`~fxpar.cost.memory.selective_keeps`
     names, recompute the rest."""
-    from torch.utils.checkpoint import CheckpointPolicy
-
     ndims = [a.dim() for a in args if isinstance(a, torch.Tensor)]
     param = func in (WAIT, REDISTRIBUTE) and current().edge(args[2 if func is WAIT else 1]).gathers_param
     return (CheckpointPolicy.MUST_SAVE if selective_keeps(func, ndims, gathers_param=param)
@@ -335,8 +341,6 @@ class _Selective:
         self.modes = None
 
     def __call__(self):
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
         self.modes = create_selective_checkpoint_contexts(_keep_policy)
         return self.modes
 

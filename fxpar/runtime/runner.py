@@ -32,7 +32,6 @@ import torch.fx as fx
 import torch.utils._pytree as pytree
 
 from fxpar import ir
-from fxpar.cost.memory import GRANULARITIES
 from fxpar.defaults import BUCKET_BYTES, FIRST_BUCKET_BYTES
 from fxpar.errors import FxparError
 from fxpar.mesh import Mesh
@@ -40,7 +39,8 @@ from fxpar.runtime.bindings import Bindings, bind
 from fxpar.runtime.comm import gathers_params
 from fxpar.runtime.rank import (RankRunner, check_world, clip_grad_norm, loss_prefix, param_uses,
                                 param_layouts)
-from fxpar.runtime.recompute import Recompute, RecomputeError, known_layers, resolve
+from fxpar.runtime.recompute import (Recompute, RecomputeError, check_granularity, known_layers,
+                                    resolve)
 
 __all__ = ["Runner", "TrainingSteps", "replica_group", "check_world", "clip_grad_norm",
            "recompute_layers", "compiled"]
@@ -137,8 +137,7 @@ def recompute_layers(program, recompute, known, granularity: str = "full") -> fr
     (``plan.config.recompute``, what the joint planner writes), checked against the
     program's layers ``known`` (:func:`fxpar.runtime.recompute.resolve`); ``granularity``
     checked against :data:`fxpar.cost.memory.GRANULARITIES`."""
-    if granularity not in GRANULARITIES:
-        raise RecomputeError(f"recompute_granularity={granularity!r}: one of {GRANULARITIES}")
+    check_granularity(granularity)
     if recompute is None:
         cfg = getattr(program.plan, "config", None)
         recompute = sorted(cfg.recompute) if cfg is not None and cfg.recompute else None
