@@ -311,9 +311,59 @@ def _saves_group_stats(n, ins, flags):  # group norm: per (sample, group); insta
     return ins[:1], 2 * STAT_BYTES * norm_stat_rows("group", x.shape, groups=groups)
 
 
+def _given(n: fx.Node) -> dict:
+    """``n``'s arguments by their schema names (positional and keyword)."""
+    schema = getattr(n.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    return dict(zip(names, n.args)) | dict(n.kwargs)
+
+
 def _saves_qkvo(n, ins, flags):
+    """Fused attention: q, k, v, the output and an fp32 logsumexp per query row. With
+    ``dropout_p > 0`` fxpar runs it as math attention with a keyed dropout
+    (``fxpar.keyed_sdpa``, :mod:`fxpar.runtime.keyed`), which keeps q, k and v for its two
+    matmuls, the softmax's probabilities and their dropped copy (``B·H·L·S`` each, in q's
+    dtype) and the bool masks it fills with ``-inf`` (the causal one, a bool ``attn_mask``'s
+    complement); under grouped-query attention the repeated k and v instead of k and v."""
     q = _val(ins[0])
-    return ins[:3] + [n], 4 * math.prod(int(s) for s in q.shape[:-1])  # logsumexp, fp32
+    b = _given(n)
+    if not float(b.get("dropout_p") or 0.0):
+        return ins[:3] + [n], 4 * math.prod(int(s) for s in q.shape[:-1])  # logsumexp, fp32
+    k, v = _val(ins[1]), _val(ins[2])
+    L, S = int(q.shape[-2]), int(k.shape[-2])
+    rows = math.prod(int(s) for s in q.shape[:-1])          # B·H·L
+    extra = 2 * rows * S * q.dtype.itemsize                  # probabilities, dropped
+    mask = b.get("attn_mask")
+    if b.get("is_causal") or "offset" in b:                   # the causal keep-mask
+        extra += L * S
+    if isinstance(mask, fx.Node) and _val(mask).dtype == torch.bool:
+        extra += math.prod(int(s) for s in _val(mask).shape)
+    kept = ins[:1]
+    if b.get("enable_gqa") and q.dim() >= 3 and k.shape[-3] != q.shape[-3]:
+        rep = int(q.shape[-3]) // int(k.shape[-3])
+        extra += rep * (_nbytes_val(k) + _nbytes_val(v))
+    else:
+        kept = ins[:3]
+    return kept, extra
+
+
+def _saves_logits(n, ins, flags):
+    """Vocabulary-parallel cross-entropy (``fxpar.vocab_parallel_cross_entropy``): its
+    logits shard, its target and an fp32 logsumexp per target."""
+    t = _val(ins[1])
+    return ins[:2], 4 * math.prod(int(s) for s in t.shape)
+
+
+#: what fxpar's own graph ops keep for their backward, by op name (a ``fxpar`` op not named
+#: keeps nothing: a collective, a random draw, a dropout whose backward draws its mask again
+#: and the loss's helpers hand their backward shapes only, :mod:`fxpar.runtime.library`)
+_FXPAR_SAVES = {
+    "vocab_parallel_cross_entropy": _saves_logits,
+    "vocab_parallel_log_softmax": lambda n, ins, flags: ([n], 0),
+    "ring_sdpa": _saves_qkvo,
+    "keyed_sdpa": _saves_qkvo,
+    "offset_causal_sdpa": _saves_qkvo,
+}
 
 
 _SAVED = {
@@ -368,10 +418,12 @@ def saved_storage(gm: fx.GraphModule, flags, *, only: Callable[[fx.Node], bool] 
         target = _node_target(n, gm) if n.op != "call_module" else None
         kind = saves_of(target)
         ins = [a for a in n.all_input_nodes if isinstance(_val(a), torch.Tensor)]
-        if kind is None:   # fxpar's own ops hand their backward shapes only (runtime.library)
-            kind = (Saves.PARTNERS if n.op == "call_module" else
-                    Saves.NOTHING if getattr(target, "namespace", None) == "fxpar" else Saves.ALL)
-        chosen, more = _SAVED.get(kind, _saves_nothing)(n, ins, flags)
+        rule = None
+        if kind is None and getattr(target, "namespace", None) == "fxpar":
+            rule = _FXPAR_SAVES.get(getattr(target, "_opname", None), _saves_nothing)
+        elif kind is None:
+            kind = Saves.PARTNERS if n.op == "call_module" else Saves.ALL
+        chosen, more = (rule or _SAVED.get(kind, _saves_nothing))(n, ins, flags)
         if more:
             extra[n] = more
         for a in chosen:
@@ -554,8 +606,9 @@ def recompute_memory(gm: fx.GraphModule, layers: Iterable[str], *,
                      granularity: str = "full") -> RecomputeMemory:
     """Per-layer recomputation's activation bytes for one microbatch (:class:`RecomputeMemory`).
 
-    A layer's node range runs from its first to its last node (:func:`fxpar.layers.layer_of`);
-    a value defined before the range and used in it is an input the layer keeps.
+    A layer's node range runs from its first to its last node (:func:`fxpar.layers.node_layers`,
+    as the runtime cuts them); a value defined before the range and used in it is an input the
+    layer keeps.
 
     >>> import torch
     >>> class Block(torch.nn.Module):
@@ -582,18 +635,19 @@ def recompute_memory(gm: fx.GraphModule, layers: Iterable[str], *,
     >>> rm.stash_bytes // 2048, rm.rebuilt_bytes // 2048   # and each linear's output
     (4, 2)
     """
-    from fxpar.layers import layer_of
+    from fxpar.layers import node_layers
 
     if granularity not in GRANULARITIES:
         raise ValueError(f"recompute_memory: granularity {granularity!r}, one of {GRANULARITIES}")
 
     nodes = list(gm.graph.nodes)
     want = set(layers)
+    owner = node_layers(gm)   # the regions the runtime cuts (a wait belongs to its user's layer)
     span: dict[str, list[int]] = {}
     for i, n in enumerate(nodes):
         if n.op in ("placeholder", "output", "get_attr"):
             continue
-        lay = layer_of(n)
+        lay = owner[n]
         if lay in want:
             span.setdefault(lay, [i, i])[1] = i
     region: dict[fx.Node, str] = {}

@@ -7,6 +7,10 @@ one repeated block. Imported by the planner (tie groups, ``NodePlan.layer``), it
   ``model.layers.17``: a *repeated layer*), else the top-level module (``fc1``), else
   ``(params)`` / ``(inputs)`` / ``(top)``. A parameter's layer comes from its FQN, any other
   node's from ``meta["nn_module_stack"]``.
+* :func:`node_layers`: every node's layer as recomputation owns it: :func:`layer_of`, and a
+  ``fxpar.wait``/``fxpar.redistribute`` the passes inserted (no module of its own) that of its
+  first user (the runtime's :class:`~fxpar.runtime.recompute.Recompute` and the memory model's
+  :func:`~fxpar.cost.memory.recompute_memory` cut regions by it).
 * :func:`repeated_copies`: the copies of each repeated block, ``{template: [(layer, node
   indices), ...]}`` (``"blocks" -> [("blocks.0", [...]), ("blocks.1", [...])]``) in copy order.
 * :func:`template_fqn`: a parameter FQN with its block indices wildcarded, so every copy's
@@ -36,7 +40,7 @@ import torch.fx as fx
 
 from fxpar import ir
 
-__all__ = ["layer_of", "repeated_copies", "split_repeat", "template_fqn"]
+__all__ = ["layer_of", "node_layers", "repeated_copies", "split_repeat", "template_fqn"]
 
 #: ``<template>.<copy index>``: a repeated layer's name
 _REPEAT = re.compile(r"^(.*?)\.(\d+)$")
@@ -84,6 +88,28 @@ def layer_of(node: fx.Node) -> str:
     if node.op == "placeholder":
         return "(params)" if info is not None else "(inputs)"
     return "(top)"
+
+
+def _comm_without_module(n: fx.Node) -> bool:
+    """A ``fxpar.wait``/``fxpar.redistribute`` node (by name: this module sits below the
+    runtime that defines them)."""
+    t = n.target
+    return (n.op == "call_function" and getattr(t, "namespace", None) == "fxpar"
+            and getattr(t, "_opname", None) in ("wait", "redistribute"))
+
+
+def node_layers(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """The layer of every node of ``gm`` for recomputation: :func:`layer_of`, and for a
+    ``wait``/``redistribute`` without a module, the layer of its first user (a chain of such
+    nodes takes its last user's): a layer's region starts with the waits of its own gathered
+    parameters and input, so recomputing it gathers them again rather than keeping them."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    lay = {n: layer_of(n) for n in nodes}
+    for n in reversed(nodes):  # users first
+        if n.users and not is_layer(lay[n]) and _comm_without_module(n):
+            lay[n] = lay[min(n.users, key=pos.get)]
+    return lay
 
 
 def is_layer(name: str) -> bool:

@@ -44,3 +44,39 @@ def test_search_activations_are_the_saved_tensors(name):
     assert predicted == pytest.approx(measured, rel=0.06), (predicted, measured)
     # the plan adds one op's backward (its gradients) on top of what is kept
     assert plan.memory == sum(n.memory for n in plan.nodes) + plan.stats["backward_transient"]
+
+
+def _planned_and_held(p: float):
+    """GPT-2 with every dropout at ``p``: the search's activations and the bytes fxpar's
+    runtime holds after the forward (:class:`fxpar.runtime.memory.SavedBytes`, one rank)."""
+    from fxpar.runtime.memory import SavedBytes
+
+    torch.manual_seed(0)
+    model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4,
+                                           n_positions=64, attn_pdrop=p, resid_pdrop=p,
+                                           embd_pdrop=p)).train()
+    ids = torch.randint(0, 128, (2, 32))
+    gm = fxpar.capture(model, (ids,), {"labels": ids})
+    units, _ = unit_costs(gm, fxpar.Mesh(fxpar.Cluster.local(1), dp=1))
+    prog = fxpar.compile(model, fxpar.Cluster.local(1), (ids,), {"labels": ids},
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    runner = prog.runner()
+    with SavedBytes(exclude=runner.state.values()) as sb:
+        out = runner.forward(ids, labels=ids)   # held while its graph lives
+        held = sb.sample()
+    del out
+    return sum(u.act for u in units), held
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_search_activations_are_what_the_runtime_holds_with_dropout(pools):
+    """GPT-2's default dropouts (0.1) as fxpar trains them: the search's activations are
+    the bytes the runtime holds. Its attention with dropout runs as math attention
+    (``fxpar.keyed_sdpa``), which keeps the ``s×s`` probabilities twice (softmax and
+    dropped), where the fused kernel the search priced before keeps a logsumexp; a dropout
+    keeps no mask (its backward draws it again), where the search priced one byte per
+    element. Before: 7% under at 0.1 (1,040,896 B priced, 1,120,004 held), 5% over at 0."""
+    for p in (0.0, 0.1):
+        predicted, held = pools(1).run(_planned_and_held, p)[0]
+        assert predicted == pytest.approx(held, rel=0.035), (p, predicted, held)

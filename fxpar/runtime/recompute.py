@@ -82,7 +82,7 @@ from torch.utils.checkpoint import (CheckpointPolicy, checkpoint, create_selecti
 
 from fxpar.cost.memory import GRANULARITIES, selective_keeps
 from fxpar.errors import FxparError
-from fxpar.layers import layer_of, split_repeat
+from fxpar.layers import is_layer, node_layers, split_repeat
 from fxpar.runtime.bindings import active, current
 from fxpar.runtime.comm import REDISTRIBUTE, START, WAIT
 
@@ -103,27 +103,10 @@ def check_granularity(granularity: str) -> str:
     return granularity
 
 
-def _named(layer: str) -> bool:
-    return not layer.startswith("(")
-
-
-def node_layers(gm: fx.GraphModule) -> dict[fx.Node, str]:
-    """The layer of every node (module docstring): :func:`~fxpar.layers.layer_of`, and for a
-    ``wait``/``redistribute`` without a module, the layer of its first user."""
-    nodes = list(gm.graph.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
-    lay = {n: layer_of(n) for n in nodes}
-    for n in reversed(nodes):  # users first: a chain of such nodes takes its last user's layer
-        if n.op == "call_function" and n.target in (WAIT, REDISTRIBUTE) and not _named(lay[n]) \
-                and n.users:
-            lay[n] = lay[min(n.users, key=pos.get)]
-    return lay
-
-
 def known_layers(gm: fx.GraphModule) -> set[str]:
     """The named layers whose computation the graph holds (not parameters alone)."""
     return {lay for n, lay in node_layers(gm).items()
-            if n.op not in ("placeholder", "output", "get_attr") and _named(lay)}
+            if n.op not in ("placeholder", "output", "get_attr") and is_layer(lay)}
 
 
 def resolve(recompute, known: Iterable[str], *, prefix: str = "") -> frozenset[str]:
@@ -255,7 +238,7 @@ class Recompute:
         for layer, (a, b) in span.items():
             for i in range(a, b + 1):
                 other = lay[body[i]]
-                if _named(other) and other != layer:
+                if is_layer(other) and other != layer:
                     raise RecomputeError(
                         f"recompute: layer {layer!r} is not contiguous in the rank graph (node "
                         f"{body[i].name!r} of layer {other!r} lies between its first node "

@@ -129,9 +129,10 @@ register(aten.empty_like, aten.rand_like, aten.randn_like, aten.fill, cost=creat
          differentiable=False)(pointwise_rule)
 register(aten.zeros_like, aten.ones_like, aten.full_like, cost=creation_cost, saves="nothing",
          differentiable=False)(pointwise_rule)
-# dropout: exact in distribution only; localized into a shard-keyed mask (dropout_local)
-register(aten.dropout, cost=dropout_cost, saves="mask", local=dropout_local)(pointwise_rule)
-register(aten.native_dropout, cost=dropout_cost, saves="mask")(pointwise_rule)
+# dropout: exact in distribution only; localized into a shard-keyed mask (dropout_local) that
+# its backward draws again (fxpar.sharded_dropout): it keeps nothing for the backward
+register(aten.dropout, cost=dropout_cost, saves="nothing", local=dropout_local)(pointwise_rule)
+register(aten.native_dropout, cost=dropout_cost, saves="nothing")(pointwise_rule)
 
 # Elementwise ops without a record of their own above (those ATen tags pointwise still get the
 # pointwise rule), and the torch-level callables a graph can hold (Python scalar arithmetic).
