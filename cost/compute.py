@@ -402,7 +402,18 @@ def einsum_cost(args, kwargs, out):
     return _gemm(2.0 * n_out * contracted, ops, out)
 
 
+#: passes over the ``B·H·L·S`` scores of math attention with dropout (what fxpar runs for it:
+#: ``fxpar.keyed_sdpa``), forward: written by QKᵀ, scaled, masked, softmax, dropped (read and
+#: written each), read by PV; backward: dP written, dropout, softmax, mask and scale backward
+#: (read and written each), dS read by its two matmuls
+MATH_ATTENTION_PASSES = (11, 12)
+
+
 def sdpa_cost(args, kwargs, out):
+    """Attention ``softmax(QKᵀ)V``: ``4·B·H·L·S·E`` FLOPs forward (two matmuls), twice that
+    backward, at the attention kernel's rate; with ``dropout_p > 0`` (the plain op's fifth
+    argument or keyword) fxpar runs it as math attention (:mod:`fxpar.runtime.keyed`): the
+    same matmuls at the GEMM rate and :data:`MATH_ATTENTION_PASSES` over the scores."""
     q, k, v = args[0], args[1], args[2]
     *batch, L, E = q.shape
     S = k.shape[-2]
@@ -410,6 +421,8 @@ def sdpa_cost(args, kwargs, out):
     bh = math.prod(batch)
     qk = 2.0 * bh * L * S * E
     pv = 2.0 * bh * L * S * Ev
+    p = _arg(args, kwargs, 4, "dropout_p", 0.0)   # a variant's fifth argument may be a flag
+    math_path = isinstance(p, float) and not isinstance(p, bool) and p > 0
     outs = _out_list(out)
     o = outs[0] if outs else TensorArg(tuple(batch) + (L, Ev), q.dtype)
     mask = _arg(args, kwargs, 3, "attn_mask")
@@ -429,6 +442,11 @@ def sdpa_cost(args, kwargs, out):
         bwd += qk
     grads = sum(t.nbytes for t in (q, k, v) if _rg(t))
     bwd_bytes = (q.nbytes + k.nbytes + v.nbytes + 2 * o.nbytes + _nbytes(extra) + grads) if bwd else 0.0
+    if math_path:
+        scores = bh * L * S * q.dtype.itemsize
+        fwd_bytes += MATH_ATTENTION_PASSES[0] * scores
+        bwd_bytes += MATH_ATTENTION_PASSES[1] * scores if bwd else 0.0
+        return OpCost(qk + pv, bwd, fwd_bytes, bwd_bytes, "matmul")
     return OpCost(qk + pv, bwd, fwd_bytes, bwd_bytes, "attention")
 
 

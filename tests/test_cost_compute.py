@@ -284,3 +284,21 @@ def test_dispatches_without_grad_fused_attention_and_unknown_targets():
     g = torch.fx.Graph()
     a = g.placeholder("a")
     assert node_dispatches(a) is None
+
+
+def test_attention_with_dropout_is_priced_as_the_math_attention_fxpar_runs():
+    """``dropout_p > 0``: the runtime runs math attention (``fxpar.keyed_sdpa``), so the same
+    FLOPs at the GEMM rate ("matmul") and 11 forward, 12 backward passes over the
+    ``B·H·L·S`` fp32 scores on top of the fused kernel's bytes; a flash variant's fifth
+    argument (``is_causal``, a flag) is not taken for a dropout probability."""
+    q, k = T(2, 4, 8, 16), T(2, 4, 10, 16)
+    sdpa = aten.scaled_dot_product_attention.default
+    fused = op_cost(sdpa, (q, k, k), out=T(2, 4, 8, 16))
+    drop = op_cost(sdpa, (q, k, k, None, 0.1), out=T(2, 4, 8, 16))
+    scores = 2 * 4 * 8 * 10 * 4
+    assert (fused.kind, drop.kind) == ("attention", "matmul")
+    assert (drop.fwd_flops, drop.bwd_flops) == (fused.fwd_flops, fused.bwd_flops)
+    assert (drop.fwd_bytes - fused.fwd_bytes, drop.bwd_bytes - fused.bwd_bytes) == (11 * scores, 12 * scores)
+    flash = aten._scaled_dot_product_flash_attention_for_cpu.default
+    flag = op_cost(flash, (q, k, k, 0.0, True), out=(T(2, 4, 8, 16), T(2, 4, 8)))
+    assert flag.kind == "attention"
