@@ -354,6 +354,23 @@ def _saves_logits(n, ins, flags):
     return ins[:2], 4 * math.prod(int(s) for s in t.shape)
 
 
+def _saves_balanced(n, ins, flags):
+    """Load-balanced causal attention of a sequence shard (``fxpar.balanced_causal_sdpa``,
+    :mod:`fxpar.runtime.context_parallel`): two fused attentions on half the rows each, its
+    own first half and its partner's second half (swapped in): q, k, v, its own half's output,
+    the partner's query half and output, an fp32 logsumexp per row, and each half's causal
+    mask (``rows × keys``, in q's dtype: the CPU kernel keeps a bool mask as an additive one)."""
+    q = _val(ins[0])
+    b = _given(n)
+    L = int(q.shape[-2])
+    h = L // 2
+    row0 = int(b["offset"]) + (int(b["peer"]) - int(b["me"])) * L + h   # the partner's half
+    lead = math.prod(int(s) for s in q.shape[:-2])
+    half = lead * h * int(_val(ins[2]).shape[-1]) * q.dtype.itemsize
+    masks = h * ((int(b["offset"]) + h) + (row0 + h)) * q.dtype.itemsize
+    return ins[:3], 3 * half + 4 * lead * L + masks
+
+
 #: what fxpar's own graph ops keep for their backward, by op name (a ``fxpar`` op not named
 #: keeps nothing: a collective, a random draw, a dropout whose backward draws its mask again
 #: and the loss's helpers hand their backward shapes only, :mod:`fxpar.runtime.library`)
@@ -363,6 +380,7 @@ _FXPAR_SAVES = {
     "ring_sdpa": _saves_qkvo,
     "keyed_sdpa": _saves_qkvo,
     "offset_causal_sdpa": _saves_qkvo,
+    "balanced_causal_sdpa": _saves_balanced,
 }
 
 

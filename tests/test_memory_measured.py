@@ -152,7 +152,14 @@ def held_and_modelled(case: str, recompute, granularity: str):
     from fxpar.runtime.memory import SavedBytes
 
     torch.manual_seed(0)
-    if case.startswith("gpt"):
+    if case == "cp-seq":   # the sequence split on cp: load-balanced causal attention
+        from tests.test_context_parallel import _model, forced_strategies
+
+        model, batch, _ = _model("gpt")
+        prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), batch,
+                             mesh={"cp": 2}, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1),
+                             strategies=forced_strategies("seq", {"cp": 2}), time_limit=20)
+    elif case.startswith("gpt"):
         from examples.models import GPT
 
         model = GPT(vocab=512, d_model=64, n_heads=4, n_layers=2, seq_len=32)
@@ -162,9 +169,11 @@ def held_and_modelled(case: str, recompute, granularity: str):
         model = nn.Sequential(DropoutAttention(), DropoutAttention())
         x, y = torch.randn(4, 16, 32), torch.randn(4, 16, 32)
         batch, kw = (x, y), dict(loss_fn=nn.functional.mse_loss, example_targets=(y,))
-    plan, mesh = case.split("-")[1], {"megatron": {"tp": 2}, "dp": {"dp": 2}}[case.split("-")[1]]
-    prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), batch[:1 if kw else 2],
-                         plan=plan, mesh=mesh, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), **kw)
+    if case != "cp-seq":
+        plan = case.split("-")[1]
+        prog = fxpar.compile(model, fxpar.Cluster.local(dist.get_world_size()), batch[:1 if kw else 2],
+                             plan=plan, mesh={"megatron": {"tp": 2}, "dp": {"dp": 2}}[plan],
+                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), **kw)
     r = prog.runner(recompute=recompute, recompute_granularity=granularity, regather=False)
     ops = {n.target._opname for n in r.gm.graph.nodes
            if getattr(n.target, "namespace", None) == "fxpar"}
@@ -181,7 +190,8 @@ def held_and_modelled(case: str, recompute, granularity: str):
 @pytest.mark.parametrize("case,recompute,granularity", [
     ("gpt-megatron", None, "full"), ("gpt-megatron", "all", "full"),
     ("gpt-megatron", "all", "selective"), ("attention-dp", None, "full"),
-    ("attention-megatron", None, "full"), ("attention-megatron", "all", "selective")])
+    ("attention-megatron", None, "full"), ("attention-megatron", "all", "selective"),
+    ("cp-seq", None, "full")])
 def test_rank_graphs_with_fxpar_ops_match(pools, case, recompute, granularity):
     """What fxpar's own ops keep in a rank graph: the vocabulary-parallel loss its logits
     shard, target and logsumexp (Megatron's tp=2 plan of a GPT), attention with dropout
@@ -190,8 +200,10 @@ def test_rank_graphs_with_fxpar_ops_match(pools, case, recompute, granularity):
     (the runtime re-gathers it, :func:`fxpar.layers.node_layers`), where the model counted
     the gathered input kept (8.4 MB against 6.35 MB held on ``benchmarks/recompute.py``'s
     GPT). Before, the loss's and the attention's saves were missed (vocab-parallel logits
-    2 MB of 6.35 MB there)."""
-    held, modelled, ops = pools(2).run(held_and_modelled, case, recompute, granularity)[0]
-    want = "vocab_parallel_cross_entropy" if case.startswith("gpt") else "keyed_sdpa"
-    assert want in ops, ops
-    assert modelled == pytest.approx(held, rel=0.01), (held, modelled)
+    2 MB of 6.35 MB there; context parallelism's load-balanced attention, 35% of its
+    program's). Both ranks (the sequence split's halves differ)."""
+    want = {"gpt": "vocab_parallel_cross_entropy", "attention": "keyed_sdpa",
+            "cp": "balanced_causal_sdpa"}[case.split("-")[0]]
+    for held, modelled, ops in pools(2).run(held_and_modelled, case, recompute, granularity):
+        assert want in ops, ops
+        assert modelled == pytest.approx(held, rel=0.01), (held, modelled)
