@@ -252,7 +252,7 @@ def _storage_roots(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[dict, dict
             continue
         target = _node_target(n, gm) if n.op != "call_module" else None
         src = _first_tensor_node(n)
-        alias = is_view(target) or (is_view_if_contiguous(target) and src is not None and _is_contig(src))
+        alias = is_view(target) or (is_view_if_contiguous(target) and src is not None and _views(n, src))
         if target is operator.getitem and src is not None and isinstance(_val(src), (list, tuple)):
             # an element of a multi-output op: its own storage, unless the op is a view (split)
             t = _node_target(src, gm) if src.op != "call_module" else None
@@ -712,11 +712,21 @@ def _is_buffer(n: fx.Node) -> bool:
     return info is not None and getattr(info, "kind", None) == "buffer"
 
 
-def _is_contig(n: fx.Node) -> bool:
-    v = _val(n)
+def _views(n: fx.Node, src: fx.Node) -> bool:
+    """Whether ``n`` (``reshape``, ``flatten``, ``contiguous``: ops that alias their input
+    only when they can) returns a view of ``src``: ``contiguous`` of a contiguous input, a
+    reshape whose shape the input's strides can express (as ``torch.reshape`` decides: the same
+    shape, or dims merged that are laid out together, is a view of a non-contiguous input too,
+    e.g. attention's output in the fused kernels' heads-after-sequence layout)."""
+    v, out = _val(src), _val(n)
     try:
-        return bool(v.is_contiguous())
-    except Exception:  # noqa: BLE001
+        if getattr(n.target, "overloadpacket", None) is torch.ops.aten.contiguous or not isinstance(out, torch.Tensor):
+            return bool(v.is_contiguous())
+        torch.empty_strided(tuple(v.shape), tuple(v.stride()), device="meta").view(tuple(out.shape))
+        return True
+    except RuntimeError:   # the strides cannot express the shape: torch copies
+        return False
+    except Exception:  # noqa: BLE001  (no fake value: take it as a view)
         return True
 
 

@@ -41,7 +41,10 @@ def test_search_activations_are_the_saved_tensors(name):
     gm = fxpar.capture(model, (ids,), {"labels": ids})
     units, plan = unit_costs(gm, fxpar.Mesh(fxpar.Cluster.local(1), dp=1))
     predicted = sum(u.act for u in units)
-    assert predicted == pytest.approx(measured, rel=0.06), (predicted, measured)
+    # HF's own eager forward, not fxpar's program of it: GPT-2's eager run holds 6.6% more
+    # than fxpar's runtime does (988,932 B), which the search matches within 0.2% (the tests
+    # below compare the search with the runtime, tightly)
+    assert predicted == pytest.approx(measured, rel=0.07), (predicted, measured)
     # the plan adds one op's backward (its gradients) on top of what is kept
     assert plan.memory == sum(n.memory for n in plan.nodes) + plan.stats["backward_transient"]
 
@@ -99,3 +102,34 @@ def test_search_activations_are_what_the_runtime_holds_with_dropout(pools, name,
     element. Before: GPT-2 7%, BERT 13%, OPT 16%, T5 13% under; GPT-2 without dropout 5% over."""
     predicted, held = pools(1).run(_planned_and_held, name, p)[0]
     assert predicted == pytest.approx(held, rel=0.035), (predicted, held)
+
+
+def _sweep_planned_and_held(model_type: str):
+    """:func:`_planned_and_held` for an architecture of ``tests/hf_models.py``."""
+    from fxpar.runtime.memory import SavedBytes
+    from tests.hf_models import build
+
+    model, ids, kw = build(model_type)
+    units, _ = unit_costs(fxpar.capture(model, (ids,), kw), fxpar.Mesh(fxpar.Cluster.local(1), dp=1))
+    runner = fxpar.compile(model, fxpar.Cluster.local(1), (ids,), kw, time_limit=20,
+                           optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1)).runner()
+    with SavedBytes(exclude=runner.state.values()) as sb:
+        out = runner.forward(ids, **kw)   # held while its graph lives
+        held = sb.sample()
+    del out
+    return sum(u.act for u in units), held
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model_type", ["gpt_bigcode", "llama", "mixtral", "cohere"])
+def test_search_activations_are_what_the_runtime_holds(pools, model_type):
+    """The search against fxpar's runtime on ``tests/hf_models.py``'s tiny architectures: a
+    reshape whose shape the input's strides express is a view (as ``torch.reshape`` decides),
+    also of a non-contiguous input: attention's output in the fused kernels' layout reshaped
+    (``[b, h, s, d]`` to the same shape, or its transpose merged to ``[b, s, h·d]``). Counted
+    as a copy, the search was 7.6% (GPT-BigCode), 4.6% (Llama), 2.0% (Mixtral), 5.0% (Cohere)
+    over what the runtime holds; over the 20 architectures of the sweep's sample the mean
+    error went from 3.6% to 1.7% (Mamba-2's scan aside, 16% under both ways)."""
+    predicted, held = pools(1).run(_sweep_planned_and_held, model_type)[0]
+    assert predicted == pytest.approx(held, rel=0.015), (predicted, held)
