@@ -252,7 +252,8 @@ def _storage_roots(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[dict, dict
             continue
         target = _node_target(n, gm) if n.op != "call_module" else None
         src = _first_tensor_node(n)
-        alias = is_view(target) or (is_view_if_contiguous(target) and src is not None and _views(n, src))
+        alias = (is_view(target) or (is_view_if_contiguous(target) and src is not None and _views(n, src))
+                 or _returns_input(n, target))
         if target is operator.getitem and src is not None and isinstance(_val(src), (list, tuple)):
             # an element of a multi-output op: its own storage, unless the op is a view (split)
             t = _node_target(src, gm) if src.op != "call_module" else None
@@ -710,6 +711,20 @@ def recompute_memory(gm: fx.GraphModule, layers: Iterable[str], *,
 def _is_buffer(n: fx.Node) -> bool:
     info = n.meta.get("fxpar_param")
     return info is not None and getattr(info, "kind", None) == "buffer"
+
+
+#: dropout variants (``input, p, train``) that return their input itself at ``p == 0`` or
+#: outside training (ATen's ``_dropout_impl``; models keep ``nn.Dropout(0.0)`` in their graph)
+_DROPOUTS = {torch.ops.aten.dropout, torch.ops.aten.feature_dropout, torch.ops.aten.alpha_dropout,
+             torch.ops.aten.feature_alpha_dropout}
+
+
+def _returns_input(n: fx.Node, target) -> bool:
+    if getattr(target, "overloadpacket", None) not in _DROPOUTS:
+        return False
+    p, train = (list(n.args[1:3]) + [None, None])[:2]
+    p, train = n.kwargs.get("p", p), n.kwargs.get("train", train)
+    return p == 0 or train is False
 
 
 def _views(n: fx.Node, src: fx.Node) -> bool:

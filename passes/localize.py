@@ -48,8 +48,36 @@ __all__ = ["localize_pass"]
 
 
 def _local(spec, v: torch.Tensor, ctx: PassContext) -> torch.Tensor:
+    """The local value of ``v`` under ``spec`` on this rank: its local shape, laid out as ``v``
+    is (:func:`_layout`), so what reads strides (the memory model's views, a reshape's copy)
+    sees the rank program as eager will run it."""
     shape = spec.local_shape(tuple(v.shape), ctx.mesh.shape, ctx.coord)
-    return torch.empty(shape, dtype=v.dtype, device="meta")
+    return torch.empty_strided(shape, _layout(v, shape), dtype=v.dtype, device="meta")
+
+
+def _layout(v: torch.Tensor, shape) -> tuple[int, ...]:
+    """Strides for ``shape`` in ``v``'s layout: its dims in the order of ``v``'s strides
+    (innermost first, ties row-major), dense, and a broadcast dim (stride 0: ``expand``) still
+    0. ``v`` contiguous gives contiguous strides; attention's output in the fused kernels'
+    heads-after-sequence layout keeps that layout on a shard.
+
+    >>> x = torch.empty(4, 8, 2, 16, device="meta").transpose(1, 2)       # [4, 2, 8, 16]
+    >>> _layout(x, (4, 1, 8, 16)), _layout(x.expand(4, 2, 8, 16), (2, 2, 8, 16))
+    ((128, 16, 16, 1), (256, 16, 32, 1))
+    >>> _layout(torch.empty(3, 1, device="meta").expand(3, 5), (3, 5))
+    (1, 0)
+    """
+    try:
+        st = tuple(int(s) for s in v.stride())
+    except Exception:  # noqa: BLE001 - symbolic strides: row-major
+        st = ()
+    if len(st) != len(shape):
+        return tuple(torch.empty(shape, device="meta").stride())
+    out, acc = [0] * len(shape), 1
+    for d in sorted((d for d in range(len(shape)) if st[d] != 0), key=lambda d: (st[d], -d)):
+        out[d] = acc
+        acc *= max(int(shape[d]), 1)
+    return tuple(out)
 
 
 @graph_pass(ensures=(localized,))
