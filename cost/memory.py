@@ -301,22 +301,20 @@ def _saves_channel_stats(n, ins, flags):  # batch norm: mean and invstd per chan
     return ins[:1], 2 * STAT_BYTES * norm_stat_rows("batch", _val(ins[0]).shape)
 
 
-def _saves_group_stats(n, ins, flags):  # group norm: per (sample, group); instance norm: G = C
-    x = _val(ins[0])
-    schema = getattr(n.target, "_schema", None)
-    names = [a.name for a in schema.arguments] if schema is not None else []
-    given = dict(zip(names, n.args)) | dict(n.kwargs)
-    groups = given.get("num_groups", given.get("group"))
-    if not isinstance(groups, int):
-        groups = int(x.shape[1]) if x.dim() > 1 else 1
-    return ins[:1], 2 * STAT_BYTES * norm_stat_rows("group", x.shape, groups=groups)
-
-
 def _given(n: fx.Node) -> dict:
     """``n``'s arguments by their schema names (positional and keyword)."""
     schema = getattr(n.target, "_schema", None)
     names = [a.name for a in schema.arguments] if schema is not None else []
     return dict(zip(names, n.args)) | dict(n.kwargs)
+
+
+def _saves_group_stats(n, ins, flags):  # group norm: per (sample, group); instance norm: G = C
+    x = _val(ins[0])
+    given = _given(n)
+    groups = given.get("num_groups", given.get("group"))
+    if not isinstance(groups, int):
+        groups = int(x.shape[1]) if x.dim() > 1 else 1
+    return ins[:1], 2 * STAT_BYTES * norm_stat_rows("group", x.shape, groups=groups)
 
 
 def _saves_qkvo(n, ins, flags):
