@@ -577,8 +577,10 @@ def _gathers_param(n: fx.Node, edges) -> bool:
     """Whether a rank graph's node waits for or redistributes a gathered parameter (its
     edge, ``fxpar.wait``'s third argument or ``fxpar.redistribute``'s second:
     ``Edge.gathers_param``)."""
-    name = getattr(n.target, "_opname", None)
-    if getattr(n.target, "namespace", None) != "fxpar" or name not in ("wait", "redistribute"):
+    from fxpar.layers import wait_or_redistribute
+
+    name = wait_or_redistribute(n)
+    if name is None:
         return False
     e = edges.get(n.args[2 if name == "wait" else 1])
     return e is not None and e.gathers_param
@@ -720,9 +722,8 @@ _DROPOUTS = {torch.ops.aten.dropout, torch.ops.aten.feature_dropout, torch.ops.a
 def _returns_input(n: fx.Node, target) -> bool:
     if getattr(target, "overloadpacket", None) not in _DROPOUTS:
         return False
-    p, train = (list(n.args[1:3]) + [None, None])[:2]
-    p, train = n.kwargs.get("p", p), n.kwargs.get("train", train)
-    return p == 0 or train is False
+    b = _given(n)
+    return b.get("p") == 0 or b.get("train") is False
 
 
 def _views(n: fx.Node, src: fx.Node) -> bool:
@@ -733,7 +734,8 @@ def _views(n: fx.Node, src: fx.Node) -> bool:
     e.g. attention's output in the fused kernels' heads-after-sequence layout)."""
     v, out = _val(src), _val(n)
     try:
-        if getattr(n.target, "overloadpacket", None) is torch.ops.aten.contiguous or not isinstance(out, torch.Tensor):
+        contiguous = getattr(n.target, "overloadpacket", None) is torch.ops.aten.contiguous
+        if contiguous or not isinstance(out, torch.Tensor):
             return bool(v.is_contiguous())
         torch.empty_strided(tuple(v.shape), tuple(v.stride()), device="meta").view(tuple(out.shape))
         return True

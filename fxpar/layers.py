@@ -40,7 +40,8 @@ import torch.fx as fx
 
 from fxpar import ir
 
-__all__ = ["layer_of", "node_layers", "repeated_copies", "split_repeat", "template_fqn"]
+__all__ = ["layer_of", "node_layers", "repeated_copies", "split_repeat", "template_fqn",
+           "wait_or_redistribute"]
 
 #: ``<template>.<copy index>``: a repeated layer's name
 _REPEAT = re.compile(r"^(.*?)\.(\d+)$")
@@ -90,12 +91,13 @@ def layer_of(node: fx.Node) -> str:
     return "(top)"
 
 
-def _comm_without_module(n: fx.Node) -> bool:
-    """A ``fxpar.wait``/``fxpar.redistribute`` node (by name: this module sits below the
-    runtime that defines them)."""
+def wait_or_redistribute(n: fx.Node) -> str | None:
+    """``"wait"`` or ``"redistribute"`` for a node of those fxpar communication ops, else
+    ``None`` (by name: this module sits below the runtime that defines them)."""
     t = n.target
-    return (n.op == "call_function" and getattr(t, "namespace", None) == "fxpar"
-            and getattr(t, "_opname", None) in ("wait", "redistribute"))
+    name = getattr(t, "_opname", None)
+    ok = n.op == "call_function" and getattr(t, "namespace", None) == "fxpar"
+    return name if ok and name in ("wait", "redistribute") else None
 
 
 def node_layers(gm: fx.GraphModule) -> dict[fx.Node, str]:
@@ -107,7 +109,7 @@ def node_layers(gm: fx.GraphModule) -> dict[fx.Node, str]:
     pos = {n: i for i, n in enumerate(nodes)}
     lay = {n: layer_of(n) for n in nodes}
     for n in reversed(nodes):  # users first
-        if n.users and not is_layer(lay[n]) and _comm_without_module(n):
+        if n.users and not is_layer(lay[n]) and wait_or_redistribute(n):
             lay[n] = lay[min(n.users, key=pos.get)]
     return lay
 

@@ -207,24 +207,23 @@ def _ring_fwd(q, k, v, axes, causal, scale, gqa):
             for w in moving[0]:
                 w.wait()
             kb, vb = moving[1]
-    return _heads_last(out.to(q.dtype)), lse
+    out = out.to(q.dtype)
+    return _heads_last(out).copy_(out), lse
 
 
-def _heads_last(t: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
-    """``t`` (``[..., H, L, E]``) stored as ``[..., L, H, E]``, as the fused attention kernels
-    return their output (``like``: only its shape and dtype, for the fake kernel): a model's
-    ``transpose(1, 2).reshape(...)`` after attention is then a view, so the out-projection
-    keeps the attention's output rather than a copy of it beside it.
+def _heads_last(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor shaped like ``t`` (``[..., H, L, E]``) stored as ``[..., L, H, E]``, as
+    the fused attention kernels return their output: a model's ``transpose(1, 2).reshape(...)``
+    after attention is then a view, so the out-projection keeps the attention's output rather
+    than a copy of it beside it.
 
     >>> t = _heads_last(torch.randn(2, 4, 8, 16))
     >>> t.shape, t.transpose(1, 2).is_contiguous()
     (torch.Size([2, 4, 8, 16]), True)
     """
-    src = t if like is None else like
-    if src.dim() < 3:
-        return t if like is None else torch.empty_like(like)
-    out = torch.empty_like(src.transpose(-3, -2), memory_format=torch.contiguous_format).transpose(-3, -2)
-    return out if like is not None else out.copy_(t)
+    if t.dim() < 3:
+        return torch.empty_like(t)
+    return torch.empty_like(t.transpose(-3, -2), memory_format=torch.contiguous_format).transpose(-3, -2)
 
 
 def _ring_bwd(dout, q, k, v, out, lse, axes, causal, scale, gqa):
@@ -260,8 +259,8 @@ def _ring_bwd(dout, q, k, v, out, lse, axes, causal, scale, gqa):
 
 
 def _fake_fwd(q, k, v, axes, causal, scale, gqa):
-    return (_heads_last(q, q.new_empty(q.shape[:-1] + (v.size(-1),))),
-            q.new_empty(q.shape[:-1], dtype=_acc(q)))
+    out = _heads_last(q.new_empty(q.shape[:-1] + (v.size(-1),)))
+    return out, q.new_empty(q.shape[:-1], dtype=_acc(q))
 
 
 RING_FWD = define("fxpar::ring_sdpa_fwd(Tensor q, Tensor k, Tensor v, int[] axes, bool is_causal, "
