@@ -311,7 +311,8 @@ def run_group(spec: dict) -> dict:
     shared = cluster if cluster.compute is not None and cluster.compute.shared else None
     if shared is not None:
         cluster = dataclasses.replace(cluster, compute=dataclasses.replace(cluster.compute, shared=()))
-    out["cluster"] = dict(name=cluster.name, calibration_s=time.perf_counter() - t0)
+    out["cluster"] = dict(name=cluster.name, calibration_s=time.perf_counter() - t0,
+                          in_model=cluster.compute.in_model if cluster.compute else ())
     sides, logs = {}, {}
 
     def build(cl, sched, m):
@@ -677,8 +678,9 @@ def main() -> None:
             res = pool.run(run_group, g, timeout=3600)
         rows = _merge(res, g["warmup"])
         groups[f"pp{pp}"] = dict(pp=pp, rows=rows, wall_s=time.perf_counter() - t0,
-                                 refined=res[0].get("refined"))
-        print(f"[pp={pp}] {time.perf_counter() - t0:.0f} s", flush=True)
+                                 refined=res[0].get("refined"), cluster=res[0].get("cluster"))
+        print(f"[pp={pp}] {time.perf_counter() - t0:.0f} s; calibrated in a model (kernels, "
+              f"overheads): {res[0].get('cluster', {}).get('in_model')}", flush=True)
 
     # ---- (a) fxpar vs torch ---------------------------------------------------------------
     cmp_rows = []

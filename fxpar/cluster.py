@@ -141,7 +141,11 @@ class ComputeProfile:
     * ``asynchronous``: the device runs kernels behind the host (CUDA): the host's per-op work
       (``op_overhead``, ``bwd_op_overhead``) overlaps the kernels queued before it, so an op
       costs its kernel time alone; on a CPU (``False``) host and kernel are one thread and
-      the overheads add.
+      the overheads add;
+    * ``in_model``: ``(s, r)`` the curves and overheads were corrected by to what a transformer
+      block runs at inside a model (:mod:`fxpar.block_probe`): kernels take ``s`` times what
+      the curves measured alone give, each op ``r`` times the overheads the 1-element chain
+      gave (the figures above are the corrected ones); ``()``: not corrected.
 
     :func:`fxpar.cost.compute.calibrated_time` reads it:
     ``t = max(flops / gemm_rate(flops), bytes / memory_rate(bytes)) (+ overhead unless
@@ -166,8 +170,10 @@ class ComputeProfile:
     asynchronous: bool = False
     activation: tuple[tuple[float, float], ...] = ()
     shared: tuple[float, ...] = ()
+    in_model: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "in_model", tuple(float(x) for x in self.in_model))
         sh = tuple(float(x) for x in self.shared)
         if sh and not (len(sh) == self.ranks and all(0 < x < math.inf for x in sh)):
             raise ClusterError(f"ComputeProfile.shared needs one positive speed per number of "
@@ -204,13 +210,33 @@ class ComputeProfile:
         """The elementwise rate at the largest size measured (bytes/s): DRAM, not cache."""
         return self.memory[-1][1]
 
+    def scaled(self, time: float, overhead: float) -> ComputeProfile:
+        """This profile with every kernel taking ``time`` times as long (its GEMM, memory,
+        vector, attention and activation rates divided by it) and the per-op overheads
+        ``overhead`` times as large.
+
+        >>> p = ComputeProfile(gemm=((1e3, 1e9),), memory=((1e3, 1e10),), op_overhead=2e-6,
+        ...                    bwd_op_overhead=4e-6)
+        >>> q = p.scaled(2.0, 3.0)
+        >>> q.gemm, q.memory, q.op_overhead, q.bwd_op_overhead
+        (((1000.0, 500000000.0),), ((1000.0, 5000000000.0),), 6e-06, 1.2e-05)
+        """
+        def curve(pts):
+            return tuple((x, r / time) for x, r in pts)
+        return dataclasses.replace(self, gemm=curve(self.gemm), memory=curve(self.memory),
+                                   vector=curve(self.vector), attention=curve(self.attention),
+                                   activation=curve(self.activation),
+                                   op_overhead=self.op_overhead * overhead,
+                                   bwd_op_overhead=self.bwd_op_overhead * overhead)
+
     def to_dict(self) -> dict:
         return dict(gemm=[list(p) for p in self.gemm], memory=[list(p) for p in self.memory],
                     op_overhead=self.op_overhead, bwd_op_overhead=self.bwd_op_overhead,
                     dispatch=self.dispatch, ranks=self.ranks, vector=[list(p) for p in self.vector],
                     optimizer=list(self.optimizer), attention=[list(p) for p in self.attention],
                     dtype=self.dtype, asynchronous=self.asynchronous,
-                    activation=[list(p) for p in self.activation], shared=list(self.shared))
+                    activation=[list(p) for p in self.activation], shared=list(self.shared),
+                    in_model=list(self.in_model))
 
     @classmethod
     def from_dict(cls, d: dict) -> ComputeProfile:
@@ -224,7 +250,7 @@ class ComputeProfile:
                        attention=tuple(tuple(p) for p in d.get("attention", ())),
                        activation=tuple(tuple(p) for p in d.get("activation", ())),
                        dtype=d.get("dtype", "float32"), asynchronous=d.get("asynchronous", False),
-                       shared=tuple(d.get("shared", ())))
+                       shared=tuple(d.get("shared", ())), in_model=tuple(d.get("in_model", ())))
         except (KeyError, TypeError, ValueError) as e:
             raise ClusterError(f"bad compute profile in cluster JSON: {type(e).__name__}: {e}") from e
 
@@ -617,16 +643,7 @@ class Cluster:
                 self.physics or Physics.nominal(), **fit))
         if sc:
             if self.compute is not None:
-                cp = self.compute
-
-                def curve(pts):
-                    return tuple((x, r / sc) for x, r in pts)
-                cp = dataclasses.replace(cp, gemm=curve(cp.gemm), memory=curve(cp.memory),
-                                         vector=curve(cp.vector), attention=curve(cp.attention),
-                                         activation=curve(cp.activation),
-                                         op_overhead=cp.op_overhead * sc,
-                                         bwd_op_overhead=cp.bwd_op_overhead * sc)
-                out = dataclasses.replace(out, compute=cp)
+                out = dataclasses.replace(out, compute=self.compute.scaled(sc, sc))
             else:
                 out = dataclasses.replace(out, peak_flops=self.peak_flops / sc,
                                           memory_bandwidth=self.memory_bandwidth / sc)
@@ -687,6 +704,8 @@ class Cluster:
                 + (f"; compute measured (GEMM up to {self.compute.peak_flops / 1e9:.3g} GFLOP/s, "
                    f"{self.compute.memory_bandwidth / GB:.3g} GB/s, "
                    f"{self.compute.op_overhead * 1e6:.3g} µs/op"
+                   + ("; in a model: kernels {:.3g}x, overheads {:.3g}x".format(*self.compute.in_model)
+                      if self.compute.in_model else "")
                    + ("; speed with 1.." + str(self.compute.ranks) + " ranks busy: "
                       + ", ".join(f"{x:.2g}" for x in self.compute.shared)
                       if self.compute.shared else "")
@@ -740,7 +759,8 @@ class Cluster:
                   memory_sizes: Sequence[int] = (2**12, 2**16, 2**20, 2**24),
                   min_time: float = 0.05, dtype=None,
                   attention_shapes: Sequence[tuple[int, int, int]] | None = None,
-                  hosts: Sequence[str] | None = None, share_cores: bool = False) -> Cluster:
+                  hosts: Sequence[str] | None = None, share_cores: bool = False,
+                  in_model: bool | None = None) -> Cluster:
         """Measure collectives and compute on a live process group; return a cluster built from them.
 
         ``Cluster.calibrate()`` starts from ``Cluster.local(world)``; ``cluster.calibrate()``
@@ -787,6 +807,15 @@ class Cluster:
         (:func:`fxpar.cost.calibration.median_of_max`). The result is ``compute``
         (:class:`ComputeProfile`); ``peak_flops`` and ``memory_bandwidth`` become its
         fastest GEMM rate and its largest-size bandwidth.
+
+        **In the model** (``in_model``; a CPU): the curves and overheads corrected by what a
+        stack of transformer blocks measures, forward and backward at three batch sizes,
+        against what they price it at (:mod:`fxpar.block_probe`: :attr:`ComputeProfile.in_model`):
+        the fixed seconds each pipeline action pays. ``None`` (the default): where this host's
+        ranks and their threads fit its cores (:func:`_oversubscribed`); ranks that share a
+        core time-slice the probe, and the fit then measures the slicing (4 one-thread ranks on
+        2 cores: overheads 4.2× the chain's, 2.4× with 2 ranks), which the curves, measured
+        with every rank busy, hold already.
 
         **Shared cores** (``share_cores=True``, CPU ranks of one host): the speed of a small
         block's forward and backward while ``k`` of the ranks run it at once, ``k = world..1``,
@@ -900,6 +929,9 @@ class Cluster:
         if compute:
             prof = _measure_compute(group, device, gemm_sizes, memory_sizes, iters, min_time,
                                     dtype, attention_shapes)
+            if in_model or (in_model is None and not _oversubscribed(dpn)):
+                from fxpar.block_probe import measure_in_model
+                prof = measure_in_model(group, device, prof, iters, min_time)
             if share_cores and device.type == "cpu" and len(node_names) == 1:
                 prof = dataclasses.replace(prof, shared=_measure_sharing(group, iters, min_time))
             updates.update(compute=prof, peak_flops=prof.peak_flops,
@@ -1365,6 +1397,24 @@ def _interleaved_times(fns, iters: int, group, min_time: float, sync) -> list[li
             at += len(m)
     return [[median_of_max([[r[c] for r in run] for run in rs]) for c in range(len(rs[0][0]))]
             for rs in runs]
+
+
+def _oversubscribed(ranks_per_host: int) -> bool:
+    """Whether this host's ranks, each with torch's intra-op threads, outnumber the cores
+    this process may run on (every rank of a host is taken to be launched alike).
+
+    >>> _oversubscribed(1)
+    False
+    """
+    import os
+
+    import torch
+
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return ranks_per_host * torch.get_num_threads() > cores
 
 
 def _cache_bytes(device) -> int:

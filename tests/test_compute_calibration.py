@@ -206,7 +206,7 @@ def _calibrate_tiny():
     base = Cluster.local(2, device_memory=2**30)
     return base.calibrate(sizes=(2**12,), collectives=("all_reduce",), iters=3,
                           gemm_sizes=(8, 32, 128), memory_sizes=(2**10, 2**14, 2**20),
-                          min_time=5e-4)
+                          min_time=5e-4, in_model=True)
 
 
 def _calibrate_bf16():
@@ -247,6 +247,10 @@ def test_calibrate_measures_compute_on_two_ranks(pools):
     assert 0 < per_element < 1e-6 and 0 <= per_tensor < 1e-3, p.optimizer
     assert 0 < p.dispatch < 1e-3 and 0 < p.op_overhead < 1e-3 and 0 < p.bwd_op_overhead < 1e-3
     assert c.peak_flops == max(rates) and c.memory_bandwidth == p.memory[-1][1]
+    # the in-model correction (fxpar.block_probe): fitted inside its ranges, and applied
+    s, r = p.in_model
+    assert 0.5 <= s <= 2.0 and 1.0 <= r <= 10.0, p.in_model
+    assert "in a model: kernels" in c.describe()
     assert Cluster.from_json(c.to_json()) == c
 
     # planning with it prices compute by the measured curves: a different step time, and a
@@ -284,6 +288,36 @@ def test_calibrate_in_the_training_dtype(pools):
     assert [w for w, _ in p.vector] == [9.0 * 512, 9.0 * 2**13]        # 2-byte elements
     assert [w for w, _ in p.attention] == [4.0 * 4 * 32 * 32 * 16]
     assert Cluster.from_json(c.to_json()) == c
+
+
+def test_in_model_fit_recovers_a_scaled_profile():
+    """fxpar.block_probe: the probe's graph priced on a profile whose kernels run 1.3x slower
+    and whose ops cost 2.5x the overheads (ComputeProfile.scaled) is, at every size, 1.3x the
+    kernels and 2.5x the overheads priced on the original; fit_in_model recovers both."""
+    from fxpar.block_probe import BLOCKS, HEADS, SHAPES, WIDTH, ProbeBlock, fit_in_model, price
+    from fxpar.capture import capture
+
+    prof = dataclasses.replace(PROF, vector=((1e3, 2e9), (1e7, 5e9)), activation=((1e3, 1e9),),
+                               attention=((1e5, 5e9), (1e8, 2e10)))
+    slow = prof.scaled(1.3, 2.5)
+    assert slow.op_overhead == pytest.approx(2.5 * prof.op_overhead)
+    assert slow.gemm[0][1] == pytest.approx(prof.gemm[0][1] / 1.3)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(ProbeBlock(WIDTH // 4, HEADS) for _ in range(BLOCKS)))
+    kernels, totals, overheads = [], [], set()
+    for b, t in SHAPES:
+        gm = capture(model, (torch.randn(b, t // 4, WIDTH // 4),))
+        (k, o), (ks, os_) = price(gm, prof), price(gm, slow)
+        assert ks == pytest.approx(1.3 * k) and os_ == pytest.approx(2.5 * o) and o > 0
+        kernels.append(k)
+        totals.append(ks + os_)
+        overheads.add(round(o, 12))
+    assert len(overheads) == 1        # per-op costs do not depend on the batch
+    s, r = fit_in_model(totals, kernels, overheads.pop())
+    assert (s, r) == (pytest.approx(1.3), pytest.approx(2.5))
+    # a profile's JSON keeps the correction
+    stamped = dataclasses.replace(slow, in_model=(1.3, 2.5))
+    assert ComputeProfile.from_dict(stamped.to_dict()) == stamped
 
 
 def test_interleaved_rounds_alternate_and_take_the_slowest_rank(monkeypatch):
