@@ -22,10 +22,12 @@ batch). The least-squares fit (:func:`fit_in_model`)::
     measured(b) = s · K(b) + r · O
 
 gives ``s``, the speed of in-model kernels against the calibrated curves, and ``r``, the real
-per-op cost against the 1-element chain's; :meth:`ComputeProfile.scaled` applies them.
+per-op cost against the 1-element chain's; :meth:`ComputeProfile.scaled` applies them. It is
+fitted per round (the three sizes run back to back, so the host's drift between rounds
+cancels) and the median over rounds taken.
 
-Its limits, measured: ``s`` is steady (1.08-1.16 over eight fits on 2 ranks), ``r`` is not
-(1.0-3.7, and 6.2 once): the fixed part is 5-15% of the probe's time at its smallest size, so
+Its limits, measured: ``s`` is steadier (1.03-1.45 over twelve fits on 2 ranks, most within
+1.05-1.2) than ``r`` (1.0-3.2; fits of the medians gave 1.0-3.7, and 6.2 once): the fixed part is 5-15% of the probe's time at its smallest size, so
 a few percent of a loaded host's noise moves it. A smaller size would weigh it more, but the
 fixed part is not constant in the size (at 32 tokens the fit gave ``r`` 6.6, which priced the
 model 1.45x too slow at 128 tokens): the sizes are those pipelines run microbatches at.
@@ -38,6 +40,7 @@ host's per-op work overlaps the kernels (:func:`fxpar.cost.compute.op_time`).
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from collections.abc import Sequence
 
@@ -149,9 +152,11 @@ def measure_in_model(group, device, profile, iters: int, min_time: float):
             return [(time.perf_counter() - t0) / reps]
         return fn
 
-    measured = [t[0] for t in _interleaved_times([run(x) for x in xs], ROUNDS * iters, group,
-                                                 min_time, lambda: None)]
+    rounds = [t[0] for t in _interleaved_times([run(x) for x in xs], ROUNDS * iters, group,
+                                               min_time, lambda: None, per_round=True)]
     priced = [price(capture(model, (x,)), profile) for x in xs]
-    s, r = fit_in_model(measured, [k for k, _ in priced], priced[0][1])
+    kernels = [k for k, _ in priced]
+    fits = [fit_in_model(ms, kernels, priced[0][1]) for ms in zip(*rounds)]
+    s, r = (statistics.median(f[i] for f in fits) for i in range(2))
     return dataclasses.replace(profile.scaled(s, r), in_model=(s, r))
 

@@ -1358,7 +1358,8 @@ def _steady_per_call(fn, min_time: float, cap: int = 100_000) -> float:
         reps = min(cap, reps * 8)
 
 
-def _interleaved_times(fns, iters: int, group, min_time: float, sync) -> list[list[float]]:
+def _interleaved_times(fns, iters: int, group, min_time: float, sync,
+                       per_round: bool = False) -> list[list]:
     """Run probes ``fn(reps) -> [seconds per call, ...]`` on every rank at once, in ``iters``
     interleaved rounds: each round runs every probe once (``reps`` calls, the same on every
     rank, about ``min_time`` from its steady per-call time, :func:`_steady_per_call`; every
@@ -1367,7 +1368,8 @@ def _interleaved_times(fns, iters: int, group, min_time: float, sync) -> list[li
     the points of one curve saw different hosts (on 2 ranks of 2 vCPUs, one GEMM size's rate
     moved 83 → 41 GFLOP/s between two calibrations while its neighbours did not), so the
     curve's shape, which prices one plan against another, was noise. Interleaved, every
-    point sees the same mix of the host's states."""
+    point sees the same mix of the host's states. ``per_round``: per probe and component the
+    slowest rank's time of every round, in round order, instead of their median."""
     import torch
     import torch.distributed as dist
 
@@ -1395,6 +1397,9 @@ def _interleaved_times(fns, iters: int, group, min_time: float, sync) -> list[li
         for k, m in enumerate(mine):
             runs[k].append([row[at:at + len(m)] for row in per_rank])   # [rank][component]
             at += len(m)
+    if per_round:
+        return [[[max(r[c] for r in run) for run in rs] for c in range(len(rs[0][0]))]
+                for rs in runs]
     return [[median_of_max([[r[c] for r in run] for run in rs]) for c in range(len(rs[0][0]))]
             for rs in runs]
 
