@@ -929,7 +929,7 @@ class Cluster:
         if compute:
             prof = _measure_compute(group, device, gemm_sizes, memory_sizes, iters, min_time,
                                     dtype, attention_shapes)
-            if in_model or (in_model is None and not _oversubscribed(dpn)):
+            if in_model or (in_model is None and not _oversubscribed(dpn, group)):
                 from fxpar.block_probe import measure_in_model
                 prof = measure_in_model(group, device, prof, iters, min_time)
             if share_cores and device.type == "cpu" and len(node_names) == 1:
@@ -1404,9 +1404,10 @@ def _interleaved_times(fns, iters: int, group, min_time: float, sync,
             for rs in runs]
 
 
-def _oversubscribed(ranks_per_host: int) -> bool:
+def _oversubscribed(ranks_per_host: int, group=None) -> bool:
     """Whether this host's ranks, each with torch's intra-op threads, outnumber the cores
-    this process may run on (every rank of a host is taken to be launched alike).
+    this process may run on (every rank of a host taken to be launched alike); with a
+    process ``group``, whether that holds on any of its ranks (every rank decides alike).
 
     >>> _oversubscribed(1)
     False
@@ -1419,7 +1420,14 @@ def _oversubscribed(ranks_per_host: int) -> bool:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cores = os.cpu_count() or 1
-    return ranks_per_host * torch.get_num_threads() > cores
+    mine = ranks_per_host * torch.get_num_threads() > cores
+    if group is None:
+        return mine
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(mine)], device=_group_device(group))
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
 
 
 def _cache_bytes(device) -> int:

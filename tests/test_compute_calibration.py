@@ -320,6 +320,28 @@ def test_in_model_fit_recovers_a_scaled_profile():
     assert ComputeProfile.from_dict(stamped.to_dict()) == stamped
 
 
+def _oversubscribed_mixed():
+    import os
+
+    import torch.distributed as dist
+
+    from fxpar.cluster import _oversubscribed
+
+    cores = len(os.sched_getaffinity(0))
+    torch.set_num_threads(cores + 1 if dist.get_rank() == 1 else 1)
+    return _oversubscribed(2), _oversubscribed(2, dist.group.WORLD)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(60)
+def test_in_model_probe_is_decided_alike_on_every_rank(pools):
+    """Cluster.calibrate runs the in-model probe (collectives) only where the host's ranks fit
+    its cores: rank 1 with more threads than cores is oversubscribed whatever rank 0 sees, and
+    the group's decision is rank 1's on both (else rank 0 would wait in the probe forever)."""
+    (mine0, group0), (mine1, group1) = pools(2).run(_oversubscribed_mixed, timeout=50)
+    assert mine1 and group0 and group1
+
+
 def test_interleaved_rounds_alternate_and_take_the_slowest_rank(monkeypatch):
     """_interleaved_times on a faked 2-rank group (rank 1 reports twice rank 0's times): reps
     from each probe's steady per-call time (its slow first call ignored), rounds alternating
