@@ -1038,6 +1038,31 @@ def op_overheads(cluster) -> tuple[float, float]:
     return (ph.kernel_overhead, ph.kernel_overhead) if ph is not None else (0.0, 0.0)
 
 
+def accumulate_time(nbytes: float, cluster) -> float:
+    """Seconds a backward takes to add a parameter's gradient of ``nbytes`` into the one
+    accumulated before it (``grad += new``: two reads and a write), what autograd does every
+    backward where ``.grad`` is a view of a gradient bucket (fxpar's gradients in place, as
+    DDP's ``gradient_as_bucket_view``), so in every microbatch of a pipeline: a pass the size
+    of the parameters, not of the batch. Priced on a measured compute profile (its memory
+    curve at ``3·nbytes``; a synchronous device adds it to the backward); 0 on a preset,
+    whose GPU runs fuse it into the weight-gradient GEMM (Megatron-LM's
+    ``gradient_accumulation_fusion``).
+
+    >>> from fxpar import Cluster
+    >>> from fxpar.cluster import ComputeProfile
+    >>> prof = ComputeProfile(gemm=((1e3, 1e9),), memory=((1e3, 1e10), (1e9, 1e10)),
+    ...                       op_overhead=0.0, bwd_op_overhead=0.0)
+    >>> round(accumulate_time(4e6, Cluster.local(2, compute=prof)) * 1e3, 6)   # 12 MB at 10 GB/s
+    1.2
+    >>> accumulate_time(4e6, Cluster.preset("dgx-a100"))
+    0.0
+    """
+    prof = getattr(cluster, "compute", None)
+    if prof is None or nbytes <= 0:
+        return 0.0
+    return calibrated_time(0.0, 3.0 * nbytes, prof)
+
+
 _FUSED_ATTENTION = (torch.ops.aten.scaled_dot_product_attention,)
 
 

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-#: the probe's width, heads and blocks, and the two (batch, sequence) it is run at
+#: the probe's width, heads and blocks, and the (batch, sequence) it is run at
 WIDTH, HEADS, BLOCKS, SHAPES = 192, 6, 3, ((1, 128), (2, 128), (8, 128))
 #: rounds of the probe per round of the other calibrations (its fit of a small fixed part
 #: beside large kernels needs the quieter medians)
@@ -144,10 +144,16 @@ def measure_in_model(group, device, profile, iters: int, min_time: float):
         model = nn.Sequential(*(ProbeBlock(WIDTH, HEADS) for _ in range(BLOCKS))).to(device, dtype)
     xs = [torch.randn(b, t, WIDTH, generator=g).to(device, dtype) for b, t in SHAPES]
 
+    params = list(model.parameters())
+
     def run(x):
         def fn(reps: int) -> list[float]:
             t0 = time.perf_counter()
             for _ in range(reps):
+                # no gradient accumulated into an earlier one's: a step's first backward (what
+                # is priced here; adding into .grad is a parameter-sized pass of its own)
+                for p in params:
+                    p.grad = None
                 model(x).sum().backward()
             return [(time.perf_counter() - t0) / reps]
         return fn

@@ -38,7 +38,7 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.config import ParallelConfig
 from fxpar.layers import layer_of
-from fxpar.cost.compute import node_dispatches, op_overheads
+from fxpar.cost.compute import accumulate_time, node_dispatches, op_overheads
 from fxpar.cost.memory import (STATE_BYTES_PER_PARAM, kept_bytes, model_state_bytes, reduce_scale,
                                selective_keeps)
 from fxpar.cost.overlap import coalesced_pricer
@@ -159,9 +159,11 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
             f = first_use[n.name]
             acc[f]["params"] += k
             acc[f]["tensors"] += 1
-            if counted and flags.get(nodes[n.name]):   # its AccumulateGrad node, per backward
-                acc[f]["bwd"] += fixed_b
-                acc[f]["bwd_lat"] += fixed_b
+            if counted and flags.get(nodes[n.name]):
+                # its AccumulateGrad node and the add into its bucket, per backward
+                t = fixed_b + accumulate_time(k * val.dtype.itemsize, cl)
+                acc[f]["bwd"] += t
+                acc[f]["bwd_lat"] += t
             for u in sorted(users[n.name] - {f}):
                 reused[u].append((n.name, f, float(k)))
         elif n.name in unit_of:
