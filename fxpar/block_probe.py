@@ -26,11 +26,14 @@ per-op cost against the 1-element chain's; :meth:`ComputeProfile.scaled` applies
 fitted per round (the three sizes run back to back, so the host's drift between rounds
 cancels) and the median over rounds taken.
 
-Its limits, measured: ``s`` is steadier (1.03-1.45 over twelve fits on 2 ranks, most within
-1.05-1.2) than ``r`` (1.0-3.2; fits of the medians gave 1.0-3.7, and 6.2 once): the fixed part is 5-15% of the probe's time at its smallest size, so
-a few percent of a loaded host's noise moves it. A smaller size would weigh it more, but the
-fixed part is not constant in the size (at 32 tokens the fit gave ``r`` 6.6, which priced the
-model 1.45x too slow at 128 tokens): the sizes are those pipelines run microbatches at.
+Its limits, measured: ``s`` came out 0.94-1.45 over a dozen fits on 2 ranks of this 2-core
+host, most within 1.0-1.2; ``r`` 2.2-2.9 over five once the probe stopped accumulating its
+gradients (a parameter-sized pass per backward, priced apart:
+:func:`fxpar.cost.compute.accumulate_time`), 1.0-3.7 (6.2 once) while it did. The fixed part
+is 5-15% of the probe's time at its smallest size, so a loaded host's noise moves ``r``
+most. A smaller size would weigh it more, but the fixed part is not constant in the size (at
+32 tokens the fit gave ``r`` 6.6, which priced the model 1.45x too slow at 128 tokens): the
+sizes are those pipelines run microbatches at.
 
 The probe's width (192) differs from the models the benchmarks train; it stands for "a
 transformer layer", not for one model. Only on a synchronous device (a CPU): on a GPU the
