@@ -814,8 +814,9 @@ class Cluster:
         the fixed seconds each pipeline action pays. ``None`` (the default): where this host's
         ranks and their threads fit its cores (:func:`_oversubscribed`); ranks that share a
         core time-slice the probe, and the fit then measures the slicing (4 one-thread ranks on
-        2 cores: overheads 4.2× the chain's, 2.4× with 2 ranks), which the curves, measured
-        with every rank busy, hold already.
+        2 cores: overheads 4.2× the chain's, 2.4× with 2 ranks, in fits that still counted the
+        gradients' accumulation), which the curves, measured with every rank busy, hold
+        already.
 
         **Shared cores** (``share_cores=True``, CPU ranks of one host): the speed of a small
         block's forward and backward while ``k`` of the ranks run it at once, ``k = world..1``,
