@@ -1044,7 +1044,7 @@ def accumulate_time(nbytes: float, cluster) -> float:
     backward where ``.grad`` is a view of a gradient bucket (fxpar's gradients in place, as
     DDP's ``gradient_as_bucket_view``), so in every microbatch of a pipeline: a pass the size
     of the parameters, not of the batch. Priced on a measured compute profile (its memory
-    curve at ``3·nbytes``; a synchronous device adds it to the backward); 0 on a preset,
+    curve at ``3·nbytes``, a CUDA profile's too: a kernel the backward waits for); 0 on a preset,
     whose GPU runs fuse it into the weight-gradient GEMM (Megatron-LM's
     ``gradient_accumulation_fusion``).
 

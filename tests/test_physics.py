@@ -133,6 +133,12 @@ def test_per_op_fixed_costs_do_not_shrink_with_the_microbatch():
                                                             + 3 * 4 * params / 1e10)
     for u in p.units:
         assert u.forward(0.25) >= u.fwd_lat
+    # on an asynchronous (CUDA) profile the host's overheads hide behind the kernels, the
+    # accumulation is a kernel of its own: it alone stays
+    g = fxpar.Cluster.local(2, compute=dataclasses.replace(prof, asynchronous=True))
+    q = fxpar.plan(model, g, (torch.randn(8, 64),), mesh={"dp": 2}, plan="dp").plan
+    assert sum(u.fwd_lat for u in q.units) == 0.0
+    assert sum(u.bwd_lat for u in q.units) == pytest.approx(3 * 4 * params / 1e10)
 
 
 def test_per_microbatch_costs_make_many_microbatches_dearer():

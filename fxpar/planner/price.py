@@ -159,9 +159,10 @@ def unit_table(gm: fx.GraphModule, plan) -> list[UnitCost]:
             f = first_use[n.name]
             acc[f]["params"] += k
             acc[f]["tensors"] += 1
-            if counted and flags.get(nodes[n.name]):
-                # its AccumulateGrad node and the add into its bucket, per backward
-                t = fixed_b + accumulate_time(k * val.dtype.itemsize, cl)
+            if flags.get(nodes[n.name]):
+                # the add into its bucket (a kernel on a measured device, however the host
+                # runs) and, on a synchronous one, its AccumulateGrad node: per backward
+                t = accumulate_time(k * val.dtype.itemsize, cl) + (fixed_b if counted else 0.0)
                 acc[f]["bwd"] += t
                 acc[f]["bwd_lat"] += t
             for u in sorted(users[n.name] - {f}):
