@@ -327,9 +327,12 @@ def _oversubscribed_mixed():
 
     from fxpar.cluster import _oversubscribed
 
-    cores = len(os.sched_getaffinity(0))
+    cores, before = len(os.sched_getaffinity(0)), torch.get_num_threads()
     torch.set_num_threads(cores + 1 if dist.get_rank() == 1 else 1)
-    return _oversubscribed(2), _oversubscribed(2, dist.group.WORLD)
+    try:
+        return _oversubscribed(2), _oversubscribed(2, dist.group.WORLD)
+    finally:   # the pool's workers serve later tests
+        torch.set_num_threads(before)
 
 
 @pytest.mark.dist
