@@ -97,11 +97,11 @@ def fit_in_model(measured: Sequence[float], kernels: Sequence[float],
     ms, ks = [float(x) for x in measured], [float(x) for x in kernels]
     if len(ms) < 2 or overheads <= 0 or min(ks) <= 0 or min(ms) <= 0 or max(ks) == min(ks):
         return 1.0, 1.0
+    # a straight line through (kernels, measured): slope s, intercept r·overheads
     n, o = len(ms), float(overheads)
     skk, sk, sm, skm = sum(k * k for k in ks), sum(ks), sum(ms), sum(k * m for k, m in zip(ks, ms))
-    det = skk * n * o * o - (sk * o) ** 2      # the normal equations of [k_i, o]
-    s = (skm * n * o * o - sk * o * sm * o) / det
-    r = (skk * sm * o - sk * o * skm) / det
+    s = (n * skm - sk * sm) / (n * skk - sk * sk)
+    r = (sm - s * sk) / n / o
     if not OVERHEAD_RANGE[0] <= r <= OVERHEAD_RANGE[1]:
         r = min(max(r, OVERHEAD_RANGE[0]), OVERHEAD_RANGE[1])
         s = sum(k * (m - r * o) for k, m in zip(ks, ms)) / skk
@@ -147,16 +147,13 @@ def measure_in_model(group, device, profile, iters: int, min_time: float):
         model = nn.Sequential(*(ProbeBlock(WIDTH, HEADS) for _ in range(BLOCKS))).to(device, dtype)
     xs = [torch.randn(b, t, WIDTH, generator=g).to(device, dtype) for b, t in SHAPES]
 
-    params = list(model.parameters())
-
     def run(x):
         def fn(reps: int) -> list[float]:
             t0 = time.perf_counter()
             for _ in range(reps):
                 # no gradient accumulated into an earlier one's: a step's first backward (what
                 # is priced here; adding into .grad is a parameter-sized pass of its own)
-                for p in params:
-                    p.grad = None
+                model.zero_grad(set_to_none=True)
                 model(x).sum().backward()
             return [(time.perf_counter() - t0) / reps]
         return fn
