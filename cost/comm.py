@@ -25,8 +25,8 @@ at most ``k`` members on one node (``G = N·k`` when even):
 ====================  ======================================  =========================================
 collective            ``N = 1`` (one node: the ring)          ``N > 1`` (hierarchical)
 ====================  ======================================  =========================================
-all_gather            ``(G−1)·α_i``                           ``(G−N)·α_i + (N−1)·α_e``
-reduce_scatter        ``(G−1)·α_i``                           ``(G−N)·α_i + (N−1)·α_e``
+all_gather            ``(G−1)·α_i``                           ``(G−N)·α_n + (N−1)·α_e``
+reduce_scatter        ``(G−1)·α_i``                           ``(G−N)·α_n + (N−1)·α_e``
 all_reduce            ``2(G−1)·α_i``                          ``2(k−1)·α_i + 2⌈log2 N⌉·α_e``
 broadcast             ``(G−1)·α_i``                           ``(k−1)·α_i + ⌈log2 N⌉·α_e``
 all_to_all            ``(G−1)·α_i``                           ``(G−1)·α_e`` (unchanged: flat)
@@ -47,7 +47,11 @@ Why these (NCCL's own cost model, ``ncclTopoTuneModel`` in ``src/graph/tuning.cc
   bulk-synchronous: a chunk travels ``G−1`` hops and only the hops that cross a node boundary
   pay ``α_e``. NCCL prices it ``(nsteps − nInterSteps)·intraLat + nInterSteps·interLat`` with
   ``nInterSteps = nNodes − 1`` (the hierarchical intra-then-inter view, ``(k−1)`` and ``(N−1)``
-  stages, gives fewer intra steps; the ring's count is the one NCCL runs and prices).
+  stages, gives fewer intra steps; the ring's count is the one NCCL runs and prices). Once the
+  ring leaves a node, NCCL floors ``intraLat`` at its network post overhead ("inter-node
+  rings still have to launch nsteps * net overhead"): ``α_n = max(α_i,
+  Physics.net_overhead)``, 6 µs on the A100 presets' AMD hosts against NVLink's 3 µs, which
+  doubles the latency of a ZeRO-3 gather over hundreds of GPUs.
 * **broadcast** as a pipelined tree: a chain inside the node, a binary tree across nodes.
 * **all-to-all** is not a ring and not a tree (every pair exchanges); it keeps ``G−1`` steps
   at the slowest link. **send_recv** is one hop.
@@ -149,6 +153,11 @@ _ACROSS_NODES = {
     C.ALL_TO_ALL: lambda g, n, k, depth, steps: (0, steps),  # G−1 at the slowest link
     C.SEND_RECV: lambda g, n, k, depth, steps: (0, steps),   # one hop
 }
+
+
+#: rings whose intra-node steps NCCL floors at the network post overhead once the ring spans
+#: nodes (all-reduce across nodes is priced as NCCL's tree, module docstring)
+_NET_FLOORED = (C.ALL_GATHER, C.REDUCE_SCATTER)
 
 
 def ring_steps_and_factor(collective: str, group_size: int) -> tuple[int, float]:
@@ -375,6 +384,15 @@ def latency_time(collective: str, group: Sequence[int], cluster, *, placement_aw
     154.0
     >>> round(latency_time("all_reduce", range(1024), c, placement_aware=False) * 1e3, 3)  # 2046·8 µs
     16.368
+
+    A ring all-gather over the same 1024 devices posts every step to the network:
+    ``(1024 − 128)·max(α_i, net_overhead) + 127·α_e`` (``dgx-a100``: 6 µs, AMD hosts).
+
+    >>> d = Cluster.preset("dgx-a100", nodes=128)
+    >>> round(latency_time("all_gather", range(1024), d) * 1e6, 3)   # 896·6 + 127·8 µs
+    6392.0
+    >>> round(latency_time("all_gather", range(8), d) * 1e6, 3)      # one node: 7·3 µs
+    21.0
     """
     group = tuple(group)
     return _latency(collective, group, cluster, placement_aware, *_span(group, cluster))
@@ -392,7 +410,10 @@ def _latency(collective: str, group: tuple[int, ...], cluster, placement_aware: 
     entry = _entry(collective, g, cluster, "intra" if nodes == 1 else "inter")
     if entry is not None:
         return (intra + inter) * entry.latency
-    return intra * cluster.intra_node_latency + inter * cluster.inter_node_latency
+    alpha = cluster.intra_node_latency
+    if nodes > 1 and collective in _NET_FLOORED and cluster.physics is not None:
+        alpha = max(alpha, cluster.physics.net_overhead)   # NCCL's ring: every step posts
+    return intra * alpha + inter * cluster.inter_node_latency
 
 
 def _entry(collective: str, group_size: int, cluster, level: str):

@@ -274,6 +274,11 @@ class Physics:
       ``inter_comm_efficiency`` of the nominal figure, so a collective of ``m`` bytes reaches
       the bus bandwidth ``factor·m / (α·steps + factor·m / (eff·β))``: message size enters
       through the latency term, network level through ``α`` and ``eff`` of its level.
+      ``net_overhead``: the floor of every step of a ring all-gather or reduce-scatter whose
+      group spans nodes (NCCL's ``tuning.cc``: "inter-node rings still have to launch nsteps
+      * net overhead", the network post cost ``getNetOverhead``, 1 µs on Intel hosts and 2 µs
+      on AMD ones, times 3 under the Simple protocol large messages use): such a ring prices
+      its intra-node steps at ``max(α_i, net_overhead)`` (:func:`fxpar.cost.comm.latency_time`).
     * **fixed costs**: ``kernel_overhead`` seconds per kernel that does work (forward, and
       backward where there is one: launch gaps a kernel's size does not change), paid once
       per microbatch; ``microbatch_overhead`` seconds per forward or backward pass of one
@@ -303,6 +308,7 @@ class Physics:
     kernel_overhead: float = 0.0
     microbatch_overhead: float = 0.0
     split_backward: float = 1.0
+    net_overhead: float = 0.0
 
     def __post_init__(self) -> None:
         tile = tuple(int(x) for x in self.gemm_tile)
@@ -314,7 +320,7 @@ class Physics:
             v = getattr(self, f)
             if not 0 < v <= 1:
                 raise ClusterError(f"Physics.{f} must be in (0, 1], got {v!r}")
-        for f in ("kernel_overhead", "microbatch_overhead"):
+        for f in ("kernel_overhead", "microbatch_overhead", "net_overhead"):
             if not getattr(self, f) >= 0:
                 raise ClusterError(f"Physics.{f} must be >= 0 seconds, got {getattr(self, f)!r}")
         if not self.split_backward >= 1:
@@ -370,7 +376,7 @@ class _ClassOrInstanceMethod:
 # model does not price (unfused elementwise kernels' launch gaps, the optimizer step)
 _A100 = dict(gemm_tile=(256, 128), gemm_efficiency=0.626, attention_efficiency=0.626,
              memory_efficiency=0.85, intra_comm_efficiency=0.77, inter_comm_efficiency=0.92,
-             kernel_overhead=3e-6, microbatch_overhead=0.0)
+             kernel_overhead=3e-6, microbatch_overhead=0.0, net_overhead=6e-6)
 _PRESETS: dict[str, dict] = {
     "perlmutter": dict(
         devices_per_node=4, device_type="A100-40GB", device_memory=40 * GiB,
@@ -386,7 +392,7 @@ _PRESETS: dict[str, dict] = {
         physics=Physics(gemm_tile=(256, 128), gemm_efficiency=0.7,
                         attention_efficiency=0.35, memory_efficiency=0.8,
                         intra_comm_efficiency=0.7, inter_comm_efficiency=0.8,
-                        kernel_overhead=5e-6)),
+                        kernel_overhead=5e-6, net_overhead=6e-6)),
     "dgx-a100": dict(
         devices_per_node=8, device_type="A100-80GB", device_memory=80 * GiB,
         peak_flops=312e12, memory_bandwidth=2039 * GB,
@@ -396,7 +402,8 @@ _PRESETS: dict[str, dict] = {
         devices_per_node=8, device_type="A800-80GB", device_memory=80 * GiB,
         peak_flops=312e12, memory_bandwidth=2039 * GB,
         intra_node_bandwidth=200 * GB, inter_node_bandwidth=4 * 25 * GB,
-        intra_node_latency=3e-6, inter_node_latency=8e-6, physics=Physics(**_A100)),
+        intra_node_latency=3e-6, inter_node_latency=8e-6,
+        physics=Physics(**{**_A100, "net_overhead": 3e-6})),
     "aws-p3.8xlarge": dict(
         devices_per_node=4, device_type="V100-16GB", device_memory=16 * GiB,
         peak_flops=125e12, memory_bandwidth=900 * GB,
@@ -405,7 +412,7 @@ _PRESETS: dict[str, dict] = {
         physics=Physics(gemm_tile=(128, 128), gemm_efficiency=0.75,
                         attention_efficiency=0.35, memory_efficiency=0.85,
                         intra_comm_efficiency=0.7, inter_comm_efficiency=0.9,
-                        kernel_overhead=4e-6)),
+                        kernel_overhead=4e-6, net_overhead=3e-6)),
     "dgx-h100": dict(
         devices_per_node=8, device_type="H100-80GB", device_memory=80 * GiB,
         peak_flops=989e12, memory_bandwidth=3350 * GB,
@@ -414,7 +421,7 @@ _PRESETS: dict[str, dict] = {
         physics=Physics(gemm_tile=(256, 128), gemm_efficiency=0.6,
                         attention_efficiency=0.27, memory_efficiency=0.85,
                         intra_comm_efficiency=0.8, inter_comm_efficiency=0.9,
-                        kernel_overhead=2.5e-6)),
+                        kernel_overhead=2.5e-6, net_overhead=3e-6)),
 }
 
 #: Where each preset's :class:`Physics` comes from (shown by ``Cluster.describe``'s callers
@@ -425,21 +432,27 @@ PHYSICS_SOURCES: dict[str, str] = {
         "gemm_tile 256x128 and tile quantization: NVIDIA, Matrix Multiplication Background "
         "User's Guide (its A100 examples). gemm_efficiency 0.626, attention_efficiency 0.626: "
         "fitted to 8 of 37 published A100 training rows of the four seeds "
-        "(benchmarks/published.py; held-out median error 6.9%); microbatch_overhead 0: not "
+        "(benchmarks/published.py; held-out median error 6.4%); microbatch_overhead 0: not "
         "fitted (no published figure isolates it). memory_efficiency 0.85: STREAM-type kernels reach "
         "85-90% of A100 HBM bandwidth. intra_comm_efficiency 0.77: nccl-tests all-reduce bus "
         "bandwidth ~230 GB/s of NVLink3's 300 GB/s per direction on DGX A100; "
         "inter_comm_efficiency 0.92: nccl-tests across HDR-200 InfiniBand reach ~23 of "
         "25 GB/s per NIC. kernel_overhead 3 us: the gap between dependent CUDA kernels "
-        "launched back to back."),
+        "launched back to back. net_overhead 6 us: NCCL's network post cost on AMD hosts "
+        "(getNetOverhead, 2 us; DGX A100's EPYC 7742) times 3 under the Simple protocol "
+        "(tuning.cc)."),
     "perlmutter": "as dgx-a100 (the same A100 and NVLink3), except inter_comm_efficiency 0.8: "
-                  "Slingshot-11 NICs reach ~20 of 25 GB/s in all-reduce.",
-    "a800": "as dgx-a100 (an A100 with NVLink capped at 400 GB/s bidirectional, AMSP §II).",
+                  "Slingshot-11 NICs reach ~20 of 25 GB/s in all-reduce (net_overhead 6 us: "
+                  "AMD EPYC 7763 hosts, NERSC's Perlmutter architecture page).",
+    "a800": ("as dgx-a100 (an A100 with NVLink capped at 400 GB/s bidirectional, AMSP §II), "
+             "except net_overhead 3 us: AMSP does not name its hosts' CPU, so NCCL's default "
+             "(1 us, times 3 under Simple)."),
     "aws-p3.8xlarge": (
         "128x128 tiles (NVIDIA Tesla V100 whitepaper, 2017, and cuBLAS); gemm_efficiency "
         "0.75: fp16 tensor-core GEMMs of cuBLAS reach ~90-95 of 125 TFLOP/s; "
         "attention_efficiency 0.35: no flash kernels on V100 (the unfused path); "
-        "intra_comm_efficiency 0.7: NVLink2 hybrid cube mesh; inter 0.9: 10 Gb/s TCP."),
+        "intra_comm_efficiency 0.7: NVLink2 hybrid cube mesh; inter 0.9: 10 Gb/s TCP; "
+        "net_overhead 3 us: NCCL's Intel-host post cost (Xeon E5-2686 v4) under Simple."),
     "dgx-h100": (
         "gemm_efficiency 0.6: cuBLAS bf16 GEMMs measured at 0.77 of the 989 TFLOP/s peak on "
         "an H200 (benchmarks/results/gpu.json: 764-773 TFLOP/s), times 0.78, the share the "
@@ -449,10 +462,12 @@ PHYSICS_SOURCES: dict[str, str] = {
         "benchmarks/results/gpu_calibrated.json). Checked, not fitted, on torchtitan's Llama "
         "3.1 8B on 8 H100 and fxpar's own H200 step (benchmarks/external.py); "
         "intra_comm_efficiency 0.8: nccl-tests all-reduce ~360 of 450 GB/s (NVLink4); "
-        "inter 0.9: NDR-400 InfiniBand."),
+        "inter 0.9: NDR-400 InfiniBand; net_overhead 3 us: NCCL's Intel-host post cost "
+        "(DGX H100's Xeon 8480C) times 3 under Simple."),
     "frontier": (
         "gemm_efficiency 0.7, attention_efficiency 0.35, comm 0.7/0.8: rocBLAS and RCCL "
-        "figures of that generation, not fitted (no published throughput to fit them to here)."),
+        "figures of that generation, not fitted (no published throughput to fit them to here); "
+        "net_overhead 6 us: AMD EPYC hosts, as NCCL prices them (RCCL's tuning model is NCCL's)."),
 }
 
 
@@ -687,11 +702,12 @@ class Cluster:
         the two).
 
         >>> c = Cluster.preset("dgx-a100", nodes=2).without_latency()
-        >>> c.intra_node_latency, c.inter_node_latency
-        (0.0, 0.0)
+        >>> c.intra_node_latency, c.inter_node_latency, c.physics.net_overhead
+        (0.0, 0.0, 0.0)
         """
+        physics = self.physics and dataclasses.replace(self.physics, net_overhead=0.0)
         return dataclasses.replace(
-            self, intra_node_latency=0.0, inter_node_latency=0.0,
+            self, intra_node_latency=0.0, inter_node_latency=0.0, physics=physics,
             profile=Profile(tuple(dataclasses.replace(e, latency=0.0) for e in self.profile.entries)))
 
     def describe(self) -> str:

@@ -4,6 +4,7 @@ leaf-spine level, placement-agnostic variant, calibrated profiles; property test
 Every expected number is worked out by hand in the test from the formulas, not by calling
 the function under test."""
 
+import dataclasses
 import math
 
 import pytest
@@ -218,6 +219,26 @@ def test_all_gather_over_two_nodes_of_eight():
     # the tp=8 × dp=2 mesh: 8 dp rings (i, i+8) share each node's NICs, k = 1
     mesh = Mesh(c, dp=2, tp=8)
     assert axis_collective_time("all_gather", shard, mesh, "dp") == pytest.approx(8e-6 + shard / 25e9)
+
+
+def test_multi_node_ring_steps_pay_the_network_post_overhead():
+    """NCCL's ring across nodes floors every intra-node step at its network post overhead
+    (``Physics.net_overhead``, 6 µs on dgx-a100's AMD hosts): a ring all-gather over
+    1024 devices on 128 nodes pays ``896·6 + 127·8`` µs of latency, not ``896·3 + 127·8``.
+    Inside one node, and for the tree all-reduce across nodes, nothing changes."""
+    c = Cluster.preset("dgx-a100", nodes=128)
+    assert c.physics.net_overhead == 6e-6
+    shard = 1e6
+    for coll, m, factor in (("all_gather", shard, 1023), ("reduce_scatter", 1024 * shard, 1023 / 1024)):
+        assert collective_time(coll, m, range(1024), c) == pytest.approx(
+            896 * 6e-6 + 127 * 8e-6 + factor * m / (200e9 * 0.92))   # one ring: a NIC's β
+        assert latency_time(coll, range(16), c) == pytest.approx(14 * 6e-6 + 8e-6)
+        assert latency_time(coll, range(8), c) == pytest.approx(7 * 3e-6)     # one node
+    assert latency_time("all_reduce", range(1024), c) == pytest.approx(14 * 3e-6 + 14 * 8e-6)
+    # a floor below α_i changes nothing; without latency there is none
+    low = dataclasses.replace(c, physics=dataclasses.replace(c.physics, net_overhead=1e-6))
+    assert latency_time("all_gather", range(16), low) == pytest.approx(14 * 3e-6 + 8e-6)
+    assert latency_time("all_gather", range(1024), c.without_latency()) == 0.0
 
 
 @pytest.mark.parametrize("coll", COLLECTIVES)
