@@ -624,6 +624,7 @@ class Saves(StrKind):
     NOTHING = "nothing"
     INDICES = "indices"     # its integer inputs (embedding, gather)
     MASK = "mask"           # a bool mask of its first input (dropout)
+    LOWERED = "lowered"     # what its ATen lowering keeps, run on meta tensors (einsum's bmm operands)
     ALL = "all"             # every tensor input: an op without a record (not registrable)
 
 

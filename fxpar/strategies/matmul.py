@@ -171,7 +171,7 @@ def matmul_rule(node):
         yield choice(node, {"self": pa, "other": pb}, [po], name)
 
 
-@register(aten.einsum, cost=einsum_cost, saves="partners")
+@register(aten.einsum, cost=einsum_cost, saves="lowered")
 def einsum_rule(node):
     b = bound(node)
     eq = b["equation"].replace(" ", "")
