@@ -445,8 +445,8 @@ PHYSICS_SOURCES: dict[str, str] = {
                   "Slingshot-11 NICs reach ~20 of 25 GB/s in all-reduce (net_overhead 6 us: "
                   "AMD EPYC 7763 hosts, NERSC's Perlmutter architecture page).",
     "a800": ("as dgx-a100 (an A100 with NVLink capped at 400 GB/s bidirectional, AMSP §II), "
-             "except net_overhead 3 us: AMSP does not name its hosts' CPU, so NCCL's default "
-             "(1 us, times 3 under Simple)."),
+             "except net_overhead 3 us: AMSP §VI gives its servers' CPU cores (128), not their "
+             "vendor, so NCCL's default post cost (1 us, times 3 under Simple)."),
     "aws-p3.8xlarge": (
         "128x128 tiles (NVIDIA Tesla V100 whitepaper, 2017, and cuBLAS); gemm_efficiency "
         "0.75: fp16 tensor-core GEMMs of cuBLAS reach ~90-95 of 125 TFLOP/s; "
