@@ -418,6 +418,29 @@ def _saves_lowered(n, ins, flags):
     return chosen, extra
 
 
+def _math_attention(n: fx.Node, device: str) -> bool:
+    """Whether ``scaled_dot_product_attention`` at ``n`` runs PyTorch's math path on
+    ``device``: on a CPU, whose fused kernel (``_scaled_dot_product_flash_attention_for_cpu``)
+    needs q, k and v of one head dim, when they differ (multi-head latent attention:
+    DeepSeek-V2's q and k heads of 192, v of 128). The math path keeps the scaled q and k,
+    the probabilities and v (:func:`_saves_lowered` finds them: on meta tensors the math path
+    is the one that runs), not q, k, v, the output and a logsumexp; an attention with dropout
+    is fxpar's keyed one wherever it runs (:func:`_saves_qkvo`).
+
+    >>> g = fx.Graph()
+    >>> q, k, v = (g.placeholder(x) for x in "qkv")
+    >>> for x, d in ((q, 24), (k, 24), (v, 16)):
+    ...     x.meta["val"] = torch.empty(2, 4, 16, d, device="meta")
+    >>> a = g.call_function(torch.ops.aten.scaled_dot_product_attention.default, (q, k, v))
+    >>> _math_attention(a, "cpu-process"), _math_attention(a, "A100-80GB")
+    (True, False)
+    """
+    if not device.lower().startswith("cpu") or float(_given(n).get("dropout_p") or 0.0):
+        return False
+    dims = {int(_val(a).shape[-1]) for a in n.args[:3] if isinstance(a, fx.Node)}
+    return len(dims) > 1
+
+
 #: what fxpar's own graph ops keep for their backward, by op name (a ``fxpar`` op not named
 #: keeps nothing: a collective, a random draw, a dropout whose backward draws its mask again
 #: and the loss's helpers hand their backward shapes only, :mod:`fxpar.runtime.library`)
@@ -461,13 +484,16 @@ def _saving_nodes(gm: fx.GraphModule, nodes, flags, only=None):
 
 
 def saved_storage(gm: fx.GraphModule, flags, *, only: Callable[[fx.Node], bool] | None = None,
-                  roots=None) -> tuple[dict[fx.Node, None], dict[fx.Node, int]]:
+                  roots=None, device: str = "") -> tuple[dict[fx.Node, None], dict[fx.Node, int]]:
     """``(saved, extra)``: the storages autograd keeps from the forward to the backward (the
     nodes owning them, in graph order: a saved view keeps its base; model states excluded),
     and per saving node the bytes it keeps besides tensors of the graph (a norm's fp32
     statistics, a dropout's mask, attention's logsumexp). By each op's record's ``saves``
     (:class:`~fxpar.cost.compute.Saves`); an op without a record keeps all its inputs.
-    ``flags``: :func:`~fxpar.ir.grad_flags`; ``only``: the saves of those nodes alone.
+    ``flags``: :func:`~fxpar.ir.grad_flags`; ``only``: the saves of those nodes alone;
+    ``device``: the type of device the graph runs on (``Cluster.device_type``): on a CPU one,
+    attention whose fused CPU kernel cannot run keeps what PyTorch's math path keeps
+    (:func:`_math_attention`); otherwise attention is a fused kernel's.
 
     >>> import torch
     >>> mlp = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
@@ -489,6 +515,8 @@ def saved_storage(gm: fx.GraphModule, flags, *, only: Callable[[fx.Node], bool] 
             rule = _FXPAR_SAVES.get(getattr(target, "_opname", None), _saves_nothing)
         elif kind is None:
             kind = Saves.PARTNERS if n.op == "call_module" else Saves.ALL
+        if kind is Saves.QKVO and _math_attention(n, device):
+            rule = _saves_lowered
         chosen, more = (rule or _SAVED.get(kind, _saves_nothing))(n, ins, flags)
         if more:
             extra[n] = more
@@ -502,7 +530,8 @@ def saved_storage(gm: fx.GraphModule, flags, *, only: Callable[[fx.Node], bool] 
 
 def activation_memory(gm: fx.GraphModule, *,
                       requires_grad: Iterable[fx.Node] | Callable[[fx.Node], bool] = (),
-                      only: Callable[[fx.Node], bool] | None = None) -> ActivationMemory:
+                      only: Callable[[fx.Node], bool] | None = None,
+                      device: str = "") -> ActivationMemory:
     """Liveness of the tensors of a forward graph during training (see module docstring).
 
     Views alias their base (``view``, ``transpose``, ``split`` ... cost nothing); a saved view
@@ -521,7 +550,7 @@ def activation_memory(gm: fx.GraphModule, *,
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
     root, is_param = _storage_roots(gm, nodes)
-    saved, extras = saved_storage(gm, flags, only=only, roots=(root, is_param))
+    saved, extras = saved_storage(gm, flags, only=only, roots=(root, is_param), device=device)
     extra = sum(extras.values())
 
     # forward last use of every storage root (uses of aliases count)
@@ -671,7 +700,7 @@ class RecomputeMemory:
 
 def recompute_memory(gm: fx.GraphModule, layers: Iterable[str], *,
                      requires_grad: Iterable[fx.Node] | Callable[[fx.Node], bool] = (),
-                     granularity: str = "full") -> RecomputeMemory:
+                     granularity: str = "full", device: str = "") -> RecomputeMemory:
     """Per-layer recomputation's activation bytes for one microbatch (:class:`RecomputeMemory`).
 
     A layer's node range runs from its first to its last node (:func:`fxpar.layers.node_layers`,
@@ -722,7 +751,8 @@ def recompute_memory(gm: fx.GraphModule, layers: Iterable[str], *,
     for lay, (a, b) in span.items():
         for n in nodes[a:b + 1]:
             region[n] = lay
-    rest = activation_memory(gm, requires_grad=requires_grad, only=lambda n: n not in region)
+    rest = activation_memory(gm, requires_grad=requires_grad, only=lambda n: n not in region,
+                             device=device)
     root, is_param = _storage_roots(gm, nodes)
     kept = set(rest.saved)
     stash = rest.saved_bytes
@@ -751,7 +781,7 @@ def recompute_memory(gm: fx.GraphModule, layers: Iterable[str], *,
 
     def rebuilt_of(lay: str) -> int:   # what the layer's recomputation saves anew
         saved, extra = saved_storage(gm, flags, only=lambda n: region.get(n) == lay,
-                                     roots=(root, is_param))
+                                     roots=(root, is_param), device=device)
         return sum(_nbytes_val(_val(r)) for r in saved if r.name not in held[lay]) + sum(extra.values())
     rebuilt = max((rebuilt_of(lay) for lay in span), default=0)
     return RecomputeMemory(int(stash), int(rebuilt), tuple(sorted(span)))

@@ -218,3 +218,34 @@ def test_activation_memory_matches_autograd_on_einsums():
     assert saved == _autograd_saved_bytes(model, x)
     # by hand: x for the projection's weight, two copied parts, tanh's output
     assert saved == 4 * (2 * 6 * 16 + 2 * (2 * 6 * 4 * 8) + 2 * 6 * 6 * 4)
+
+
+class _LatentAttention(torch.nn.Module):
+    """Multi-head latent attention in small: q and k heads of 24, v heads of 16 (DeepSeek-V2's
+    192 and 128), which CPU's fused attention kernel cannot run."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(32, 4 * d) for d in (24, 24, 16))
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, 4, -1).transpose(1, 2) for p in (self.q, self.k, self.v))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+
+def test_activation_memory_of_cpu_math_attention():
+    """On a CPU (``device="cpu"``) attention with q and v of different head dims runs
+    PyTorch's math path: it keeps the scaled q and k, the probabilities and v, as autograd
+    says; the fused kernels' rule (q, k, v, the output and a logsumexp) is for the devices
+    whose kernels take it (a GPU's memory-efficient attention)."""
+    torch.manual_seed(0)
+    model, x = _LatentAttention(), torch.randn(2, 8, 32)
+    gm = torch.export.export(model, (x,), strict=False).graph_module
+    want = _autograd_saved_bytes(model, x)
+    assert activation_memory(gm, device="cpu").saved_bytes == want
+    # by hand: x (for the three weights), q·√scale and k·√scale (8 heads of 8×24), the
+    # probabilities (8×8×8: softmax's output, the operand of its matmul with v), v's linear
+    assert want == 4 * (2 * 8 * 32 + 2 * (8 * 8 * 24) + 8 * 8 * 8 + 8 * 8 * 16)
+    fused = activation_memory(gm).saved_bytes      # q, k, v, output, logsumexp
+    assert fused == 4 * (2 * 8 * 32 + 2 * 8 * 8 * 24 + 8 * 8 * 16 + 8 * 8 * 16 + 8 * 8)

@@ -360,14 +360,15 @@ def _with_fan_out(n: fx.Node, got: tuple, mesh) -> tuple:
     return (out, *vecs)
 
 
-def _kept(gm: fx.GraphModule, flags) -> tuple[set, dict]:
+def _kept(gm: fx.GraphModule, flags, device: str = "") -> tuple[set, dict]:
     """``(kept nodes, extra bytes)``: the nodes whose outputs autograd keeps for the backward
     (a multi-output node when one of its elements is kept) and what each saving node keeps
     besides (:func:`fxpar.cost.memory.saved_storage`). Activation memory is these alone, not
-    every output (which priced HF Llama's activations about 2x what it saves)."""
+    every output (which priced HF Llama's activations about 2x what it saves); ``device``:
+    the cluster's device type (attention's math path on a CPU, :func:`saved_storage`)."""
     from fxpar.cost.memory import saved_storage
 
-    saved, extra = saved_storage(gm, flags)
+    saved, extra = saved_storage(gm, flags, device=device)
     kept = set(saved)
     kept.update(a for n in saved if n.target is operator.getitem for a in n.all_input_nodes[:1])
     return kept, extra
@@ -400,7 +401,7 @@ def build_problem(gm: fx.GraphModule, mesh, *, pins: Mapping[str, object] | None
         lists = cache._strategies(mesh)
     strats: list[list[Strategy]] = []
     cost, mem, fwd, bwd = [], [], [], []
-    kept, extra = _kept(gm, flags)
+    kept, extra = _kept(gm, flags, mesh.cluster.device_type)
     for n in nodes:
         skey = node_key(n, flags) if share else None      # the strategies' key
         nkey = None if skey is None else skey + (n in kept, extra.get(n, 0))  # the prices'
