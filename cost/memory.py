@@ -286,9 +286,9 @@ def _saves_nothing(n, ins, flags):
     return [], 0
 
 
-def _saves_partners(n, ins, flags):
+def _saves_partners(n, ins, flags):  # an integer or bool input (a mask) is kept whatever
     return [a for a in ins if any(flags.get(b, False) for b in ins if b is not a)
-            or not _val(a).dtype.is_floating_point], 0
+            or not (_val(a).dtype.is_floating_point or _val(a).dtype.is_complex)], 0
 
 
 def _saves_stats(n, ins, flags):  # mean and rstd (or the batch statistics): 2 fp32 per row
@@ -377,7 +377,8 @@ def _saves_lowered(n, ins, flags):
     in bytes. ``torch.einsum`` permutes its operands and reshapes them for one ``bmm``
     (ATen's ``sumproduct_pair``), which keeps those operands: a view of the input where the
     permuted layout reshapes without a copy, else a copy of its own (Mamba-2's chunked scan:
-    every einsum kept two copies, which the inputs' rule priced as the inputs, 16% under).
+    every einsum kept two copies, which the inputs' rule priced as the inputs, 16% under);
+    ``sort`` and ``topk`` keep their indices, not their input (a mixture of experts' router).
     An op that cannot run on meta tensors keeps all its inputs (conservative).
 
     >>> import torch
@@ -403,9 +404,13 @@ def _saves_lowered(n, ins, flags):
     except Exception:  # noqa: BLE001 (any failure: the conservative rule)
         return ins, 0
     owner = {t.untyped_storage()._cdata: a for a, t in env.items()}
-    for o in out if isinstance(out, (list, tuple)) else (out,):
-        if isinstance(o, torch.Tensor):
-            owner.setdefault(o.untyped_storage()._cdata, n)
+    if isinstance(out, (list, tuple)):   # an element is its getitem's node (none: a buffer)
+        items = {u.args[1]: u for u in n.users if u.target is operator.getitem}
+        for i, o in enumerate(out):
+            if isinstance(o, torch.Tensor) and i in items:
+                owner.setdefault(o.untyped_storage()._cdata, items[i])
+    elif isinstance(out, torch.Tensor):
+        owner.setdefault(out.untyped_storage()._cdata, n)
     chosen, extra, seen = [], 0, set()
     for t in kept:
         key = t.untyped_storage()._cdata

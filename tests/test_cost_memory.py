@@ -249,3 +249,33 @@ def test_activation_memory_of_cpu_math_attention():
     assert want == 4 * (2 * 8 * 32 + 2 * (8 * 8 * 24) + 8 * 8 * 8 + 8 * 8 * 16)
     fused = activation_memory(gm).saved_bytes      # q, k, v, output, logsumexp
     assert fused == 4 * (2 * 8 * 32 + 2 * 8 * 8 * 24 + 8 * 8 * 16 + 8 * 8 * 16 + 8 * 8)
+
+
+class _RouterRotary(torch.nn.Module):
+    """A mixture of experts' router (softmax, then ``topk`` of the probabilities: its
+    backward keeps the indices, not the probabilities) and a complex rotary embedding
+    (``view_as_complex(q) * freqs``: freqs needs no gradient, so q is not kept)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.q = torch.nn.Linear(16, 8), torch.nn.Linear(16, 16)
+        self.register_buffer("angle", torch.arange(8.0) / 8)
+
+    def forward(self, x):
+        w, idx = torch.topk(self.gate(x).softmax(-1), 2)
+        freqs = torch.polar(torch.ones_like(self.angle), self.angle)
+        q = torch.view_as_real(torch.view_as_complex(self.q(x).view(*x.shape[:-1], 8, 2)) * freqs)
+        return (w * idx).sum() + q.flatten(-2).sum()
+
+
+def test_activation_memory_of_topk_and_complex_products():
+    """``topk`` keeps its int64 indices and a complex product keeps only what a gradient
+    needs (the rule treated a complex input like an integer one and kept it): against
+    autograd, and by hand."""
+    torch.manual_seed(0)
+    model, x = _RouterRotary(), torch.randn(3, 16)
+    gm = torch.export.export(model, (x,), strict=False).graph_module
+    saved = activation_memory(gm).saved_bytes
+    assert saved == _autograd_saved_bytes(model, x)
+    # x (for both weights), softmax's output (its backward), topk's indices, the freqs
+    assert saved == 4 * 3 * 16 + 4 * 3 * 8 + 8 * 3 * 2 + 8 * 8

@@ -100,7 +100,7 @@ def diff_rule(node):
 
 
 @register(aten.special_log_softmax)
-@register(aten.sort, aten.topk, cost=reduction_cost)
+@register(aten.sort, aten.topk, cost=reduction_cost, saves="lowered")
 @register(aten.cumprod, cost=reduction_cost, saves="input0")
 @register(aten.cumsum, cost=reduction_cost, saves="nothing")
 @register(aten.softmax, aten._softmax, cost=softmax_cost, saves="output")
