@@ -318,7 +318,10 @@ def _saves_group_stats(n, ins, flags):  # group norm: per (sample, group); insta
 
 
 def _saves_qkvo(n, ins, flags):
-    """Fused attention: q, k, v, the output and an fp32 logsumexp per query row. With
+    """Fused attention: q, k, v, the output, an fp32 logsumexp per query row and an
+    ``attn_mask`` if given, which the memory-efficient and CPU kernels take again as the
+    backward's bias: a float mask itself, a bool one as the additive mask it becomes (its
+    shape in q's dtype; BERT's padding mask, 2% of its activations). With
     ``dropout_p > 0`` fxpar runs it as math attention with a keyed dropout
     (``fxpar.keyed_sdpa``, :mod:`fxpar.runtime.keyed`), which keeps q, k and v for its two
     matmuls, the softmax's probabilities and their dropped copy (``B·H·L·S`` each, in q's
@@ -327,7 +330,13 @@ def _saves_qkvo(n, ins, flags):
     q = _val(ins[0])
     b = _given(n)
     if not float(b.get("dropout_p") or 0.0):
-        return ins[:3] + [n], 4 * math.prod(int(s) for s in q.shape[:-1])  # logsumexp, fp32
+        lse = 4 * math.prod(int(s) for s in q.shape[:-1])            # logsumexp, fp32
+        mask = b.get("attn_mask")
+        if not isinstance(mask, fx.Node):
+            return ins[:3] + [n], lse
+        if _val(mask).dtype == torch.bool:
+            return ins[:3] + [n], lse + math.prod(int(s) for s in _val(mask).shape) * q.dtype.itemsize
+        return ins[:3] + [n, mask], lse
     k, v = _val(ins[1]), _val(ins[2])
     L, S = int(q.shape[-2]), int(k.shape[-2])
     rows = math.prod(int(s) for s in q.shape[:-1])          # B·H·L

@@ -279,3 +279,37 @@ def test_activation_memory_of_topk_and_complex_products():
     assert saved == _autograd_saved_bytes(model, x)
     # x (for both weights), softmax's output (its backward), topk's indices, the freqs
     assert saved == 4 * 3 * 16 + 4 * 3 * 8 + 8 * 3 * 2 + 8 * 8
+
+
+class _MaskedAttentionLoss(torch.nn.Module):
+    """BERT's attention with a bool padding mask (the kernels keep it as the additive mask it
+    becomes) and a cross-entropy loss (it keeps log-softmax's output, the targets and the
+    total weight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv, self.head = torch.nn.Linear(16, 48), torch.nn.Linear(16, 10)
+
+    def forward(self, x, keep, targets):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        mask = keep[:, None, None, :].expand(b, 1, s, s)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        logits = self.head(y.transpose(1, 2).reshape(b, s, 16))
+        return torch.nn.functional.cross_entropy(logits.view(-1, 10), targets.view(-1))
+
+
+def test_activation_memory_of_a_bool_mask_and_cross_entropy():
+    """Against autograd (CPU's fused attention) and by hand."""
+    torch.manual_seed(0)
+    x, targets = torch.randn(2, 6, 16), torch.randint(0, 10, (2, 6))
+    keep = torch.tensor([[True] * 6, [True] * 4 + [False] * 2])
+    model = _MaskedAttentionLoss()
+    gm = torch.export.export(model, (x, keep, targets), strict=False).graph_module
+    saved = activation_memory(gm).saved_bytes
+    assert saved == _autograd_saved_bytes(model, x, keep, targets)
+    # x; qkv's output (q, k, v view it); the attention output (also the head's input: the
+    # kernel's layout reshapes as a view) and its logsumexp; the additive mask (2·1·6·6
+    # floats); log-softmax's output, the targets and the total weight
+    assert saved == (4 * (2 * 6 * 16 + 2 * 6 * 48 + 2 * 2 * 6 * 8 + 2 * 2 * 6 + 2 * 6 * 6
+                          + 2 * 6 * 10) + 8 * 12 + 4)
