@@ -387,7 +387,8 @@ def _saves_lowered(n, ins, flags):
     (ATen's ``sumproduct_pair``), which keeps those operands: a view of the input where the
     permuted layout reshapes without a copy, else a copy of its own (Mamba-2's chunked scan:
     every einsum kept two copies, which the inputs' rule priced as the inputs, 16% under);
-    ``sort`` and ``topk`` keep their indices, not their input (a mixture of experts' router).
+    ``sort`` and ``topk`` keep their indices, not their input (a mixture of experts' router);
+    ``cross_entropy_loss`` keeps log-softmax's output, the targets and the total weight.
     An op that cannot run on meta tensors keeps all its inputs (conservative).
 
     >>> import torch
@@ -402,7 +403,8 @@ def _saves_lowered(n, ins, flags):
     def meta(a: fx.Node) -> torch.Tensor:
         v = _val(a)
         t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
-        return t.requires_grad_(bool(flags.get(a, False)) and v.dtype.is_floating_point)
+        return t.requires_grad_(bool(flags.get(a, False))
+                                and (v.dtype.is_floating_point or v.dtype.is_complex))
 
     env = {a: meta(a) for a in ins}
     args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env.get(a, a))
