@@ -387,8 +387,10 @@ def _saves_lowered(n, ins, flags):
     (ATen's ``sumproduct_pair``), which keeps those operands: a view of the input where the
     permuted layout reshapes without a copy, else a copy of its own (Mamba-2's chunked scan:
     every einsum kept two copies, which the inputs' rule priced as the inputs, 16% under);
-    ``sort`` and ``topk`` keep their indices, not their input (a mixture of experts' router);
-    ``cross_entropy_loss`` keeps log-softmax's output, the targets and the total weight.
+    ``sort`` and ``topk`` keep their indices, not their input (a mixture of experts' router).
+    Bytes of the op's own are sharded as its first output (:func:`fxpar.planner.pricing.node_memory`),
+    so an op whose buffers follow an input's sharding instead (a loss: a scalar out of a
+    batch's log-softmax) keeps its record's rule.
     An op that cannot run on meta tensors keeps all its inputs (conservative).
 
     >>> import torch

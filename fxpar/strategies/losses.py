@@ -233,7 +233,7 @@ def vocab_comm(node: fx.Node, strat, mesh) -> tuple[float, float]:
 
 @register(*_LOSSES[3:], cost=softmax_cost, local=vocab_local)
 @register(*_LOSSES[1:3], cost=softmax_cost, saves="input0", local=vocab_local)
-@register(aten.cross_entropy_loss, cost=softmax_cost, saves="lowered", local=vocab_local, comm=vocab_comm)
+@register(aten.cross_entropy_loss, cost=softmax_cost, saves="input0", local=vocab_local, comm=vocab_comm)
 def loss_rule(node):
     b = bound(node)
     x, t = tensor_shape(b["self"]), tensor_shape(b["target"])
