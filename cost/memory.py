@@ -286,9 +286,14 @@ def _saves_nothing(n, ins, flags):
     return [], 0
 
 
+def _differentiable(dtype: torch.dtype) -> bool:
+    """A dtype autograd carries a gradient for (floating or complex)."""
+    return dtype.is_floating_point or dtype.is_complex
+
+
 def _saves_partners(n, ins, flags):  # an integer or bool input (a mask) is kept whatever
     return [a for a in ins if any(flags.get(b, False) for b in ins if b is not a)
-            or not (_val(a).dtype.is_floating_point or _val(a).dtype.is_complex)], 0
+            or not _differentiable(_val(a).dtype)], 0
 
 
 def _saves_stats(n, ins, flags):  # mean and rstd (or the batch statistics): 2 fp32 per row
@@ -405,8 +410,7 @@ def _saves_lowered(n, ins, flags):
     def meta(a: fx.Node) -> torch.Tensor:
         v = _val(a)
         t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
-        return t.requires_grad_(bool(flags.get(a, False))
-                                and (v.dtype.is_floating_point or v.dtype.is_complex))
+        return t.requires_grad_(bool(flags.get(a, False)) and _differentiable(v.dtype))
 
     env = {a: meta(a) for a in ins}
     args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: env.get(a, a))
